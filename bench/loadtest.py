@@ -1,0 +1,283 @@
+"""`reformer loadtest`: drive a running server's /generate, /generate_stream and /embed with long documents
+at several concurrency levels (closed loop) or request rates (open loop), report throughput, latency
+quantiles, time to first token, inter-token latency and errors, and check the server's /metrics counters
+against what the client sent. It only ever talks to the --url it is given."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import sys
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from bench.loadtest_client import (
+    SENDERS,
+    Bound,
+    GenerationSettings,
+    RequestRecord,
+    closed_loop,
+    make_client,
+    open_loop,
+)
+from bench.loadtest_documents import Document, DocumentError, cut_documents
+from bench.loadtest_metrics import MetricsCheck, MetricsSnapshot, scrape, settled_check
+from bench.loadtest_report import (
+    LevelResult,
+    LoadTestReport,
+    add_gains,
+    markdown,
+    plot,
+    print_report,
+    summarise,
+)
+
+ENDPOINT_SETS = {
+    "generate": ["generate"],
+    "stream": ["stream"],
+    "embed": ["embed"],
+    "both": ["generate", "embed"],
+    "all": ["generate", "stream", "embed"],
+}
+OPEN_LOOP_CONNECTIONS = 256  # an open loop keeps sending; this caps sockets, not the offered rate
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _rate_list(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected requests per second, got {text!r}") from exc
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"expected positive rates, got {text!r}")
+    return values
+
+
+def _url(text: str) -> str:
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise argparse.ArgumentTypeError(
+            f"expected an http(s) URL such as http://127.0.0.1:8000, got {text!r}"
+        )
+    return text.rstrip("/")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="reformer loadtest", description=__doc__)
+    parser.add_argument(
+        "--url", type=_url, required=True, help="the server under test (the only host contacted)"
+    )
+    parser.add_argument(
+        "--docs", type=Path, required=True, help="directory of text files (books) to cut from"
+    )
+    parser.add_argument(
+        "--lengths",
+        type=_int_list,
+        default=[4096, 16384, 65536],
+        help="document lengths in UTF-8 bytes (default 4096,16384,65536)",
+    )
+    parser.add_argument(
+        "--concurrency",
+        type=_int_list,
+        default=[1, 4, 16],
+        help="closed loop: concurrent clients per level (default 1,4,16)",
+    )
+    parser.add_argument(
+        "--rate",
+        type=_rate_list,
+        default=None,
+        help="open loop instead: requests/s offered per level (e.g. 2 or 1,2,4)",
+    )
+    bound = parser.add_mutually_exclusive_group()
+    bound.add_argument("--requests", type=int, default=None, help="requests per level (default 16)")
+    bound.add_argument("--duration", type=float, default=None, help="seconds per level instead of a count")
+    parser.add_argument(
+        "--endpoint",
+        choices=sorted(ENDPOINT_SETS),
+        default="all",
+        help="generate, stream (/generate_stream), embed, both (generate+embed), all (default)",
+    )
+    parser.add_argument("--max-new-tokens", type=int, default=16, help="tokens per generation (default 16)")
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=1,
+        help="unmeasured requests per endpoint and length before measuring (default 1)",
+    )
+    parser.add_argument("--docs-per-length", type=int, default=16, help="distinct documents per length")
+    parser.add_argument("--timeout", type=float, default=600.0, help="client timeout per request, seconds")
+    parser.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    parser.add_argument("--out", type=Path, default=None, help="write the full report as JSON")
+    parser.add_argument("--markdown", type=Path, default=None, help="write a markdown summary")
+    parser.add_argument("--plot", type=Path, default=None, help="directory for PNG charts")
+    parser.add_argument(
+        "--strict", action="store_true", help="exit 1 when the /metrics cross-check fails or cannot be made"
+    )
+    return parser
+
+
+def _documents_summary(docs_dir: Path, documents: dict[int, list[Document]]) -> dict[str, Any]:
+    return {
+        "dir": str(docs_dir),
+        "by_length": {
+            str(length): {
+                "count": len(docs),
+                "min_bytes": min(d.nbytes for d in docs),
+                "max_bytes": max(d.nbytes for d in docs),
+                "sources": sorted({d.source for d in docs}),
+            }
+            for length, docs in documents.items()
+        },
+    }
+
+
+async def _server_info(client: httpx.AsyncClient) -> dict[str, Any] | None:
+    try:
+        response = await client.get("/info")
+        info = response.json() if response.status_code == 200 else None
+        return info if isinstance(info, dict) else None
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+async def run(
+    args: argparse.Namespace, documents: dict[int, list[Document]], console: Console
+) -> LoadTestReport:
+    endpoints = ENDPOINT_SETS[args.endpoint]
+    bound = Bound(requests=args.requests, duration_s=args.duration)
+    if bound.requests is None and bound.duration_s is None:
+        bound = Bound(requests=16)
+    levels: list[tuple[int | None, float | None]] = (
+        [(None, rate) for rate in args.rate] if args.rate else [(c, None) for c in args.concurrency]
+    )
+    connections = OPEN_LOOP_CONNECTIONS if args.rate else max(args.concurrency)
+    gen = GenerationSettings(max_new_tokens=args.max_new_tokens)
+    all_records: list[RequestRecord] = []
+    results: list[LevelResult] = []
+    async with make_client(args.url, args.api_key, args.timeout, connections) as client:
+        info = await _server_info(client)
+        before: MetricsSnapshot | None
+        try:
+            before = await scrape(client)
+        except (httpx.HTTPError, ValueError) as exc:
+            console.print(f"[bold red]cannot scrape {args.url}/metrics before the run: {exc!r}[/]")
+            before = None
+        with Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=console,
+            transient=False,
+        ) as progress:
+            for endpoint in endpoints:
+                send = functools.partial(SENDERS[endpoint], client, gen=gen)
+                for length in args.lengths:
+                    docs = documents[length]
+                    for doc in docs[: args.warmup]:
+                        all_records.append(await send(doc))
+                    for concurrency, rate in levels:
+                        label = f"{endpoint:<8} {length:>6} B " + (
+                            f"c={concurrency}" if rate is None else f"{rate:g}/s"
+                        )
+                        task = progress.add_task(label, total=bound.requests)
+                        done = functools.partial(lambda task, _record: progress.advance(task), task)
+                        if rate is None:
+                            assert concurrency is not None
+                            records, wall = await closed_loop(send, docs, concurrency, bound, done)
+                        else:
+                            records, wall = await open_loop(send, docs, rate, bound, done)
+                        all_records.extend(records)
+                        results.append(summarise(endpoint, length, concurrency, rate, records, wall))
+        if before is None:
+            check = MetricsCheck(available=False, ok=False, problems=["/metrics could not be scraped before"])
+        else:
+            check = await settled_check(client, before, all_records)
+    gains = add_gains(results)
+    settings = {
+        "endpoints": endpoints,
+        "lengths": args.lengths,
+        "concurrency": None if args.rate else args.concurrency,
+        "rate": args.rate,
+        "requests": bound.requests,
+        "duration_s": bound.duration_s,
+        "max_new_tokens": args.max_new_tokens,
+        "warmup": args.warmup,
+    }
+    return LoadTestReport(
+        url=args.url,
+        settings=settings,
+        server_info=info,
+        documents=_documents_summary(args.docs, documents),
+        results=results,
+        batching_gain=gains,
+        metrics_check=check,
+    )
+
+
+async def _reachable(url: str, api_key: str | None) -> str | None:
+    async with make_client(url, api_key, 10.0, 1) as client:
+        try:
+            await client.get("/health")
+        except httpx.HTTPError as exc:
+            return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    console = Console(stderr=True)
+    out = Console()
+    if not out.is_terminal:
+        out = Console(width=200)  # a file or pipe: keep the table's columns whole
+    for name in ("requests", "max_new_tokens", "docs_per_length"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            console.print(f"[bold red]--{name.replace('_', '-')} must be at least 1[/]")
+            return 2
+    try:
+        documents = cut_documents(args.docs, args.lengths, per_length=args.docs_per_length)
+    except DocumentError as exc:
+        console.print(f"[bold red]{exc}[/]")
+        return 2
+    problem = asyncio.run(_reachable(args.url, args.api_key))
+    if problem:
+        console.print(f"[bold red]cannot reach {args.url}: {problem}[/]")
+        return 1
+    report = asyncio.run(run(args, documents, console))
+    print_report(report, out)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(report.model_dump_json(indent=2) + "\n")
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(markdown(report))
+    if args.plot:
+        for path in plot(report, args.plot):
+            console.print(f"wrote {path}")
+    if not report.metrics_check.ok:
+        console.print("[bold red]the server's /metrics do not match what the client sent (see above)[/]")
+        if args.strict:
+            return 1
+    if report.results and not any(r.ok for r in report.results):
+        console.print("[bold red]no request was answered successfully[/]")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
