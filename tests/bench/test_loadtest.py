@@ -1,0 +1,193 @@
+"""`reformer loadtest`: document cutting, the /metrics cross-check, and a run against a real server started
+here (the service on a tiny random artifact, on a free loopback port)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+import bench.loadtest as loadtest
+from bench.loadtest_client import RequestRecord
+from bench.loadtest_documents import DocumentError, cut_documents
+from bench.loadtest_metrics import MetricsCheck, MetricsSnapshot, compare, parse_metrics
+
+REPO = Path(__file__).resolve().parents[2]
+HEADER = "The Project Gutenberg EBook of A Test Book\n\n*** START OF THIS PROJECT GUTENBERG EBOOK TEST ***\n"
+FOOTER = "\n*** END OF THIS PROJECT GUTENBERG EBOOK TEST ***\nLICENCE TEXT that must never be sent\n"
+
+
+def write_book(path: Path, chapters: int = 12, paragraphs: int = 6) -> None:
+    """A small Gutenberg-style book: header, CRLF line ends, chapters of multi-byte prose, licence footer."""
+    body = []
+    for c in range(1, chapters + 1):
+        body.append(f"CHAPTER {c}\r\n\r\n")
+        for p in range(paragraphs):
+            body.append(f"Paragraph {p} of chapter {c}: Rostóv said “naïve café” — déjà vu, {c * p}.\r\n\r\n")
+    path.write_text(HEADER + "".join(body) + FOOTER, encoding="utf-8")
+
+
+@pytest.fixture()
+def docs_dir(tmp_path: Path) -> Path:
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    write_book(docs / "book.txt")
+    return docs
+
+
+def test_documents_start_at_chapters_fit_the_length_and_drop_gutenberg_boilerplate(docs_dir: Path) -> None:
+    lengths = [256, 1024]
+    documents = cut_documents(docs_dir, lengths, per_length=4)
+    for length in lengths:
+        docs = documents[length]
+        assert len(docs) == 4 and len({d.text for d in docs}) == 4
+        for doc in docs:
+            assert 0.9 * length <= doc.nbytes <= length
+            assert doc.text.startswith("CHAPTER ")
+            assert "\r" not in doc.text and "GUTENBERG" not in doc.text and "LICENCE" not in doc.text
+            assert doc.text.encode("utf-8").decode("utf-8") == doc.text  # no split character
+
+
+def test_documents_never_come_from_outside_the_directory(tmp_path: Path) -> None:
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    outside = tmp_path / "outside.txt"
+    outside.write_text("SECRET " * 400)
+    (docs / "link.txt").symlink_to(outside)
+    with pytest.raises(DocumentError, match="no text files"):
+        cut_documents(docs, [256])
+    write_book(docs / "book.txt", chapters=2, paragraphs=2)
+    with pytest.raises(DocumentError, match="too little"):
+        cut_documents(docs, [65536])
+    assert all("SECRET" not in d.text for d in cut_documents(docs, [256])[256])
+
+
+def _metrics(embed_ok: int, generate_ok: int, tokens: int) -> str:
+    return (
+        "# TYPE reformer_requests_total counter\n"
+        f'reformer_requests_total{{route="/embed",status="200"}} {embed_ok}\n'
+        f'reformer_requests_total{{route="/generate",status="200"}} {generate_ok}\n'
+        'reformer_requests_total{route="/metrics",status="200"} 7\n'
+        "# TYPE reformer_generated_tokens_total counter\n"
+        f"reformer_generated_tokens_total {tokens}\n"
+    )
+
+
+def test_cross_check_matches_and_names_each_mismatch() -> None:
+    before = parse_metrics(_metrics(embed_ok=5, generate_ok=1, tokens=10))
+    records = [RequestRecord("embed", 200, 0.0, 0.1)] * 2 + [
+        RequestRecord("generate", 200, 0.0, 0.1, generated_tokens=4)
+    ]
+    assert compare(before, parse_metrics(_metrics(embed_ok=7, generate_ok=2, tokens=14)), records).ok
+    wrong = compare(before, parse_metrics(_metrics(embed_ok=8, generate_ok=2, tokens=13)), records)
+    assert not wrong.ok
+    assert {c.what for c in wrong.checks if not c.ok} == {"requests /embed 200", "generated tokens"}
+    assert any(p.startswith("MISMATCH requests /embed 200: client 2") for p in wrong.problems)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def server_url(tiny_artifact: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The real service (`python -m service ARTIFACT --port N`) on a loopback port, ready to answer."""
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "service", str(tiny_artifact), "--host", "127.0.0.1", "--port", str(port)],
+            cwd=REPO,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, f"server exited early:\n{log_path.read_text()}"
+            try:
+                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, f"server not ready in 90 s:\n{log_path.read_text()}"
+            time.sleep(0.25)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_load_test_against_the_real_server(server_url: str, docs_dir: Path, tmp_path: Path) -> None:
+    out, md, plots = tmp_path / "report.json", tmp_path / "report.md", tmp_path / "plots"
+    code = loadtest.main([
+        "--url", server_url, "--docs", str(docs_dir), "--lengths", "256,1024", "--concurrency", "1,8",
+        "--requests", "4", "--endpoint", "all", "--max-new-tokens", "4", "--docs-per-length", "4",
+        "--out", str(out), "--markdown", str(md), "--plot", str(plots), "--strict",
+    ])  # fmt: skip
+    assert code == 0
+    report = json.loads(out.read_text())
+    rows = report["results"]
+    assert {(r["endpoint"], r["length_bytes"], r["concurrency"]) for r in rows} == {
+        (e, n, c) for e in ("generate", "stream", "embed") for n in (256, 1024) for c in (1, 8)
+    }
+    for row in rows:
+        assert row["requests"] == row["ok"] == 4 and row["errors"] == {}
+        assert row["requests_per_s"] > 0 and row["tokens_per_s"] > 0
+        latency = row["latency_s"]
+        assert 0 < latency["p50"] <= latency["p95"] <= latency["p99"]
+        if row["endpoint"] == "embed":
+            # byte tokenizer: input tokens are the document's bytes (plus at most a special token or two)
+            assert row["prompt_tokens"] >= 4 * 0.9 * row["length_bytes"]
+        else:
+            assert 0 < row["generated_tokens"] <= 4 * 4
+        if row["endpoint"] == "stream":
+            assert row["ttft_s"]["p50"] <= latency["p50"]
+            if row["generated_tokens"] > row["ok"]:  # some answer had two tokens or more: gaps were timed
+                assert row["itl_s"]["p50"] > 0
+    assert {(g["endpoint"], g["length_bytes"]) for g in report["batching_gain"]} == {
+        (e, n) for e in ("generate", "stream", "embed") for n in (256, 1024)
+    }
+    check = MetricsCheck.model_validate(report["metrics_check"])
+    assert check.available and check.ok, check.problems
+    checked = {c.what for c in check.checks}
+    assert {"requests /generate 200", "requests /generate_stream 200", "requests /embed 200"} <= checked
+    assert "generated tokens" in checked
+    assert "| endpoint | bytes | level |" in md.read_text() and "metrics cross-check: OK" in md.read_text()
+    assert sorted(p.name for p in plots.iterdir()) == [
+        "loadtest_embed.png", "loadtest_generate.png", "loadtest_stream.png"
+    ]  # fmt: skip
+
+
+def test_strict_run_fails_when_the_server_counted_something_else(
+    server_url: str, docs_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_check = loadtest.settled_check
+
+    async def check_missing_one(
+        client: httpx.AsyncClient, before: MetricsSnapshot, records: list[RequestRecord]
+    ) -> MetricsCheck:
+        return await real_check(client, before, records[1:], attempts=2)  # as if one request went unrecorded
+
+    monkeypatch.setattr(loadtest, "settled_check", check_missing_one)
+    args = ["--url", server_url, "--docs", str(docs_dir), "--lengths", "256", "--concurrency", "1",
+            "--requests", "2", "--endpoint", "embed"]  # fmt: skip
+    assert loadtest.main([*args, "--strict"]) == 1
+    assert loadtest.main(args) == 0  # without --strict the mismatch is reported, not fatal
