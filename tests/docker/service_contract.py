@@ -1,0 +1,57 @@
+"""What the service really exports and serves, read from the service's own code, so the deployment
+files can be checked against it: metric families, route paths, the default port, the settings'
+environment variables."""
+
+from __future__ import annotations
+
+import functools
+import re
+
+from service.settings import Settings
+
+# A metric name in PromQL, a Grafana query or an adapter rule: the project's metrics all carry this prefix.
+METRIC_NAME = re.compile(r"\breformer_[a-zA-Z0-9_]+")
+SERIES_SUFFIXES = ("_bucket", "_sum", "_count")
+ENV_PREFIX = "REFORMER_"
+
+
+@functools.cache
+def exported_metric_families() -> frozenset[str]:
+    from service.metrics import exported_metric_families as families
+
+    return frozenset(families())
+
+
+@functools.cache
+def served_paths() -> frozenset[str]:
+    """Every path the FastAPI app routes, listed from app.routes without loading a model."""
+    from service.app import create_app
+
+    app = create_app(Settings(), artifact=None)
+    return frozenset(route.path for route in app.routes if hasattr(route, "path"))
+
+
+def default_port() -> int:
+    return int(Settings.model_fields["port"].default)
+
+
+def settings_env_names() -> frozenset[str]:
+    return frozenset(ENV_PREFIX + name.upper() for name in Settings.model_fields)
+
+
+def metric_names_in(text: str) -> set[str]:
+    return set(METRIC_NAME.findall(text))
+
+
+def family_of(series_name: str) -> str:
+    """The family a series belongs to: a histogram's _bucket/_sum/_count series name their family."""
+    for suffix in SERIES_SUFFIXES:
+        if series_name.endswith(suffix):
+            return series_name[: -len(suffix)]
+    return series_name
+
+
+def unknown_metrics(text: str) -> set[str]:
+    """The reformer_* series named in `text` that the service does not export."""
+    families = exported_metric_families()
+    return {name for name in metric_names_in(text) if not {name, family_of(name)} & families}

