@@ -1,0 +1,301 @@
+"""Self-attention layers: LSH attention (shared query/key, hashed, sorted, chunked) and local
+(chunked) attention, with the reference's semantics."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .chunking import attend, attention_bias, gather_chunks, self_positions, window_chunk_index
+from .config import ReformerConfig
+
+
+@dataclass
+class AttentionContext:
+    """What every attention layer needs to know about the batch besides the hidden states."""
+
+    valid: Tensor | None  # (B, L) bool, False at padding (None: no padding anywhere)
+    own_length: Tensor  # (B,) each row's own padded length, as the reference would pad it alone
+    generator: torch.Generator | None = None  # dropout randomness of the current layer (training only)
+
+
+def length_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:
+    return x * torch.rsqrt(torch.mean(x * x, dim=-1, keepdim=True) + eps)
+
+
+def split_heads(x: Tensor, heads: int, head_size: int) -> Tensor:
+    b, t, _ = x.shape
+    return x.view(b, t, heads, head_size).transpose(1, 2)  # (B, H, L, D)
+
+
+def merge_heads(x: Tensor) -> Tensor:
+    b, h, t, d = x.shape
+    return x.transpose(1, 2).reshape(b, t, h * d)  # (B, L, H*D)
+
+
+def hash_rotations(seed: int, heads: int, head_size: int, rounds: int, rotation_size: int) -> Tensor:
+    """The random rotations the reference draws after `torch.manual_seed(hash_seed)`, drawn here from a
+    private CPU generator: same numbers, no global RNG side effect, independent of the device."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return torch.randn((heads, head_size, rounds, rotation_size // 2), generator=g, dtype=torch.float32)
+
+
+def auto_num_buckets(length: int, chunk: int, max_positions: int) -> int | list[int]:
+    """The reference's choice when num_buckets is unset: 2*length/chunk rounded down to a power of two,
+    factorised in two when it grows past 2*max(sqrt(max_positions/chunk), chunk)."""
+    power = (2 * (length // chunk)).bit_length() - 1
+    buckets = 2**power
+    limit = 2 * max(int((max_positions // chunk) ** 0.5), chunk)
+    if buckets > limit:
+        return [2 ** (power // 2), 2 ** (power - power // 2)]
+    return buckets
+
+
+class LSHSelfAttention(nn.Module):
+    def __init__(self, config: ReformerConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.heads = config.num_attention_heads
+        self.head_size = config.attention_head_size
+        self.chunk = config.lsh_attn_chunk_length
+        self.rounds = config.num_hashes
+        self.before = config.lsh_num_chunks_before
+        self.after = config.lsh_num_chunks_after
+        self.dropout = config.lsh_attention_probs_dropout_prob
+        self.causal = config.is_decoder
+        self.query_key = nn.Linear(config.hidden_size, config.all_head_size, bias=False)
+        self.value = nn.Linear(config.hidden_size, config.all_head_size, bias=False)
+        self._rotation_cache: dict[tuple[int, ...], Tensor] = {}
+        if config.num_buckets is not None:
+            # a fixed bucket count makes the rotations a constant of the model (and of its ONNX graph)
+            size = _rotation_size(config.num_buckets)
+            rot = hash_rotations(config.hash_seed, self.heads, self.head_size, self.rounds, size)
+            self.register_buffer("rotations", rot, persistent=False)
+        else:
+            self.rotations = None
+
+    def rotations_for(self, num_buckets: int | list[int], like: Tensor) -> Tensor:
+        if self.rotations is not None:
+            return self.rotations.to(like.dtype)
+        size = _rotation_size(num_buckets)
+        key = (size, like.device.index or -1, hash(like.dtype))
+        if key not in self._rotation_cache:
+            rot = hash_rotations(self.config.hash_seed, self.heads, self.head_size, self.rounds, size)
+            self._rotation_cache[key] = rot.to(device=like.device, dtype=like.dtype)
+        return self._rotation_cache[key]
+
+    def num_buckets_for(self, own_length: int) -> int | list[int]:
+        nb = self.config.num_buckets
+        if nb is None:
+            return auto_num_buckets(own_length, self.chunk, self.config.max_position_embeddings)
+        return nb
+
+    # ----------------------------------------------------------------------------------------------
+    def hash(self, qk: Tensor, num_buckets: int | list[int], valid: Tensor | None) -> Tensor:
+        """qk (B, H, L, D) -> buckets (B, H, R, L); padding gets the extra bucket `num_buckets`."""
+        rot = self.rotations_for(num_buckets, qk)
+        rotated = torch.einsum("bhld,hdrk->bhrlk", qk.detach(), rot)  # (B, H, R, L, rot/2)
+        factors = [num_buckets] if isinstance(num_buckets, int) else list(num_buckets)
+        buckets: Tensor | None = None
+        start, scale = 0, 1
+        for f in factors:
+            part = rotated[..., start : start + f // 2]
+            b = torch.argmax(torch.cat([part, -part], dim=-1), dim=-1)  # (B, H, R, L)
+            buckets = b if buckets is None else buckets + scale * b
+            start, scale = start + f // 2, scale * f
+        assert buckets is not None
+        if valid is not None:
+            buckets = buckets.masked_fill(~valid[:, None, None, :], scale)
+        return buckets
+
+    def forward(
+        self, x: Tensor, ctx: AttentionContext, buckets: Tensor | None = None
+    ) -> tuple[Tensor, Tensor | None]:
+        """x (B, L, hidden) -> (B, L, H*D), and the buckets used (for the reversible backward)."""
+        b, t, _ = x.shape
+        qk = split_heads(self.query_key(x), self.heads, self.head_size)  # (B, H, L, D)
+        v = split_heads(self.value(x), self.heads, self.head_size)
+        if t <= self.chunk:
+            return merge_heads(self._dense(qk, v, ctx)), None
+        if buckets is None:
+            buckets = self._hash_rows(qk, ctx)
+        def dense(rows: Tensor, sub: AttentionContext) -> Tensor:
+            return self._dense(qk[rows, :, : self.chunk], v[rows, :, : self.chunk], sub)
+
+        def chunked(rows: Tensor | None, sub: AttentionContext) -> Tensor:
+            if rows is None:
+                return self._chunked(qk, v, buckets, sub)
+            return self._chunked(qk[rows], v[rows], buckets[rows], sub)
+
+        return merge_heads(split_short_rows(v, ctx, self.chunk, dense, chunked)), buckets
+
+    def _hash_rows(self, qk: Tensor, ctx: AttentionContext) -> Tensor:
+        if self.config.num_buckets is not None:
+            return self.hash(qk, self.config.num_buckets, ctx.valid)
+        # automatic bucket counts depend on each row's own length; rows sharing a count hash together
+        lengths = [int(n) for n in ctx.own_length.tolist()]
+        counts = [self.num_buckets_for(n) for n in lengths]
+        out = torch.empty(qk.shape[0], self.heads, self.rounds, qk.shape[2], dtype=torch.long, device=qk.device)
+        for nb in {str(c): c for c in counts}.values():
+            rows = torch.tensor([i for i, c in enumerate(counts) if c == nb], device=qk.device)
+            valid = None if ctx.valid is None else ctx.valid[rows]
+            out[rows] = self.hash(qk[rows], nb, valid)
+        return out
+
+    def _dense(self, qk: Tensor, v: Tensor, ctx: AttentionContext) -> Tensor:
+        k = length_normalize(qk) / math.sqrt(self.head_size)
+        pos = torch.arange(qk.shape[2], device=qk.device)
+        kv = None if ctx.valid is None else ctx.valid[:, None, :]  # (B, 1, L)
+        bias = attention_bias(pos, pos, kv, self.causal, qk.dtype)  # (B|1, 1, L, L)
+        same = self_positions(pos, pos)
+        out, _ = attend(qk, k, v, bias, same, self.dropout if self.training else 0.0, ctx.generator)
+        return out
+
+    def _chunked(self, qk: Tensor, v: Tensor, buckets: Tensor, ctx: AttentionContext) -> Tensor:
+        b, h, t, d = qk.shape
+        r, c = self.rounds, self.chunk
+        n_chunks = t // c
+        pos = torch.arange(t, device=qk.device)
+        # sort each round by (bucket, position); keys are unique, so any sort is stable here
+        order = torch.argsort(buckets * t + pos, dim=-1)  # (B, H, R, L)
+        sorted_pos = order.reshape(b, h, r * t)  # (B, H, R*L)
+        own_chunks = torch.clamp((ctx.own_length + c - 1) // c, min=1)
+        win = window_chunk_index(own_chunks, r, n_chunks, self.before, self.after)  # (B, R*N, W)
+        valid = ctx.valid
+        dropout = self.dropout if self.training else 0.0
+        # heads one at a time outside training: peak memory is one head's score blocks
+        head_groups = [slice(0, h)] if torch.is_grad_enabled() else [slice(i, i + 1) for i in range(h)]
+        outs, lses = [], []
+        for hs in head_groups:
+            sp = sorted_pos[:, hs]  # (B, h', R*L)
+            hh = sp.shape[1]
+            q_s = torch.gather(qk[:, hs], 2, sp.unsqueeze(-1).expand(-1, -1, -1, d))  # (B, h', R*L, D)
+            v_s = torch.gather(v[:, hs], 2, sp.unsqueeze(-1).expand(-1, -1, -1, d))
+            k_s = length_normalize(q_s) / math.sqrt(self.head_size)
+            q_c = q_s.view(b, hh, r * n_chunks, c, d)  # (B, h', R*N, C, D)
+            k_w = gather_chunks(k_s.view(b, hh, r * n_chunks, c, d), win)  # (B, h', R*N, W*C, D)
+            v_w = gather_chunks(v_s.view(b, hh, r * n_chunks, c, d), win)
+            qp = sp.view(b, hh, r * n_chunks, c)  # (B, h', R*N, C)
+            kp = gather_chunks(qp.unsqueeze(-1), win).squeeze(-1)  # (B, h', R*N, W*C)
+            kv = None if valid is None else torch.gather(
+                valid[:, None, None, :].expand(b, hh, r * n_chunks, t), 3, kp)
+            bias = attention_bias(qp, kp, kv, self.causal, qk.dtype)
+            o, lse = attend(q_c, k_w, v_w, bias, self_positions(qp, kp), dropout, ctx.generator)  # (B,h',R*N,C,D), (B,h',R*N,C)
+            # undo the sort: scatter every round's outputs back to their positions
+            o = o.reshape(b, hh, r, t, d)
+            lse = lse.reshape(b, hh, r, t)
+            idx = order[:, hs]  # (B, h', R, L)
+            o_u = torch.empty_like(o).scatter_(3, idx.unsqueeze(-1).expand(-1, -1, -1, -1, d), o)
+            lse_u = torch.empty_like(lse).scatter_(3, idx, lse)
+            outs.append(o_u)
+            lses.append(lse_u)
+        o_all = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]  # (B, H, R, L, D)
+        lse_all = torch.cat(lses, dim=1) if len(lses) > 1 else lses[0]  # (B, H, R, L)
+        # combine rounds, each weighted by its share of the total probability mass; computed as the
+        # reference does (not as a softmax), which rounds differently for rows that see only themselves
+        weights = torch.exp(lse_all - torch.logsumexp(lse_all, dim=2, keepdim=True)).unsqueeze(-1)
+        return (o_all * weights).sum(dim=2)  # (B, H, L, D)
+
+
+def _rotation_size(num_buckets: int | list[int]) -> int:
+    return num_buckets if isinstance(num_buckets, int) else sum(num_buckets)
+
+
+class LocalSelfAttention(nn.Module):
+    def __init__(self, config: ReformerConfig) -> None:
+        super().__init__()
+        self.heads = config.num_attention_heads
+        self.head_size = config.attention_head_size
+        self.chunk = config.local_attn_chunk_length
+        self.before = config.local_num_chunks_before
+        self.after = config.local_num_chunks_after
+        self.dropout = config.local_attention_probs_dropout_prob
+        self.causal = config.is_decoder
+        self.query = nn.Linear(config.hidden_size, config.all_head_size, bias=False)
+        self.key = nn.Linear(config.hidden_size, config.all_head_size, bias=False)
+        self.value = nn.Linear(config.hidden_size, config.all_head_size, bias=False)
+
+    def forward(
+        self, x: Tensor, ctx: AttentionContext, buckets: Tensor | None = None
+    ) -> tuple[Tensor, Tensor | None]:
+        b, t, _ = x.shape
+        q = split_heads(self.query(x), self.heads, self.head_size)  # (B, H, L, D)
+        k = split_heads(self.key(x), self.heads, self.head_size) / math.sqrt(self.head_size)
+        v = split_heads(self.value(x), self.heads, self.head_size)
+        if t <= self.chunk:
+            return merge_heads(self._dense(q, k, v, ctx)), None
+        c = self.chunk
+
+        def dense(rows: Tensor, sub: AttentionContext) -> Tensor:
+            return self._dense(q[rows, :, :c], k[rows, :, :c], v[rows, :, :c], sub)
+
+        def chunked(rows: Tensor | None, sub: AttentionContext) -> Tensor:
+            if rows is None:
+                return self._chunked(q, k, v, sub)
+            return self._chunked(q[rows], k[rows], v[rows], sub)
+
+        return merge_heads(split_short_rows(v, ctx, c, dense, chunked)), None
+
+    def _dense(self, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext) -> Tensor:
+        pos = torch.arange(q.shape[2], device=q.device)
+        kv = None if ctx.valid is None else ctx.valid[:, None, :]  # (B, 1, L)
+        bias = attention_bias(pos, pos, kv, self.causal, q.dtype)
+        out, _ = attend(q, k, v, bias, None, self.dropout if self.training else 0.0, ctx.generator)
+        return out
+
+    def _chunked(self, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext) -> Tensor:
+        b, _, t, _ = q.shape
+        dropout = self.dropout if self.training else 0.0
+        pos = torch.arange(t, device=q.device)
+        c, n = self.chunk, t // self.chunk
+        own_chunks = torch.clamp((ctx.own_length + c - 1) // c, min=1)
+        win = window_chunk_index(own_chunks, 1, n, self.before, self.after)  # (B, N, W)
+        q_c = q.view(b, self.heads, n, c, self.head_size)  # (B, H, N, C, D)
+        k_w = gather_chunks(k.view(b, self.heads, n, c, self.head_size), win)  # (B, H, N, W*C, D)
+        v_w = gather_chunks(v.view(b, self.heads, n, c, self.head_size), win)
+        qp = pos.view(1, 1, n, c).expand(b, 1, n, c)  # (B, 1, N, C)
+        kp = gather_chunks(qp.unsqueeze(-1), win).squeeze(-1)  # (B, 1, N, W*C)
+        kv = None if ctx.valid is None else torch.gather(ctx.valid[:, None, None, :].expand(b, 1, n, t), 3, kp)
+        bias = attention_bias(qp, kp, kv, self.causal, q.dtype)  # (B, 1, N, C, W*C)
+        out, _ = attend(q_c, k_w, v_w, bias, None, dropout, ctx.generator)  # (B, H, N, C, D)
+        return out.reshape(b, self.heads, t, self.head_size)  # (B, H, L, D)
+
+
+def split_short_rows(
+    v: Tensor, ctx: AttentionContext, chunk: int,
+    dense: Callable[[Tensor, AttentionContext], Tensor],
+    chunked: Callable[[Tensor | None, AttentionContext], Tensor],
+) -> Tensor:
+    """Rows whose own length fits in one chunk get dense attention over their first `chunk` positions, as
+    the reference computes for them alone; the other rows get chunked attention. Returns (B, H, L, D)."""
+    short = ctx.own_length <= chunk
+    if not SPLIT_SHORT_ROWS or not bool(short.any()):
+        return chunked(None, ctx)
+    out = torch.zeros_like(v)
+    rows_short = short.nonzero().squeeze(1)
+    out[rows_short, :, :chunk] = dense(rows_short, _subset(ctx, rows_short, chunk))
+    if not bool(short.all()):
+        rows_long = (~short).nonzero().squeeze(1)
+        out[rows_long] = chunked(rows_long, _subset(ctx, rows_long, None))
+    return out
+
+
+def _subset(ctx: AttentionContext, rows: Tensor, length: int | None) -> AttentionContext:
+    valid = None if ctx.valid is None else ctx.valid[rows][:, :length]
+    return AttentionContext(valid=valid, own_length=ctx.own_length[rows], generator=ctx.generator)
+
+
+# Export traces one code path: it turns this off and gives every row chunked attention.
+SPLIT_SHORT_ROWS = True
+
+
+def make_attention(kind: str, config: ReformerConfig) -> nn.Module:
+    return LSHSelfAttention(config) if kind == "lsh" else LocalSelfAttention(config)
+
+
+__all__ = ["AttentionContext", "LSHSelfAttention", "LocalSelfAttention", "make_attention", "F"]
