@@ -84,10 +84,11 @@ class ReformerLM(nn.Module):
         own_padded = _own_padded_lengths(own, cfg)
         return input_ids, AttentionContext(valid=valid, own_length=own_padded), t
 
-    def hidden(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
-        """Final hidden states (B, L, 2*hidden) for the real length L (padding removed)."""
+    def hidden(self, input_ids: Tensor, attention_mask: Tensor | None = None, position_offset: int = 0) -> Tensor:
+        """Final hidden states (B, L, 2*hidden) for the real length L (padding removed). `position_offset`
+        shifts the position embeddings (training uses random offsets so every axial row is trained)."""
         ids, ctx, t = self._prepare(input_ids, attention_mask)
-        x = self.embeddings(ids)  # (B, L', hidden)
+        x = self.embeddings(ids, start=position_offset)  # (B, L', hidden)
         seeds = self._layer_seeds() if self.training else None
         y1, y2 = run_layers(self.layers, x, x, ctx, seeds, self.reversible)
         h = self.final_layer_norm(torch.cat([y1, y2], dim=-1))  # (B, L', 2*hidden)
@@ -109,8 +110,9 @@ class ReformerLM(nn.Module):
             return self.lm_head(hidden)
         return torch.cat([self.lm_head(part) for part in hidden.split(chunk, dim=1)], dim=1)
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> ReformerOutput:
-        h = self.hidden(input_ids, attention_mask)
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None,
+                position_offset: int = 0) -> ReformerOutput:
+        h = self.hidden(input_ids, attention_mask, position_offset)
         return ReformerOutput(logits=self.head(h), hidden_states=h)
 
     @torch.no_grad()
