@@ -1,0 +1,201 @@
+#!/usr/bin/env bash
+# The one script a GPU host runs to check the real thing (DESIGN.md §8, issue 5): it installs the
+# package into a venv that sees the host's CUDA build of torch, starts `reformer serve` on CUDA, waits
+# for /ready, sends /generate and /embed requests of 1K to 64K bytes, scrapes /metrics and prints the
+# reformer_gpu_* series and the timings, runs bench/forward.py when it is there, and stops the server
+# with SIGTERM (a clean drain exits 0). Every step has a timeout; the whole run stays under 8 minutes.
+#
+#   bench/gpu_check.sh [--docs DIR] [--artifact DIR] [--out DIR] [--port N] [--wheels DIR] [--allow-cpu]
+#
+#   --docs DIR      text files to cut the requests from (default: generated text)
+#   --artifact DIR  artifact to serve (default: the one shipped in the package)
+#   --out DIR       where the logs, /metrics scrape and JSON summary go (default bench/results/gpu_check)
+#   --wheels DIR    install offline from these wheels (a host with no package index)
+#   --allow-cpu     run on the CPU when no GPU is visible (to try the script itself; no GPU series then)
+set -euo pipefail
+
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+DOCS=""
+ARTIFACT=""
+OUT="$REPO/bench/results/gpu_check"
+PORT=8000
+WHEELS=""
+ALLOW_CPU=0
+VENV=${GPU_CHECK_VENV:-/tmp/reformer-gpu-check-venv}
+# Per-step limits (seconds): install, load + warm-up, all requests, forward benchmark, drain.
+INSTALL_S=150 READY_S=180 REQUESTS_S=120 FORWARD_S=150 STOP_S=45
+
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --docs) DOCS=$(realpath "$2"); shift 2 ;;
+    --artifact) ARTIFACT=$(realpath "$2"); shift 2 ;;
+    --out) OUT=$(realpath -m "$2"); shift 2 ;;
+    --port) PORT=$2; shift 2 ;;
+    --wheels) WHEELS=$(realpath "$2"); shift 2 ;;
+    --allow-cpu) ALLOW_CPU=1; shift ;;
+    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+    *) echo "gpu_check: unknown option $1" >&2; exit 2 ;;
+  esac
+done
+
+mkdir -p "$OUT"
+START=$(date +%s)
+step() { printf '\n== [%4ds] %s\n' "$(( $(date +%s) - START ))" "$*"; }
+
+step "venv $VENV (system site packages: the host's CUDA torch)"
+if [[ ! -x "$VENV/bin/python" ]]; then
+  python3 -m venv --system-site-packages "$VENV"
+fi
+PY="$VENV/bin/python"
+PIP_ARGS=(--quiet --disable-pip-version-check)
+[[ -n "$WHEELS" ]] && PIP_ARGS+=(--no-index --find-links "$WHEELS")
+# A torch already installed (the host's CUDA build) satisfies the package's torch>=2.4: pip keeps it.
+timeout "$INSTALL_S" "$PY" -m pip install "${PIP_ARGS[@]}" -e "$REPO"
+"$PY" - <<'EOF'
+import torch
+print(f"torch {torch.__version__}, CUDA build {torch.version.cuda}, GPU visible: {torch.cuda.is_available()}")
+for index in range(torch.cuda.device_count()):
+    props = torch.cuda.get_device_properties(index)
+    print(f"  cuda:{index} {props.name}, {props.total_memory / 2**30:.1f} GiB")
+EOF
+if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  DEVICE=cuda
+elif [[ $ALLOW_CPU == 1 ]]; then
+  DEVICE=cpu
+  echo "no GPU visible: running on the CPU as asked (--allow-cpu); the GPU series will be absent"
+else
+  echo "gpu_check: torch sees no GPU (use --allow-cpu to try the script on a CPU host)" >&2
+  exit 1
+fi
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total \
+  --format=csv | tee "$OUT/nvidia-smi-before.csv"
+
+if [[ -z "$DOCS" ]]; then
+  DOCS="$OUT/docs"
+  step "generating text documents in $DOCS (no --docs given)"
+  mkdir -p "$DOCS"
+  "$PY" - "$DOCS" <<'EOF'
+import random, sys
+from pathlib import Path
+# Seeded pseudo-prose with accents and punctuation, so the byte tokenizer sees multi-byte characters.
+words = ("the of and to in that was he it his with had for as at by on not be but from which she her all "
+         "said were they have one been this you prince pierre natasha raskolnikov moscow café naïve war "
+         "peace crime punishment house letter night morning road river long short window garden").split()
+rng = random.Random(0)
+for book in range(3):
+    sentences = []
+    for _ in range(9000):
+        sentence = " ".join(rng.choice(words) for _ in range(rng.randint(6, 18)))
+        sentences.append(sentence.capitalize() + rng.choice([".", ".", "!", "?", ";"]))
+    Path(sys.argv[1], f"book{book}.txt").write_text(" ".join(sentences), encoding="utf-8")
+EOF
+fi
+
+SERVER_ARGS=(serve --host 127.0.0.1 --port "$PORT" --device "$DEVICE" --grace-period-s 30)
+[[ -n "$ARTIFACT" ]] && SERVER_ARGS+=("$ARTIFACT")
+step "starting: reformer ${SERVER_ARGS[*]}"
+"$VENV/bin/reformer" "${SERVER_ARGS[@]}" >"$OUT/server.log" 2>&1 &
+SERVER_PID=$!
+cleanup() { kill "$SERVER_PID" 2>/dev/null || true; }
+trap cleanup EXIT
+
+step "waiting for /ready (at most ${READY_S}s: load and warm-up)"
+READY_START=$(date +%s)
+until curl -sf "http://127.0.0.1:$PORT/ready" >/dev/null; do
+  if ! kill -0 "$SERVER_PID" 2>/dev/null; then
+    echo "gpu_check: the server exited before it was ready; its log:" >&2; tail -40 "$OUT/server.log" >&2; exit 1
+  fi
+  if (( $(date +%s) - READY_START > READY_S )); then
+    echo "gpu_check: not ready after ${READY_S}s; log tail:" >&2; tail -40 "$OUT/server.log" >&2; exit 1
+  fi
+  sleep 1
+done
+echo "ready after $(( $(date +%s) - READY_START ))s"
+curl -sf "http://127.0.0.1:$PORT/info" >"$OUT/info.json" || true
+
+step "requests of 1K-64K bytes: /embed and /generate, then 8 concurrent 4K embeds"
+timeout "$REQUESTS_S" "$PY" - "http://127.0.0.1:$PORT" "$DOCS" "$OUT/requests.json" <<'EOF'
+import asyncio, json, sys, time
+from pathlib import Path
+import httpx
+
+url, docs_dir, out = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+text = " ".join(p.read_text(encoding="utf-8", errors="replace") for p in sorted(docs_dir.glob("*.txt")))
+data = text.encode("utf-8")
+if len(data) < 70_000:
+    sys.exit(f"gpu_check: {docs_dir} holds {len(data)} bytes of text; 64K-byte requests need more")
+
+def cut(nbytes: int, offset: int = 0) -> str:
+    # Cut on a byte budget, dropping a split multi-byte character at the end.
+    return data[offset : offset + nbytes].decode("utf-8", errors="ignore")
+
+info = httpx.get(f"{url}/info", timeout=30).json()
+print("server:", json.dumps({k: info.get(k) for k in ("backend", "device", "dtype", "version") if k in info}))
+rows = []
+with httpx.Client(base_url=url, timeout=90) as client:
+    for nbytes in (1024, 4096, 16384, 65536):
+        doc = cut(nbytes)
+        for route, body in (
+            ("/embed", {"inputs": doc, "truncate": True}),
+            ("/generate", {"inputs": doc, "parameters": {"max_new_tokens": 32, "truncate": 65536}}),
+        ):
+            start = time.perf_counter()
+            response = client.post(route, json=body)
+            elapsed = time.perf_counter() - start
+            rows.append({"route": route, "bytes": len(doc.encode()), "status": response.status_code,
+                         "seconds": round(elapsed, 4),
+                         **{h: response.headers.get(h) for h in ("x-prompt-tokens", "x-generated-tokens",
+                                                                 "x-queue-time", "x-inference-time")}})
+            if response.status_code != 200:
+                rows[-1]["body"] = response.text[:300]
+
+async def concurrent_embeds(n: int) -> dict:
+    async with httpx.AsyncClient(base_url=url, timeout=90) as client:
+        start = time.perf_counter()
+        responses = await asyncio.gather(*(client.post("/embed", json={"inputs": cut(4096, 4096 * i)})
+                                           for i in range(n)))
+        elapsed = time.perf_counter() - start
+    return {"route": "/embed x8 concurrent", "bytes": 4096, "status": sorted({r.status_code for r in responses}),
+            "seconds": round(elapsed, 4), "requests_per_s": round(n / elapsed, 2)}
+
+rows.append(asyncio.run(concurrent_embeds(8)))
+print(f"{'route':<22}{'bytes':>7}{'status':>9}{'seconds':>9}{'prompt tok':>11}{'new tok':>8}")
+for row in rows:
+    print(f"{row['route']:<22}{row['bytes']:>7}{str(row['status']):>9}{row['seconds']:>9.3f}"
+          f"{str(row.get('x-prompt-tokens') or ''):>11}{str(row.get('x-generated-tokens') or ''):>8}")
+    if "body" in row:
+        print("    ", row["body"])
+out.write_text(json.dumps({"info": info, "requests": rows}, indent=2))
+failed = [r for r in rows if r["status"] not in (200, [200])]
+sys.exit(1 if failed else 0)
+EOF
+
+step "/metrics: GPU series and request counters"
+curl -sf "http://127.0.0.1:$PORT/metrics" >"$OUT/metrics.txt"
+grep -E '^reformer_gpu_' "$OUT/metrics.txt" || echo "(no reformer_gpu_* series: no GPU in use)"
+grep -E '^reformer_(requests_total|request_duration_seconds_(sum|count)|batch_size_(sum|count))' \
+  "$OUT/metrics.txt" || true
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=memory.used,memory.total,utilization.gpu \
+  --format=csv | tee "$OUT/nvidia-smi-after.csv"
+
+step "SIGTERM: the server drains and exits (at most ${STOP_S}s)"
+STOP_START=$(date +%s)
+kill -TERM "$SERVER_PID"
+if timeout "$STOP_S" tail --pid="$SERVER_PID" -f /dev/null; then
+  wait "$SERVER_PID" && CODE=0 || CODE=$?
+  echo "exited with code $CODE after $(( $(date +%s) - STOP_START ))s"
+else
+  echo "gpu_check: still running ${STOP_S}s after SIGTERM" >&2
+fi
+trap - EXIT
+
+if [[ -f "$REPO/bench/forward.py" ]]; then
+  step "bench/forward.py on $DEVICE (at most ${FORWARD_S}s)"
+  (cd "$REPO" && timeout "$FORWARD_S" "$PY" bench/forward.py --device "$DEVICE" --out "$OUT/forward.json") \
+    || echo "gpu_check: bench/forward.py failed or ran out of time (exit $?)"
+else
+  echo "bench/forward.py is not in this checkout: forward benchmark skipped"
+fi
+
+step "done in $(( $(date +%s) - START ))s; files in $OUT"
+ls -1 "$OUT"
