@@ -1,0 +1,102 @@
+"""Forward backends for embeddings: torch (the model itself) or onnxruntime (the artifact's model.onnx).
+
+Decoding (prefill and decode steps with the LSH window cache) always runs on torch: the ONNX graph is the
+plain forward pass and has no decode step. `/info` says which backend does what.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+
+log = logging.getLogger("service.backends")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device=cuda was asked but torch sees no CUDA device")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+def resolve_backend(name: str, device: torch.device, onnx_path: Path | None) -> str:
+    """auto: onnxruntime on CPU when the artifact has ONNX (the export benchmark measured it about 2x faster
+    than eager torch there), torch otherwise."""
+    if name == "onnxruntime" and onnx_path is None:
+        raise RuntimeError("backend=onnxruntime was asked but the artifact has no model.onnx")
+    if name != "auto":
+        return name
+    return "onnxruntime" if device.type == "cpu" and onnx_path is not None else "torch"
+
+
+class EmbeddingBackend(Protocol):
+    name: str
+
+    def embed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, pooling: str) -> torch.Tensor:
+        """(B, L) right-padded ids and mask -> (B, D) float32 pooled vectors on the CPU."""
+        ...
+
+
+def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, pooling: str) -> torch.Tensor:
+    """Mean over real tokens, or the last real token's state, as the model's own `embed` pools."""
+    mask = attention_mask.to(hidden.dtype).unsqueeze(-1)  # (B, L, 1)
+    if pooling == "mean":
+        return (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)
+    last = attention_mask.sum(dim=1).clamp(min=1) - 1  # (B,)
+    return hidden[torch.arange(hidden.shape[0]), last]
+
+
+class TorchBackend:
+    name = "torch"
+
+    def __init__(self, model: torch.nn.Module, device: torch.device):
+        self.model = model
+        self.device = device
+
+    @torch.inference_mode()
+    def embed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, pooling: str) -> torch.Tensor:
+        vectors = self.model.embed(  # type: ignore[operator]
+            input_ids.to(self.device), attention_mask=attention_mask.to(self.device), pooling=pooling
+        )
+        return vectors.float().cpu()
+
+
+class OnnxBackend:
+    name = "onnxruntime"
+
+    def __init__(self, onnx_path: Path, device: torch.device):
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        # One worker thread owns the model; let ORT use the cores it is given (OMP_NUM_THREADS if set).
+        threads = int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
+        if threads > 0:
+            options.intra_op_num_threads = threads
+        providers = ["CPUExecutionProvider"]
+        if device.type == "cuda" and "CUDAExecutionProvider" in ort.get_available_providers():
+            providers.insert(0, "CUDAExecutionProvider")
+        self.session = ort.InferenceSession(str(onnx_path), sess_options=options, providers=providers)
+        self.outputs = [o.name for o in self.session.get_outputs()]
+        log.info("onnxruntime session on %s with providers %s", onnx_path, self.session.get_providers())
+
+    def embed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, pooling: str) -> torch.Tensor:
+        feeds = {
+            "input_ids": input_ids.cpu().numpy().astype(np.int64),
+            "attention_mask": attention_mask.cpu().numpy().astype(np.int64),
+        }
+        hidden = self.session.run(["hidden_states"], feeds)[0]
+        return pool(torch.from_numpy(np.asarray(hidden, dtype=np.float32)), attention_mask.cpu(), pooling)

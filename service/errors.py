@@ -1,0 +1,169 @@
+"""The service's error types and the one place that turns exceptions into HTTP responses.
+
+Native routes answer `{"error": message, "error_type": type}` (TGI/TEI); `/v1` routes answer OpenAI's
+`{"error": {"message", "type", "param", "code"}}`. Unexpected exceptions become a generic 500 whose trace
+goes only to the log.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("service.errors")
+
+
+class ServiceError(Exception):
+    """An error with a status code and an `error_type` from DESIGN.md's table."""
+
+    status_code = 500
+    error_type = "internal"
+
+    def __init__(self, message: str, *, param: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.headers = headers or {}
+
+
+class ValidationFailed(ServiceError):
+    status_code = 422
+    error_type = "validation"
+
+
+class InputTooLong(ServiceError):
+    status_code = 422
+    error_type = "input_too_long"
+
+
+class PayloadTooLarge(ServiceError):
+    status_code = 413
+    error_type = "payload_too_large"
+
+
+class Unauthorized(ServiceError):
+    status_code = 401
+    error_type = "unauthorized"
+
+
+class Overloaded(ServiceError):
+    status_code = 429
+    error_type = "overloaded"
+
+
+class Unavailable(ServiceError):
+    status_code = 503
+    error_type = "unavailable"
+
+
+class QueueTimeout(ServiceError):
+    status_code = 504
+    error_type = "timeout"
+
+
+class InternalError(ServiceError):
+    status_code = 500
+    error_type = "internal"
+
+
+class NotFound(ServiceError):
+    status_code = 404
+    error_type = "not_found"
+
+
+GENERIC_INTERNAL_MESSAGE = "internal error; the server log has the details"
+
+# OpenAI's error "type" strings for each of ours.
+_OPENAI_TYPES = {
+    "validation": "invalid_request_error",
+    "input_too_long": "invalid_request_error",
+    "payload_too_large": "invalid_request_error",
+    "unauthorized": "authentication_error",
+    "overloaded": "rate_limit_error",
+    "unavailable": "service_unavailable_error",
+    "timeout": "timeout_error",
+    "internal": "server_error",
+    "not_found": "not_found_error",
+}
+
+
+def is_openai_path(path: str) -> bool:
+    return path == "/v1" or path.startswith("/v1/")
+
+
+def error_body(path: str, error_type: str, message: str, status_code: int, param: str | None = None) -> dict[str, Any]:
+    """The JSON body of an error in the shape the route's clients expect."""
+    if is_openai_path(path):
+        return {
+            "error": {
+                "message": message,
+                "type": _OPENAI_TYPES.get(error_type, error_type),
+                "param": param,
+                "code": error_type,
+            }
+        }
+    return {"error": message, "error_type": error_type}
+
+
+def error_response(path: str, error: ServiceError) -> JSONResponse:
+    body = error_body(path, error.error_type, error.message, error.status_code, error.param)
+    return JSONResponse(body, status_code=error.status_code, headers=error.headers)
+
+
+def describe_validation_errors(errors: list[Any]) -> tuple[str, str | None]:
+    """One message naming each failing field (`parameters.top_p: Input should be ...`), and the first field."""
+    parts: list[str] = []
+    first_param: str | None = None
+    for err in errors:
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        field = ".".join(loc)
+        if err.get("type") == "json_invalid":
+            detail = err.get("ctx", {}).get("error", "invalid JSON")
+            parts.append(f"request body is not valid JSON ({detail} at position {field or 0})")
+            continue
+        if first_param is None and field:
+            first_param = field
+        parts.append(f"{field or 'body'}: {err.get('msg', 'invalid value')}")
+    return "; ".join(parts) or "invalid request", first_param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Register every exception -> response mapping of the service."""
+
+    @app.exception_handler(ServiceError)
+    async def _service_error(request: Request, exc: ServiceError) -> JSONResponse:
+        return error_response(request.url.path, exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = describe_validation_errors(list(exc.errors()))
+        return error_response(request.url.path, ValidationFailed(message, param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # FastAPI answers 400 for a body it cannot decode (invalid UTF-8, nesting too deep): for our
+        # clients that is a validation error like any other malformed JSON.
+        if exc.status_code == 400:
+            error: ServiceError = ValidationFailed(f"request body could not be parsed: {exc.detail}")
+        elif exc.status_code == 404:
+            error = NotFound(f"no route {request.url.path}")
+        elif exc.status_code == 405:
+            error = NotFound(f"method {request.method} is not allowed on {request.url.path}")
+            error.status_code = 405
+        elif exc.status_code == 413:
+            error = PayloadTooLarge(str(exc.detail))
+        else:
+            error = ServiceError(str(exc.detail))
+            error.status_code = exc.status_code
+            error.error_type = "http_error"
+        return error_response(request.url.path, error)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+        return error_response(request.url.path, InternalError(GENERIC_INTERNAL_MESSAGE))

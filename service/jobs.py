@@ -1,0 +1,87 @@
+"""What the HTTP layer hands the engine (specs) and what it gets back (events, results, timings)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+from model.sampling import SamplingParams
+
+Pooling = Literal["mean", "last"]
+FinishReason = Literal["length", "eos_token", "stop_sequence"]
+
+
+@dataclass(frozen=True)
+class GenerationSpec:
+    """One generation, already validated and tokenized."""
+
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    max_new_tokens: int
+    stop_sequences: tuple[str, ...] = ()
+    stop_on_eos: bool = True
+
+
+@dataclass(frozen=True)
+class EmbeddingSpec:
+    """One embedding request: one or more tokenized sequences pooled the same way."""
+
+    sequences: list[list[int]]
+    pooling: Pooling = "mean"
+    normalize: bool = True
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(len(s) for s in self.sequences)
+
+
+@dataclass
+class Timings:
+    """Monotonic timestamps of a job's life; the durations feed headers and histograms."""
+
+    enqueued: float = field(default_factory=time.monotonic)
+    started: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+    @property
+    def queue_s(self) -> float:
+        return (self.started or self.finished or time.monotonic()) - self.enqueued
+
+    @property
+    def inference_s(self) -> float:
+        if self.started is None:
+            return 0.0
+        return (self.finished or time.monotonic()) - self.started
+
+
+@dataclass(frozen=True)
+class FinishEvent:
+    """The end of a generation."""
+
+    finish_reason: FinishReason
+    generated_ids: list[int]
+    generated_text: str
+    prompt_tokens: int
+    seed: int | None
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token; `text` is what it completes (empty inside a multi-byte character).
+    The last token of a generation carries `finish`."""
+
+    index: int
+    id: int
+    text: str
+    logprob: float
+    special: bool
+    finish: FinishEvent | None = None
+
+
+@dataclass(frozen=True)
+class EmbeddingResult:
+    vectors: list[list[float]]
+    prompt_tokens: int
+    timings: Timings

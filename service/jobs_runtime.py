@@ -1,0 +1,159 @@
+"""The engine's per-request state: admission state, delivery to the event loop, and for generations the
+sampling, detokenization and stop checks done after each model step."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from model.sampling import Sampler
+from service.errors import ServiceError
+from service.jobs import EmbeddingResult, EmbeddingSpec, FinishEvent, FinishReason, GenerationSpec, Timings, TokenEvent
+
+log = logging.getLogger("service.engine")
+
+_sequence = itertools.count()
+
+
+class JobState(enum.Enum):
+    PENDING = "pending"  # admitted, waiting in the queue
+    RUNNING = "running"  # the model has started on it
+    DONE = "done"  # finished, failed, timed out or dropped
+
+
+class Job:
+    """Common part of a queued request. State changes happen under the engine's lock."""
+
+    kind: str = ""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, request_id: str | None):
+        self.loop = loop
+        self.request_id = request_id
+        self.seq = next(_sequence)
+        self.state = JobState.PENDING
+        self.timings = Timings()
+        self.cancel_requested = False
+        self.timer: asyncio.TimerHandle | None = None
+
+    def call_in_loop(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run fn(*args) on the request's event loop (from the worker thread)."""
+        try:
+            self.loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed: nobody is waiting any more
+            pass
+
+    def fail(self, error: ServiceError) -> None:
+        raise NotImplementedError
+
+
+class EmbedJob(Job):
+    kind = "embed"
+
+    def __init__(self, spec: EmbeddingSpec, loop: asyncio.AbstractEventLoop, request_id: str | None):
+        super().__init__(loop, request_id)
+        self.spec = spec
+        self.vectors: list[list[float] | None] = [None] * len(spec.sequences)
+        self.items_left = len(spec.sequences)
+        self.future: asyncio.Future[EmbeddingResult] = loop.create_future()
+
+    def _resolve(self, result: EmbeddingResult | None, error: ServiceError | None) -> None:
+        if self.future.done():
+            return
+        if error is not None:
+            self.future.set_exception(error)
+        else:
+            self.future.set_result(result)  # type: ignore[arg-type]
+
+    def complete(self) -> None:
+        vectors = [v for v in self.vectors if v is not None]
+        result = EmbeddingResult(vectors=vectors, prompt_tokens=self.spec.total_tokens, timings=self.timings)
+        self.call_in_loop(self._resolve, result, None)
+
+    def fail(self, error: ServiceError) -> None:
+        self.call_in_loop(self._resolve, None, error)
+
+
+Event = TokenEvent | ServiceError
+
+
+class GenerationJob(Job):
+    """A generation: after each model step, `accept` samples the next token and decides whether to stop."""
+
+    kind = "generate"
+
+    def __init__(
+        self, spec: GenerationSpec, loop: asyncio.AbstractEventLoop, request_id: str | None, tokenizer: Any,
+    ):
+        super().__init__(loop, request_id)
+        self.spec = spec
+        self.events: asyncio.Queue[Event] = asyncio.Queue()
+        self.tokenizer = tokenizer
+        self.eos_id: int = tokenizer.eos_id
+        self.special_ids = {tokenizer.pad_id, tokenizer.eos_id}
+        self.sampler: Sampler | None = None
+        self.cache: Any = None  # the model's DecodeState while running
+        self.history: list[int] = list(spec.prompt_ids)
+        self.generated: list[int] = []
+        self.text_parts: list[str] = []
+        self.tail = ""  # the last characters generated, enough to see any stop sequence
+        self.pending_token: int | None = None  # sampled, not yet fed to the model
+        self.last_token_at: float | None = None
+        self.decoder: Any = None
+
+    def begin(self) -> None:
+        self.sampler = Sampler(self.spec.sampling)
+        self.decoder = self.tokenizer.incremental_decoder()
+
+    @property
+    def seed(self) -> int | None:
+        return getattr(self.sampler, "seed", None)
+
+    def accept(self, logits: Any) -> TokenEvent:
+        """Sample from the next-token logits; the event carries `finish` if this token ends the generation."""
+        assert self.sampler is not None
+        token, logprob = self.sampler.next_token(logits, self.history)
+        token = int(token)
+        self.generated.append(token)
+        self.history.append(token)
+        special = token in self.special_ids
+        text = "" if special else self.decoder.push(token)
+        reason: FinishReason | None = None
+        if self.spec.stop_on_eos and token == self.eos_id:
+            reason = "eos_token"
+        elif len(self.generated) >= self.spec.max_new_tokens:
+            reason = "length"
+        if reason is not None:
+            text += self.decoder.flush()
+        if reason is None and text and self.spec.stop_sequences:
+            longest = max(len(s) for s in self.spec.stop_sequences)
+            self.tail = (self.tail + text)[-(longest + len(text)) :]
+            if any(s in self.tail for s in self.spec.stop_sequences):
+                reason = "stop_sequence"
+                text += self.decoder.flush()
+        self.text_parts.append(text)
+        self.pending_token = token
+        finish = None
+        if reason is not None:
+            finish = FinishEvent(
+                finish_reason=reason,
+                generated_ids=list(self.generated),
+                generated_text="".join(self.text_parts),
+                prompt_tokens=len(self.spec.prompt_ids),
+                seed=self.seed,
+            )
+        return TokenEvent(len(self.generated) - 1, token, text, float(logprob), special, finish)
+
+    def deliver(self, event: Event) -> None:
+        self.call_in_loop(self.events.put_nowait, event)
+
+    def fail(self, error: ServiceError) -> None:
+        self.deliver(error)
+
+    def release(self) -> None:
+        """Free the decode cache (the request ended, failed or was dropped)."""
+        self.cache = None
+        self.decoder = None

@@ -1,0 +1,58 @@
+"""Request and response models of the HTTP API; each request model translates itself into engine specs."""
+
+from service.protocol.common import Limits, RequestModel
+from service.protocol.native import (
+    EmbedRequest,
+    ErrorResponse,
+    GenerateDetails,
+    GenerateRequest,
+    GenerateResponse,
+    StreamDetails,
+    StreamError,
+    StreamEvent,
+    Token,
+    TokenInfo,
+    TokenizeRequest,
+)
+from service.protocol.openai import (
+    OPENAI_FINISH_REASON,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    EmbeddingData,
+    EmbeddingsRequest,
+    EmbeddingsResponse,
+    ModelCard,
+    ModelList,
+    OpenAIErrorResponse,
+    Usage,
+)
+
+__all__ = [
+    "OPENAI_FINISH_REASON",
+    "CompletionChoice",
+    "CompletionLogprobs",
+    "CompletionRequest",
+    "CompletionResponse",
+    "EmbedRequest",
+    "EmbeddingData",
+    "EmbeddingsRequest",
+    "EmbeddingsResponse",
+    "ErrorResponse",
+    "GenerateDetails",
+    "GenerateRequest",
+    "GenerateResponse",
+    "Limits",
+    "ModelCard",
+    "ModelList",
+    "OpenAIErrorResponse",
+    "RequestModel",
+    "StreamDetails",
+    "StreamError",
+    "StreamEvent",
+    "Token",
+    "TokenInfo",
+    "TokenizeRequest",
+    "Usage",
+]

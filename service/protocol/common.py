@@ -1,0 +1,128 @@
+"""Pieces shared by the request models: tolerant base model, checked text, limits, tokenizing with limits."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Annotated, Any, Protocol
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, model_validator
+
+from service.errors import InputTooLong, ValidationFailed
+
+log = logging.getLogger("service.protocol")
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+
+
+class RequestModel(BaseModel):
+    """Request base: unknown fields are kept aside and logged (clients written for TGI/OpenAI send extras);
+    NaN and infinities are refused."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _log_unknown_fields(self) -> RequestModel:
+        if self.model_extra:
+            log.warning(
+                "ignoring unknown fields %s in %s", sorted(self.model_extra), type(self).__name__,
+                extra={"unknown_fields": sorted(self.model_extra)},
+            )
+        return self
+
+
+class ResponseModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+def _check_text(value: str) -> str:
+    if not value.strip():
+        raise ValueError("must contain text (it is empty or only whitespace)")
+    return _check_encodable(value)
+
+
+def _check_encodable(value: str) -> str:
+    if "\x00" in value:
+        raise ValueError("must not contain NUL characters")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(f"is not valid Unicode (lone surrogate at character {err.start})") from None
+    return value
+
+
+# Text the model is asked about: non-empty, UTF-8 encodable, no NUL (byte 0 shares its id with end-of-text).
+InputText = Annotated[str, AfterValidator(_check_text)]
+# Text only tokenized: may be empty, still UTF-8 encodable without NUL.
+PlainText = Annotated[str, AfterValidator(_check_encodable)]
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The limits a request is checked against (from Settings and the model)."""
+
+    max_input_tokens: int
+    max_new_tokens: int
+    default_new_tokens: int
+    max_stop_sequences: int
+    max_client_batch_size: int
+
+
+def check_batch_size(count: int, limits: Limits, field: str) -> None:
+    if count > limits.max_client_batch_size:
+        raise ValidationFailed(
+            f"{field} has {count} items; at most {limits.max_client_batch_size} are allowed per request",
+            param=field,
+        )
+    if count == 0:
+        raise ValidationFailed(f"{field} must not be an empty list", param=field)
+
+
+def check_new_tokens(value: int, limits: Limits, field: str) -> int:
+    if value > limits.max_new_tokens:
+        raise ValidationFailed(f"{field} must be <= {limits.max_new_tokens} (got {value})", param=field)
+    return value
+
+
+def check_stop(stop: list[str], limits: Limits, field: str) -> tuple[str, ...]:
+    if len(stop) > limits.max_stop_sequences:
+        raise ValidationFailed(
+            f"{field} has {len(stop)} stop sequences; at most {limits.max_stop_sequences} are allowed",
+            param=field,
+        )
+    return tuple(stop)
+
+
+def encode_checked(
+    tokenizer: Tokenizer, text: str, limits: Limits, *, field: str, keep_last: int | None = None,
+    keep_first: int | None = None, truncate_hint: str = "",
+) -> list[int]:
+    """Tokenize, truncate when asked (keep the last or first N tokens), refuse what is still too long."""
+    ids = tokenizer.encode(text)
+    if keep_last is not None and len(ids) > keep_last:
+        ids = ids[-keep_last:]
+    if keep_first is not None and len(ids) > keep_first:
+        ids = ids[:keep_first]
+    if len(ids) > limits.max_input_tokens:
+        hint = f"; {truncate_hint}" if truncate_hint else ""
+        raise InputTooLong(
+            f"{field} has {len(ids)} tokens; the limit is {limits.max_input_tokens}{hint}", param=field
+        )
+    return ids
+
+
+def check_truncate(value: bool | int | None, limits: Limits, field: str) -> int | None:
+    """A TGI-style `truncate` (N tokens, or true for the limit) as a token count, or None."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return limits.max_input_tokens
+    if value > limits.max_input_tokens:
+        raise ValidationFailed(f"{field} must be <= {limits.max_input_tokens} (got {value})", param=field)
+    return int(value)
+
+
+def extra_of(model: BaseModel) -> dict[str, Any]:
+    return dict(model.model_extra or {})

@@ -1,0 +1,1 @@
+"""Thin routers: validate with the protocol models, hand specs to the engine, shape the answers."""

@@ -1,0 +1,132 @@
+"""What the thin routers share: the service state dependency, disconnect watching, timing headers, SSE."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable
+from typing import Annotated, Any, TypeVar
+
+from fastapi import Depends, Request
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from service.app import ServiceState
+from service.engine import Engine
+from service.errors import Unavailable
+from service.jobs import Timings
+from service.protocol import ErrorResponse, Limits, OpenAIErrorResponse
+
+T = TypeVar("T")
+
+# Status code of a response nobody will read: the client closed the connection (nginx's convention).
+CLIENT_CLOSED = 499
+
+
+def get_state(request: Request) -> ServiceState:
+    return request.app.state.service  # type: ignore[no-any-return]
+
+
+State = Annotated[ServiceState, Depends(get_state)]
+
+
+def ready_parts(state: ServiceState) -> tuple[Engine, Limits, Any]:
+    """The engine, limits and tokenizer, or 503 if the model is not there."""
+    if state.engine is None or state.limits is None or state.artifact is None:
+        raise Unavailable("the model is loading")
+    return state.engine, state.limits, state.artifact.tokenizer
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+async def until_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
+    """Await `awaitable` unless the client goes away first; then cancel it (the engine drops the work)."""
+    work = asyncio.ensure_future(awaitable)
+
+    async def watch() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        work.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if work in done:
+        return work.result()
+    work.cancel()
+    try:
+        await work
+    except (asyncio.CancelledError, Exception):
+        pass
+    raise ClientDisconnected()
+
+
+def timing_headers(timings: Timings, total_s: float, prompt_tokens: int, generated_tokens: int = 0) -> dict[str, str]:
+    """TGI's timing headers, in milliseconds."""
+    return {
+        "x-queue-time": str(round(timings.queue_s * 1000)),
+        "x-inference-time": str(round(timings.inference_s * 1000)),
+        "x-total-time": str(round(total_s * 1000)),
+        "x-prompt-tokens": str(prompt_tokens),
+        "x-generated-tokens": str(generated_tokens),
+    }
+
+
+def observe(state: ServiceState, route: str, timings: Timings, prompt_tokens: int) -> None:
+    m = state.metrics
+    m.queue_time.labels(route).observe(timings.queue_s)
+    m.inference_time.labels(route).observe(timings.inference_s)
+    m.input_tokens.labels(route).observe(prompt_tokens)
+
+
+def sse(payload: Any) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n".encode()
+
+
+class EventStreamResponse(StreamingResponse):
+    """Server-Sent Events; the event generator is always closed, so a dropped stream cancels its work."""
+
+    def __init__(self, events: AsyncIterator[bytes], headers: dict[str, str] | None = None):
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"cache-control": "no-cache", "x-accel-buffering": "no", **(headers or {})})
+        self._events = events
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            aclose = getattr(self._events, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+
+def disconnected_response() -> Response:
+    return Response(status_code=CLIENT_CLOSED)
+
+
+_ERROR_TEXT = {
+    401: "Missing or wrong API key (when one is configured).",
+    413: "Request body larger than max_payload_bytes.",
+    422: "Validation failed (error_type validation), or input longer than the limit (input_too_long).",
+    429: "Queue full; retry after Retry-After seconds.",
+    500: "Unexpected error (generic message; details in the server log).",
+    503: "Model not loaded yet, or the server is draining.",
+    504: "Waited in the queue longer than request_timeout_s.",
+}
+
+# Error responses each route documents in the OpenAPI schema.
+NATIVE_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse, "description": text} for code, text in _ERROR_TEXT.items()
+}
+OPENAI_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": OpenAIErrorResponse, "description": text} for code, text in _ERROR_TEXT.items()
+}

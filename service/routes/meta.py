@@ -1,0 +1,59 @@
+"""`/health`, `/ready`, `/info`, `/metrics` and `/tokenize`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.responses import JSONResponse, Response
+
+from service.errors import Unavailable
+from service.protocol import ErrorResponse, TokenInfo, TokenizeRequest
+from service.protocol.common import encode_checked
+from service.routes.common import NATIVE_ERRORS, State, ready_parts
+
+router = APIRouter()
+
+_PROBE_ERRORS: dict[int | str, dict[str, Any]] = {503: {"model": ErrorResponse, "description": "Not alive or ready."}}
+
+
+@router.get("/health", tags=["probes"], responses=_PROBE_ERRORS)
+async def health(state: State) -> dict[str, str]:
+    """Liveness: 200 while the process and its model worker are alive (also while loading)."""
+    engine = state.engine
+    if state.load_error is not None or (engine is not None and not engine.alive):
+        raise Unavailable("the model worker is not running")
+    return {"status": "ok"}
+
+
+@router.get("/ready", tags=["probes"], responses=_PROBE_ERRORS)
+async def ready(state: State) -> dict[str, str]:
+    """Readiness: 200 once the model is loaded and warmed up; 503 before, and while draining."""
+    reason = state.unavailable_reason()
+    if reason is not None:
+        raise Unavailable(reason)
+    return {"status": "ready"}
+
+
+@router.get("/info", tags=["info"], responses=NATIVE_ERRORS)
+async def info(state: State) -> dict[str, Any]:
+    """The model, backend, device, limits, batching settings and version."""
+    return state.info()
+
+
+@router.get("/metrics", tags=["probes"], response_class=Response,
+            responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format."}})
+async def metrics(state: State) -> Response:
+    """Prometheus metrics."""
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.post("/tokenize", tags=["info"], response_model=list[TokenInfo], responses=NATIVE_ERRORS)
+async def tokenize(body: TokenizeRequest, state: State) -> JSONResponse:
+    """The tokens of `inputs` with their text and character offsets."""
+    _, limits, tokenizer = ready_parts(state)
+    encode_checked(tokenizer, body.inputs, limits, field="inputs")  # refuses what the model would refuse
+    pieces = [TokenInfo(id=int(i), text=t, start=int(a), stop=int(b)).model_dump()
+              for i, t, a, b in tokenizer.offsets(body.inputs)]
+    return JSONResponse(pieces)

@@ -1,0 +1,148 @@
+"""Every setting of the service, in one pydantic-settings class.
+
+Each field is read from the environment (`REFORMER_<NAME>`) and from the command line (`--<name>` with
+dashes); the command line wins. The field descriptions are the documentation: `reformer serve --help`
+prints them and `/info` reports the values in effect (never the API key).
+"""
+
+from __future__ import annotations
+
+import argparse
+import types
+import typing
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+BackendName = Literal["auto", "torch", "onnxruntime"]
+DeviceName = Literal["auto", "cpu", "cuda"]
+DtypeName = Literal["auto", "float32", "bfloat16", "float16"]
+LogLevel = Literal["debug", "info", "warning", "error"]
+
+
+class Settings(BaseSettings):
+    """Configuration of `reformer serve`."""
+
+    model_config = SettingsConfigDict(env_prefix="REFORMER_", extra="forbid", validate_default=True)
+
+    host: str = Field("0.0.0.0", description="Address to listen on (0.0.0.0: every interface).")
+    port: int = Field(8000, ge=0, le=65535, description="TCP port to listen on (0: pick a free one).")
+    artifact: Path | None = Field(
+        None, description="Artifact directory to serve; unset serves the default artifact shipped in the package."
+    )
+    served_model_name: str | None = Field(
+        None, description="Model id reported by /v1/models and /info; unset uses the artifact directory name."
+    )
+    backend: BackendName = Field(
+        "auto",
+        description="Forward backend for embeddings: torch or onnxruntime (needs the artifact's model.onnx). "
+        "auto picks onnxruntime on CPU when the artifact has ONNX (about 2x faster there), torch otherwise. "
+        "Decoding always runs on torch.",
+    )
+    device: DeviceName = Field("auto", description="Device: cpu, cuda, or auto (CUDA when present).")
+    dtype: DtypeName = Field(
+        "auto", description="Weights' dtype: float32, bfloat16, float16; auto is float32 on CPU, bfloat16 on CUDA."
+    )
+    max_input_tokens: int | None = Field(
+        None, ge=1, description="Longest accepted input in tokens; unset uses the model's max_position_embeddings."
+    )
+    max_new_tokens: int = Field(1024, ge=1, description="Largest max_new_tokens (or max_tokens) a request may ask.")
+    default_new_tokens: int = Field(
+        20, ge=1, description="New tokens generated when a /generate request does not say (capped by max_new_tokens)."
+    )
+    max_batch_size: int = Field(
+        32, ge=1, description="Most sequences in one embedding batch, and most generations decoded together."
+    )
+    max_batch_tokens: int = Field(
+        16384,
+        ge=1,
+        description="Padded-token budget of one embedding batch (longest length x batch size) and of the "
+        "prompt tokens prefilled between two decode steps; a single longer input runs alone.",
+    )
+    max_wait_ms: float = Field(
+        5.0, ge=0, description="How long an embedding request may wait for company before its batch runs."
+    )
+    max_queue_size: int = Field(
+        64, ge=1, description="Requests allowed to wait for the model; beyond it requests get 429 at once."
+    )
+    request_timeout_s: float = Field(
+        60.0, gt=0, description="Longest a request may wait in the queue before it gets 504."
+    )
+    max_client_batch_size: int = Field(32, ge=1, description="Most inputs (or prompts) in one request.")
+    max_stop_sequences: int = Field(4, ge=0, description="Most stop sequences in one generation request.")
+    max_payload_bytes: int = Field(4_000_000, ge=1, description="Largest request body in bytes; larger gets 413.")
+    api_key: SecretStr | None = Field(
+        None, description="If set, inference routes need `Authorization: Bearer <key>` (compared in constant time)."
+    )
+    api_key_on_probes: bool = Field(
+        False, description="Whether /metrics, /health and /ready also need the API key (when one is set)."
+    )
+    cors_origins: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Comma-separated origins allowed by CORS; empty turns CORS off."
+    )
+    grace_period_s: float = Field(
+        30.0, ge=0, description="On SIGTERM: how long in-flight requests get to finish before the process exits."
+    )
+    warmup: bool = Field(True, description="Run a warm-up embedding and generation before reporting ready.")
+    log_level: LogLevel = Field("info", description="Log level; prompts are logged only at debug.")
+    log_json: bool = Field(True, description="Structured JSON logs (one object per line) rather than plain text.")
+
+    @field_validator("cors_origins", mode="before")
+    @classmethod
+    def _split_origins(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    def public_dict(self) -> dict[str, Any]:
+        """The settings as JSON-able values, the API key reduced to whether one is set."""
+        data = self.model_dump(mode="json", exclude={"api_key"})
+        data["api_key_set"] = self.api_key is not None
+        return data
+
+
+def _flag_kwargs(annotation: Any) -> dict[str, Any]:
+    """argparse keyword arguments for a field's type (choices for Literals, on/off for booleans)."""
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        annotation = next(a for a in args if a is not type(None))
+        args = typing.get_args(annotation)
+    if typing.get_origin(annotation) is Annotated:
+        annotation = args[0]
+    if annotation is bool:
+        return {"action": argparse.BooleanOptionalAction}
+    if typing.get_origin(annotation) is Literal:
+        return {"choices": list(typing.get_args(annotation))}
+    return {}
+
+
+def build_parser(prog: str = "reformer serve") -> argparse.ArgumentParser:
+    """A parser with one flag per setting; flags left out fall back to the environment and defaults."""
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Serve a Reformer artifact over HTTP. Every flag can also be set as REFORMER_<NAME>.",
+    )
+    parser.add_argument(
+        "artifact_positional", nargs="?", metavar="ARTIFACT", default=argparse.SUPPRESS,
+        help="artifact directory (same as --artifact)",
+    )
+    for name, field in Settings.model_fields.items():
+        parser.add_argument(
+            "--" + name.replace("_", "-"),
+            dest=name,
+            default=argparse.SUPPRESS,
+            help=f"{field.description} [env REFORMER_{name.upper()}]",
+            **_flag_kwargs(field.annotation),
+        )
+    return parser
+
+
+def settings_from_argv(argv: list[str]) -> Settings:
+    """Settings from flags over environment over defaults."""
+    given = vars(build_parser().parse_args(argv))
+    positional = given.pop("artifact_positional", None)
+    if positional is not None:
+        given["artifact"] = positional
+    return Settings(**given)
