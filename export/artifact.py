@@ -1,0 +1,242 @@
+"""The served artifact: a directory with config, weights, tokenizer, optional ONNX graphs and a manifest
+that records every file's sha256 and size. Loading checks all of it before building the model."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from model import ByteTokenizer, ReformerConfig, ReformerLM
+
+FORMAT_VERSION = 1
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+TOKENIZER_FILE = "tokenizer.json"
+MANIFEST_FILE = "manifest.json"
+ONNX_FILE = "model.onnx"
+ONNX_INT8_FILE = "model.int8.onnx"
+REQUIRED_FILES = (CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILE)
+DEFAULT_ARTIFACT = Path(__file__).resolve().parent / "default_artifact"
+
+
+class ArtifactError(Exception):
+    """An artifact that cannot be trusted: the message names the file and what is wrong with it."""
+
+
+@dataclass
+class Artifact:
+    path: Path
+    model: ReformerLM  # eval mode, on CPU
+    tokenizer: ByteTokenizer
+    config: ReformerConfig
+    manifest: dict[str, Any]
+    sha256: str  # of model.safetensors: identifies the weights
+    onnx_path: Path | None
+    onnx_int8_path: Path | None = None
+
+
+# --------------------------------------------------------------------------------------------------
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def code_version() -> str:
+    """`git describe` of the source tree this code runs from, when it is a git checkout."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        out = subprocess.run(["git", "describe", "--always", "--dirty", "--tags"], cwd=root,
+                             capture_output=True, text=True, timeout=10, check=True)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _state_for_saving(model: ReformerLM) -> dict[str, torch.Tensor]:
+    # safetensors refuses views that share storage; every tensor is copied out contiguous on CPU
+    return {k: v.detach().to("cpu").contiguous().clone() for k, v in model.state_dict().items()}
+
+
+def write_model_files(model: ReformerLM, tokenizer: ByteTokenizer, directory: Path) -> None:
+    """config.json, model.safetensors (config in its metadata too) and tokenizer.json."""
+    model.config.to_json(directory / CONFIG_FILE)
+    meta = {"config": json.dumps(model.config.to_dict(), sort_keys=True), "format": "reformer-serve"}
+    save_file(_state_for_saving(model), str(directory / WEIGHTS_FILE), metadata=meta)
+    tokenizer.save(directory / TOKENIZER_FILE)
+
+
+def write_manifest(directory: Path, provenance: dict[str, Any], evaluation: dict[str, Any],
+                   export: dict[str, Any]) -> dict[str, Any]:
+    """Hash every file in the directory (except the manifest) and write manifest.json."""
+    files = {}
+    for p in sorted(directory.iterdir()):
+        if p.is_file() and p.name != MANIFEST_FILE:
+            files[p.name] = {"sha256": file_sha256(p), "size": p.stat().st_size}
+    provenance = dict(provenance)
+    provenance.setdefault("code_version", code_version())
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "files": files,
+        "provenance": provenance,
+        "evaluation": evaluation,
+        "export": export,
+    }
+    (directory / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    return manifest
+
+
+def save_artifact(
+    model: ReformerLM,
+    out_dir: str | Path,
+    tokenizer: ByteTokenizer | None = None,
+    provenance: dict[str, Any] | None = None,
+    evaluation: dict[str, Any] | None = None,
+    onnx: bool = True,
+    quantize: str | None = None,
+    eval_text: bytes | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write an artifact directory. With `onnx`, the ONNX graph is exported and verified against torch;
+    an export whose logits differ by more than the tolerance raises and leaves nothing at `out_dir`.
+    `quantize="int8"` adds a dynamically quantised graph and records the bits-per-byte change."""
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise FileExistsError(f"{out} exists and is not empty (pass overwrite=True to replace it)")
+    if quantize not in (None, "int8"):
+        raise ValueError(f"quantize must be None or 'int8', got {quantize!r}")
+    if quantize and not onnx:
+        raise ValueError("quantize='int8' quantises the ONNX graph: it needs onnx=True")
+    model = model.eval()
+    tokenizer = tokenizer or ByteTokenizer()
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise ValueError(f"tokenizer has {tokenizer.vocab_size} ids but the model only {model.config.vocab_size}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        write_model_files(model, tokenizer, staging)
+        export_info: dict[str, Any] = {}
+        evaluation = dict(evaluation or {})
+        if onnx:
+            from .onnx_export import export_and_verify
+
+            export_info["onnx"] = export_and_verify(model, staging / ONNX_FILE)
+        if quantize == "int8":
+            from .quantize import quantize_and_evaluate
+
+            export_info["int8"], evaluation["int8"] = quantize_and_evaluate(
+                model, staging / ONNX_FILE, staging / ONNX_INT8_FILE, tokenizer, eval_text)
+        write_manifest(staging, provenance or {}, evaluation, export_info)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+def read_manifest(directory: Path) -> dict[str, Any]:
+    path = directory / MANIFEST_FILE
+    if not directory.is_dir():
+        raise ArtifactError(f"{directory}: not an artifact directory (it does not exist or is not a directory)")
+    if not path.is_file():
+        raise ArtifactError(f"{MANIFEST_FILE}: missing from {directory}")
+    try:
+        manifest = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ArtifactError(f"{MANIFEST_FILE}: not valid JSON ({e})") from e
+    if not isinstance(manifest, dict):
+        raise ArtifactError(f"{MANIFEST_FILE}: expected a JSON object")
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        raise ArtifactError(f"{MANIFEST_FILE}: unknown format_version {version!r} (this reader knows {FORMAT_VERSION})")
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        raise ArtifactError(f"{MANIFEST_FILE}: no 'files' table")
+    for name in REQUIRED_FILES:
+        if name not in files:
+            raise ArtifactError(f"{name}: not listed in {MANIFEST_FILE}")
+    return manifest
+
+
+def check_files(directory: Path, manifest: dict[str, Any]) -> None:
+    """Every listed file must exist with the recorded size and sha256."""
+    for name, entry in sorted(manifest["files"].items()):
+        if Path(name).name != name:
+            raise ArtifactError(f"{MANIFEST_FILE}: file name {name!r} is not a plain name")
+        p = directory / name
+        if not p.is_file():
+            raise ArtifactError(f"{name}: missing from {directory}")
+        size = p.stat().st_size
+        if size != entry.get("size"):
+            what = "truncated" if size < int(entry.get("size") or 0) else "size differs"
+            raise ArtifactError(f"{name}: {what}: {size} bytes, manifest says {entry.get('size')}")
+        digest = file_sha256(p)
+        if digest != entry.get("sha256"):
+            raise ArtifactError(f"{name}: altered: sha256 {digest} does not match the manifest's {entry.get('sha256')}")
+
+
+def check_shapes(model: ReformerLM, state: dict[str, torch.Tensor]) -> None:
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise ArtifactError(f"{WEIGHTS_FILE}: tensor {missing[0]!r} that {CONFIG_FILE} implies is missing"
+                            f" ({len(missing)} missing in all)")
+    unexpected = sorted(set(state) - set(expected))
+    if unexpected:
+        raise ArtifactError(f"{WEIGHTS_FILE}: tensor {unexpected[0]!r} is not part of the model"
+                            f" {CONFIG_FILE} describes")
+    for name, param in expected.items():  # the model's own order: the first wrong tensor is named
+        want, tensor = tuple(param.shape), state[name]
+        if tuple(tensor.shape) != want:
+            raise ArtifactError(f"{WEIGHTS_FILE}: tensor {name!r} has shape {tuple(tensor.shape)}, but {CONFIG_FILE}"
+                                f" implies {want}")
+
+
+def load_artifact(path: str | Path | None = None, *, check_hashes: bool = True) -> Artifact:
+    """Load and check an artifact (the shipped default when `path` is None)."""
+    directory = Path(path) if path is not None else DEFAULT_ARTIFACT
+    manifest = read_manifest(directory)
+    if check_hashes:
+        check_files(directory, manifest)
+    try:
+        config = ReformerConfig.from_json(directory / CONFIG_FILE)
+    except (ValueError, TypeError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ArtifactError(f"{CONFIG_FILE}: not a valid model configuration ({e})") from e
+    try:
+        tokenizer = ByteTokenizer.load(directory / TOKENIZER_FILE)
+    except (ValueError, KeyError, TypeError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ArtifactError(f"{TOKENIZER_FILE}: not a valid tokenizer ({e})") from e
+    if tokenizer.vocab_size > config.vocab_size:
+        raise ArtifactError(f"{TOKENIZER_FILE}: {tokenizer.vocab_size} ids exceed the model's vocab_size"
+                            f" {config.vocab_size} ({CONFIG_FILE})")
+    try:
+        state = load_file(str(directory / WEIGHTS_FILE))
+    except (SafetensorError, OSError) as e:
+        raise ArtifactError(f"{WEIGHTS_FILE}: cannot be read as safetensors ({e})") from e
+    model = ReformerLM(config)
+    check_shapes(model, state)
+    model.load_state_dict(state)
+    model.eval()
+    files = manifest["files"]
+    onnx_path = directory / ONNX_FILE if ONNX_FILE in files else None
+    int8_path = directory / ONNX_INT8_FILE if ONNX_INT8_FILE in files else None
+    return Artifact(path=directory, model=model, tokenizer=tokenizer, config=config, manifest=manifest,
+                    sha256=files[WEIGHTS_FILE]["sha256"], onnx_path=onnx_path, onnx_int8_path=int8_path)

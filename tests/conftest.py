@@ -1,0 +1,38 @@
+"""Fixtures shared by every test package."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from export import save_artifact
+from model import ByteTokenizer, ReformerConfig, ReformerLM
+
+
+def tiny_config(**overrides: object) -> ReformerConfig:
+    """A few-thousand-parameter byte-level model with both attention kinds, chunks of 8 and fixed buckets
+    (fixed buckets make the hash rotations constants, as ONNX export needs)."""
+    base: dict[str, object] = dict(
+        vocab_size=258, hidden_size=32, num_attention_heads=2, attention_head_size=16,
+        attn_layers=["local", "lsh"], feed_forward_size=64, lsh_attn_chunk_length=8, local_attn_chunk_length=8,
+        num_hashes=2, num_buckets=4, axial_pos_shape=(32, 64), axial_pos_embds_dim=(16, 16),
+        max_position_embeddings=2048, hash_seed=0, is_decoder=True, eos_token_id=1, pad_token_id=0,
+    )
+    base.update(overrides)
+    return ReformerConfig(**base)  # type: ignore[arg-type]
+
+
+def tiny_model(seed: int = 0, **overrides: object) -> ReformerLM:
+    torch.manual_seed(seed)
+    return ReformerLM(tiny_config(**overrides)).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A saved artifact (no ONNX graph, for speed) of a tiny random model; read-only for tests."""
+    out = tmp_path_factory.mktemp("tiny_artifact") / "artifact"
+    save_artifact(tiny_model(), out, tokenizer=ByteTokenizer(),
+                  provenance={"note": "random weights for tests"}, onnx=False)
+    return out
