@@ -168,8 +168,9 @@ class LSHSelfAttention(nn.Module):
         win = window_chunk_index(own_chunks, r, n_chunks, self.before, self.after)  # (B, R*N, W)
         valid = ctx.valid
         dropout = self.dropout if self.training else 0.0
-        # heads one at a time outside training: peak memory is one head's score blocks
-        head_groups = [slice(0, h)] if torch.is_grad_enabled() else [slice(i, i + 1) for i in range(h)]
+        # heads one at a time outside training: peak memory is one head's score blocks. (Training keeps one
+        # layout so the reversible backward's recomputation draws the same dropout masks as the forward.)
+        head_groups = [slice(0, h)] if self.training else [slice(i, i + 1) for i in range(h)]
         outs, lses = [], []
         for hs in head_groups:
             sp = sorted_pos[:, hs]  # (B, h', R*L)
@@ -185,7 +186,8 @@ class LSHSelfAttention(nn.Module):
             kv = None if valid is None else torch.gather(
                 valid[:, None, None, :].expand(b, hh, r * n_chunks, t), 3, kp)
             bias = attention_bias(qp, kp, kv, self.causal, qk.dtype)
-            o, lse = attend(q_c, k_w, v_w, bias, self_positions(qp, kp), dropout, ctx.generator)  # (B,h',R*N,C,D), (B,h',R*N,C)
+            # o (B, h, R*N, C, D), lse (B, h, R*N, C)
+            o, lse = attend(q_c, k_w, v_w, bias, self_positions(qp, kp), dropout, ctx.generator)
             # undo the sort: scatter every round's outputs back to their positions
             o = o.reshape(b, hh, r, t, d)
             lse = lse.reshape(b, hh, r, t)

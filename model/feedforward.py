@@ -45,7 +45,7 @@ class ChunkedFeedForward(nn.Module):
         return seeded_dropout(h, self.dropout, generator) if self.training else h
 
     def forward(self, x: Tensor, generator: torch.Generator | None = None) -> Tensor:
-        chunk = self.chunk or (0 if torch.is_grad_enabled() else EVAL_CHUNK)
+        chunk = self.chunk or (0 if self.training else EVAL_CHUNK)
         t = x.shape[1]
         if chunk <= 0 or t <= chunk:
             return self._forward_chunk(x, generator)

@@ -109,9 +109,8 @@ class _ReversibleStack(torch.autograd.Function):
 
 def run_layers(layers: nn.ModuleList, x1: Tensor, x2: Tensor, att: AttentionContext,
                seeds: list[tuple[int, int]] | None, reversible: bool) -> tuple[Tensor, Tensor]:
-    """Reversible backward when training with gradients; plain autograd (or no autograd) otherwise."""
-    if reversible and torch.is_grad_enabled() and (x1.requires_grad or x2.requires_grad):
-        assert seeds is not None
+    """Reversible backward when training (seeds given) with gradients; plain autograd otherwise."""
+    if reversible and seeds is not None and torch.is_grad_enabled() and (x1.requires_grad or x2.requires_grad):
         out: tuple[Tensor, Tensor] = _ReversibleStack.apply(x1, x2, layers, att, seeds)
         return out
     for i, layer in enumerate(layers):

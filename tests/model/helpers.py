@@ -1,0 +1,41 @@
+"""Tiny configurations and a reference model built from the same random weights."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from model import ReformerConfig, ReformerLM
+
+TINY: dict[str, Any] = dict(
+    vocab_size=40, hidden_size=32, num_attention_heads=2, attention_head_size=16,
+    attn_layers=["local", "lsh", "local", "lsh"], feed_forward_size=64, lsh_attn_chunk_length=8,
+    local_attn_chunk_length=8, num_hashes=2, num_buckets=8, axial_pos_shape=(64, 64),
+    axial_pos_embds_dim=(16, 16), max_position_embeddings=4096, hash_seed=42, is_decoder=True,
+    hidden_dropout_prob=0.0, lsh_attention_probs_dropout_prob=0.0, local_attention_probs_dropout_prob=0.0,
+    # a large init makes attention sharp, so a wrong key or mask shows up in the logits
+    initializer_range=0.5, axial_norm_std=0.5, eos_token_id=1, pad_token_id=0,
+)
+
+
+def tiny_config(**overrides: Any) -> ReformerConfig:
+    return ReformerConfig(**{**TINY, **overrides})
+
+
+def reference_pair(**overrides: Any) -> tuple[Any, ReformerLM]:
+    """A transformers ReformerModelWithLMHead with random weights, and our model loaded from it."""
+    from transformers import ReformerConfig as HFConfig
+    from transformers import ReformerForMaskedLM, ReformerModelWithLMHead
+
+    torch.manual_seed(0)
+    params = {**TINY, **overrides}
+    # the causal LM class insists on is_decoder; the masked-LM class has the same weights and head
+    cls = ReformerModelWithLMHead if params["is_decoder"] else ReformerForMaskedLM
+    hf = cls(HFConfig(**params, use_cache=False)).eval()
+    return hf, ReformerLM.from_hf(hf)
+
+
+def random_ids(batch: int, length: int, vocab: int = 40, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (batch, length), generator=g)
