@@ -93,7 +93,9 @@ class GenerationJob(Job):
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.tokenizer = tokenizer
         self.eos_id: int = tokenizer.eos_id
-        self.special_ids = {tokenizer.pad_id, tokenizer.eos_id}
+        self.is_special: Callable[[int], bool] = getattr(
+            tokenizer, "is_special", lambda i: i in (tokenizer.pad_id, tokenizer.eos_id)
+        )
         self.sampler: Sampler | None = None
         self.cache: Any = None  # the model's DecodeState while running
         self.history: list[int] = list(spec.prompt_ids)
@@ -119,7 +121,7 @@ class GenerationJob(Job):
         token = int(token)
         self.generated.append(token)
         self.history.append(token)
-        special = token in self.special_ids
+        special = self.is_special(token)
         text = "" if special else self.decoder.push(token)
         reason: FinishReason | None = None
         if self.spec.stop_on_eos and token == self.eos_id:

@@ -53,7 +53,8 @@ def _check_encodable(value: str) -> str:
     return value
 
 
-# Text the model is asked about: non-empty, UTF-8 encodable, no NUL (byte 0 shares its id with end-of-text).
+# Text the model is asked about: non-empty, UTF-8 encodable, no NUL. NUL in text is nearly always binary
+# data sent by mistake, and in enwik8-style vocabularies byte 0 shares its id with end-of-text.
 InputText = Annotated[str, AfterValidator(_check_text)]
 # Text only tokenized: may be empty, still UTF-8 encodable without NUL.
 PlainText = Annotated[str, AfterValidator(_check_encodable)]

@@ -1,0 +1,103 @@
+"""`reformer serve`: parse the settings, load the artifact (a bad one stops start-up with a message naming the
+file and exit status 2), and run uvicorn.
+
+SIGTERM (or Ctrl-C) drains: new API requests get 503 and /ready turns 503 while in-flight requests finish,
+for at most `grace_period_s`; then the process exits 0. A second signal exits at once. If the model worker
+dies, the process exits 1 so that an orchestrator restarts it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+import time
+from types import FrameType
+
+import uvicorn
+from pydantic import ValidationError
+
+from service.app import ServiceState, create_app
+from service.logs import configure_logging
+from service.settings import settings_from_argv
+
+log = logging.getLogger("service.server")
+
+# Time uvicorn gives idle keep-alive connections to close once the drain is over.
+CLOSE_CONNECTIONS_S = 2.0
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, state: ServiceState, grace_period_s: float):
+        super().__init__(config)
+        self.state = state
+        self.grace_period_s = grace_period_s
+        self.exit_code = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._draining = False
+
+    async def serve(self, sockets: list | None = None) -> None:  # type: ignore[type-arg]
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Not recorded in _captured_signals: uvicorn would re-raise the signal after shutdown and the
+        # process would die of it instead of exiting 0 after a clean drain.
+        if self._draining or self._loop is None:
+            log.warning("second signal %s: exiting now", signal.Signals(sig).name)
+            self.force_exit = True
+            self.should_exit = True
+            return
+        self._draining = True
+        self.state.draining = True
+        log.info("signal %s: draining %d in-flight requests (grace period %.1f s)",
+                 signal.Signals(sig).name, self.state.inflight, self.grace_period_s)
+        self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
+
+    async def _drain(self) -> None:
+        deadline = time.monotonic() + self.grace_period_s
+        while self.state.inflight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.state.inflight > 0:
+            log.warning("grace period over with %d requests still in flight; exiting", self.state.inflight)
+        else:
+            log.info("drained; exiting")
+        self.should_exit = True
+
+    def fatal(self, exc: BaseException) -> None:
+        """The model worker died: exit non-zero (callable from any thread)."""
+        self.exit_code = 1
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(setattr, self, "should_exit", True)
+        else:
+            self.should_exit = True
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        settings = settings_from_argv(list(sys.argv[1:] if argv is None else argv))
+    except ValidationError as err:
+        print(f"reformer serve: invalid settings:\n{err}", file=sys.stderr)
+        return 2
+    configure_logging(settings.log_level, settings.log_json)
+    from export import ArtifactError, load_artifact
+
+    try:
+        artifact = load_artifact(settings.artifact) if settings.artifact is not None else load_artifact()
+    except (ArtifactError, OSError, ValueError) as err:
+        log.critical("cannot serve the artifact: %s", err)
+        print(f"reformer serve: cannot load the artifact: {err}", file=sys.stderr)
+        return 2
+    app = create_app(settings, artifact)
+    state: ServiceState = app.state.service
+    config = uvicorn.Config(
+        app, host=settings.host, port=settings.port, log_config=None, access_log=False, lifespan="on",
+        timeout_graceful_shutdown=int(CLOSE_CONNECTIONS_S), workers=1,
+    )
+    server = DrainingServer(config, state, settings.grace_period_s)
+    state.on_fatal = server.fatal
+    server.run()
+    if server.exit_code:
+        log.critical("exiting with status %d: the model worker died", server.exit_code)
+    return server.exit_code

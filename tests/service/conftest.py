@@ -1,0 +1,135 @@
+"""Fixtures for the service tests: a tiny artifact, in-process apps, and a real uvicorn subprocess."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from model import ByteTokenizer, ReformerConfig, ReformerLM
+
+REPO = Path(__file__).resolve().parents[2]
+
+TINY_CONFIG = dict(
+    vocab_size=258, hidden_size=32, num_attention_heads=2, attention_head_size=16, attn_layers=["local", "lsh"],
+    feed_forward_size=64, lsh_attn_chunk_length=8, local_attn_chunk_length=8, num_hashes=2, num_buckets=4,
+    axial_pos_shape=(32, 64), axial_pos_embds_dim=(16, 16), max_position_embeddings=2048, hash_seed=0,
+    is_decoder=True,
+)
+
+
+def tiny_model() -> ReformerLM:
+    torch.manual_seed(0)
+    return ReformerLM(ReformerConfig(**TINY_CONFIG)).eval()
+
+
+def _export_ready() -> bool:
+    try:
+        from export import load_artifact, save_artifact  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="session")
+def service_artifact_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny saved artifact (no ONNX, to keep it fast)."""
+    from export import save_artifact
+
+    out = tmp_path_factory.mktemp("artifact") / "tiny-reformer"
+    save_artifact(tiny_model(), out, tokenizer=ByteTokenizer(), provenance={"test": "service"}, evaluation={},
+                  onnx=False)
+    return out
+
+
+@pytest.fixture(scope="session")
+def artifact(request: pytest.FixtureRequest) -> Any:
+    """A loaded tiny artifact; a stand-in object with the same attributes while export/ is not there."""
+    if _export_ready():
+        from export import load_artifact
+
+        return load_artifact(request.getfixturevalue("service_artifact_dir"))
+    model = tiny_model()
+    return SimpleNamespace(
+        path=Path("/nonexistent/tiny-reformer"), model=model, tokenizer=ByteTokenizer(), config=model.config,
+        manifest={}, sha256=hashlib.sha256(b"tiny").hexdigest(), onnx_path=None,
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServerProcess:
+    """`python -m service` on a loopback port, with its log captured to a file."""
+
+    def __init__(self, artifact_dir: Path, log_path: Path, **settings: Any):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        for key, value in settings.items():
+            env[f"REFORMER_{key.upper()}"] = str(value)
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "service", str(artifact_dir), "--host", "127.0.0.1", "--port", str(self.port)],
+            cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+        )
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/ready", timeout=1.0).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"server not ready after {timeout} s:\n{self.log()}")
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return int(self.proc.returncode)
+
+
+@pytest.fixture(scope="module")
+def server_factory(service_artifact_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """Start servers with given settings; all are stopped at the end of the module."""
+    started: list[ServerProcess] = []
+
+    def start(**settings: Any) -> ServerProcess:
+        log_path = tmp_path_factory.mktemp("server") / "server.log"
+        server = ServerProcess(service_artifact_dir, log_path, **settings)
+        started.append(server)
+        server.wait_ready()
+        return server
+
+    yield start
+    for server in started:
+        server.stop()

@@ -1,0 +1,60 @@
+"""Small helpers shared by the service tests."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from fastapi.testclient import TestClient
+
+from service.app import create_app
+from service.settings import Settings
+
+
+@contextmanager
+def running_app(artifact: Any, **settings: Any) -> Iterator[TestClient]:
+    """An in-process app (lifespan run) that has finished warming up."""
+    app = create_app(Settings(**settings), artifact)
+    with TestClient(app, raise_server_exceptions=False) as client:
+        wait_ready(client)
+        yield client
+
+
+def wait_ready(client: Any, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if client.get("/ready").status_code == 200:
+            return
+        time.sleep(0.02)
+    raise AssertionError("the app never became ready")
+
+
+def sse_events(body: str) -> list[Any]:
+    """The `data:` payloads of a Server-Sent Events body, JSON-decoded where they are JSON."""
+    events = []
+    for block in body.split("\n\n"):
+        for line in block.splitlines():
+            if line.startswith("data: "):
+                data = line[len("data: "):]
+                events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def metric_value(text: str, name: str, labels: dict[str, str] | None = None) -> float:
+    """The value of one series in Prometheus text (0 if absent)."""
+    want = labels or {}
+    for line in text.splitlines():
+        if line.startswith("#") or not line.startswith(name):
+            continue
+        series, value = line.rsplit(" ", 1)
+        series_name, _, label_text = series.partition("{")
+        if series_name != name:
+            continue
+        found = dict(part.split("=", 1) for part in label_text.rstrip("}").split(",") if "=" in part)
+        found = {k: v.strip('"') for k, v in found.items()}
+        if all(found.get(k) == v for k, v in want.items()):
+            return float(value)
+    return 0.0

@@ -1,0 +1,137 @@
+"""Every route's happy path and response shape, in process (the subprocess tests cover real HTTP)."""
+
+from __future__ import annotations
+
+import base64
+import struct
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from tests.service.helpers import running_app, sse_events
+
+TIMING_HEADERS = ("x-queue-time", "x-inference-time", "x-total-time", "x-prompt-tokens", "x-generated-tokens")
+
+
+@pytest.fixture(scope="module")
+def client(artifact: Any) -> Any:
+    with running_app(artifact, max_new_tokens=64, max_input_tokens=256) as c:
+        yield c
+
+
+def test_generate_returns_text_details_and_timing_headers(client: TestClient) -> None:
+    r = client.post("/generate", json={"inputs": "Hello", "parameters": {"max_new_tokens": 5, "details": True,
+                                                                        "ignore_eos": True}})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["details"]["finish_reason"] == "length"
+    assert body["details"]["generated_tokens"] == 5
+    assert body["details"]["prompt_tokens"] == 5
+    assert len(body["details"]["tokens"]) == 5
+    assert isinstance(body["details"]["seed"], int)
+    for header in TIMING_HEADERS:
+        assert header in r.headers
+    assert r.headers["x-prompt-tokens"] == "5" and r.headers["x-generated-tokens"] == "5"
+    assert r.headers["x-request-id"]
+
+
+def test_generate_is_deterministic_with_a_seed(client: TestClient) -> None:
+    request = {"inputs": "Once upon", "parameters": {"max_new_tokens": 8, "do_sample": True, "seed": 7,
+                                                      "temperature": 0.9, "top_k": 50, "ignore_eos": True}}
+    first = client.post("/generate", json=request).json()
+    second = client.post("/generate", json=request).json()
+    assert first == second
+
+
+def test_generate_return_full_text_prepends_the_prompt(client: TestClient) -> None:
+    r = client.post("/generate", json={"inputs": "abc", "parameters": {"max_new_tokens": 2,
+                                                                      "return_full_text": True}})
+    assert r.json()["generated_text"].startswith("abc")
+
+
+def test_generate_stream_sends_one_event_per_token_and_details_last(client: TestClient) -> None:
+    plain = client.post("/generate", json={"inputs": "Hello", "parameters": {"max_new_tokens": 4,
+                                                                             "ignore_eos": True}}).json()
+    r = client.post("/generate_stream", json={"inputs": "Hello", "parameters": {"max_new_tokens": 4,
+                                                                                "ignore_eos": True}})
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(r.text)
+    assert [e["index"] for e in events] == [0, 1, 2, 3]
+    assert all(e["details"] is None for e in events[:-1])
+    assert events[-1]["details"]["finish_reason"] == "length"
+    assert events[-1]["generated_text"] == plain["generated_text"]
+    assert "".join(e["token"]["text"] for e in events) == plain["generated_text"]
+
+
+def test_embed_single_and_list(client: TestClient) -> None:
+    one = client.post("/embed", json={"inputs": "some text"})
+    assert one.status_code == 200
+    vectors = one.json()
+    assert len(vectors) == 1 and len(vectors[0]) == 64
+    assert abs(sum(v * v for v in vectors[0]) - 1.0) < 1e-5  # normalised by default
+    many = client.post("/embed", json={"inputs": ["a", "some text", "b" * 40], "normalize": False,
+                                       "pooling": "last"})
+    assert many.status_code == 200 and len(many.json()) == 3
+    assert many.headers["x-prompt-tokens"] == str(1 + 9 + 40)
+
+
+def test_v1_completions_and_stream_end_with_done(client: TestClient) -> None:
+    r = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3, "logprobs": 1, "ignore_eos": True,
+                                             "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "text_completion"
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert len(body["choices"][0]["logprobs"]["token_logprobs"]) == 3
+    s = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3, "stream": True, "ignore_eos": True,
+                                             "temperature": 0})
+    events = sse_events(s.text)
+    assert events[-1] == "[DONE]"
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == body["choices"][0]["text"]
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+
+
+def test_v1_completions_several_prompts(client: TestClient) -> None:
+    r = client.post("/v1/completions", json={"prompt": ["a", "bb"], "max_tokens": 2, "ignore_eos": True})
+    assert [c["index"] for c in r.json()["choices"]] == [0, 1]
+    assert r.json()["usage"]["completion_tokens"] == 4
+
+
+def test_v1_embeddings_float_and_base64_agree(client: TestClient) -> None:
+    floats = client.post("/v1/embeddings", json={"input": ["hello", "world"], "model": "x"}).json()
+    assert floats["object"] == "list" and len(floats["data"]) == 2
+    assert floats["usage"]["prompt_tokens"] == 10
+    packed = client.post("/v1/embeddings", json={"input": ["hello", "world"], "encoding_format": "base64"}).json()
+    raw = base64.b64decode(packed["data"][0]["embedding"])
+    decoded = struct.unpack(f"<{len(raw) // 4}f", raw)
+    assert decoded == pytest.approx(floats["data"][0]["embedding"], abs=1e-6)
+
+
+def test_v1_models_lists_the_served_model(client: TestClient) -> None:
+    body = client.get("/v1/models").json()
+    assert body["object"] == "list"
+    assert body["data"][0]["id"] == client.get("/info").json()["model_id"]
+
+
+def test_tokenize_gives_ids_and_character_offsets(client: TestClient) -> None:
+    pieces = client.post("/tokenize", json={"inputs": "hé"}).json()
+    assert [p["start"] for p in pieces] == [0, 1, 1]
+    assert [p["id"] for p in pieces] == [ord("h") + 2, 0xC3 + 2, 0xA9 + 2]
+
+
+def test_probes_info_metrics_and_docs(client: TestClient) -> None:
+    assert client.get("/health").json() == {"status": "ok"}
+    assert client.get("/ready").json() == {"status": "ready"}
+    info = client.get("/info").json()
+    assert info["backend"] == "torch" and info["decode_backend"] == "torch"
+    assert info["device"] == "cpu" and info["limits"]["max_input_tokens"] == 256
+    assert "api_key" not in info["settings"]
+    assert client.get("/metrics").text.startswith("# HELP")
+    assert client.get("/docs").status_code == 200
+    paths = client.get("/openapi.json").json()["paths"]
+    for path in ("/generate", "/generate_stream", "/embed", "/v1/completions", "/v1/embeddings", "/v1/models",
+                 "/tokenize", "/health", "/ready", "/info", "/metrics"):
+        assert path in paths
