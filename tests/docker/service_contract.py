@@ -48,15 +48,29 @@ def metric_names_in(text: str) -> set[str]:
     return set(METRIC_NAME.findall(text))
 
 
+@functools.cache
+def histogram_families() -> frozenset[str]:
+    """The families that have _bucket/_sum/_count series, from the `# TYPE` lines of a fresh scrape."""
+    from service.metrics import ServiceMetrics
+
+    text = ServiceMetrics().render().decode()
+    typed = (line.split() for line in text.splitlines() if line.startswith("# TYPE "))
+    return frozenset(fields[2] for fields in typed if fields[3] in ("histogram", "summary"))
+
+
 def family_of(series_name: str) -> str:
     """The family a series belongs to: a histogram's _bucket/_sum/_count series name their family."""
     for suffix in SERIES_SUFFIXES:
-        if series_name.endswith(suffix):
+        if series_name.endswith(suffix) and series_name[: -len(suffix)] in histogram_families():
             return series_name[: -len(suffix)]
     return series_name
 
 
 def unknown_metrics(text: str) -> set[str]:
-    """The reformer_* series named in `text` that the service does not export."""
-    families = exported_metric_families()
-    return {name for name in metric_names_in(text) if not {name, family_of(name)} & families}
+    """The reformer_* series named in `text` that the service does not export: names of no family, a
+    gauge's made-up `_count`, or a histogram's bare family name (only its _bucket/_sum/_count exist)."""
+    return {
+        name
+        for name in metric_names_in(text)
+        if family_of(name) not in exported_metric_families() or name in histogram_families()
+    }
