@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 import socket
 import subprocess
@@ -10,61 +9,20 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import pytest
-import torch
 
-from model import ByteTokenizer, ReformerConfig, ReformerLM
+from export import load_artifact
 
 REPO = Path(__file__).resolve().parents[2]
 
-TINY_CONFIG = dict(
-    vocab_size=258, hidden_size=32, num_attention_heads=2, attention_head_size=16, attn_layers=["local", "lsh"],
-    feed_forward_size=64, lsh_attn_chunk_length=8, local_attn_chunk_length=8, num_hashes=2, num_buckets=4,
-    axial_pos_shape=(32, 64), axial_pos_embds_dim=(16, 16), max_position_embeddings=2048, hash_seed=0,
-    is_decoder=True,
-)
-
-
-def tiny_model() -> ReformerLM:
-    torch.manual_seed(0)
-    return ReformerLM(ReformerConfig(**TINY_CONFIG)).eval()
-
-
-def _export_ready() -> bool:
-    try:
-        from export import load_artifact, save_artifact  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
 
 @pytest.fixture(scope="session")
-def service_artifact_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny saved artifact (no ONNX, to keep it fast)."""
-    from export import save_artifact
-
-    out = tmp_path_factory.mktemp("artifact") / "tiny-reformer"
-    save_artifact(tiny_model(), out, tokenizer=ByteTokenizer(), provenance={"test": "service"}, evaluation={},
-                  onnx=False)
-    return out
-
-
-@pytest.fixture(scope="session")
-def artifact(request: pytest.FixtureRequest) -> Any:
-    """A loaded tiny artifact; a stand-in object with the same attributes while export/ is not there."""
-    if _export_ready():
-        from export import load_artifact
-
-        return load_artifact(request.getfixturevalue("service_artifact_dir"))
-    model = tiny_model()
-    return SimpleNamespace(
-        path=Path("/nonexistent/tiny-reformer"), model=model, tokenizer=ByteTokenizer(), config=model.config,
-        manifest={}, sha256=hashlib.sha256(b"tiny").hexdigest(), onnx_path=None,
-    )
+def artifact(tiny_artifact: Path) -> Any:
+    """The shared tiny artifact, loaded."""
+    return load_artifact(tiny_artifact)
 
 
 def free_port() -> int:
@@ -119,13 +77,13 @@ class ServerProcess:
 
 
 @pytest.fixture(scope="module")
-def server_factory(service_artifact_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+def server_factory(tiny_artifact: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """Start servers with given settings; all are stopped at the end of the module."""
     started: list[ServerProcess] = []
 
     def start(**settings: Any) -> ServerProcess:
         log_path = tmp_path_factory.mktemp("server") / "server.log"
-        server = ServerProcess(service_artifact_dir, log_path, **settings)
+        server = ServerProcess(tiny_artifact, log_path, **settings)
         started.append(server)
         server.wait_ready()
         return server
