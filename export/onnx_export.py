@@ -1,0 +1,266 @@
+"""ONNX export of the eval forward, with dynamic batch and sequence length, and its verification against
+torch on fresh random inputs.
+
+The eager model picks code paths in Python from shapes and data (dense attention for sequences that fit
+one chunk, a padding-free fast path, per-row dense attention for short rows in a batch, feed-forward
+chunking by length). A traced graph keeps one path, so `OnnxForward` runs the one path that is valid
+for every shape: it pads the batch to a chunk multiple with tensor ops inside the graph and gives every
+row chunked attention, each row wrapping within its own padded length. For a row whose own length is
+longer than one chunk this is exactly what eager computes; for a row that fits in one chunk, the chunk
+(and its wrapped neighbour, the same tokens again) holds the whole row, so attention sees the same
+keys, each counted twice, which equals eager's dense attention up to float rounding. Verification
+compares every real token of every row, so both cases are checked, not assumed."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from model import ReformerLM, chunking
+from model.attention import AttentionContext, LocalSelfAttention, LSHSelfAttention, merge_heads, split_heads
+from model.reformer import _own_padded_lengths
+from model.reversible import AttentionBlock
+
+OPSET = 20
+PARITY_TOLERANCE = 1e-4
+RANDOM_OPS = {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli"}
+INPUT_NAMES = ["input_ids", "attention_mask"]
+OUTPUT_NAMES = ["logits", "hidden_states"]
+
+log = logging.getLogger(__name__)
+
+
+class ExportError(Exception):
+    """The model cannot be exported, or its graph does not reproduce torch."""
+
+
+def _attention(block: AttentionBlock, x: Tensor, ctx: AttentionContext) -> Tensor:
+    """The attention block for every row at once: chunked attention, and for rows whose own length fits
+    in one chunk, dense attention over the first chunk (as eager computes for such a row), picked per row
+    with `where` instead of eager's data-dependent branches."""
+    att = block.self_attention
+    h = block.layer_norm(x)
+    c = att.chunk
+    assert ctx.valid is not None
+    first = AttentionContext(valid=ctx.valid[:, :c], own_length=ctx.own_length)
+    if isinstance(att, LSHSelfAttention):
+        qk = split_heads(att.query_key(h), att.heads, att.head_size)  # (B, H, L, D)
+        v = split_heads(att.value(h), att.heads, att.head_size)
+        num_buckets = att.config.num_buckets
+        assert num_buckets is not None
+        buckets = att.hash(qk, num_buckets, ctx.valid)  # (B, H, R, L)
+        chunked = att._chunked(qk, v, buckets, ctx)
+        dense = att._dense(qk[:, :, :c], v[:, :, :c], first)  # (B, H, C, D)
+    elif isinstance(att, LocalSelfAttention):
+        q = split_heads(att.query(h), att.heads, att.head_size)
+        k = split_heads(att.key(h), att.heads, att.head_size) / math.sqrt(att.head_size)
+        v = split_heads(att.value(h), att.heads, att.head_size)
+        chunked = att._chunked(q, k, v, ctx)
+        dense = att._dense(q[:, :, :c], k[:, :, :c], v[:, :, :c], first)
+    else:
+        raise ExportError(f"unknown attention layer {type(att).__name__}")
+    short = (ctx.own_length <= c).view(-1, 1, 1, 1)
+    # positions past the first chunk of a short row are padding: zero, as in eager
+    dense = F.pad(dense, (0, 0, 0, chunked.shape[2] - c))
+    return block.output(merge_heads(torch.where(short, dense, chunked)))
+
+
+class OnnxForward(nn.Module):
+    """(input_ids, attention_mask) int64 (B, L) -> (logits (B, L, vocab), hidden_states (B, L, 2*hidden))."""
+
+    def __init__(self, model: ReformerLM) -> None:
+        super().__init__()
+        check_exportable(model)
+        self.model = model
+        self.multiple = math.lcm(*model.config.chunk_lengths())
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor]:
+        cfg = self.model.config
+        t = input_ids.shape[1]
+        # pad to a chunk multiple: n*multiple is divisible by every chunk length, which lets the exporter
+        # prove the chunk reshapes valid for every length
+        padded = (t + self.multiple - 1) // self.multiple * self.multiple
+        valid = attention_mask > 0
+        pos = torch.arange(t, device=input_ids.device)
+        own = torch.where(valid, pos + 1, torch.zeros_like(pos)).amax(dim=1)  # last real position + 1
+        ids = F.pad(input_ids, (0, padded - t), value=cfg.pad_token_id)
+        valid = F.pad(attention_mask, (0, padded - t), value=0) > 0
+        ctx = AttentionContext(valid=valid, own_length=_own_padded_lengths(own, cfg))
+        x1 = x2 = self.model.embeddings(ids)  # (B, L', hidden)
+        for layer in self.model.layers:
+            x1 = x1 + _attention(layer.attention, x2, ctx)
+            x2 = x2 + layer.feed_forward._forward_chunk(x1, None)
+        h = self.model.final_layer_norm(torch.cat([x1, x2], dim=-1))[:, :t]  # (B, L, 2*hidden)
+        return self.model.lm_head(h), h
+
+
+def check_exportable(model: ReformerLM) -> None:
+    cfg = model.config
+    if cfg.num_buckets is None:
+        raise ExportError(
+            "ONNX export needs a fixed num_buckets in the config: with num_buckets=None the bucket count (and "
+            "so the hash rotations) depends on the sequence length, which a graph with a dynamic length "
+            "cannot hold as constants. Set num_buckets (e.g. 2*max_length/lsh_attn_chunk_length rounded to "
+            "a power of two) before training, or serve this model with the torch backend.")
+
+
+def max_export_length(model: ReformerLM) -> int:
+    """The longest input the graph accepts: its padded length must fit the position embeddings."""
+    multiple = math.lcm(*model.config.chunk_lengths())
+    return model.config.max_position_embeddings // multiple * multiple
+
+
+@contextlib.contextmanager
+def plain_attention() -> Iterator[None]:
+    """Trace the plain softmax formulation, not eager's fused CPU kernel (which has no ONNX form)."""
+    saved = getattr(chunking, "FUSED_ATTENTION", None)
+    if saved is not None:
+        chunking.FUSED_ATTENTION = False  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        if saved is not None:
+            chunking.FUSED_ATTENTION = saved  # type: ignore[attr-defined]
+
+
+def export_onnx(model: ReformerLM, path: Path) -> None:
+    """Write the graph (weights embedded, one file) to `path`."""
+    model = model.eval()
+    wrapper = OnnxForward(model).eval()
+    multiple = wrapper.multiple
+    # example: two rows, a length that is no chunk multiple and spans several chunks
+    t = min(3 * multiple + 3, max_export_length(model))
+    ids = torch.randint(2, model.config.vocab_size, (2, t))
+    mask = torch.ones_like(ids)
+    mask[1, t // 2 :] = 0
+    batch = torch.export.Dim("batch", min=1, max=1 << 16)
+    seq = torch.export.Dim("sequence", min=1, max=max_export_length(model))
+    dynamic = {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}}
+    with torch.no_grad(), plain_attention(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(
+            wrapper, (ids, mask), dynamo=True, opset_version=OPSET, input_names=INPUT_NAMES,
+            output_names=OUTPUT_NAMES, dynamic_shapes=dynamic, optimize=True, verbose=False)
+    assert program is not None
+    program.save(str(path), external_data=False)
+    check_graph(path)
+
+
+def check_graph(path: Path) -> dict[str, Any]:
+    """Structural checks: opset, input/output names and dynamic axes, no random operators."""
+    import onnx
+
+    graph_model = onnx.load(str(path))
+    onnx.checker.check_model(graph_model)
+    ops: set[str] = set()
+
+    def visit(nodes: Any) -> None:
+        for node in nodes:
+            ops.add(node.op_type)
+            for attr in node.attribute:
+                if attr.g is not None:
+                    visit(attr.g.node)
+                for g in attr.graphs:
+                    visit(g.node)
+
+    visit(graph_model.graph.node)
+    for fn in graph_model.functions:
+        visit(fn.node)
+    random_ops = sorted(ops & RANDOM_OPS)
+    if random_ops:
+        raise ExportError(f"{path.name}: graph contains random operators {random_ops}")
+    opset = max(o.version for o in graph_model.opset_import if o.domain in ("", "ai.onnx"))
+    if opset < 17:
+        raise ExportError(f"{path.name}: opset {opset} < 17")
+    names_in = [i.name for i in graph_model.graph.input]
+    names_out = [o.name for o in graph_model.graph.output]
+    if names_in != INPUT_NAMES or names_out != OUTPUT_NAMES:
+        raise ExportError(f"{path.name}: graph inputs {names_in} / outputs {names_out}, expected "
+                          f"{INPUT_NAMES} / {OUTPUT_NAMES}")
+    for value in list(graph_model.graph.input) + list(graph_model.graph.output):
+        dims = value.type.tensor_type.shape.dim[:2]
+        if any(d.HasField("dim_value") for d in dims):
+            raise ExportError(f"{path.name}: {value.name} has a fixed batch or sequence dimension")
+    return {"opset": opset, "ops": sorted(ops), "nodes": len(graph_model.graph.node)}
+
+
+def ort_session(path: Path, threads: int = 0) -> Any:
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.log_severity_level = 3
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def run_ort(session: Any, ids: Tensor, mask: Tensor) -> tuple[np.ndarray, np.ndarray]:
+    logits, hidden = session.run(OUTPUT_NAMES, {"input_ids": ids.numpy(), "attention_mask": mask.numpy()})
+    return logits, hidden
+
+
+def verification_cases(model: ReformerLM, seed: int = 0) -> list[tuple[Tensor, Tensor]]:
+    """Fresh random inputs: single rows of lengths around the chunk length (shorter than one chunk, exact
+    multiples, not multiples, several chunks) and right-padded batches of mixed lengths."""
+    cfg = model.config
+    m = math.lcm(*cfg.chunk_lengths())
+    top = max_export_length(model)
+    g = torch.Generator().manual_seed(seed)
+    lengths = sorted({min(n, top) for n in (1, max(2, m // 2 + 1), m, m + 3, 3 * m - 1, 6 * m + 5)})
+    cases = []
+    for n in lengths:
+        ids = torch.randint(2, cfg.vocab_size, (1, n), generator=g)
+        cases.append((ids, torch.ones_like(ids)))
+    for rows in ([min(4 * m + 7, top), min(m + 1, top), max(1, m // 2)], [min(2 * m, top), min(2 * m - 3, top)]):
+        t = max(rows)
+        ids = torch.randint(2, cfg.vocab_size, (len(rows), t), generator=g)
+        mask = torch.zeros_like(ids)
+        for i, n in enumerate(rows):
+            mask[i, :n] = 1
+        ids = ids.masked_fill(mask == 0, cfg.pad_token_id)
+        cases.append((ids, mask))
+    return cases
+
+
+def verify_onnx(model: ReformerLM, path: Path, seed: int = 0) -> dict[str, Any]:
+    """Max abs difference between torch (the eager model) and onnxruntime over the verification cases,
+    on every real token; raises ExportError above PARITY_TOLERANCE."""
+    session = ort_session(path)
+    worst_logits = worst_hidden = 0.0
+    shapes = []
+    for ids, mask in verification_cases(model, seed):
+        with torch.no_grad():
+            ref = model(ids, mask)
+        logits, hidden = run_ort(session, ids, mask)
+        real = mask.bool().numpy()
+        worst_logits = max(worst_logits, float(np.abs(logits - ref.logits.numpy())[real].max()))
+        worst_hidden = max(worst_hidden, float(np.abs(hidden - ref.hidden_states.numpy())[real].max()))
+        shapes.append([int(v) for v in mask.sum(dim=1)])
+    result = {"max_abs_diff_logits": worst_logits, "max_abs_diff_hidden_states": worst_hidden,
+              "tolerance": PARITY_TOLERANCE, "cases": shapes, "seed": seed}
+    if not worst_logits <= PARITY_TOLERANCE:  # also catches NaN
+        raise ExportError(f"{path.name}: onnxruntime logits differ from torch by {worst_logits:.3g} "
+                          f"(> {PARITY_TOLERANCE}); refusing to write the artifact")
+    return result
+
+
+def export_and_verify(model: ReformerLM, path: Path) -> dict[str, Any]:
+    """Export, check the graph's structure, verify parity; returns what the manifest records."""
+    start = time.perf_counter()
+    export_onnx(model, path)
+    info = check_graph(path)
+    parity = verify_onnx(model, path)
+    log.info("exported %s: opset %d, max abs diff %.3g", path.name, info["opset"], parity["max_abs_diff_logits"])
+    return {"file": path.name, "opset": info["opset"], "nodes": info["nodes"], "dynamic_axes": ["batch", "sequence"],
+            "max_length": max_export_length(model), "random_ops": [], "parity": parity,
+            "max_abs_diff": parity["max_abs_diff_logits"], "export_seconds": round(time.perf_counter() - start, 2)}
