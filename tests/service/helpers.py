@@ -19,14 +19,14 @@ def running_app(artifact: Any, **settings: Any) -> Iterator[TestClient]:
     """An in-process app (lifespan run) that has finished warming up."""
     app = create_app(Settings(**settings), artifact)
     with TestClient(app, raise_server_exceptions=False) as client:
-        wait_ready(client)
+        wait_ready(app.state.service)
         yield client
 
 
-def wait_ready(client: Any, timeout: float = 60.0) -> None:
+def wait_ready(state: Any, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if client.get("/ready").status_code == 200:
+        if state.ready:
             return
         time.sleep(0.02)
     raise AssertionError("the app never became ready")
