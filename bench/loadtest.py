@@ -71,20 +71,14 @@ def _rate_list(text: str) -> list[float]:
 def _url(text: str) -> str:
     parts = urlsplit(text)
     if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise argparse.ArgumentTypeError(
-            f"expected an http(s) URL such as http://127.0.0.1:8000, got {text!r}"
-        )
+        raise argparse.ArgumentTypeError(f"expected an http(s) URL such as http://127.0.0.1:8000, got {text!r}")
     return text.rstrip("/")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="reformer loadtest", description=__doc__)
-    parser.add_argument(
-        "--url", type=_url, required=True, help="the server under test (the only host contacted)"
-    )
-    parser.add_argument(
-        "--docs", type=Path, required=True, help="directory of text files (books) to cut from"
-    )
+    parser.add_argument("--url", type=_url, required=True, help="the server under test (the only host contacted)")
+    parser.add_argument("--docs", type=Path, required=True, help="directory of text files (books) to cut from")
     parser.add_argument(
         "--lengths",
         type=_int_list,
@@ -155,9 +149,7 @@ async def _server_info(client: httpx.AsyncClient) -> dict[str, Any] | None:
         return None
 
 
-async def run(
-    args: argparse.Namespace, documents: dict[int, list[Document]], console: Console
-) -> LoadTestReport:
+async def run(args: argparse.Namespace, documents: dict[int, list[Document]], console: Console) -> LoadTestReport:
     endpoints = ENDPOINT_SETS[args.endpoint]
     bound = Bound(requests=args.requests, duration_s=args.duration)
     if bound.requests is None and bound.duration_s is None:
@@ -268,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         args.markdown.write_text(markdown(report))
     if args.plot:
         for path in plot(report, args.plot):
-            console.print(f"wrote {path}")
+            console.print(f"wrote {path}", soft_wrap=True, markup=False, highlight=False)
     if not report.metrics_check.ok:
         console.print("[bold red]the server's /metrics do not match what the client sent (see above)[/]")
         if args.strict:

@@ -156,8 +156,7 @@ def cut_documents(
     for nbytes in lengths:
         if len(corpus.data) < min_fill * nbytes:
             raise DocumentError(
-                f"--docs {docs_dir} holds {len(corpus.data)} bytes of text, "
-                f"too little for {nbytes}-byte documents"
+                f"--docs {docs_dir} holds {len(corpus.data)} bytes of text, too little for {nbytes}-byte documents"
             )
         fits = [s for s in corpus.unit_starts if s + min_fill * nbytes <= len(corpus.data)]
         if len(fits) < per_length:

@@ -91,16 +91,12 @@ def compare(before: MetricsSnapshot, after: MetricsSnapshot, records: list[Reque
                 client_counts[_status_label(record.status, server_labels)] += 1
         lost = sum(1 for r in records if ROUTES[r.endpoint] == route and r.status == TRANSPORT_ERROR)
         if lost:
-            result.problems.append(
-                f"{route}: {lost} requests got no HTTP response; the server may count them"
-            )
+            result.problems.append(f"{route}: {lost} requests got no HTTP response; the server may count them")
         for status in sorted(set(client_counts) | {s for s in server_labels if delta[(route, s)]}):
             server = delta[(route, status)] if REQUESTS in after.present else None
             client = client_counts[status]
             result.checks.append(
-                CountCheck(
-                    what=f"requests {route} {status}", client=client, server=server, ok=server == client
-                )
+                CountCheck(what=f"requests {route} {status}", client=client, server=server, ok=server == client)
             )
     generation = [r for r in records if r.endpoint in ("generate", "stream")]
     if generation:

@@ -40,6 +40,7 @@ class LevelResult(BaseModel):
     requests: int
     ok: int
     errors: dict[str, int]  # HTTP status (or "no_response", "stream:<error_type>") -> count
+    error_types: dict[str, int] = {}  # "<status> <error_type>" -> count, for the why
     duration_s: float
     requests_per_s: float  # answered without error, per second of wall time
     tokens_per_s: float | None  # generated tokens (generate, stream); input tokens (embed)
@@ -108,6 +109,7 @@ def summarise(
         requests=len(records),
         ok=len(answered),
         errors=dict(sorted(errors.items())),
+        error_types=dict(sorted(Counter(f"{r.status} {r.error}" for r in records if not r.ok).items())),
         duration_s=duration_s,
         requests_per_s=len(answered) / duration_s if duration_s > 0 else 0.0,
         tokens_per_s=tokens_per_s,

@@ -138,7 +138,7 @@ def server_url(tiny_artifact: Path, tmp_path_factory: pytest.TempPathFactory) ->
 def test_load_test_against_the_real_server(server_url: str, docs_dir: Path, tmp_path: Path) -> None:
     out, md, plots = tmp_path / "report.json", tmp_path / "report.md", tmp_path / "plots"
     code = loadtest.main([
-        "--url", server_url, "--docs", str(docs_dir), "--lengths", "256,1024", "--concurrency", "1,8",
+        "--url", server_url, "--docs", str(docs_dir), "--lengths", "256,512", "--concurrency", "1,8",
         "--requests", "4", "--endpoint", "all", "--max-new-tokens", "4", "--docs-per-length", "4",
         "--out", str(out), "--markdown", str(md), "--plot", str(plots), "--strict",
     ])  # fmt: skip
@@ -146,7 +146,7 @@ def test_load_test_against_the_real_server(server_url: str, docs_dir: Path, tmp_
     report = json.loads(out.read_text())
     rows = report["results"]
     assert {(r["endpoint"], r["length_bytes"], r["concurrency"]) for r in rows} == {
-        (e, n, c) for e in ("generate", "stream", "embed") for n in (256, 1024) for c in (1, 8)
+        (e, n, c) for e in ("generate", "stream", "embed") for n in (256, 512) for c in (1, 8)
     }
     for row in rows:
         assert row["requests"] == row["ok"] == 4 and row["errors"] == {}
@@ -163,7 +163,7 @@ def test_load_test_against_the_real_server(server_url: str, docs_dir: Path, tmp_
             if row["generated_tokens"] > row["ok"]:  # some answer had two tokens or more: gaps were timed
                 assert row["itl_s"]["p50"] > 0
     assert {(g["endpoint"], g["length_bytes"]) for g in report["batching_gain"]} == {
-        (e, n) for e in ("generate", "stream", "embed") for n in (256, 1024)
+        (e, n) for e in ("generate", "stream", "embed") for n in (256, 512)
     }
     check = MetricsCheck.model_validate(report["metrics_check"])
     assert check.available and check.ok, check.problems
@@ -191,3 +191,20 @@ def test_strict_run_fails_when_the_server_counted_something_else(
             "--requests", "2", "--endpoint", "embed"]  # fmt: skip
     assert loadtest.main([*args, "--strict"]) == 1
     assert loadtest.main(args) == 0  # without --strict the mismatch is reported, not fatal
+
+
+def test_refused_requests_are_reported_by_status_and_still_cross_checked(
+    server_url: str, docs_dir: Path, tmp_path: Path
+) -> None:
+    # 4 KB documents are longer than the tiny model's 2048 positions: every request is a 422 input_too_long
+    out = tmp_path / "report.json"
+    args = ["--url", server_url, "--docs", str(docs_dir), "--lengths", "4096", "--concurrency", "2",
+            "--requests", "2", "--warmup", "0", "--endpoint", "both", "--out", str(out), "--strict"]  # fmt: skip
+    assert loadtest.main(args) == 1  # nothing answered: a failed run, though the report is written
+    report = json.loads(out.read_text())
+    for row in report["results"]:
+        assert row["ok"] == 0 and row["errors"] == {"422": 2}
+        assert row["error_types"] == {"422 input_too_long": 2}
+        assert row["latency_s"] is None and row["requests_per_s"] == 0
+    check = MetricsCheck.model_validate(report["metrics_check"])
+    assert check.ok and {"requests /generate 422", "requests /embed 422"} <= {c.what for c in check.checks}
