@@ -27,8 +27,17 @@ from .config import ReformerConfig
 from .data import Corpus, DataError, WindowSampler, prepare_corpus, validation_windows
 from .reformer import ReformerLM
 from .train_checkpoint import TrainerState, code_version, load_training_state, save_checkpoint
-from .train_runtime import (DistInfo, StopFlag, all_reduce_sum, average_gradients, evaluate_bpb,
-                            init_distributed, lr_factor, parse_duration)
+from .train_runtime import (
+    DistInfo,
+    StopFlag,
+    all_reduce_sum,
+    average_gradients,
+    evaluate_bpb,
+    init_distributed,
+    lr_factor,
+    max_weight_divergence,
+    parse_duration,
+)
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -115,7 +124,7 @@ class Trainer:
     def __init__(self, args: argparse.Namespace, argv: list[str], info: DistInfo, device: torch.device,
                  corpus: Corpus, cfg: ReformerConfig) -> None:
         self.args, self.argv, self.info, self.device, self.corpus = args, argv, info, device, corpus
-        if args.window + 1 > cfg.max_position_embeddings or cfg.padded_length(args.window) > cfg.max_position_embeddings:
+        if cfg.padded_length(args.window) > cfg.max_position_embeddings:
             raise DataError(f"--window {args.window} is longer than the model's max_position_embeddings "
                             f"{cfg.max_position_embeddings}")
         torch.manual_seed(args.seed)
@@ -140,6 +149,8 @@ class Trainer:
         self.autocast = torch.bfloat16 if (args.bf16 and device.type == "cuda") else None
         self.budget_s = parse_duration(args.time_budget) if args.time_budget else None
         self.max_offset = cfg.max_position_embeddings - cfg.padded_length(args.window)
+        self.code_version = code_version()  # of the code that starts the run, not of a later save
+        self.rank_divergence: float | None = None  # measured at the end of a multi-process run
 
     # ----------------------------------------------------------------------------------------------
     def micro_batch(self, step: int, micro: int) -> tuple[torch.Tensor, int]:
@@ -192,9 +203,11 @@ class Trainer:
             "data_files": self.corpus.provenance(), "steps": self.state.step,
             "tokens_seen": self.state.tokens_seen, "wall_time_s": round(self.state.wall_time_s, 1),
             "seed": self.args.seed, "command": shlex.join(["reformer", "train", *self.argv]),
-            "code_version": code_version(), "world_size": self.info.world_size,
+            "code_version": self.code_version, "world_size": self.info.world_size,
             "parameters": self.lm.num_parameters(), "window": self.args.window,
             "val_fraction": self.args.val_fraction, "device": self.device.type,
+            "ddp": self.args.ddp if self.info.enabled else None,
+            "max_weight_divergence_across_ranks": self.rank_divergence,
         }
 
     def save(self, val: tuple[float, int] | None = None) -> None:
@@ -262,6 +275,7 @@ class Trainer:
                 if args.save_every and self.state.step % args.save_every == 0:
                     self.save()
         bar.close()
+        self.rank_divergence = max_weight_divergence(self.lm, info)
         final = self.validate(args.final_val_windows)
         self.record_val(final, bar)
         self.save(final)

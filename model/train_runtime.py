@@ -130,3 +130,16 @@ class StopFlag:
             raise KeyboardInterrupt
         self.requested = True
         self.signal_name = signal.Signals(signum).name
+
+
+def max_weight_divergence(lm: torch.nn.Module, info: DistInfo) -> float:
+    """Largest absolute difference between this rank's weights and rank 0's, over all ranks: 0.0 when
+    gradient sync kept every replica identical (checked at the end of every multi-process run)."""
+    if not info.enabled:
+        return 0.0
+    flat = torch.cat([p.detach().reshape(-1).float() for p in lm.parameters()])
+    reference = flat.clone()
+    dist.broadcast(reference, src=0)
+    diff = (flat - reference).abs().max().reshape(1)
+    dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+    return float(diff)
