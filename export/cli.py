@@ -1,0 +1,146 @@
+"""`reformer export`, `reformer import-hf` and `reformer verify`: each takes argv and returns an exit code."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from model import ByteTokenizer, ReformerLM
+
+from .artifact import DEFAULT_ARTIFACT, ArtifactError, check_shapes, file_sha256, load_artifact, save_artifact
+from .checkpoint import CheckpointError, checkpoint_weights_path, read_checkpoint_weights
+from .onnx_export import ExportError
+
+log = logging.getLogger("export")
+
+
+def _command(prog: str, argv: list[str]) -> str:
+    return shlex.join([prog, *argv])
+
+
+def _fail(prog: str, message: object) -> int:
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    return 1
+
+
+def _summary(path: Path, manifest: dict[str, Any]) -> str:
+    lines = [f"artifact written to {path}"]
+    onnx = manifest.get("export", {}).get("onnx")
+    if onnx:
+        lines.append(f"  ONNX (opset {onnx['opset']}): max abs diff vs torch {onnx['max_abs_diff']:.3g}")
+    int8 = manifest.get("evaluation", {}).get("int8")
+    if int8:
+        lines.append(f"  int8: {int8['bits_per_byte_fp32']:.4f} -> {int8['bits_per_byte_int8']:.4f} bits per byte"
+                     f" ({int8['bits_per_byte_change']:+.4f})")
+    return "\n".join(lines)
+
+
+def _add_output_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quantize", choices=["int8"], help="also write a dynamically quantised model.int8.onnx")
+    p.add_argument("--no-onnx", action="store_true", help="skip the ONNX graph (torch backend only)")
+    p.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists and is not empty")
+
+
+def export_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="reformer export", description=(
+        "Turn a training checkpoint (a directory with model.safetensors whose metadata holds the config) "
+        "into a served artifact: config, weights, tokenizer, manifest and a verified ONNX graph."))
+    p.add_argument("checkpoint", type=Path, help="checkpoint directory (or its model.safetensors)")
+    p.add_argument("out_dir", type=Path, help="artifact directory to write")
+    _add_output_flags(p)
+    p.add_argument("--eval-data", type=Path,
+                   help="text file or directory of *.txt whose tails are held out, for the int8 bits-per-byte check"
+                        " (default: a small built-in text)")
+    p.add_argument("--eval-bytes", type=int, default=32768, help="bytes taken from the end of each eval file")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.quantize and args.no_onnx:
+        return _fail(p.prog, "--quantize int8 quantises the ONNX graph; it cannot be combined with --no-onnx")
+    try:
+        config, state, metadata = read_checkpoint_weights(args.checkpoint)
+        weights = checkpoint_weights_path(args.checkpoint)
+        model = ReformerLM(config)
+        try:
+            check_shapes(model, state)
+        except ArtifactError as e:
+            raise CheckpointError(f"{weights}: {str(e).split(': ', 1)[1]}") from e
+        model.load_state_dict(state)
+        model.eval()
+        tok_meta = metadata.get("tokenizer")
+        tokenizer = ByteTokenizer.from_dict(tok_meta) if isinstance(tok_meta, dict) else ByteTokenizer()
+        provenance = dict(metadata.get("provenance") or {}) if isinstance(metadata.get("provenance"), dict) else {}
+        provenance["checkpoint"] = {"path": str(weights.resolve()), "sha256": file_sha256(weights)}
+        provenance["export_command"] = _command("reformer export", argv)
+        evaluation = metadata.get("evaluation") if isinstance(metadata.get("evaluation"), dict) else {}
+        eval_text = None
+        if args.eval_data is not None:
+            from .quantize import read_eval_data
+
+            eval_text = read_eval_data(args.eval_data, args.eval_bytes)
+        out = save_artifact(model, args.out_dir, tokenizer=tokenizer, provenance=provenance, evaluation=evaluation,
+                            onnx=not args.no_onnx, quantize=args.quantize, eval_text=eval_text,
+                            overwrite=args.force)
+    except (CheckpointError, ExportError, FileExistsError, FileNotFoundError, ValueError) as e:
+        return _fail(p.prog, e)
+    print(_summary(out, json.loads((out / "manifest.json").read_text())))
+    return 0
+
+
+def import_hf_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="reformer import-hf", description=(
+        "Convert a local transformers Reformer checkpoint directory (config.json plus model.safetensors or "
+        "pytorch_model.bin) into an artifact, after checking logits parity against transformers."))
+    p.add_argument("hf_dir", type=Path, help="directory saved by transformers (save_pretrained) or downloaded")
+    p.add_argument("out_dir", type=Path, help="artifact directory to write")
+    _add_output_flags(p)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from .hf_import import HFImportError, import_hf
+
+    try:
+        out, parity = import_hf(args.hf_dir, args.out_dir, onnx=not args.no_onnx, quantize=args.quantize,
+                                overwrite=args.force, command=_command("reformer import-hf", argv))
+    except (HFImportError, ExportError, FileExistsError, ValueError) as e:
+        return _fail(p.prog, e)
+    if parity["checked"]:
+        print(f"logits parity with transformers: max abs diff {parity['max_abs_diff']:.3g} at lengths "
+              f"{parity['lengths']}")
+    else:
+        print(f"logits parity with transformers NOT checked: {parity['reason']} "
+              "(pip install transformers to check it)", file=sys.stderr)
+    print(_summary(out, json.loads((out / "manifest.json").read_text())))
+    return 0
+
+
+def verify_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="reformer verify", description=(
+        "Check an artifact: manifest format, every file's size and sha256, config against weight shapes, "
+        "and (when it has one) the ONNX graph's structure and its parity with torch on fresh random inputs."))
+    p.add_argument("artifact", type=Path, nargs="?", default=DEFAULT_ARTIFACT,
+                   help="artifact directory (default: the shipped default artifact)")
+    p.add_argument("--seed", type=int, default=1, help="seed of the fresh random inputs for the ONNX check")
+    args = p.parse_args(argv)
+    try:
+        art = load_artifact(args.artifact)
+    except ArtifactError as e:
+        return _fail(p.prog, e)
+    print(f"{art.path}: manifest and {len(art.manifest['files'])} files check out; "
+          f"{art.model.num_parameters():,} parameters; weights sha256 {art.sha256[:16]}")
+    if art.onnx_path is None:
+        print("no ONNX graph in this artifact")
+        return 0
+    from .onnx_export import check_graph, verify_onnx
+
+    try:
+        info = check_graph(art.onnx_path)
+        parity = verify_onnx(art.model, art.onnx_path, seed=args.seed)
+    except ExportError as e:
+        return _fail(p.prog, e)
+    print(f"{art.onnx_path.name}: opset {info['opset']}, no random operators, dynamic batch and length; "
+          f"max abs diff vs torch {parity['max_abs_diff_logits']:.3g} (tolerance {parity['tolerance']})")
+    return 0

@@ -1,0 +1,114 @@
+"""ONNX export: parity with torch at lengths and batch sizes other than the traced ones, structure (opset,
+names, dynamic axes, no random operators), refusal of a graph that disagrees, int8 quantisation."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from export import load_artifact, save_artifact
+from export import onnx_export as ox
+from export.cli import verify_main
+from export.quantize import BUILTIN_EVAL_TEXT, bits_per_byte_onnx, bits_per_byte_torch
+from model import ByteTokenizer
+from tests.conftest import tiny_model
+
+
+@pytest.fixture(scope="module")
+def onnx_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One export (the slow part, ~1 min on 2 cores) shared by this module: ONNX plus int8."""
+    out = tmp_path_factory.mktemp("onnx") / "artifact"
+    return save_artifact(tiny_model(), out, tokenizer=ByteTokenizer(), onnx=True, quantize="int8")
+
+
+def test_manifest_records_export_parity_and_hashes_the_graphs(onnx_artifact: Path) -> None:
+    art = load_artifact(onnx_artifact)
+    assert art.onnx_path == onnx_artifact / "model.onnx"
+    assert art.onnx_int8_path == onnx_artifact / "model.int8.onnx"
+    assert {"model.onnx", "model.int8.onnx"} <= set(art.manifest["files"])
+    record = art.manifest["export"]["onnx"]
+    assert record["opset"] >= 17
+    assert 0.0 <= record["max_abs_diff"] <= 1e-4
+    # the verification covered short, chunk-multiple, non-multiple and padded-batch inputs
+    cases = record["parity"]["cases"]
+    assert [1] in cases and [8] in cases and [11] in cases
+    assert any(len(c) > 1 and len(set(c)) > 1 for c in cases)
+
+
+def test_graph_has_dynamic_axes_named_io_and_no_random_ops(onnx_artifact: Path) -> None:
+    graph = onnx.load(str(onnx_artifact / "model.onnx"))
+    assert [i.name for i in graph.graph.input] == ["input_ids", "attention_mask"]
+    assert [o.name for o in graph.graph.output] == ["logits", "hidden_states"]
+    for value in graph.graph.input:
+        assert value.type.tensor_type.elem_type == onnx.TensorProto.INT64
+        dims = value.type.tensor_type.shape.dim
+        assert len(dims) == 2 and all(d.dim_param and not d.HasField("dim_value") for d in dims)
+    ops = {n.op_type for n in graph.graph.node}
+    assert not ops & ox.RANDOM_OPS
+    assert not any(op.startswith("Random") for op in ops)
+    assert not list(onnx_artifact.glob("*.data"))  # weights embedded, one file
+
+
+@pytest.mark.parametrize("lengths", [[1], [9], [100], [1000], [17, 3, 40, 8]])
+def test_onnx_matches_torch_on_shapes_it_was_not_traced_with(onnx_artifact: Path, lengths: list[int]) -> None:
+    model = tiny_model()
+    session = ox.ort_session(onnx_artifact / "model.onnx")
+    g = torch.Generator().manual_seed(sum(lengths))
+    t = max(lengths)
+    ids = torch.randint(2, 258, (len(lengths), t), generator=g)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        mask[i, :n] = 1
+    logits, hidden = ox.run_ort(session, ids, mask)
+    with torch.no_grad():
+        ref = model(ids, mask)
+    assert logits.shape == (len(lengths), t, 258) and hidden.shape == (len(lengths), t, 64)
+    real = mask.bool().numpy()
+    assert np.abs(logits - ref.logits.numpy())[real].max() <= 1e-4
+    assert np.abs(hidden - ref.hidden_states.numpy())[real].max() <= 1e-3
+
+
+def test_verify_command_rechecks_a_graph_with_fresh_inputs(onnx_artifact: Path, capsys: pytest.CaptureFixture[str]
+                                                           ) -> None:
+    assert verify_main([str(onnx_artifact), "--seed", "5"]) == 0
+    assert "max abs diff vs torch" in capsys.readouterr().out
+
+
+def test_export_refuses_a_graph_that_disagrees_with_torch(onnx_artifact: Path, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # the "export" of a different model's weights yields seed-0 weights' graph: parity must fail
+    def stale_export(model: object, path: Path) -> None:
+        shutil.copy(onnx_artifact / "model.onnx", path)
+
+    monkeypatch.setattr(ox, "export_onnx", stale_export)
+    out = tmp_path / "refused"
+    with pytest.raises(ox.ExportError, match=r"model\.onnx: onnxruntime logits differ from torch by"):
+        save_artifact(tiny_model(seed=1), out, onnx=True)
+    assert not out.exists()
+    assert list(tmp_path.iterdir()) == []  # no staging directory left behind
+
+
+def test_export_needs_a_fixed_bucket_count() -> None:
+    with pytest.raises(ox.ExportError, match="fixed num_buckets"):
+        ox.OnnxForward(tiny_model(num_buckets=None))
+
+
+def test_int8_graph_is_quantised_and_its_quality_change_recorded(onnx_artifact: Path) -> None:
+    manifest = json.loads((onnx_artifact / "manifest.json").read_text())
+    ev = manifest["evaluation"]["int8"]
+    assert ev["text"] == "builtin" and ev["bytes"] == len(BUILTIN_EVAL_TEXT)
+    assert ev["bits_per_byte_change"] == pytest.approx(ev["bits_per_byte_int8"] - ev["bits_per_byte_fp32"])
+    # the fp32 graph's figure is the torch model's figure
+    torch_bpb = bits_per_byte_torch(tiny_model(), BUILTIN_EVAL_TEXT, ByteTokenizer(), ev["window"])
+    assert ev["bits_per_byte_fp32"] == pytest.approx(torch_bpb, abs=1e-4)
+    int8_bpb = bits_per_byte_onnx(onnx_artifact / "model.int8.onnx", BUILTIN_EVAL_TEXT, ByteTokenizer(), ev["window"])
+    assert int8_bpb == pytest.approx(ev["bits_per_byte_int8"], abs=1e-6)
+    ops = {n.op_type for n in onnx.load(str(onnx_artifact / "model.int8.onnx")).graph.node}
+    assert ops & {"MatMulInteger", "DynamicQuantizeLinear", "DynamicQuantizeMatMul"}
+    assert not ops & ox.RANDOM_OPS
