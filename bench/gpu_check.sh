@@ -12,6 +12,7 @@
 #   --out DIR       where the logs, /metrics scrape and JSON summary go (default bench/results/gpu_check)
 #   --wheels DIR    install offline from these wheels (a host with no package index)
 #   --allow-cpu     run on the CPU when no GPU is visible (to try the script itself; no GPU series then)
+#   --skip-install  use the venv as it is (GPU_CHECK_VENV names it; default /tmp/reformer-gpu-check-venv)
 set -euo pipefail
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -21,9 +22,11 @@ OUT="$REPO/bench/results/gpu_check"
 PORT=8000
 WHEELS=""
 ALLOW_CPU=0
+SKIP_INSTALL=0
 VENV=${GPU_CHECK_VENV:-/tmp/reformer-gpu-check-venv}
 # Per-step limits (seconds): install, load + warm-up, all requests, forward benchmark, drain.
-INSTALL_S=150 READY_S=180 REQUESTS_S=120 FORWARD_S=150 STOP_S=45
+INSTALL_S=${GPU_CHECK_INSTALL_S:-150} READY_S=${GPU_CHECK_READY_S:-180} STOP_S=45
+REQUESTS_S=${GPU_CHECK_REQUESTS_S:-120} FORWARD_S=${GPU_CHECK_FORWARD_S:-150}
 
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -33,7 +36,8 @@ while [[ $# -gt 0 ]]; do
     --port) PORT=$2; shift 2 ;;
     --wheels) WHEELS=$(realpath "$2"); shift 2 ;;
     --allow-cpu) ALLOW_CPU=1; shift ;;
-    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+    --skip-install) SKIP_INSTALL=1; shift ;;
+    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
     *) echo "gpu_check: unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -50,7 +54,9 @@ PY="$VENV/bin/python"
 PIP_ARGS=(--quiet --disable-pip-version-check)
 [[ -n "$WHEELS" ]] && PIP_ARGS+=(--no-index --find-links "$WHEELS")
 # A torch already installed (the host's CUDA build) satisfies the package's torch>=2.4: pip keeps it.
-timeout "$INSTALL_S" "$PY" -m pip install "${PIP_ARGS[@]}" -e "$REPO"
+if [[ $SKIP_INSTALL == 0 ]]; then
+  timeout "$INSTALL_S" "$PY" -m pip install "${PIP_ARGS[@]}" -e "$REPO"
+fi
 "$PY" - <<'EOF'
 import torch
 print(f"torch {torch.__version__}, CUDA build {torch.version.cuda}, GPU visible: {torch.cuda.is_available()}")
@@ -58,7 +64,7 @@ for index in range(torch.cuda.device_count()):
     props = torch.cuda.get_device_properties(index)
     print(f"  cuda:{index} {props.name}, {props.total_memory / 2**30:.1f} GiB")
 EOF
-if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+if "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   DEVICE=cuda
 elif [[ $ALLOW_CPU == 1 ]]; then
   DEVICE=cpu
@@ -103,7 +109,8 @@ step "waiting for /ready (at most ${READY_S}s: load and warm-up)"
 READY_START=$(date +%s)
 until curl -sf "http://127.0.0.1:$PORT/ready" >/dev/null; do
   if ! kill -0 "$SERVER_PID" 2>/dev/null; then
-    echo "gpu_check: the server exited before it was ready; its log:" >&2; tail -40 "$OUT/server.log" >&2; exit 1
+    echo "gpu_check: the server exited before it was ready; its log:" >&2
+    tail -40 "$OUT/server.log" >&2; exit 1
   fi
   if (( $(date +%s) - READY_START > READY_S )); then
     echo "gpu_check: not ready after ${READY_S}s; log tail:" >&2; tail -40 "$OUT/server.log" >&2; exit 1
@@ -114,7 +121,9 @@ echo "ready after $(( $(date +%s) - READY_START ))s"
 curl -sf "http://127.0.0.1:$PORT/info" >"$OUT/info.json" || true
 
 step "requests of 1K-64K bytes: /embed and /generate, then 8 concurrent 4K embeds"
-timeout "$REQUESTS_S" "$PY" - "http://127.0.0.1:$PORT" "$DOCS" "$OUT/requests.json" <<'EOF'
+FAILED_STEPS=()
+timeout "$REQUESTS_S" "$PY" - "http://127.0.0.1:$PORT" "$DOCS" "$OUT/requests.json" <<'EOF' \
+  || { echo "gpu_check: the requests step failed or ran out of time (exit $?)"; FAILED_STEPS+=(requests); }
 import asyncio, json, sys, time
 from pathlib import Path
 import httpx
@@ -130,14 +139,27 @@ def cut(nbytes: int, offset: int = 0) -> str:
     return data[offset : offset + nbytes].decode("utf-8", errors="ignore")
 
 info = httpx.get(f"{url}/info", timeout=30).json()
-print("server:", json.dumps({k: info.get(k) for k in ("backend", "device", "dtype", "version") if k in info}))
+print("server:", json.dumps({k: info.get(k) for k in ("model_id", "backend", "device", "dtype", "version")}))
+NEW_TOKENS = 32
+# Inputs longer than the model's limit keep their last tokens; the prompt leaves room for the new ones.
+max_input = int(info.get("limits", {}).get("max_input_tokens") or 65536)
+prompt_budget = max(1, max_input - NEW_TOKENS)
 rows = []
+print(f"{'route':<22}{'bytes':>7}{'status':>9}{'seconds':>9}{'prompt tok':>11}{'new tok':>8}", flush=True)
+
+def show(row: dict) -> None:
+    print(f"{row['route']:<22}{row['bytes']:>7}{str(row['status']):>9}{row['seconds']:>9.3f}"
+          f"{str(row.get('x-prompt-tokens') or ''):>11}{str(row.get('x-generated-tokens') or ''):>8}", flush=True)
+    if "body" in row:
+        print("    ", row["body"], flush=True)
+
 with httpx.Client(base_url=url, timeout=90) as client:
     for nbytes in (1024, 4096, 16384, 65536):
         doc = cut(nbytes)
         for route, body in (
             ("/embed", {"inputs": doc, "truncate": True}),
-            ("/generate", {"inputs": doc, "parameters": {"max_new_tokens": 32, "truncate": 65536}}),
+            ("/generate", {"inputs": doc,
+                           "parameters": {"max_new_tokens": NEW_TOKENS, "truncate": prompt_budget}}),
         ):
             start = time.perf_counter()
             response = client.post(route, json=body)
@@ -148,6 +170,7 @@ with httpx.Client(base_url=url, timeout=90) as client:
                                                                  "x-queue-time", "x-inference-time")}})
             if response.status_code != 200:
                 rows[-1]["body"] = response.text[:300]
+            show(rows[-1])
 
 async def concurrent_embeds(n: int) -> dict:
     async with httpx.AsyncClient(base_url=url, timeout=90) as client:
@@ -155,16 +178,13 @@ async def concurrent_embeds(n: int) -> dict:
         responses = await asyncio.gather(*(client.post("/embed", json={"inputs": cut(4096, 4096 * i)})
                                            for i in range(n)))
         elapsed = time.perf_counter() - start
-    return {"route": "/embed x8 concurrent", "bytes": 4096, "status": sorted({r.status_code for r in responses}),
+    statuses = sorted({r.status_code for r in responses})
+    return {"route": "/embed x8 concurrent", "bytes": 4096, "status": statuses,
             "seconds": round(elapsed, 4), "requests_per_s": round(n / elapsed, 2)}
 
 rows.append(asyncio.run(concurrent_embeds(8)))
-print(f"{'route':<22}{'bytes':>7}{'status':>9}{'seconds':>9}{'prompt tok':>11}{'new tok':>8}")
-for row in rows:
-    print(f"{row['route']:<22}{row['bytes']:>7}{str(row['status']):>9}{row['seconds']:>9.3f}"
-          f"{str(row.get('x-prompt-tokens') or ''):>11}{str(row.get('x-generated-tokens') or ''):>8}")
-    if "body" in row:
-        print("    ", row["body"])
+show(rows[-1])
+print(f"    {rows[-1]['requests_per_s']} requests/s")
 out.write_text(json.dumps({"info": info, "requests": rows}, indent=2))
 failed = [r for r in rows if r["status"] not in (200, [200])]
 sys.exit(1 if failed else 0)
@@ -184,18 +204,25 @@ kill -TERM "$SERVER_PID"
 if timeout "$STOP_S" tail --pid="$SERVER_PID" -f /dev/null; then
   wait "$SERVER_PID" && CODE=0 || CODE=$?
   echo "exited with code $CODE after $(( $(date +%s) - STOP_START ))s"
+  [[ $CODE == 0 ]] || FAILED_STEPS+=(drain)
 else
   echo "gpu_check: still running ${STOP_S}s after SIGTERM" >&2
+  FAILED_STEPS+=(drain)
 fi
 trap - EXIT
 
 if [[ -f "$REPO/bench/forward.py" ]]; then
   step "bench/forward.py on $DEVICE (at most ${FORWARD_S}s)"
   (cd "$REPO" && timeout "$FORWARD_S" "$PY" bench/forward.py --device "$DEVICE" --out "$OUT/forward.json") \
-    || echo "gpu_check: bench/forward.py failed or ran out of time (exit $?)"
+    || { echo "gpu_check: bench/forward.py failed or ran out of time (exit $?)"; FAILED_STEPS+=(forward); }
 else
   echo "bench/forward.py is not in this checkout: forward benchmark skipped"
 fi
 
 step "done in $(( $(date +%s) - START ))s; files in $OUT"
 ls -1 "$OUT"
+if (( ${#FAILED_STEPS[@]} )); then
+  echo "gpu_check: FAILED: ${FAILED_STEPS[*]}"
+  exit 1
+fi
+echo "gpu_check: all steps passed"

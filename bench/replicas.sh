@@ -52,8 +52,9 @@ log() { printf '[replicas %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 
 replica_pid() { cat "$WORK/replica$1.pid"; }
 
-# Replica pids live in files: a replica restarted by the background rolling_restart is not a child of
-# this shell, so it is stopped by pid and polled rather than waited for.
+# Each replica runs under a small watcher subshell that writes the replica's pid and, when it ends, its
+# exit code to files: the background rolling_restart and stop_all are not the replicas' parent shell,
+# so they signal by pid and poll rather than `wait`.
 stop_all() {
   local pidfile pid deadline
   for pidfile in "$WORK"/replica*.pid; do
@@ -83,10 +84,16 @@ ensure_nginx() {
 start_replica() {  # index
   local port=$((BASE_PORT + $1)) args=(serve --host 127.0.0.1 --port "$((BASE_PORT + $1))")
   [[ -n "$ARTIFACT" ]] && args+=("$ARTIFACT")
-  REFORMER_GRACE_PERIOD_S=$GRACE_S REFORMER_LOG_JSON=true "$REFORMER" "${args[@]}" \
-    >>"$WORK/replica$1.log" 2>&1 &
-  echo $! >"$WORK/replica$1.pid"
-  log "replica $1 on port $port (pid $!)"
+  rm -f "$WORK/replica$1.pid" "$WORK/replica$1.exit"
+  (
+    REFORMER_GRACE_PERIOD_S=$GRACE_S REFORMER_LOG_JSON=true "$REFORMER" "${args[@]}" \
+      >>"$WORK/replica$1.log" 2>&1 &
+    echo $! >"$WORK/replica$1.pid"
+    wait $! && code=0 || code=$?
+    echo "$code" >"$WORK/replica$1.exit"
+  ) &
+  until [[ -s "$WORK/replica$1.pid" ]]; do sleep 0.05; done
+  log "replica $1 on port $port (pid $(replica_pid "$1"))"
 }
 
 wait_ready() {  # index
@@ -165,7 +172,8 @@ rolling_restart() {  # index: SIGTERM one replica mid-run, wait for its drain an
   start=$(date +%s)
   log "SIGTERM to replica $1 (pid $pid)"
   kill -TERM "$pid"
-  wait "$pid" && code=0 || code=$?  # the replica is a child of this shell: its exit code is ours to read
+  until [[ -s "$WORK/replica$1.exit" ]]; do sleep 0.1; done
+  code=$(cat "$WORK/replica$1.exit")
   log "replica $1 exited with code $code after $(( $(date +%s) - start ))s"
   echo "$code $(( $(date +%s) - start ))" >"$WORK/restart-$1.txt"
   start_replica "$1"
