@@ -20,7 +20,7 @@ log = logging.getLogger("export")
 
 
 def _command(prog: str, argv: list[str]) -> str:
-    return shlex.join([prog, *argv])
+    return " ".join([prog, shlex.join(argv)])
 
 
 def _fail(prog: str, message: object) -> int:

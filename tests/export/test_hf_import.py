@@ -1,0 +1,102 @@
+"""`reformer import-hf` on checkpoints transformers saves in the test (random weights, no download)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from export import load_artifact
+from export.cli import import_hf_main
+from export.hf_import import HFImportError, import_hf, read_hf_checkpoint
+from model import ByteTokenizer
+
+
+def hf_model(vocab_size: int = 258) -> object:
+    cfg = transformers.ReformerConfig(
+        vocab_size=vocab_size, hidden_size=32, num_attention_heads=2, attention_head_size=16,
+        attn_layers=["local", "lsh", "local"], feed_forward_size=64, lsh_attn_chunk_length=8,
+        local_attn_chunk_length=16, num_hashes=2, num_buckets=4, axial_pos_shape=(32, 64),
+        axial_pos_embds_dim=(16, 16), max_position_embeddings=2048, is_decoder=True, hash_seed=None,
+        hidden_dropout_prob=0.0, lsh_attention_probs_dropout_prob=0.0, local_attention_probs_dropout_prob=0.0,
+        initializer_range=0.3, axial_norm_std=0.5, eos_token_id=2)
+    torch.manual_seed(0)
+    return transformers.ReformerModelWithLMHead(cfg).eval()
+
+
+def save_hf(directory: Path, fmt: str, vocab_size: int = 258) -> object:
+    model = hf_model(vocab_size)
+    model.save_pretrained(str(directory))  # type: ignore[attr-defined]
+    if fmt == "bin":
+        # transformers 5 only writes safetensors; a .bin checkpoint is its state dict saved by torch
+        (directory / "model.safetensors").unlink()
+        torch.save(model.state_dict(), directory / "pytorch_model.bin")  # type: ignore[attr-defined]
+    return model
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "bin"])
+def test_import_hf_gives_transformers_logits(tmp_path: Path, fmt: str, capsys: pytest.CaptureFixture[str]) -> None:
+    reference = save_hf(tmp_path / "hf", fmt)
+    out = tmp_path / "art"
+    assert import_hf_main([str(tmp_path / "hf"), str(out), "--no-onnx"]) == 0
+    assert "logits parity with transformers: max abs diff" in capsys.readouterr().out
+    art = load_artifact(out)
+    assert art.tokenizer == ByteTokenizer(eos_id=2)
+    assert art.config.hash_seed == 0  # unset in the checkpoint: fixed so that serving is deterministic
+    parity = art.manifest["evaluation"]["transformers_parity"]
+    assert parity["checked"] and parity["max_abs_diff"] <= 1e-4
+    weights = "model.safetensors" if fmt == "safetensors" else "pytorch_model.bin"
+    assert set(art.manifest["provenance"]["files"]) == {"config.json", weights}
+    # an independent check: the same rotations (seed 0) in the reference give the artifact's logits
+    reference.config.hash_seed = 0  # type: ignore[attr-defined]
+    for layer in reference.reformer.encoder.layers:  # type: ignore[attr-defined]
+        layer.attention.self_attention.hash_seed = 0
+    ids = torch.randint(0, 258, (2, 37))
+    with torch.no_grad():
+        ref = reference(ids, use_cache=False).logits  # type: ignore[operator]
+        got = art.model(ids).logits
+    assert (ref - got).abs().max() <= 1e-4
+
+
+def test_non_byte_level_vocabulary_is_refused(tmp_path: Path) -> None:
+    save_hf(tmp_path / "hf320", "safetensors", vocab_size=320)
+    with pytest.raises(HFImportError, match="vocab_size 320 is not byte-level"):
+        import_hf(tmp_path / "hf320", tmp_path / "art320", onnx=False)
+    assert not (tmp_path / "art320").exists()
+
+
+def test_bin_checkpoint_is_read_without_unpickling_code(tmp_path: Path) -> None:
+    d = tmp_path / "hf"
+    save_hf(d, "bin")
+
+    class Payload:
+        def __reduce__(self) -> tuple[object, tuple[str]]:
+            return (print, ("unpickled",))
+
+    torch.save({"x": Payload()}, d / "pytorch_model.bin")
+    with pytest.raises(HFImportError, match=r"pytorch_model\.bin: cannot be loaded as a weights-only"):
+        read_hf_checkpoint(d)
+
+
+def test_missing_files_are_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    d = tmp_path / "hf"
+    save_hf(d, "safetensors")
+    (d / "model.safetensors").unlink()
+    assert import_hf_main([str(d), str(tmp_path / "art"), "--no-onnx"]) == 1
+    assert "neither model.safetensors nor pytorch_model.bin" in capsys.readouterr().err
+    (d / "config.json").unlink()
+    assert import_hf_main([str(d), str(tmp_path / "art"), "--no-onnx"]) == 1
+    assert "config.json: missing" in capsys.readouterr().err
+
+
+def test_checkpoint_of_another_model_type_is_refused(tmp_path: Path) -> None:
+    d = tmp_path / "hf"
+    save_hf(d, "safetensors")
+    config = json.loads((d / "config.json").read_text())
+    config["model_type"] = "gpt2"
+    (d / "config.json").write_text(json.dumps(config))
+    with pytest.raises(HFImportError, match="model_type is 'gpt2'"):
+        read_hf_checkpoint(d)
