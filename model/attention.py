@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .chunking import attend, attention_bias, gather_chunks, self_positions, window_chunk_index
+from .chunking import attend, attention_bias, gather_chunks, look_adjacent, window_chunk_index
 from .config import ReformerConfig
 
 
@@ -105,7 +105,10 @@ class LSHSelfAttention(nn.Module):
         start, scale = 0, 1
         for f in factors:
             part = rotated[..., start : start + f // 2]
-            b = torch.argmax(torch.cat([part, -part], dim=-1), dim=-1)  # (B, H, R, L)
+            # argmax over [x, -x] without building it: the larger of max(x) and -min(x) wins, x on ties
+            hi, hi_idx = part.max(dim=-1)
+            lo, lo_idx = part.min(dim=-1)
+            b = torch.where(hi >= -lo, hi_idx, lo_idx + f // 2)  # (B, H, R, L)
             buckets = b if buckets is None else buckets + scale * b
             start, scale = start + f // 2, scale * f
         assert buckets is not None
@@ -151,57 +154,61 @@ class LSHSelfAttention(nn.Module):
         k = length_normalize(qk) / math.sqrt(self.head_size)
         pos = torch.arange(qk.shape[2], device=qk.device)
         kv = None if ctx.valid is None else ctx.valid[:, None, :]  # (B, 1, L)
-        bias = attention_bias(pos, pos, kv, self.causal, qk.dtype)  # (B|1, 1, L, L)
-        same = self_positions(pos, pos)
-        out, _ = attend(qk, k, v, bias, same, self.dropout if self.training else 0.0, ctx.generator)
+        bias = attention_bias(pos, pos, kv, self.causal, True, qk.dtype)  # (B|1, 1, L, L)
+        out, _ = attend(qk, k, v, bias, self.dropout if self.training else 0.0, ctx.generator)
         return out
 
     def _chunked(self, qk: Tensor, v: Tensor, buckets: Tensor, ctx: AttentionContext) -> Tensor:
         b, h, t, d = qk.shape
         r, c = self.rounds, self.chunk
-        n_chunks = t // c
+        n = t // c
         pos = torch.arange(t, device=qk.device)
         # sort each round by (bucket, position); keys are unique, so any sort is stable here
         order = torch.argsort(buckets * t + pos, dim=-1)  # (B, H, R, L)
         sorted_pos = order.reshape(b, h, r * t)  # (B, H, R*L)
         own_chunks = torch.clamp((ctx.own_length + c - 1) // c, min=1)
-        win = window_chunk_index(own_chunks, r, n_chunks, self.before, self.after)  # (B, R*N, W)
+        win = window_chunk_index(own_chunks, r, n, self.before, self.after)  # (B, R*N, W)
+        # one circular window layout for the whole batch when no row is shorter than the batch
+        uniform = not torch.jit.is_tracing() and bool((own_chunks == n).all())
+        k = length_normalize(qk) / math.sqrt(self.head_size)  # (B, H, L, D)
+        self_logit = (qk * k).sum(-1)  # (B, H, L): each query's logit for its own key
         valid = ctx.valid
         dropout = self.dropout if self.training else 0.0
+        out = torch.empty_like(qk)  # (B, H, L, D)
         # heads one at a time outside training: peak memory is one head's score blocks. (Training keeps one
         # layout so the reversible backward's recomputation draws the same dropout masks as the forward.)
         head_groups = [slice(0, h)] if self.training else [slice(i, i + 1) for i in range(h)]
-        outs, lses = [], []
         for hs in head_groups:
             sp = sorted_pos[:, hs]  # (B, h', R*L)
             hh = sp.shape[1]
-            q_s = torch.gather(qk[:, hs], 2, sp.unsqueeze(-1).expand(-1, -1, -1, d))  # (B, h', R*L, D)
-            v_s = torch.gather(v[:, hs], 2, sp.unsqueeze(-1).expand(-1, -1, -1, d))
-            k_s = length_normalize(q_s) / math.sqrt(self.head_size)
-            q_c = q_s.view(b, hh, r * n_chunks, c, d)  # (B, h', R*N, C, D)
-            k_w = gather_chunks(k_s.view(b, hh, r * n_chunks, c, d), win)  # (B, h', R*N, W*C, D)
-            v_w = gather_chunks(v_s.view(b, hh, r * n_chunks, c, d), win)
-            qp = sp.view(b, hh, r * n_chunks, c)  # (B, h', R*N, C)
-            kp = gather_chunks(qp.unsqueeze(-1), win).squeeze(-1)  # (B, h', R*N, W*C)
-            kv = None if valid is None else torch.gather(
-                valid[:, None, None, :].expand(b, hh, r * n_chunks, t), 3, kp)
-            bias = attention_bias(qp, kp, kv, self.causal, qk.dtype)
-            # o (B, h, R*N, C, D), lse (B, h, R*N, C)
-            o, lse = attend(q_c, k_w, v_w, bias, self_positions(qp, kp), dropout, ctx.generator)
+            idx_d = sp.unsqueeze(-1).expand(-1, -1, -1, d)
+            q_c = torch.gather(qk[:, hs], 2, idx_d).view(b, hh, r * n, c, d)  # (B, h', R*N, C, D)
+            k_c = torch.gather(k[:, hs], 2, idx_d).view(b, hh, r * n, c, d)
+            v_c = torch.gather(v[:, hs], 2, idx_d).view(b, hh, r * n, c, d)
+            qp = sp.view(b, hh, r * n, c)  # (B, h', R*N, C)
+            if uniform:
+                k_w = look_adjacent(k_c, self.before, self.after)  # (B, h', R*N, W*C, D)
+                v_w = look_adjacent(v_c, self.before, self.after)
+                kp = look_adjacent(qp.unsqueeze(-1), self.before, self.after).squeeze(-1)  # (B, h', R*N, W*C)
+            else:
+                k_w = gather_chunks(k_c, win)
+                v_w = gather_chunks(v_c, win)
+                kp = gather_chunks(qp.unsqueeze(-1), win).squeeze(-1)
+            kv = None if valid is None else valid[torch.arange(b, device=qk.device).view(b, 1, 1, 1), kp]
+            bias = attention_bias(qp, kp, kv, self.causal, True, qk.dtype)  # (B, h', R*N, C, W*C)
+            s_logit = torch.gather(self_logit[:, hs], 2, sp).view(b, hh, r * n, c)
+            o, lse = attend(q_c, k_w, v_w, bias, dropout, ctx.generator, s_logit)  # (B,h',R*N,C,D), (B,h',R*N,C)
             # undo the sort: scatter every round's outputs back to their positions
             o = o.reshape(b, hh, r, t, d)
             lse = lse.reshape(b, hh, r, t)
             idx = order[:, hs]  # (B, h', R, L)
             o_u = torch.empty_like(o).scatter_(3, idx.unsqueeze(-1).expand(-1, -1, -1, -1, d), o)
             lse_u = torch.empty_like(lse).scatter_(3, idx, lse)
-            outs.append(o_u)
-            lses.append(lse_u)
-        o_all = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]  # (B, H, R, L, D)
-        lse_all = torch.cat(lses, dim=1) if len(lses) > 1 else lses[0]  # (B, H, R, L)
-        # combine rounds, each weighted by its share of the total probability mass; computed as the
-        # reference does (not as a softmax), which rounds differently for rows that see only themselves
-        weights = torch.exp(lse_all - torch.logsumexp(lse_all, dim=2, keepdim=True)).unsqueeze(-1)
-        return (o_all * weights).sum(dim=2)  # (B, H, L, D)
+            # combine rounds, each weighted by its share of the probability mass; computed as the reference
+            # does (not as a softmax), which rounds differently for rows that see only themselves
+            weights = torch.exp(lse_u - torch.logsumexp(lse_u, dim=2, keepdim=True)).unsqueeze(-1)
+            out[:, hs] = (o_u * weights).sum(dim=2)
+        return out  # (B, H, L, D)
 
 
 def _rotation_size(num_buckets: int | list[int]) -> int:
@@ -246,8 +253,8 @@ class LocalSelfAttention(nn.Module):
     def _dense(self, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext) -> Tensor:
         pos = torch.arange(q.shape[2], device=q.device)
         kv = None if ctx.valid is None else ctx.valid[:, None, :]  # (B, 1, L)
-        bias = attention_bias(pos, pos, kv, self.causal, q.dtype)
-        out, _ = attend(q, k, v, bias, None, self.dropout if self.training else 0.0, ctx.generator)
+        bias = attention_bias(pos, pos, kv, self.causal, False, q.dtype)
+        out, _ = attend(q, k, v, bias, self.dropout if self.training else 0.0, ctx.generator)
         return out
 
     def _chunked(self, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext) -> Tensor:
@@ -263,8 +270,8 @@ class LocalSelfAttention(nn.Module):
         qp = pos.view(1, 1, n, c).expand(b, 1, n, c)  # (B, 1, N, C)
         kp = gather_chunks(qp.unsqueeze(-1), win).squeeze(-1)  # (B, 1, N, W*C)
         kv = None if ctx.valid is None else torch.gather(ctx.valid[:, None, None, :].expand(b, 1, n, t), 3, kp)
-        bias = attention_bias(qp, kp, kv, self.causal, q.dtype)  # (B, 1, N, C, W*C)
-        out, _ = attend(q_c, k_w, v_w, bias, None, dropout, ctx.generator)  # (B, H, N, C, D)
+        bias = attention_bias(qp, kp, kv, self.causal, False, q.dtype)  # (B, 1, N, C, W*C)
+        out, _ = attend(q_c, k_w, v_w, bias, dropout, ctx.generator)  # (B, H, N, C, D)
         return out.reshape(b, self.heads, t, self.head_size)  # (B, H, L, D)
 
 

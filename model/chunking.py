@@ -61,48 +61,94 @@ def gather_chunks(x: Tensor, win: Tensor) -> Tensor:
     return picked.reshape(b, h, n, w * c, *rest)  # (B, H, N, W*C, *rest)
 
 
+def look_adjacent(x: Tensor, before: int, after: int) -> Tensor:
+    """Each chunk with its neighbours, circular over the chunk axis (every row has the batch's length).
+    x (B, H, N, C, *rest) -> (B, H, N, (before+1+after)*C, *rest), previous chunks first."""
+    b, h, n, c = x.shape[:4]
+    rest = x.shape[4:]
+    w = before + 1 + after
+    out = x.new_empty(b, h, n, w, c, *rest)
+    for slot, off in enumerate(range(-before, after + 1)):
+        # slot `slot` of chunk j holds chunk (j + off) mod N
+        s = off % n
+        if s == 0:
+            out[:, :, :, slot] = x
+        else:
+            out[:, :, : n - s, slot] = x[:, :, s:]
+            out[:, :, n - s :, slot] = x[:, :, :s]
+    return out.view(b, h, n, w * c, *rest)
+
+
 def attention_bias(
-    q_pos: Tensor, k_pos: Tensor, k_valid: Tensor | None, causal: bool, dtype: torch.dtype
+    q_pos: Tensor, k_pos: Tensor, k_valid: Tensor | None, causal: bool, self_mask: bool, dtype: torch.dtype
 ) -> Tensor:
-    """Additive causal/padding mask. q_pos (..., Q), k_pos (..., K), k_valid (..., K) bool -> (..., Q, K).
-    (`self_mask` is applied by `attend`, which replaces rather than adds.)"""
+    """Additive mask. q_pos (..., Q), k_pos (..., K), k_valid (..., K) bool -> (..., Q, K).
+
+    Keys in the future or in padding get -1e9; with `self_mask` a query's own position gets -1e5, so a
+    token attends to itself only when nothing else is allowed. The reference replaces logits by these
+    values instead of adding them: the softmax is the same, and a row that sees only itself gets a
+    log-sum-exp of -1e5 + q.k instead of -1e5, which rounds to the same hash-round weights."""
     qp = q_pos.unsqueeze(-1)
     kp = k_pos.unsqueeze(-2)
-    zero = torch.zeros((), dtype=dtype, device=q_pos.device)
-    masked: Tensor | None = (kp > qp) if causal else None
+    device = q_pos.device
+    zero = torch.zeros((), dtype=dtype, device=device)
+    neg = torch.full((), mask_value(dtype), dtype=dtype, device=device)
+    bias = torch.where(kp == qp, torch.full((), self_mask_value(dtype), dtype=dtype, device=device), zero) \
+        if self_mask else zero
+    if causal:
+        bias = torch.where(kp > qp, neg, bias)
     if k_valid is not None:
-        pad = ~k_valid.unsqueeze(-2)
-        masked = pad if masked is None else masked | pad
-    if masked is None:
-        bias = zero.expand(torch.broadcast_shapes(qp.shape, kp.shape))
-    else:
-        bias = torch.where(masked, torch.full((), mask_value(dtype), dtype=dtype, device=q_pos.device), zero)
-    return bias
+        bias = torch.where(k_valid.unsqueeze(-2), bias, neg)
+    return bias.expand(torch.broadcast_shapes(bias.shape, qp.shape, kp.shape))
 
 
-def self_positions(q_pos: Tensor, k_pos: Tensor) -> Tensor:
-    """(..., Q, K) bool: where a query meets its own position (shared query/key attention)."""
-    return k_pos.unsqueeze(-2) == q_pos.unsqueeze(-1)
+# Eval forwards on CPU use PyTorch's fused attention kernel (it returns the log-sum-exp the hash-round
+# combination needs); training, dropout and export use the plain formulation below.
+FUSED_ATTENTION = True
+
+
+def _can_fuse(q: Tensor, dropout: float) -> bool:
+    return (FUSED_ATTENTION and dropout == 0.0 and q.device.type == "cpu" and not torch.is_grad_enabled()
+            and q.dtype in (torch.float32, torch.bfloat16) and not torch.compiler.is_compiling()
+            and not torch.jit.is_tracing())
 
 
 def attend(
-    q: Tensor, k: Tensor, v: Tensor, bias: Tensor, self_mask: Tensor | None = None, dropout: float = 0.0,
-    generator: torch.Generator | None = None,
+    q: Tensor, k: Tensor, v: Tensor, bias: Tensor, dropout: float = 0.0, generator: torch.Generator | None = None,
+    self_logit: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Softmax attention with an additive bias; returns (output, log-sum-exp of the logits).
-    q (..., Q, D), k/v (..., K, D), bias (..., Q, K), self_mask (..., Q, K) bool.
-
-    A query's own position gets the logit -1e5 (replaced, not added): it then attends to itself only when
-    nothing else is allowed, and its log-sum-exp is exactly -1e5 as in the reference, which matters
-    when hash rounds are combined."""
+    q (..., Q, D), k/v (..., K, D), bias (..., Q, K); self_logit (..., Q): q.k of each query with its own
+    key, for shared query/key attention (see `_match_reference_rounding`)."""
+    if _can_fuse(q, dropout):
+        lead = q.shape[:-2]
+        qq, kk, vv = (x.reshape(-1, lead[-1], *x.shape[-2:]) if len(lead) != 2 else x for x in (q, k, v))
+        full = bias.expand(*lead, q.shape[-2], k.shape[-2])
+        bb = full.reshape(-1, lead[-1], *full.shape[-2:]) if len(lead) != 2 else full
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            qq, kk, vv, 0.0, False, attn_mask=bb.contiguous(), scale=1.0)
+        out, lse = out.reshape(*lead, *out.shape[-2:]), lse.reshape(*lead, q.shape[-2])
+        if self_logit is not None:
+            out = _match_reference_rounding(out, lse, self_logit)
+        return out, lse
     dots = torch.matmul(q, k.transpose(-1, -2)) + bias  # (..., Q, K)
-    if self_mask is not None:
-        dots = dots.masked_fill(self_mask, self_mask_value(dots.dtype))
     lse = torch.logsumexp(dots, dim=-1, keepdim=True)  # (..., Q, 1)
     probs = torch.exp(dots - lse)
     if dropout > 0.0:
         probs = seeded_dropout(probs, dropout, generator)
     return torch.matmul(probs, v), lse.squeeze(-1)
+
+
+def _match_reference_rounding(out: Tensor, lse: Tensor, self_logit: Tensor) -> Tensor:
+    """The reference normalises a row by exp(logit - lse) with lse rounded to fp32. For a row that sees
+    only its own position (logits near -1e5, where fp32 steps are 1/128), possibly several times across
+    hash rounds, that rounding scales the output by count*exp(x - lse) < 1; the fused kernel normalises
+    exactly. Reapply the reference's factor to those rows so both paths agree."""
+    x = self_logit + self_mask_value(out.dtype)  # the row's (rounded) logit for its own position
+    alone = (lse < -5e4) & (lse > -2e5)
+    count = torch.round(torch.exp(lse - x))
+    factor = torch.where(alone, count * torch.exp(x - lse), torch.ones_like(lse))
+    return out * factor.unsqueeze(-1)
 
 
 def seeded_dropout(x: Tensor, p: float, generator: torch.Generator | None) -> Tensor:

@@ -48,8 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("data", nargs="+", help="text files, or directories of *.txt files")
     p.add_argument("--out", type=Path, required=True, help="run directory (checkpoint/, cache/, train_log.jsonl)")
-    p.add_argument("--resume", nargs="?", const="auto", default=None,
-                   help="continue from a checkpoint directory (default: OUT/checkpoint)")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
+    p.add_argument("--resume-from", type=Path, help="continue from this checkpoint directory")
     m = p.add_argument_group("model (ignored with --resume: the checkpoint's config is used)")
     m.add_argument("--config", type=Path, help="ReformerConfig JSON; overrides the flags below")
     m.add_argument("--hidden-size", type=int, default=128)
@@ -112,6 +112,12 @@ def model_config(args: argparse.Namespace) -> ReformerConfig:
         pad_token_id=0, eos_token_id=1)
 
 
+def resume_source(args: argparse.Namespace) -> Path | None:
+    if args.resume_from is not None:
+        return Path(args.resume_from)
+    return args.out / "checkpoint" if args.resume else None
+
+
 def pick_device(name: str, info: DistInfo) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
@@ -137,8 +143,8 @@ class Trainer:
         self.state = TrainerState(seed=args.seed)
         self.run_dir: Path = args.out
         self.ckpt_dir = self.run_dir / "checkpoint"
-        if args.resume is not None:
-            src = self.ckpt_dir if args.resume == "auto" else Path(args.resume)
+        src = resume_source(args)
+        if src is not None:
             if not (src / "model.safetensors").exists():
                 raise DataError(f"--resume: no checkpoint at {src}")
             self.state = load_training_state(src, self.lm, self.optimizer)
@@ -323,10 +329,10 @@ def main(argv: list[str] | None = None) -> int:
         if not info.is_main:
             corpus = prepare_corpus(args.data, args.out / "cache", args.val_fraction)
         cfg = model_config(args)
-        if args.resume is not None:
+        src = resume_source(args)
+        if src is not None:
             from .train_checkpoint import read_checkpoint_metadata
 
-            src = args.out / "checkpoint" if args.resume == "auto" else Path(args.resume)
             if (src / "model.safetensors").exists():
                 cfg = ReformerConfig.from_dict(read_checkpoint_metadata(src)["config"])
         trainer = Trainer(args, argv, info, device, corpus, cfg)
