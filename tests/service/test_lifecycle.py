@@ -1,0 +1,170 @@
+"""Lifecycle: readiness before warm-up, overload (429) and queue timeout (504) over HTTP, SIGTERM drain,
+a dying model worker, a corrupt or missing artifact, and unexpected errors."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from service.app import create_app
+from service.engine import Engine
+from service.settings import Settings
+from tests.service.conftest import REPO, ServerProcess
+from tests.service.helpers import metric_value, running_app
+
+pytestmark = pytest.mark.xdist_group("service-lifecycle")
+
+
+def test_not_ready_until_warm_up_is_done(artifact: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    release = threading.Event()
+    original = Engine._warm_up
+
+    def slow_warm_up(self: Engine) -> None:
+        release.wait(30)
+        original(self)
+
+    monkeypatch.setattr(Engine, "_warm_up", slow_warm_up)
+    app = create_app(Settings(), artifact)
+    with TestClient(app) as client:
+        assert client.get("/health").status_code == 200
+        ready = client.get("/ready")
+        assert ready.status_code == 503 and ready.json()["error_type"] == "unavailable"
+        r = client.post("/generate", json={"inputs": "a"})
+        assert r.status_code == 503 and "loading" in r.json()["error"]
+        release.set()
+        app.state.service.engine.ready.wait(30)
+        assert client.get("/ready").status_code == 200
+        assert client.post("/generate", json={"inputs": "a"}).status_code == 200
+
+
+def test_unexpected_errors_are_a_generic_500_with_the_trace_only_in_the_log(
+    artifact: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    with running_app(artifact) as client:
+        def broken(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("secret internal detail")
+
+        monkeypatch.setattr(client.app.state.service.engine.backend, "embed", broken)
+        r = client.post("/embed", json={"inputs": "a"})
+        assert r.status_code == 500
+        assert r.json()["error_type"] == "internal"
+        assert "secret internal detail" not in r.text and "Traceback" not in r.text
+        assert "secret internal detail" in caplog.text
+        monkeypatch.undo()
+        assert client.post("/embed", json={"inputs": "a"}).status_code == 200  # the worker lives on
+
+
+def test_queue_full_gets_429_and_queue_timeout_gets_504(server_factory: Any) -> None:
+    server = server_factory(backend="torch", max_batch_size=1, max_queue_size=2, request_timeout_s=3,
+                            max_new_tokens=4096)
+    hog = {"prompt": "hog", "max_tokens": 4096, "ignore_eos": True, "stream": True}
+    queued_body = {"inputs": "queued", "parameters": {"max_new_tokens": 2}}
+    with httpx.Client(base_url=server.url, timeout=60) as c, c.stream("POST", "/v1/completions", json=hog) as r:
+        lines = r.iter_lines()  # kept referenced: a collected iterator closes the stream
+        next(lines)  # the hog holds the only decode slot
+        results: list[httpx.Response] = []
+        waiters = [threading.Thread(target=lambda: results.append(httpx.post(
+            server.url + "/generate", json=queued_body, timeout=60))) for _ in range(2)]
+        for t in waiters:
+            t.start()
+        deadline = 0
+        while metric_value(c.get("/metrics").text, "reformer_queue_size", {"kind": "generate"}) < 2:
+            deadline += 1
+            assert deadline < 3000, "the two requests never queued"
+        over = c.post("/generate", json=queued_body)
+        assert over.status_code == 429
+        assert over.json()["error_type"] == "overloaded"
+        assert int(over.headers["retry-after"]) >= 1
+        for t in waiters:
+            t.join(60)
+    assert [w.status_code for w in results] == [504, 504]
+    assert all(w.json()["error_type"] == "timeout" for w in results)
+    text = httpx.get(server.url + "/metrics").text
+    assert metric_value(text, "reformer_requests_rejected_total", {"reason": "queue_full"}) == 1
+    assert metric_value(text, "reformer_requests_rejected_total", {"reason": "timeout"}) == 2
+
+
+def test_sigterm_drains_in_flight_requests_answers_503_and_exits_0(tiny_artifact: Path, tmp_path: Path) -> None:
+    server = ServerProcess(tiny_artifact, tmp_path / "server.log", backend="torch", max_new_tokens=200,
+                           grace_period_s=60)
+    try:
+        server.wait_ready()
+        body = {"inputs": "drain me", "parameters": {"max_new_tokens": 200, "ignore_eos": True}}
+        with httpx.Client(base_url=server.url, timeout=60) as c, c.stream("POST", "/generate_stream",
+                                                                          json=body) as stream:
+            lines = stream.iter_lines()
+            next(lines)  # in flight
+            server.proc.send_signal(signal.SIGTERM)
+            refused = httpx.post(server.url + "/generate", json={"inputs": "late"}, timeout=30)
+            assert refused.status_code == 503 and refused.json()["error_type"] == "unavailable"
+            assert httpx.get(server.url + "/ready", timeout=30).status_code == 503
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert '"finish_reason": "length"' in rest[-1]  # the in-flight request completed
+        assert server.proc.wait(60) == 0
+    finally:
+        server.stop()
+    assert "drained" in server.log()
+
+
+def test_a_dead_model_worker_makes_the_process_exit_non_zero(tiny_artifact: Path, tmp_path: Path) -> None:
+    port = str(ServerProcess.__init__.__globals__["free_port"]())
+    script = (
+        "import sys\n"
+        "from service.engine import Engine\n"
+        "class InjectedFault(BaseException):\n    pass\n"
+        "def broken(self):\n    raise InjectedFault('injected fault in the decode loop')\n"
+        "Engine._decode_step = broken\n"
+        "from service.server import main\n"
+        f"sys.exit(main([{str(tiny_artifact)!r}, '--host', '127.0.0.1', '--port', {port!r}, '--backend', 'torch']))\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(600):
+            try:
+                if httpx.get(url + "/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            threading.Event().wait(0.1)
+        r = httpx.post(url + "/generate", json={"inputs": "boom", "parameters": {"max_new_tokens": 5}}, timeout=30)
+        assert r.status_code == 500 and "injected" not in r.text
+        assert proc.wait(60) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        output = proc.communicate()[0]
+    assert "model worker died" in output
+
+
+def test_a_dead_worker_turns_health_503(artifact: Any) -> None:
+    with running_app(artifact) as client:
+        engine = client.app.state.service.engine
+        engine.stop()
+        assert client.get("/health").status_code == 503
+        assert client.post("/embed", json={"inputs": "a"}).status_code == 503
+
+
+@pytest.mark.parametrize("damage", ["truncate", "missing"])
+def test_a_corrupt_or_missing_artifact_stops_start_up(tiny_artifact: Path, tmp_path: Path, damage: str) -> None:
+    broken = tmp_path / "artifact"
+    shutil.copytree(tiny_artifact, broken)
+    weights = broken / "model.safetensors"
+    if damage == "truncate":
+        weights.write_bytes(weights.read_bytes()[:100])
+    else:
+        weights.unlink()
+    result = subprocess.run([sys.executable, "-m", "service", str(broken), "--port", "0"], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "model.safetensors" in result.stderr
