@@ -142,6 +142,7 @@ def save_artifact(
             export_info["int8"], evaluation["int8"] = quantize_and_evaluate(
                 model, staging / ONNX_FILE, staging / ONNX_INT8_FILE, tokenizer, eval_text)
         write_manifest(staging, provenance or {}, evaluation, export_info)
+        _make_readable(staging)
         if out.exists():
             shutil.rmtree(out)
         os.replace(staging, out)
@@ -149,6 +150,16 @@ def save_artifact(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out
+
+
+def _make_readable(directory: Path) -> None:
+    """mkdtemp and safetensors create owner-only files; an artifact is read by other users (the service
+    in a container), so it gets the usual modes, less the umask."""
+    umask = os.umask(0)
+    os.umask(umask)
+    directory.chmod(0o755 & ~umask)
+    for p in directory.iterdir():
+        p.chmod(0o644 & ~umask)
 
 
 # --------------------------------------------------------------------------------------------------

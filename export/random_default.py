@@ -1,0 +1,44 @@
+"""Writes a small random-weight artifact (with a verified ONNX graph) to export/default_artifact/, so that
+`reformer serve` works before the trained default model is exported there.
+
+    python -m export.random_default [OUT_DIR]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from model import ByteTokenizer, ReformerConfig, ReformerLM
+
+from .artifact import DEFAULT_ARTIFACT, save_artifact
+
+# the training defaults' shape family (chunks of 64, 2 hash rounds, 64 buckets, 64K positions), smaller
+PLACEHOLDER_CONFIG = dict(
+    vocab_size=258, hidden_size=64, num_attention_heads=2, attention_head_size=32,
+    attn_layers=["local", "lsh", "local", "lsh"], feed_forward_size=256, lsh_attn_chunk_length=64,
+    local_attn_chunk_length=64, num_hashes=2, num_buckets=64, hash_seed=0, axial_pos_shape=(16, 4096),
+    axial_pos_embds_dim=(32, 32), max_position_embeddings=65536, is_decoder=True, pad_token_id=0, eos_token_id=1,
+)
+SEED = 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    out = Path(args[0]) if args else DEFAULT_ARTIFACT
+    torch.manual_seed(SEED)
+    model = ReformerLM(ReformerConfig(**PLACEHOLDER_CONFIG)).eval()  # type: ignore[arg-type]
+    provenance = {
+        "note": "placeholder with random weights until the trained default model is exported here",
+        "data": {}, "steps": 0, "seed": SEED, "command": "python -m export.random_default",
+    }
+    save_artifact(model, out, tokenizer=ByteTokenizer(), provenance=provenance,
+                  evaluation={"validation_bits_per_byte": None}, onnx=True, overwrite=True)
+    print(f"wrote {out} ({model.num_parameters():,} parameters, random weights)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
