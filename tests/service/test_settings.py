@@ -1,0 +1,52 @@
+"""Settings: one documented class, environment and flags, and the CLI entry points."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from pydantic import ValidationError
+
+from service.protocol import CompletionRequest, EmbeddingsRequest, EmbedRequest, GenerateRequest
+from service.protocol.native import GenerateParameters
+from service.settings import Settings, settings_from_argv
+from tests.service.conftest import REPO
+
+
+def test_every_setting_and_request_field_is_documented() -> None:
+    for name, field in Settings.model_fields.items():
+        assert field.description, name
+    for model in (GenerateRequest, GenerateParameters, EmbedRequest, CompletionRequest, EmbeddingsRequest):
+        for name, field in model.model_fields.items():
+            assert field.description, f"{model.__name__}.{name}"
+
+
+def test_environment_then_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("REFORMER_MAX_QUEUE_SIZE", "7")
+    monkeypatch.setenv("REFORMER_CORS_ORIGINS", "https://a.example, https://b.example")
+    monkeypatch.setenv("REFORMER_API_KEY", "zq-secret-zq")
+    s = settings_from_argv(["--max-batch-size", "3", "--no-warmup"])
+    assert s.max_queue_size == 7 and s.max_batch_size == 3 and s.warmup is False
+    assert s.cors_origins == ["https://a.example", "https://b.example"]
+    assert s.api_key is not None and "zq-secret-zq" not in repr(s) and "api_key" not in s.public_dict()
+    s = settings_from_argv(["--max-queue-size", "9", "some/artifact"])
+    assert s.max_queue_size == 9 and str(s.artifact) == "some/artifact"
+
+
+def test_invalid_settings_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValidationError):
+        Settings(max_queue_size=0)
+    monkeypatch.setenv("REFORMER_BACKEND", "tensorflow")
+    with pytest.raises(ValidationError):
+        Settings()
+    with pytest.raises(SystemExit):
+        settings_from_argv(["--device", "tpu"])
+
+
+def test_reformer_serve_help_lists_the_flags() -> None:
+    out = subprocess.run([sys.executable, "-m", "service.cli", "serve", "--help"], cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0
+    for flag in ("--max-queue-size", "--max-batch-tokens", "--api-key", "--grace-period-s", "REFORMER_DEVICE"):
+        assert flag in out.stdout
