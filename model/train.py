@@ -79,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--seed", type=int, default=0)
     r = p.add_argument_group("run")
     r.add_argument("--max-steps", type=int, help="optimizer steps in total (also the cosine schedule length)")
+    r.add_argument("--stop-at-step", type=int,
+                   help="stop and save at this step without changing the schedule (resume later)")
     r.add_argument("--time-budget", help="wall-clock limit for this invocation: 600, 600s, 80m, 1.5h")
     r.add_argument("--eval-every", type=int, default=200, help="validate every N steps (0: only at the end)")
     r.add_argument("--val-windows", type=int, default=16, help="validation windows at intervals (0: all)")
@@ -255,6 +257,9 @@ class Trainer:
             while True:
                 if args.max_steps is not None and self.state.step >= args.max_steps:
                     stopped_by = "max-steps"
+                    break
+                if args.stop_at_step is not None and self.state.step >= args.stop_at_step:
+                    stopped_by = "stop-at-step"
                     break
                 elapsed = time.monotonic() - self.t_start
                 out_of_time = self.budget_s is not None and elapsed >= self.budget_s
