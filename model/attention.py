@@ -169,7 +169,7 @@ class LSHSelfAttention(nn.Module):
         own_chunks = torch.clamp((ctx.own_length + c - 1) // c, min=1)
         win = window_chunk_index(own_chunks, r, n, self.before, self.after)  # (B, R*N, W)
         # one circular window layout for the whole batch when no row is shorter than the batch
-        uniform = not torch.jit.is_tracing() and bool((own_chunks == n).all())
+        uniform = not (torch.jit.is_tracing() or torch.compiler.is_compiling()) and bool((own_chunks == n).all())
         k = length_normalize(qk) / math.sqrt(self.head_size)  # (B, H, L, D)
         self_logit = (qk * k).sum(-1)  # (B, H, L): each query's logit for its own key
         valid = ctx.valid
