@@ -26,6 +26,7 @@ log = logging.getLogger("service.server")
 
 # Time uvicorn gives idle keep-alive connections to close once the drain is over.
 CLOSE_CONNECTIONS_S = 2.0
+SWITCH_INTERVAL_S = 0.0005
 
 
 class DrainingServer(uvicorn.Server):
@@ -89,6 +90,10 @@ def main(argv: list[str] | None = None) -> int:
         log.critical("cannot serve the artifact: %s", err)
         print(f"reformer serve: cannot load the artifact: {err}", file=sys.stderr)
         return 2
+    # The model worker thread holds the GIL between torch calls; at Python's default 5 ms switch interval
+    # every await of the event loop can wait that long for it back (a convoy), which made answers that need
+    # no model at all (429, 503, /health) take seconds under load. 0.5 ms keeps the loop responsive.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     app = create_app(settings, artifact)
     state: ServiceState = app.state.service
     config = uvicorn.Config(
