@@ -11,8 +11,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .chunking import attend, attention_bias, gather_chunks, look_adjacent, window_chunk_index
+from .chunking import (
+    attend,
+    attention_bias,
+    can_fuse,
+    gather_chunks,
+    look_adjacent,
+    strided_windows,
+    window_chunk_index,
+)
 from .config import ReformerConfig
+from .lsh_fused import fused_lsh_attend
 
 
 @dataclass
@@ -98,8 +107,10 @@ class LSHSelfAttention(nn.Module):
     # ----------------------------------------------------------------------------------------------
     def hash(self, qk: Tensor, num_buckets: int | list[int], valid: Tensor | None) -> Tensor:
         """qk (B, H, L, D) -> buckets (B, H, R, L); padding gets the extra bucket `num_buckets`."""
-        rot = self.rotations_for(num_buckets, qk)
-        rotated = torch.einsum("bhld,hdrk->bhrlk", qk.detach(), rot)  # (B, H, R, L, rot/2)
+        rot = self.rotations_for(num_buckets, qk)  # (H, D, R, rot/2)
+        hh, dd, rr, kk = rot.shape
+        rotated = torch.matmul(qk.detach(), rot.reshape(hh, dd, rr * kk))  # (B, H, L, R*rot/2)
+        rotated = rotated.view(*qk.shape[:3], rr, kk)  # (B, H, L, R, rot/2)
         factors = [num_buckets] if isinstance(num_buckets, int) else list(num_buckets)
         buckets: Tensor | None = None
         start, scale = 0, 1
@@ -108,10 +119,11 @@ class LSHSelfAttention(nn.Module):
             # argmax over [x, -x] without building it: the larger of max(x) and -min(x) wins, x on ties
             hi, hi_idx = part.max(dim=-1)
             lo, lo_idx = part.min(dim=-1)
-            b = torch.where(hi >= -lo, hi_idx, lo_idx + f // 2)  # (B, H, R, L)
+            b = torch.where(hi >= -lo, hi_idx, lo_idx + f // 2)  # (B, H, L, R)
             buckets = b if buckets is None else buckets + scale * b
             start, scale = start + f // 2, scale * f
         assert buckets is not None
+        buckets = buckets.transpose(2, 3)  # (B, H, R, L)
         if valid is not None:
             buckets = buckets.masked_fill(~valid[:, None, None, :], scale)
         return buckets
@@ -162,31 +174,41 @@ class LSHSelfAttention(nn.Module):
         b, h, t, d = qk.shape
         r, c = self.rounds, self.chunk
         n = t // c
-        pos = torch.arange(t, device=qk.device)
+        device = qk.device
+        pos = torch.arange(t, device=device)
         # sort each round by (bucket, position); keys are unique, so any sort is stable here
         order = torch.argsort(buckets * t + pos, dim=-1)  # (B, H, R, L)
         sorted_pos = order.reshape(b, h, r * t)  # (B, H, R*L)
         own_chunks = torch.clamp((ctx.own_length + c - 1) // c, min=1)
         win = window_chunk_index(own_chunks, r, n, self.before, self.after)  # (B, R*N, W)
         # one circular window layout for the whole batch when no row is shorter than the batch
-        uniform = not (torch.jit.is_tracing() or torch.compiler.is_compiling()) and bool((own_chunks == n).all())
+        uniform = not torch.jit.is_tracing() and bool((own_chunks == n).all())
+        fused = can_fuse(qk, self.dropout if self.training else 0.0)
         k = length_normalize(qk) / math.sqrt(self.head_size)  # (B, H, L, D)
-        self_logit = (qk * k).sum(-1)  # (B, H, L): each query's logit for its own key
+        qkv = torch.cat([qk, k, v], dim=-1)  # (B, H, L, 3D): one row gather per head sorts all three
         valid = ctx.valid
         dropout = self.dropout if self.training else 0.0
-        out = torch.empty_like(qk)  # (B, H, L, D)
+        out = torch.zeros_like(qk)  # (B, H, L, D)
+        rows = torch.arange(b, device=device).view(b, 1, 1) * t
         # heads one at a time outside training: peak memory is one head's score blocks. (Training keeps one
         # layout so the reversible backward's recomputation draws the same dropout masks as the forward.)
         head_groups = [slice(0, h)] if self.training else [slice(i, i + 1) for i in range(h)]
         for hs in head_groups:
             sp = sorted_pos[:, hs]  # (B, h', R*L)
             hh = sp.shape[1]
-            idx_d = sp.unsqueeze(-1).expand(-1, -1, -1, d)
-            q_c = torch.gather(qk[:, hs], 2, idx_d).view(b, hh, r * n, c, d)  # (B, h', R*N, C, D)
-            k_c = torch.gather(k[:, hs], 2, idx_d).view(b, hh, r * n, c, d)
-            v_c = torch.gather(v[:, hs], 2, idx_d).view(b, hh, r * n, c, d)
+            if hh == 1:
+                flat = qkv[:, hs].reshape(b * t, 3 * d)  # (B*L, 3D)
+                picked = flat.index_select(0, (sp[:, 0] + rows[:, 0]).reshape(-1)).view(b, 1, r * t, 3 * d)
+            else:
+                picked = torch.gather(qkv[:, hs], 2, sp.unsqueeze(-1).expand(-1, -1, -1, 3 * d))
+            q_c, k_c, v_c = (x.reshape(b, hh, r * n, c, d) for x in picked.split(d, dim=-1))  # (B,h',R*N,C,D)
             qp = sp.view(b, hh, r * n, c)  # (B, h', R*N, C)
-            if uniform:
+            if uniform and fused:
+                # overlapping views instead of copies: the fused kernel only reads them
+                k_w = strided_windows(k_c.reshape(b, hh, r * t, d), c, self.before, self.after)
+                v_w = strided_windows(v_c.reshape(b, hh, r * t, d), c, self.before, self.after)
+                kp = strided_windows(sp, c, self.before, self.after)  # (B, h', R*N, W*C)
+            elif uniform:
                 k_w = look_adjacent(k_c, self.before, self.after)  # (B, h', R*N, W*C, D)
                 v_w = look_adjacent(v_c, self.before, self.after)
                 kp = look_adjacent(qp.unsqueeze(-1), self.before, self.after).squeeze(-1)  # (B, h', R*N, W*C)
@@ -194,21 +216,28 @@ class LSHSelfAttention(nn.Module):
                 k_w = gather_chunks(k_c, win)
                 v_w = gather_chunks(v_c, win)
                 kp = gather_chunks(qp.unsqueeze(-1), win).squeeze(-1)
-            kv = None if valid is None else valid[torch.arange(b, device=qk.device).view(b, 1, 1, 1), kp]
-            bias = attention_bias(qp, kp, kv, self.causal, True, qk.dtype)  # (B, h', R*N, C, W*C)
-            s_logit = torch.gather(self_logit[:, hs], 2, sp).view(b, hh, r * n, c)
-            o, lse = attend(q_c, k_w, v_w, bias, dropout, ctx.generator, s_logit)  # (B,h',R*N,C,D), (B,h',R*N,C)
-            # undo the sort: scatter every round's outputs back to their positions
-            o = o.reshape(b, hh, r, t, d)
-            lse = lse.reshape(b, hh, r, t)
-            idx = order[:, hs]  # (B, h', R, L)
-            o_u = torch.empty_like(o).scatter_(3, idx.unsqueeze(-1).expand(-1, -1, -1, -1, d), o)
-            lse_u = torch.empty_like(lse).scatter_(3, idx, lse)
-            # combine rounds, each weighted by its share of the probability mass; computed as the reference
-            # does (not as a softmax), which rounds differently for rows that see only themselves
-            weights = torch.exp(lse_u - torch.logsumexp(lse_u, dim=2, keepdim=True)).unsqueeze(-1)
-            out[:, hs] = (o_u * weights).sum(dim=2)
+            kv = None if valid is None else valid[torch.arange(b, device=device).view(b, 1, 1, 1), kp]
+            if fused:
+                o, lse = fused_lsh_attend(q_c, k_w, v_w, v_c, qp, kp, kv, self.causal)
+            else:
+                bias = attention_bias(qp, kp, kv, self.causal, True, qk.dtype)  # (B, h', R*N, C, W*C)
+                o, lse = attend(q_c, k_w, v_w, bias, dropout, ctx.generator)  # (B,h',R*N,C,D), (B,h',R*N,C)
+            out[:, hs] = self._combine_rounds(o.reshape(b, hh, r, t, d), lse.reshape(b, hh, r, t), order[:, hs])
         return out  # (B, H, L, D)
+
+    @staticmethod
+    def _combine_rounds(o: Tensor, lse: Tensor, order: Tensor) -> Tensor:
+        """o (B, h, R, L, D) and lse (B, h, R, L) in sorted order; order (B, h, R, L) the sorted positions.
+        Each round is weighted by its share of the probability mass, computed as the reference does (not as
+        a softmax), which rounds differently for rows that see only themselves."""
+        lse_u = torch.empty_like(lse).scatter_(3, order, lse)  # back to position order
+        weights = torch.exp(lse_u - torch.logsumexp(lse_u, dim=2, keepdim=True))  # (B, h, R, L)
+        w_sorted = torch.gather(weights, 3, order)  # each sorted slot's weight
+        weighted = o * w_sorted.unsqueeze(-1)
+        out = torch.zeros(o.shape[0], o.shape[1], o.shape[3], o.shape[4], dtype=o.dtype, device=o.device)
+        idx = order.reshape(o.shape[0], o.shape[1], -1, 1).expand(-1, -1, -1, o.shape[4])
+        # rounds are summed in order for each position, as the reference's sum over the round axis
+        return out.scatter_add_(2, idx, weighted.reshape(o.shape[0], o.shape[1], -1, o.shape[4]))
 
 
 def _rotation_size(num_buckets: int | list[int]) -> int:

@@ -9,6 +9,8 @@ padded length (`own_chunks`), which is what the reference computes for that row 
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -79,6 +81,20 @@ def look_adjacent(x: Tensor, before: int, after: int) -> Tensor:
     return out.view(b, h, n, w * c, *rest)
 
 
+def strided_windows(x: Tensor, chunk: int, before: int, after: int) -> Tensor:
+    """Like `look_adjacent`, for a sequence whose chunks are contiguous: each window is a view into the
+    sequence extended by the wrapped chunks, so no window is copied. (Read-only: windows overlap.)
+    x (B, H, N*C, *rest) -> (B, H, N, (before+1+after)*C, *rest)."""
+    parts = ([x[:, :, x.shape[2] - before * chunk:]] if before else []) + [x] + \
+        ([x[:, :, : after * chunk]] if after else [])
+    ext = torch.cat(parts, dim=2) if len(parts) > 1 else x.contiguous()
+    n = x.shape[2] // chunk
+    row = math.prod(x.shape[3:])
+    size = (x.shape[0], x.shape[1], n, (before + 1 + after) * chunk, *x.shape[3:])
+    stride = (ext.stride(0), ext.stride(1), chunk * row, *ext.stride()[2:])
+    return ext.as_strided(size, stride)
+
+
 def attention_bias(
     q_pos: Tensor, k_pos: Tensor, k_valid: Tensor | None, causal: bool, self_mask: bool, dtype: torch.dtype
 ) -> Tensor:
@@ -107,48 +123,32 @@ def attention_bias(
 FUSED_ATTENTION = True
 
 
-def _can_fuse(q: Tensor, dropout: float) -> bool:
+def can_fuse(q: Tensor, dropout: float) -> bool:
     return (FUSED_ATTENTION and dropout == 0.0 and q.device.type == "cpu" and not torch.is_grad_enabled()
             and q.dtype in (torch.float32, torch.bfloat16) and not torch.compiler.is_compiling()
             and not torch.jit.is_tracing())
 
 
 def attend(
-    q: Tensor, k: Tensor, v: Tensor, bias: Tensor, dropout: float = 0.0, generator: torch.Generator | None = None,
-    self_logit: Tensor | None = None,
+    q: Tensor, k: Tensor, v: Tensor, bias: Tensor, dropout: float = 0.0, generator: torch.Generator | None = None
 ) -> tuple[Tensor, Tensor]:
     """Softmax attention with an additive bias; returns (output, log-sum-exp of the logits).
-    q (..., Q, D), k/v (..., K, D), bias (..., Q, K); self_logit (..., Q): q.k of each query with its own
-    key, for shared query/key attention (see `_match_reference_rounding`)."""
-    if _can_fuse(q, dropout):
+    q (..., Q, D), k/v (..., K, D), bias (..., Q, K). Exact for rows where the self mask value occurs at
+    most once (dense attention); chunked LSH attention uses `fused_lsh_attend`."""
+    if can_fuse(q, dropout):
         lead = q.shape[:-2]
         qq, kk, vv = (x.reshape(-1, lead[-1], *x.shape[-2:]) if len(lead) != 2 else x for x in (q, k, v))
         full = bias.expand(*lead, q.shape[-2], k.shape[-2])
         bb = full.reshape(-1, lead[-1], *full.shape[-2:]) if len(lead) != 2 else full
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             qq, kk, vv, 0.0, False, attn_mask=bb.contiguous(), scale=1.0)
-        out, lse = out.reshape(*lead, *out.shape[-2:]), lse.reshape(*lead, q.shape[-2])
-        if self_logit is not None:
-            out = _match_reference_rounding(out, lse, self_logit)
-        return out, lse
+        return out.reshape(*lead, *out.shape[-2:]), lse.reshape(*lead, q.shape[-2])
     dots = torch.matmul(q, k.transpose(-1, -2)) + bias  # (..., Q, K)
     lse = torch.logsumexp(dots, dim=-1, keepdim=True)  # (..., Q, 1)
     probs = torch.exp(dots - lse)
     if dropout > 0.0:
         probs = seeded_dropout(probs, dropout, generator)
     return torch.matmul(probs, v), lse.squeeze(-1)
-
-
-def _match_reference_rounding(out: Tensor, lse: Tensor, self_logit: Tensor) -> Tensor:
-    """The reference normalises a row by exp(logit - lse) with lse rounded to fp32. For a row that sees
-    only its own position (logits near -1e5, where fp32 steps are 1/128), possibly several times across
-    hash rounds, that rounding scales the output by count*exp(x - lse) < 1; the fused kernel normalises
-    exactly. Reapply the reference's factor to those rows so both paths agree."""
-    x = self_logit + self_mask_value(out.dtype)  # the row's (rounded) logit for its own position
-    alone = (lse < -5e4) & (lse > -2e5)
-    count = torch.round(torch.exp(lse - x))
-    factor = torch.where(alone, count * torch.exp(x - lse), torch.ones_like(lse))
-    return out * factor.unsqueeze(-1)
 
 
 def seeded_dropout(x: Tensor, p: float, generator: torch.Generator | None) -> Tensor:
