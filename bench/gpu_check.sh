@@ -2,8 +2,9 @@
 # The one script a GPU host runs to check the real thing (DESIGN.md §8, issue 5): it installs the
 # package into a venv that sees the host's CUDA build of torch, starts `reformer serve` on CUDA, waits
 # for /ready, sends /generate and /embed requests of 1K to 64K bytes, scrapes /metrics and prints the
-# reformer_gpu_* series and the timings, runs bench/forward.py when it is there, and stops the server
-# with SIGTERM (a clean drain exits 0). Every step has a timeout; the whole run stays under 8 minutes.
+# reformer_gpu_* series and the timings, stops the server with SIGTERM (a clean drain exits 0), times
+# the model's forward pass at 1K-64K tokens on the device, and runs bench/forward.py when it can target
+# the device. Every step has a timeout; the whole run stays under 8 minutes.
 #
 #   bench/gpu_check.sh [--docs DIR] [--artifact DIR] [--out DIR] [--port N] [--wheels DIR] [--allow-cpu]
 #
@@ -149,7 +150,7 @@ print(f"{'route':<22}{'bytes':>7}{'status':>9}{'seconds':>9}{'prompt tok':>11}{'
 
 def show(row: dict) -> None:
     print(f"{row['route']:<22}{row['bytes']:>7}{str(row['status']):>9}{row['seconds']:>9.3f}"
-          f"{str(row.get('x-prompt-tokens') or ''):>11}{str(row.get('x-generated-tokens') or ''):>8}", flush=True)
+          f"{row.get('x-prompt-tokens') or '':>11}{row.get('x-generated-tokens') or '':>8}", flush=True)
     if "body" in row:
         print("    ", row["body"], flush=True)
 
@@ -211,12 +212,52 @@ else
 fi
 trap - EXIT
 
-if [[ -f "$REPO/bench/forward.py" ]]; then
+step "forward pass of the served model on $DEVICE: tokens/s and peak memory, 1K-64K tokens"
+timeout "$FORWARD_S" "$PY" - "$DEVICE" "$ARTIFACT" "$OUT/forward_served.json" <<'EOF' \
+  || { echo "gpu_check: the forward timing failed or ran out of time (exit $?)"; FAILED_STEPS+=(forward); }
+import json, sys, time
+import torch
+from export import load_artifact
+
+device, artifact_path, out = torch.device(sys.argv[1]), sys.argv[2] or None, sys.argv[3]
+artifact = load_artifact(artifact_path) if artifact_path else load_artifact()
+dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+model = artifact.model.to(device=device, dtype=dtype).eval()
+limit = artifact.config.max_position_embeddings
+rows = []
+print(f"{'tokens':>7}{'ms':>10}{'tokens/s':>12}{'peak MiB':>10}   ({dtype}, limit {limit} tokens)", flush=True)
+for length in (1024, 4096, 16384, 65536):
+    if length > limit:
+        print(f"{length:>7}  over the model's max_position_embeddings: not run", flush=True)
+        continue
+    ids = torch.randint(2, 258, (1, length), device=device)
+    with torch.inference_mode():
+        model(ids)  # warm-up: kernels chosen, allocator grown
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            model(ids)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+    best = min(times)
+    peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else float("nan")
+    rows.append({"tokens": length, "seconds_best_of_3": best, "tokens_per_s": length / best, "peak_mib": peak})
+    print(f"{length:>7}{best * 1e3:>10.1f}{length / best:>12.0f}{peak:>10.0f}", flush=True)
+json.dump({"device": str(device), "dtype": str(dtype), "rows": rows}, open(out, "w"), indent=2)
+EOF
+
+# bench/forward.py compares against the anchors (transformers, reformer-pytorch, full attention); it is
+# run here when it can target the device the check runs on.
+if [[ -f "$REPO/bench/forward.py" ]] && "$PY" "$REPO/bench/forward.py" --help | grep -q -- "--device"; then
   step "bench/forward.py on $DEVICE (at most ${FORWARD_S}s)"
   (cd "$REPO" && timeout "$FORWARD_S" "$PY" bench/forward.py --device "$DEVICE" --out "$OUT/forward.json") \
-    || { echo "gpu_check: bench/forward.py failed or ran out of time (exit $?)"; FAILED_STEPS+=(forward); }
+    || { echo "gpu_check: bench/forward.py failed or ran out of time (exit $?)"; FAILED_STEPS+=(forward.py); }
 else
-  echo "bench/forward.py is not in this checkout: forward benchmark skipped"
+  echo "bench/forward.py is missing or has no --device option: the anchors' forward comparison is not run here"
 fi
 
 step "done in $(( $(date +%s) - START ))s; files in $OUT"

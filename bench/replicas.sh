@@ -68,7 +68,10 @@ stop_all() {
     kill -KILL "$pid" 2>/dev/null || true
     rm -f "$pidfile"
   done
-  if [[ -n "$NGINX_PID" ]]; then kill -QUIT "$NGINX_PID" 2>/dev/null || true; wait "$NGINX_PID" 2>/dev/null || true; fi
+  if [[ -n "$NGINX_PID" ]]; then
+    kill -QUIT "$NGINX_PID" 2>/dev/null || true
+    wait "$NGINX_PID" 2>/dev/null || true
+  fi
   NGINX_PID=""
 }
 trap stop_all EXIT
@@ -86,7 +89,7 @@ start_replica() {  # index
   [[ -n "$ARTIFACT" ]] && args+=("$ARTIFACT")
   rm -f "$WORK/replica$1.pid" "$WORK/replica$1.exit"
   (
-    REFORMER_GRACE_PERIOD_S=$GRACE_S REFORMER_LOG_JSON=true "$REFORMER" "${args[@]}" \
+    OMP_NUM_THREADS=$THREADS REFORMER_GRACE_PERIOD_S=$GRACE_S REFORMER_LOG_JSON=true "$REFORMER" "${args[@]}" \
       >>"$WORK/replica$1.log" 2>&1 &
     echo $! >"$WORK/replica$1.pid"
     wait $! && code=0 || code=$?
@@ -125,7 +128,9 @@ error_log $WORK/nginx-error.log warn;
 daemon off;
 events { worker_connections 1024; }
 http {
-  access_log $WORK/nginx-access.log;
+  # upstream_status lists every replica tried: "503, 200" is a draining replica's refusal, retried.
+  log_format upstreams '\$request \$status upstreams=[\$upstream_addr] statuses=[\$upstream_status]';
+  access_log $WORK/nginx-access.log upstreams;
   client_body_temp_path $WORK/nginx/body;
   proxy_temp_path $WORK/nginx/proxy;
   fastcgi_temp_path $WORK/nginx/fastcgi;
@@ -163,19 +168,35 @@ run_loadtest() {  # name
   "$REFORMER" loadtest --url "http://127.0.0.1:$NGINX_PORT" --docs "$DOCS" --lengths "$LENGTHS" \
     --concurrency "$CONCURRENCY" --duration "$DURATION" --endpoint "$ENDPOINT" \
     --out "$WORK/$1.json" >"$WORK/$1.loadtest.log" 2>&1 || log "loadtest $1 exited with $?"
+  # Give each run its own access log: move the file, then have nginx reopen its logs.
+  mv "$WORK/nginx-access.log" "$WORK/$1.access.log"
+  kill -USR1 "$NGINX_PID"
+}
+
+inflight_on() {  # index: requests the replica is handling, not counting the /metrics scrape that asks
+  local value
+  value=$(curl -sf "http://127.0.0.1:$((BASE_PORT + $1))/metrics" \
+    | awk '$1 == "reformer_inflight_requests" {print int($2)}')
+  echo $(( ${value:-1} - 1 ))
 }
 
 rolling_restart() {  # index: SIGTERM one replica mid-run, wait for its drain and exit, start it again
   sleep "$KILL_AFTER_S"
-  local start code pid
+  local start code pid inflight=0 waited=0
+  # Signal it while it is working, so the drain has admitted requests to finish (give up after 30 s).
+  while (( waited < 300 )); do
+    inflight=$(inflight_on "$1")
+    (( inflight > 0 )) && break
+    sleep 0.1; waited=$((waited + 1))
+  done
   pid=$(replica_pid "$1")
   start=$(date +%s)
-  log "SIGTERM to replica $1 (pid $pid)"
+  log "SIGTERM to replica $1 (pid $pid) with $inflight request(s) in flight"
   kill -TERM "$pid"
   until [[ -s "$WORK/replica$1.exit" ]]; do sleep 0.1; done
   code=$(cat "$WORK/replica$1.exit")
   log "replica $1 exited with code $code after $(( $(date +%s) - start ))s"
-  echo "$code $(( $(date +%s) - start ))" >"$WORK/restart-$1.txt"
+  echo "$code $(( $(date +%s) - start )) $inflight" >"$WORK/restart-$1.txt"
   start_replica "$1"
   wait_ready "$1"
 }
@@ -185,10 +206,12 @@ ensure_nginx
 log "work directory $WORK; $(nproc) CPU cores on this machine"
 RUNS=()
 for ((count = 1; count <= REPLICAS_MAX; count++)); do
+  # The replicas share this machine's cores, as pods share a node's: each gets its share of threads.
+  THREADS=$(( $(nproc) / count > 0 ? $(nproc) / count : 1 ))
   for ((index = 0; index < count; index++)); do start_replica "$index"; done
   for ((index = 0; index < count; index++)); do wait_ready "$index"; done
   start_nginx "$count"
-  log "steady run: $count replica(s), ${DURATION}s at concurrency $CONCURRENCY"
+  log "steady run: $count replica(s) of $THREADS thread(s), ${DURATION}s per level at concurrency $CONCURRENCY"
   run_loadtest "steady-$count"
   RUNS+=("steady-$count")
   if (( count == REPLICAS_MAX )); then
@@ -233,21 +256,38 @@ for name in names:
                                                "p50_s": (level.get("latency_s") or {}).get("p50"),
                                                "p95_s": (level.get("latency_s") or {}).get("p95")}
                            for level in results}}
+    # nginx's view: responses that needed more than one replica, and what the first one answered.
+    access = (work / f"{name}.access.log").read_text().splitlines()
+    retried = [line for line in access if ", " in line.rpartition("statuses=[")[2]]
+    row["nginx"] = {"responses": len(access), "retried_on_another_replica": len(retried),
+                    "examples": retried[:3]}
     restart = work / "restart-0.txt"
     if scenario == "rolling" and restart.exists():
-        code, seconds = restart.read_text().split()
-        row["restarted_replica"] = {"exit_code": int(code), "drain_and_exit_s": int(seconds)}
+        code, seconds, inflight = restart.read_text().split()
+        row["restarted_replica"] = {"exit_code": int(code), "drain_and_exit_s": int(seconds),
+                                    "in_flight_at_sigterm": int(inflight)}
     rows.append(row)
 settings = {key.lower(): os.environ[key] for key in ("DOCS", "DURATION", "CONCURRENCY", "LENGTHS", "ENDPOINT")}
 settings["cpu_cores"] = int(os.environ["NPROC"])
 out.write_text(json.dumps({"settings": settings, "runs": rows}, indent=2) + "\n")
 table = Table(title="reformer-serve behind nginx")
-for column in ("scenario", "replicas", "sent", "succeeded", "failed", "errors", "req/s"):
+endpoints = sorted({endpoint for row in rows for endpoint in row["by_endpoint"]})
+columns = ["scenario", "replicas", "sent", "succeeded", "failed", "errors", "req/s overall",
+           *(f"{endpoint} req/s" for endpoint in endpoints), "retried by nginx"]
+for column in columns:
     table.add_column(column)
 for row in rows:
+    per_endpoint = [row["by_endpoint"].get(endpoint, {}).get("requests_per_s") for endpoint in endpoints]
+    rates = [f"{rate:.2f}" if rate is not None else "-" for rate in per_endpoint]
     table.add_row(row["scenario"], str(row["replicas"]), str(row["sent"]), str(row["succeeded"]),
                   str(row["failed"]), json.dumps(row["errors"]) if row["errors"] else "-",
-                  f"{row['requests_per_s']:.2f}")
+                  f"{row['requests_per_s']:.2f}", *rates,
+                  str(row["nginx"]["retried_on_another_replica"]))
+for row in rows:
+    if "restarted_replica" in row:
+        restarted = row["restarted_replica"]
+        print(f"rolling restart: SIGTERM with {restarted['in_flight_at_sigterm']} request(s) in flight; "
+              f"drained and exited with code {restarted['exit_code']} in {restarted['drain_and_exit_s']} s")
 Console().print(table)
 print(f"JSON: {out}; logs: {work}")
 EOF
