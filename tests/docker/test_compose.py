@@ -8,6 +8,9 @@ import re
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+import pytest
+
+from service.settings import Settings
 from tests.docker import service_contract as contract
 from tests.docker.conftest import DOCKER, REPO, load_yaml
 
@@ -56,6 +59,20 @@ def test_service_is_the_image_on_the_gpu(compose: dict[str, Any]) -> None:
     # docker sends SIGKILL after stop_grace_period: it must outlast the service's drain.
     grace = float(service["environment"]["REFORMER_GRACE_PERIOD_S"])
     assert float(service["stop_grace_period"].rstrip("s")) > grace
+
+
+def test_service_environment_is_settings_the_service_accepts(
+    compose: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    environment = compose["services"]["reformer"]["environment"]
+    # A key with no value is passed through from the shell; an empty string would be a (blank) API key.
+    assert "" not in environment.values()
+    for key, value in environment.items():
+        if value is not None:
+            monkeypatch.setenv(key, str(value))
+    monkeypatch.delenv("REFORMER_API_KEY", raising=False)
+    settings = Settings()  # validates every value as the service will at start-up
+    assert settings.device == "cuda" and settings.api_key is None
 
 
 def test_bind_mounts_exist(compose: dict[str, Any]) -> None:
