@@ -38,7 +38,7 @@ while [[ $# -gt 0 ]]; do
     --wheels) WHEELS=$(realpath "$2"); shift 2 ;;
     --allow-cpu) ALLOW_CPU=1; shift ;;
     --skip-install) SKIP_INSTALL=1; shift ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1' "$0"; exit 0 ;;
     *) echo "gpu_check: unknown option $1" >&2; exit 2 ;;
   esac
 done

@@ -39,7 +39,7 @@ while [[ $# -gt 0 ]]; do
     --lengths) LENGTHS=$2; shift 2 ;;
     --endpoint) ENDPOINT=$2; shift 2 ;;
     --out) OUT=$2; shift 2 ;;
-    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1' "$0"; exit 0 ;;
     *) echo "replicas: unknown option $1" >&2; exit 2 ;;
   esac
 done
