@@ -155,7 +155,7 @@ def create_app(settings: Settings | None = None, artifact: Any = None) -> FastAP
     """Build the app; `artifact` (an already loaded export.Artifact) skips loading in the lifespan."""
     from service.routes import embed, generate, meta, openai
 
-    settings = settings or Settings()
+    settings = settings or Settings()  # type: ignore[call-arg]  # values come from the environment
     state = ServiceState(settings)
 
     async def boot() -> None:

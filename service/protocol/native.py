@@ -72,7 +72,9 @@ class GenerateRequest(RequestModel):
     """`POST /generate` and `/generate_stream` (TGI)."""
 
     inputs: InputText = Field(description="The prompt.")
-    parameters: GenerateParameters = Field(default_factory=GenerateParameters, description="Generation parameters.")
+    parameters: GenerateParameters = Field(
+        default_factory=lambda: GenerateParameters.model_validate({}), description="Generation parameters."
+    )
     stream: bool = Field(False, description="Accepted for TGI compatibility; use /generate_stream to stream.")
 
     def to_spec(self, tokenizer: Tokenizer, limits: Limits) -> GenerationSpec:
