@@ -26,9 +26,12 @@ def test_greedy_equals_argmax_of_full_forward(lm: ReformerLM) -> None:
     assert new == ids[len(prompt):]
 
 
-def test_cached_and_uncached_generation_agree(lm: ReformerLM) -> None:
+def test_cached_and_uncached_generation_agree() -> None:
+    # exact for a model whose LSH layer sits on top of local layers (see tests/model/test_decode.py)
+    torch.manual_seed(0)
+    lm = ReformerLM(tiny_config(vocab_size=258, initializer_range=0.3, attn_layers=["local", "lsh"])).eval()
     prompt = list(range(20, 45))
-    assert generate(lm, prompt, 10, use_cache=True) == generate(lm, prompt, 10, use_cache=False)
+    assert generate(lm, prompt, 20, use_cache=True) == generate(lm, prompt, 20, use_cache=False)
 
 
 def test_sampling_is_reproducible_from_the_seed(lm: ReformerLM) -> None:
