@@ -161,16 +161,18 @@ EOF
   nginx -c "$WORK/nginx.conf" &
   NGINX_PID=$!
   until curl -s -o /dev/null "http://127.0.0.1:$NGINX_PORT/health"; do sleep 0.2; done
+  until [[ -s "$WORK/nginx-access.log" ]]; do sleep 0.1; done  # the /health above, logged
   log "nginx on port $NGINX_PORT in front of $1 replica(s)"
 }
 
 run_loadtest() {  # name
+  local logged
+  logged=$(wc -l <"$WORK/nginx-access.log")
   "$REFORMER" loadtest --url "http://127.0.0.1:$NGINX_PORT" --docs "$DOCS" --lengths "$LENGTHS" \
     --concurrency "$CONCURRENCY" --duration "$DURATION" --endpoint "$ENDPOINT" \
     --out "$WORK/$1.json" >"$WORK/$1.loadtest.log" 2>&1 || log "loadtest $1 exited with $?"
-  # Give each run its own access log: move the file, then have nginx reopen its logs.
-  mv "$WORK/nginx-access.log" "$WORK/$1.access.log"
-  kill -USR1 "$NGINX_PID"
+  # This run's part of nginx's access log (nginx's workers could not reopen a moved log in $WORK).
+  tail -n "+$((logged + 1))" "$WORK/nginx-access.log" >"$WORK/$1.access.log"
 }
 
 inflight_on() {  # index: requests the replica is handling, not counting the /metrics scrape that asks
@@ -259,8 +261,12 @@ for name in names:
     # nginx's view: responses that needed more than one replica, and what the first one answered.
     access = (work / f"{name}.access.log").read_text().splitlines()
     retried = [line for line in access if ", " in line.rpartition("statuses=[")[2]]
+    refusals: dict[str, int] = {}  # what the replicas that were passed over answered (502: closed connection)
+    for line in retried:
+        for status in line.rpartition("statuses=[")[2].rstrip("]").split(", ")[:-1]:
+            refusals[status] = refusals.get(status, 0) + 1
     row["nginx"] = {"responses": len(access), "retried_on_another_replica": len(retried),
-                    "examples": retried[:3]}
+                    "passed_over_answers": refusals, "examples": retried[:3]}
     restart = work / "restart-0.txt"
     if scenario == "rolling" and restart.exists():
         code, seconds, inflight = restart.read_text().split()
@@ -288,6 +294,6 @@ for row in rows:
         restarted = row["restarted_replica"]
         print(f"rolling restart: SIGTERM with {restarted['in_flight_at_sigterm']} request(s) in flight; "
               f"drained and exited with code {restarted['exit_code']} in {restarted['drain_and_exit_s']} s")
-Console().print(table)
+Console(width=200).print(table)
 print(f"JSON: {out}; logs: {work}")
 EOF
