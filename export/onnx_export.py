@@ -28,9 +28,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model import ReformerLM, chunking
-from model.attention import AttentionContext, LocalSelfAttention, LSHSelfAttention, merge_heads, split_heads
+from model.attention import LocalSelfAttention, LSHSelfAttention, merge_heads
 from model.reformer import _own_padded_lengths
-from model.reversible import AttentionBlock
+
+from .graph_attention import GraphBatch, local_attention, local_mask, lsh_attention
 
 OPSET = 20
 PARITY_TOLERANCE = 1e-4
@@ -45,39 +46,9 @@ class ExportError(Exception):
     """The model cannot be exported, or its graph does not reproduce torch."""
 
 
-def _attention(block: AttentionBlock, x: Tensor, ctx: AttentionContext) -> Tensor:
-    """The attention block for every row at once: chunked attention, and for rows whose own length fits
-    in one chunk, dense attention over the first chunk (as eager computes for such a row), picked per row
-    with `where` instead of eager's data-dependent branches."""
-    att = block.self_attention
-    h = block.layer_norm(x)
-    c = att.chunk
-    assert ctx.valid is not None
-    first = AttentionContext(valid=ctx.valid[:, :c], own_length=ctx.own_length)
-    if isinstance(att, LSHSelfAttention):
-        qk = split_heads(att.query_key(h), att.heads, att.head_size)  # (B, H, L, D)
-        v = split_heads(att.value(h), att.heads, att.head_size)
-        num_buckets = att.config.num_buckets
-        assert num_buckets is not None
-        buckets = att.hash(qk, num_buckets, ctx.valid)  # (B, H, R, L)
-        chunked = att._chunked(qk, v, buckets, ctx)
-        dense = att._dense(qk[:, :, :c], v[:, :, :c], first)  # (B, H, C, D)
-    elif isinstance(att, LocalSelfAttention):
-        q = split_heads(att.query(h), att.heads, att.head_size)
-        k = split_heads(att.key(h), att.heads, att.head_size) / math.sqrt(att.head_size)
-        v = split_heads(att.value(h), att.heads, att.head_size)
-        chunked = att._chunked(q, k, v, ctx)
-        dense = att._dense(q[:, :, :c], k[:, :, :c], v[:, :, :c], first)
-    else:
-        raise ExportError(f"unknown attention layer {type(att).__name__}")
-    short = (ctx.own_length <= c).view(-1, 1, 1, 1)
-    # positions past the first chunk of a short row are padding: zero, as in eager
-    dense = F.pad(dense, (0, 0, 0, chunked.shape[2] - c))
-    return block.output(merge_heads(torch.where(short, dense, chunked)))
-
-
 class OnnxForward(nn.Module):
-    """(input_ids, attention_mask) int64 (B, L) -> (logits (B, L, vocab), hidden_states (B, L, 2*hidden))."""
+    """(input_ids, attention_mask) int64 (B, L), right-padded -> (logits (B, L, vocab), hidden_states
+    (B, L, 2*hidden)), for every row as eager computes that row alone."""
 
     def __init__(self, model: ReformerLM) -> None:
         super().__init__()
@@ -91,15 +62,29 @@ class OnnxForward(nn.Module):
         # pad to a chunk multiple: n*multiple is divisible by every chunk length, which lets the exporter
         # prove the chunk reshapes valid for every length
         padded = (t + self.multiple - 1) // self.multiple * self.multiple
-        valid = attention_mask > 0
         pos = torch.arange(t, device=input_ids.device)
-        own = torch.where(valid, pos + 1, torch.zeros_like(pos)).amax(dim=1)  # last real position + 1
+        real = torch.where(attention_mask > 0, pos + 1, torch.zeros_like(pos)).amax(dim=1)  # (B,)
+        batch = GraphBatch(real_length=real, own_length=_own_padded_lengths(real, cfg), causal=cfg.is_decoder)
         ids = F.pad(input_ids, (0, padded - t), value=cfg.pad_token_id)
         valid = F.pad(attention_mask, (0, padded - t), value=0) > 0
-        ctx = AttentionContext(valid=valid, own_length=_own_padded_lengths(own, cfg))
         x1 = x2 = self.model.embeddings(ids)  # (B, L', hidden)
+        local_masks = None  # every local layer has the same chunking: one mask for all of them
         for layer in self.model.layers:
-            x1 = x1 + _attention(layer.attention, x2, ctx)
+            block = layer.attention
+            att = block.self_attention
+            h = block.layer_norm(x2)
+            if isinstance(att, LSHSelfAttention):
+                chunked, dense = lsh_attention(att, h, valid, batch)
+            elif isinstance(att, LocalSelfAttention):
+                if local_masks is None:
+                    local_masks = local_mask(att.chunk, att.before, att.after, padded, batch)
+                chunked, dense = local_attention(att, h, batch, local_masks)
+            else:
+                raise ExportError(f"unknown attention layer {type(att).__name__}")
+            # rows whose own length fits one chunk get dense attention, as eager gives them
+            short = (batch.own_length <= att.chunk).view(-1, 1, 1, 1)
+            dense = F.pad(dense, (0, 0, 0, padded - att.chunk))
+            x1 = x1 + block.output(merge_heads(torch.where(short, dense, chunked)))
             x2 = x2 + layer.feed_forward._forward_chunk(x1, None)
         h = self.model.final_layer_norm(torch.cat([x1, x2], dim=-1))[:, :t]  # (B, L, 2*hidden)
         return self.model.lm_head(h), h
