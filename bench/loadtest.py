@@ -27,7 +27,7 @@ from bench.loadtest_client import (
     open_loop,
 )
 from bench.loadtest_documents import Document, DocumentError, cut_documents
-from bench.loadtest_metrics import MetricsCheck, MetricsSnapshot, scrape, settled_check
+from bench.loadtest_metrics import MetricsCheck, MetricsSnapshot, mean_batch_sizes, scrape, settled_check
 from bench.loadtest_report import (
     LevelResult,
     LoadTestReport,
@@ -149,6 +149,13 @@ async def _server_info(client: httpx.AsyncClient) -> dict[str, Any] | None:
         return None
 
 
+async def _try_scrape(client: httpx.AsyncClient) -> MetricsSnapshot | None:
+    try:
+        return await scrape(client)
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
 async def run(args: argparse.Namespace, documents: dict[int, list[Document]], console: Console) -> LoadTestReport:
     endpoints = ENDPOINT_SETS[args.endpoint]
     bound = Bound(requests=args.requests, duration_s=args.duration)
@@ -189,13 +196,18 @@ async def run(args: argparse.Namespace, documents: dict[int, list[Document]], co
                         )
                         task = progress.add_task(label, total=bound.requests)
                         done = functools.partial(lambda task, _record: progress.advance(task), task)
+                        level_before = await _try_scrape(client)
                         if rate is None:
                             assert concurrency is not None
                             records, wall = await closed_loop(send, docs, concurrency, bound, done)
                         else:
                             records, wall = await open_loop(send, docs, rate, bound, done)
                         all_records.extend(records)
-                        results.append(summarise(endpoint, length, concurrency, rate, records, wall))
+                        result = summarise(endpoint, length, concurrency, rate, records, wall)
+                        level_after = await _try_scrape(client)
+                        if level_before and level_after:
+                            result.server_batch_size = mean_batch_sizes(level_before, level_after)
+                        results.append(result)
         if before is None:
             check = MetricsCheck(available=False, ok=False, problems=["/metrics could not be scraped before"])
         else:

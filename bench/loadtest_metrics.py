@@ -17,6 +17,7 @@ from bench.loadtest_client import ROUTES, TRANSPORT_ERROR, RequestRecord
 REQUESTS = "reformer_requests_total"
 GENERATED_TOKENS = "reformer_generated_tokens_total"
 PROMPT_TOKENS = "reformer_prompt_tokens_total"
+BATCH_SIZE = "reformer_batch_size"  # histogram by kind: embed, prefill, decode
 
 
 @dataclass
@@ -25,6 +26,18 @@ class MetricsSnapshot:
     generated_tokens: float = 0.0
     prompt_tokens: float = 0.0
     present: set[str] = field(default_factory=set)  # which of the three series the server exposes
+    batch_sum: Counter[str] = field(default_factory=Counter)  # kind -> requests summed over batches
+    batch_count: Counter[str] = field(default_factory=Counter)  # kind -> batches run
+
+
+def mean_batch_sizes(before: MetricsSnapshot, after: MetricsSnapshot) -> dict[str, float]:
+    """Requests per batch the server ran between two scrapes, by kind (embed, prefill, decode)."""
+    sizes = {}
+    for kind, count in after.batch_count.items():
+        batches = count - before.batch_count[kind]
+        if batches > 0:
+            sizes[kind] = (after.batch_sum[kind] - before.batch_sum[kind]) / batches
+    return sizes
 
 
 def _route(label: str) -> str:
@@ -42,6 +55,10 @@ def parse_metrics(text: str) -> MetricsSnapshot:
                 snap.generated_tokens += sample.value
             elif sample.name == PROMPT_TOKENS:
                 snap.prompt_tokens += sample.value
+            elif sample.name == BATCH_SIZE + "_sum":
+                snap.batch_sum[sample.labels.get("kind", "")] += sample.value
+            elif sample.name == BATCH_SIZE + "_count":
+                snap.batch_count[sample.labels.get("kind", "")] += sample.value
             else:
                 continue
             snap.present.add(sample.name)

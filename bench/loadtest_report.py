@@ -51,6 +51,7 @@ class LevelResult(BaseModel):
     ttft_s: Quantiles | None = None
     itl_s: Quantiles | None = None
     gain_vs_c1: float | None = None  # throughput over the same endpoint and length at concurrency 1
+    server_batch_size: dict[str, float] | None = None  # mean requests per batch, by kind, from /metrics
 
     @property
     def level(self) -> float:
@@ -163,6 +164,12 @@ def _num(value: float | None, digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def _batch(r: LevelResult) -> str:
+    # the batches that say whether concurrency turned into batching: embed, or decode steps
+    kind = "embed" if r.endpoint == "embed" else "decode"
+    return _num((r.server_batch_size or {}).get(kind), 1)
+
+
 HEADER = [
     "endpoint",
     "bytes",
@@ -177,6 +184,7 @@ HEADER = [
     "p99 ms",
     "TTFT p50 ms",
     "ITL p50 ms",
+    "batch",
     "x c=1",
 ]
 
@@ -198,6 +206,7 @@ def result_cells(r: LevelResult) -> list[str]:
         _ms(r.latency_s, "p99"),
         _ms(r.ttft_s, "p50"),
         _ms(r.itl_s, "p50"),
+        _batch(r),
         _num(r.gain_vs_c1),
     ]
 

@@ -153,6 +153,9 @@ def test_load_test_against_the_real_server(server_url: str, docs_dir: Path, tmp_
         assert row["requests_per_s"] > 0 and row["tokens_per_s"] > 0
         latency = row["latency_s"]
         assert 0 < latency["p50"] <= latency["p95"] <= latency["p99"]
+        # the server's own batches over the level: every answered request went through at least one
+        kind = "embed" if row["endpoint"] == "embed" else "decode"
+        assert row["server_batch_size"][kind] >= 1
         if row["endpoint"] == "embed":
             # byte tokenizer: input tokens are the document's bytes (plus at most a special token or two)
             assert row["prompt_tokens"] >= 4 * 0.9 * row["length_bytes"]
