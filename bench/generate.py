@@ -1,0 +1,125 @@
+"""Decode cost: time per new token after 1K-64K-token prompts, this project's exact LSH window cache against
+transformers' cached decoding (`past_buckets_states`, what `generate(use_cache=True)` runs per step), at the
+forward benchmark's config (6 LSH layers, hidden 256, 4 heads x 64, chunk 64, 4 hash rounds).
+
+    python bench/generate.py [--lengths 1024,4096,16384,32768,65536] [--models ours,hf] [--new-tokens 16]
+
+Each (model, length) runs in its own subprocess. Writes bench/results/generate.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def hf_config():  # noqa: ANN201
+    from transformers import ReformerConfig
+
+    return ReformerConfig(vocab_size=258, hidden_size=256, num_attention_heads=4, attention_head_size=64,
+                          attn_layers=["lsh"] * 6, feed_forward_size=1024, lsh_attn_chunk_length=64, num_hashes=4,
+                          num_buckets=None, axial_pos_shape=(256, 256), axial_pos_embds_dim=(64, 192),
+                          max_position_embeddings=65536, hash_seed=0, is_decoder=True, eos_token_id=None,
+                          pad_token_id=0)
+
+
+def run_case(kind: str, length: int, new_tokens: int, threads: int) -> dict:
+    import torch
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    prompt = torch.randint(3, 258, (length,))
+    with torch.no_grad():
+        if kind == "ours":
+            from model import ReformerConfig, ReformerLM
+
+            lm = ReformerLM(ReformerConfig.from_hf(hf_config())).eval()
+            start = time.perf_counter()
+            logits, state = lm.prefill(prompt)
+            prefill_s = time.perf_counter() - start
+            token = torch.tensor([int(logits.argmax())])
+            lm.decode_step(token, [state])  # first step outside the timing (allocations)
+            start = time.perf_counter()
+            for _ in range(new_tokens):
+                token = lm.decode_step(token, [state]).argmax(-1)
+            per_token = (time.perf_counter() - start) / new_tokens
+            cache = {"cache_bytes": state.nbytes(), "cache_bytes_per_token": state.nbytes() / state.length}
+        else:
+            from transformers import ReformerModelWithLMHead
+
+            hf = ReformerModelWithLMHead(hf_config()).eval()
+            start = time.perf_counter()
+            out = hf(prompt[None], use_cache=True)
+            prefill_s = time.perf_counter() - start
+            past, token = out.past_buckets_states, out.logits[:, -1:].argmax(-1)
+            out = hf(token, past_buckets_states=past, use_cache=True)
+            past, token = out.past_buckets_states, out.logits[:, -1:].argmax(-1)
+            start = time.perf_counter()
+            for _ in range(new_tokens):
+                out = hf(token, past_buckets_states=past, use_cache=True)
+                past, token = out.past_buckets_states, out.logits[:, -1:].argmax(-1)
+            per_token = (time.perf_counter() - start) / new_tokens
+            cache = {}
+    return {"model": kind, "length": length, "prefill_s": prefill_s, "ms_per_token": 1000 * per_token,
+            "tokens_per_s": 1 / per_token, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            **cache}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--lengths", default="1024,4096,16384,32768,65536")
+    p.add_argument("--models", default="ours,hf")
+    p.add_argument("--new-tokens", type=int, default=16)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--timeout", type=float, default=1200)
+    p.add_argument("--out", type=Path, default=RESULTS / "generate.json")
+    p.add_argument("--case", nargs=2, metavar=("MODEL", "LENGTH"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.case:
+        print(json.dumps(run_case(args.case[0], int(args.case[1]), args.new_tokens, args.threads)))
+        return 0
+    rows = []
+    for length in [int(x) for x in args.lengths.split(",")]:
+        for kind in args.models.split(","):
+            cmd = [sys.executable, __file__, "--case", kind, str(length), "--new-tokens", str(args.new_tokens),
+                   "--threads", str(args.threads)]
+            try:
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+                row = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else {
+                    "model": kind, "length": length, "error": (proc.stderr.strip().splitlines() or ["?"])[-1][:200]}
+            except subprocess.TimeoutExpired:
+                row = {"model": kind, "length": length, "error": f"timed out after {args.timeout:.0f}s"}
+            rows.append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"new_tokens": args.new_tokens, "threads": args.threads, "rows": rows}, indent=2))
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="decode after a prompt (batch 1, greedy)")
+    for col in ("prompt", "model", "prefill s", "ms/token", "tokens/s", "vs transformers", "cache MB", "B/token"):
+        table.add_column(col)
+    by = {(r["model"], r["length"]): r for r in rows}
+    for r in rows:
+        if "error" in r:
+            table.add_row(str(r["length"]), r["model"], "failed", r["error"][:40], "", "", "", "")
+            continue
+        hf = by.get(("hf", r["length"]), {})
+        ratio = f"{r['tokens_per_s'] / hf['tokens_per_s']:.1f}x" if "tokens_per_s" in hf else ""
+        table.add_row(str(r["length"]), r["model"], f"{r['prefill_s']:.1f}", f"{r['ms_per_token']:.1f}",
+                      f"{r['tokens_per_s']:.1f}", ratio,
+                      f"{r['cache_bytes'] / 2**20:.0f}" if "cache_bytes" in r else "",
+                      f"{r['cache_bytes_per_token']:.0f}" if "cache_bytes_per_token" in r else "")
+    Console().print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
