@@ -228,7 +228,7 @@ for ((count = 1; count <= REPLICAS_MAX; count++)); do
 done
 trap - EXIT
 
-DOCS="$DOCS" DURATION="$DURATION" CONCURRENCY="$CONCURRENCY" LENGTHS="$LENGTHS" ENDPOINT="$ENDPOINT" \
+ARTIFACT="$ARTIFACT" DOCS="$DOCS" DURATION="$DURATION" CONCURRENCY="$CONCURRENCY" LENGTHS="$LENGTHS" ENDPOINT="$ENDPOINT" \
   NPROC="$(nproc)" "$PY" - "$WORK" "$OUT" "${RUNS[@]}" <<'EOF'
 import json, os, sys
 from pathlib import Path
@@ -275,6 +275,7 @@ for name in names:
     rows.append(row)
 settings = {key.lower(): os.environ[key] for key in ("DOCS", "DURATION", "CONCURRENCY", "LENGTHS", "ENDPOINT")}
 settings["cpu_cores"] = int(os.environ["NPROC"])
+settings["artifact"] = os.environ["ARTIFACT"] or "the default artifact shipped in the package"
 out.write_text(json.dumps({"settings": settings, "runs": rows}, indent=2) + "\n")
 table = Table(title="reformer-serve behind nginx")
 endpoints = sorted({endpoint for row in rows for endpoint in row["by_endpoint"]})

@@ -154,6 +154,8 @@ def test_build_context_holds_the_package_and_its_default_artifact() -> None:
                 assert in_build_context(relative), relative
     assert in_build_context("export/default_artifact/model.safetensors")
     assert in_build_context("pyproject.toml") and in_build_context("README.md")
+    # pyproject names README.md as the readme: `pip install .` in the image fails without it.
+    assert pyproject["project"]["readme"] == "README.md" and (REPO / "README.md").is_file()
     for clutter in (".venv/bin/python", ".git/HEAD", "tests/conftest.py", "model/__pycache__/x.pyc",
                     "bench/results/forward.json"):
         assert not in_build_context(clutter), clutter
