@@ -26,12 +26,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .attention import LSHSelfAttention, length_normalize, split_heads
+from .attention import LocalSelfAttention, LSHSelfAttention, length_normalize, split_heads
 from .bucket_index import BucketIndex
 from .chunking import mask_value, self_mask_value
 
 if TYPE_CHECKING:
     from .reformer import ReformerLM
+    from .reversible import ReformerLayer
 
 
 @dataclass
@@ -88,7 +89,7 @@ def prefill(lm: ReformerLM, input_ids: Tensor) -> tuple[Tensor, DecodeState]:
     padded, ctx, _ = lm._prepare(ids, None)
     x1 = x2 = lm.embeddings(padded)
     state = DecodeState(length=t, ids=[int(i) for i in ids[0].tolist()])
-    for layer in lm.layers:
+    for layer in _layers(lm):
         att = layer.attention.self_attention
         h = layer.attention.layer_norm(x2[:, :t])  # (1, t, hidden)
         if isinstance(att, LSHSelfAttention):
@@ -100,6 +101,7 @@ def prefill(lm: ReformerLM, input_ids: Tensor) -> tuple[Tensor, DecodeState]:
                 assert cache.num_buckets is not None
                 cache.index = _build_index(att, keys, cache.num_buckets)
         else:
+            assert isinstance(att, LocalSelfAttention)
             keys = split_heads(att.key(h), att.heads, att.head_size)[0] / math.sqrt(att.head_size)
             cache = LayerCache("local", keys.clone(), split_heads(att.value(h), att.heads, att.head_size)[0].clone())
         state.layers.append(cache)
@@ -127,7 +129,7 @@ def _step_one(lm: ReformerLM, token: int, state: DecodeState) -> Tensor:
     x = lm.embeddings.word_embeddings(torch.tensor([token], device=device)) + \
         lm.embeddings.position_embeddings(torch.tensor([t], device=device))  # (1, hidden)
     x1 = x2 = x
-    for layer, cache in zip(lm.layers, state.layers):
+    for layer, cache in zip(_layers(lm), state.layers):
         att = layer.attention.self_attention
         h = layer.attention.layer_norm(x2)[0]  # (hidden,)
         if isinstance(att, LSHSelfAttention):
@@ -135,6 +137,7 @@ def _step_one(lm: ReformerLM, token: int, state: DecodeState) -> Tensor:
             v = att.value(h).view(att.heads, att.head_size)
             out = _lsh_step(lm, att, cache, qk, v, t)
         else:
+            assert isinstance(att, LocalSelfAttention)
             q = att.query(h).view(att.heads, att.head_size)
             k = att.key(h).view(att.heads, att.head_size) / math.sqrt(att.head_size)
             v = att.value(h).view(att.heads, att.head_size)
@@ -147,7 +150,11 @@ def _step_one(lm: ReformerLM, token: int, state: DecodeState) -> Tensor:
     return logits
 
 
-def _local_step(lm: ReformerLM, att: torch.nn.Module, cache: LayerCache, q: Tensor, k: Tensor, v: Tensor,
+def _layers(lm: ReformerLM) -> list[ReformerLayer]:
+    return list(lm.layers)  # type: ignore[arg-type]
+
+
+def _local_step(lm: ReformerLM, att: LocalSelfAttention, cache: LayerCache, q: Tensor, k: Tensor, v: Tensor,
                 t: int) -> Tensor:
     cache.put(t, k, v)
     c = att.chunk
