@@ -301,6 +301,7 @@ def plot(report: LoadTestReport, out_dir: Path) -> list[Path]:
         unit = "input tokens/s" if endpoint == "embed" else "generated tokens/s"
         ax_tp.set(xlabel=xlabel, ylabel=unit, title=f"{endpoint}: throughput")
         for ax in (ax_lat, ax_tp):
+            ax.set_ylim(bottom=0)  # ratios between levels read true only from zero
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
             if not open_loop:
