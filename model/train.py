@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--hash-seed", type=int, default=0)
     m.add_argument("--axial-pos-shape", default="16,4096", help="two factors; product >= max positions")
     m.add_argument("--max-positions", type=int, default=65536)
+    m.add_argument("--axial-norm-std", type=float, default=0.02,
+                   help="init std of the axial position embeddings (the reference uses 1.0, which buries the "
+                        "0.02-std token embeddings under position noise for hundreds of steps)")
     m.add_argument("--dropout", type=float, default=0.05, help="hidden and attention dropout")
     o = p.add_argument_group("optimisation")
     o.add_argument("--window", type=int, default=4096, help="training window in bytes (tokens)")
@@ -109,7 +112,7 @@ def model_config(args: argparse.Namespace) -> ReformerConfig:
         lsh_attn_chunk_length=args.chunk_length, local_attn_chunk_length=args.chunk_length,
         num_hashes=args.num_hashes, num_buckets=args.num_buckets, hash_seed=args.hash_seed,
         axial_pos_shape=shape, axial_pos_embds_dim=(hidden // 2, hidden // 2),  # type: ignore[arg-type]
-        max_position_embeddings=args.max_positions, hidden_dropout_prob=p,
+        max_position_embeddings=args.max_positions, axial_norm_std=args.axial_norm_std, hidden_dropout_prob=p,
         lsh_attention_probs_dropout_prob=p, local_attention_probs_dropout_prob=p, is_decoder=True,
         pad_token_id=0, eos_token_id=1)
 
