@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import functools
 import sys
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -22,6 +23,8 @@ from bench.loadtest_client import (
     Bound,
     GenerationSettings,
     RequestRecord,
+    Send,
+    Sender,
     closed_loop,
     make_client,
     open_loop,
@@ -149,6 +152,13 @@ async def _server_info(client: httpx.AsyncClient) -> dict[str, Any] | None:
         return None
 
 
+def _bind(sender: Sender, client: httpx.AsyncClient, gen: GenerationSettings) -> Send:
+    def send(doc: Document) -> Awaitable[RequestRecord]:
+        return sender(client, doc, gen)
+
+    return send
+
+
 async def _try_scrape(client: httpx.AsyncClient) -> MetricsSnapshot | None:
     try:
         return await scrape(client)
@@ -185,7 +195,7 @@ async def run(args: argparse.Namespace, documents: dict[int, list[Document]], co
             transient=False,
         ) as progress:
             for endpoint in endpoints:
-                send = functools.partial(SENDERS[endpoint], client, gen=gen)
+                send = _bind(SENDERS[endpoint], client, gen)
                 for length in args.lengths:
                     docs = documents[length]
                     for doc in docs[: args.warmup]:

@@ -155,7 +155,8 @@ async def send_embed(client: httpx.AsyncClient, doc: Document, gen: GenerationSe
     return record
 
 
-SENDERS: dict[str, Callable[[httpx.AsyncClient, Document, GenerationSettings], Awaitable[RequestRecord]]] = {
+Sender = Callable[[httpx.AsyncClient, Document, GenerationSettings], Awaitable[RequestRecord]]
+SENDERS: dict[str, Sender] = {
     "generate": send_generate,
     "stream": send_stream,
     "embed": send_embed,

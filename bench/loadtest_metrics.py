@@ -5,7 +5,7 @@ what the client sent: `reformer_requests_total{route,status}` per driven route a
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 import httpx
@@ -26,8 +26,8 @@ class MetricsSnapshot:
     generated_tokens: float = 0.0
     prompt_tokens: float = 0.0
     present: set[str] = field(default_factory=set)  # which of the three series the server exposes
-    batch_sum: Counter[str] = field(default_factory=Counter)  # kind -> requests summed over batches
-    batch_count: Counter[str] = field(default_factory=Counter)  # kind -> batches run
+    batch_sum: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))  # kind -> requests
+    batch_count: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))  # kind -> batches
 
 
 def mean_batch_sizes(before: MetricsSnapshot, after: MetricsSnapshot) -> dict[str, float]:

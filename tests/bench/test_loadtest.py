@@ -3,6 +3,7 @@ here (the service on a tiny random artifact, on a free loopback port)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import socket
@@ -16,8 +17,8 @@ import httpx
 import pytest
 
 import bench.loadtest as loadtest
-from bench.loadtest_client import RequestRecord
-from bench.loadtest_documents import DocumentError, cut_documents
+from bench.loadtest_client import Bound, RequestRecord, closed_loop, open_loop
+from bench.loadtest_documents import Document, DocumentError, cut_documents
 from bench.loadtest_metrics import MetricsCheck, MetricsSnapshot, compare, parse_metrics
 
 REPO = Path(__file__).resolve().parents[2]
@@ -91,6 +92,49 @@ def test_cross_check_matches_and_names_each_mismatch() -> None:
     assert not wrong.ok
     assert {c.what for c in wrong.checks if not c.ok} == {"requests /embed 200", "generated tokens"}
     assert any(p.startswith("MISMATCH requests /embed 200: client 2") for p in wrong.problems)
+
+
+def test_closed_loop_holds_exactly_its_concurrency_and_sends_the_bounded_count() -> None:
+    docs = _documents(5)
+    in_flight, peak, sent = 0, 0, []
+    full = asyncio.Event()
+
+    async def send(doc: Document) -> RequestRecord:
+        nonlocal in_flight, peak
+        in_flight += 1
+        peak = max(peak, in_flight)
+        sent.append(doc)
+        if in_flight == 3:
+            full.set()
+        await full.wait()  # nobody is answered before three are in flight together
+        await asyncio.sleep(0)
+        in_flight -= 1
+        return RequestRecord("embed", 200, 0.0, 0.0)
+
+    records, _ = asyncio.run(closed_loop(send, docs, 3, Bound(requests=7), lambda _r: None))
+    assert len(records) == len(sent) == 7 and peak == 3
+    assert sent == docs + docs[:2]  # documents are taken in turn, round and round
+
+
+def test_open_loop_keeps_sending_while_earlier_requests_are_unanswered() -> None:
+    docs = _documents(2)
+    answer = asyncio.Event()
+    issued = 0
+
+    async def send(doc: Document) -> RequestRecord:
+        nonlocal issued
+        issued += 1
+        if issued == 5:
+            answer.set()
+        await answer.wait()  # a closed loop would deadlock here; an open loop sends all five first
+        return RequestRecord("generate", 200, 0.0, 0.0)
+
+    records, _ = asyncio.run(open_loop(send, docs, 1000.0, Bound(requests=5), lambda _r: None))
+    assert len(records) == 5
+
+
+def _documents(count: int) -> list[Document]:
+    return [Document(source="book.txt", text=f"document {i}") for i in range(count)]
 
 
 def _free_port() -> int:
