@@ -259,9 +259,16 @@ def main(argv: list[str] | None = None) -> int:
     out = Console()
     if not out.is_terminal:
         out = Console(width=200)  # a file or pipe: keep the table's columns whole
-    for name in ("requests", "max_new_tokens", "docs_per_length"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            console.print(f"[bold red]--{name.replace('_', '-')} must be at least 1[/]")
+    # option -> smallest value allowed, and option -> value it must exceed
+    minimums = {"requests": 1, "max_new_tokens": 1, "docs_per_length": 1, "warmup": 0}
+    floors = {"duration": 0.0, "timeout": 0.0}
+    for name, least in minimums.items():
+        if getattr(args, name) is not None and getattr(args, name) < least:
+            console.print(f"[bold red]--{name.replace('_', '-')} must be at least {least}[/]")
+            return 2
+    for name, floor in floors.items():
+        if getattr(args, name) is not None and getattr(args, name) <= floor:
+            console.print(f"[bold red]--{name} must be more than {floor:g}[/]")
             return 2
     try:
         documents = cut_documents(args.docs, args.lengths, per_length=args.docs_per_length)
