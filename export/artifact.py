@@ -75,7 +75,9 @@ def _state_for_saving(model: ReformerLM) -> dict[str, torch.Tensor]:
 def write_model_files(model: ReformerLM, tokenizer: ByteTokenizer, directory: Path) -> None:
     """config.json, model.safetensors (config in its metadata too) and tokenizer.json."""
     model.config.to_json(directory / CONFIG_FILE)
-    meta = {"config": json.dumps(model.config.to_dict(), sort_keys=True), "format": "reformer-serve"}
+    # one metadata entry: safetensors writes several in hash order, which would make the bytes (and the
+    # artifact's sha256) differ between two exports of the same weights
+    meta = {"config": json.dumps(model.config.to_dict(), sort_keys=True)}
     save_file(_state_for_saving(model), str(directory / WEIGHTS_FILE), metadata=meta)
     tokenizer.save(directory / TOKENIZER_FILE)
 

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from model import ReformerLM, chunking
 from model.attention import LocalSelfAttention, LSHSelfAttention, merge_heads
 from model.reformer import _own_padded_lengths
+from model.reversible import ReformerLayer
 
 from .graph_attention import GraphBatch, local_attention, local_mask, lsh_attention
 
@@ -70,6 +71,7 @@ class OnnxForward(nn.Module):
         x1 = x2 = self.model.embeddings(ids)  # (B, L', hidden)
         local_masks = None  # every local layer has the same chunking: one mask for all of them
         for layer in self.model.layers:
+            assert isinstance(layer, ReformerLayer)
             block = layer.attention
             att = block.self_attention
             h = block.layer_norm(x2)

@@ -138,3 +138,9 @@ def test_invalid_config_is_refused(tiny_artifact: Path, tmp_path: Path) -> None:
 def test_missing_directory_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ArtifactError, match="not an artifact directory"):
         load_artifact(tmp_path / "nowhere")
+
+
+def test_same_weights_give_the_same_artifact_hash(tiny_artifact: Path, tmp_path: Path) -> None:
+    again = save_artifact(tiny_model(), tmp_path / "again", onnx=False)
+    assert load_artifact(again).sha256 == load_artifact(tiny_artifact).sha256
+    assert (again / "config.json").read_bytes() == (tiny_artifact / "config.json").read_bytes()
