@@ -35,6 +35,16 @@ if TYPE_CHECKING:
     from .reversible import ReformerLayer
 
 
+HEADROOM = 256  # decode steps before the first cache growth
+
+
+def _with_headroom(x: Tensor) -> Tensor:
+    """(H, T, D) -> (H, T + HEADROOM, D) storage holding x first."""
+    out = x.new_empty(x.shape[0], x.shape[1] + HEADROOM, x.shape[2])
+    out[:, : x.shape[1]] = x
+    return out
+
+
 @dataclass
 class LayerCache:
     kind: str
@@ -94,16 +104,18 @@ def prefill(lm: ReformerLM, input_ids: Tensor) -> tuple[Tensor, DecodeState]:
         h = layer.attention.layer_norm(x2[:, :t])  # (1, t, hidden)
         if isinstance(att, LSHSelfAttention):
             keys = split_heads(att.query_key(h), att.heads, att.head_size)[0]  # (H, t, D)
-            cache = LayerCache("lsh", keys.clone(), split_heads(att.value(h), att.heads, att.head_size)[0].clone())
+            cache = LayerCache("lsh", _with_headroom(keys),
+                               _with_headroom(split_heads(att.value(h), att.heads, att.head_size)[0]))
             lp = lm.config.padded_length(t)
             if lp > att.chunk or att.config.num_buckets is not None:
                 cache.num_buckets = att.num_buckets_for(lp) if lp > att.chunk else att.config.num_buckets
                 assert cache.num_buckets is not None
-                cache.index = _build_index(att, keys, cache.num_buckets)
+                cache.index = _build_index(att, cache.keys[:, :t], cache.num_buckets)
         else:
             assert isinstance(att, LocalSelfAttention)
             keys = split_heads(att.key(h), att.heads, att.head_size)[0] / math.sqrt(att.head_size)
-            cache = LayerCache("local", keys.clone(), split_heads(att.value(h), att.heads, att.head_size)[0].clone())
+            cache = LayerCache("local", _with_headroom(keys),
+                               _with_headroom(split_heads(att.value(h), att.heads, att.head_size)[0]))
         state.layers.append(cache)
         x1, x2, _ = layer(x1, x2, ctx)
     hidden = lm.final_layer_norm(torch.cat([x1, x2], dim=-1)[:, t - 1])  # (1, 2*hidden)
@@ -241,6 +253,6 @@ def _slots_of_last(index: list[list[BucketIndex]], total: int) -> list[list[int]
         slots = []
         for ix in row:
             b = next(b for b, lst in enumerate(ix.lists) if len(lst) and lst[-1] == total - 1)
-            slots.append(int(ix.counts[: b + 1].sum()) - 1)
+            slots.append(ix._prefix(b) - 1)
         out.append(slots)
     return out
