@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Awaitable
 from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, Request
+from pydantic import BaseModel
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -123,10 +124,33 @@ _ERROR_TEXT = {
     504: "Waited in the queue longer than request_timeout_s.",
 }
 
-# Error responses each route documents in the OpenAPI schema.
-NATIVE_ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorResponse, "description": text} for code, text in _ERROR_TEXT.items()
+_ERROR_HEADERS: dict[int, dict[str, Any]] = {
+    401: {"WWW-Authenticate": {"description": "`Bearer`.", "schema": {"type": "string"}}},
+    429: {"Retry-After": {"description": "Seconds to wait before retrying.", "required": True,
+                          "schema": {"type": "string"}}},
+    503: {"Retry-After": {"description": "Seconds to wait before retrying (while loading or draining).",
+                          "schema": {"type": "string"}}},
 }
-OPENAI_ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": OpenAIErrorResponse, "description": text} for code, text in _ERROR_TEXT.items()
-}
+
+# What can fail where: every route may need the API key and may fail unexpectedly; routes with a body may
+# be too large or invalid; only routes that queue for the model can be refused (429) or time out (504).
+INFERENCE_CODES = (401, 413, 422, 429, 500, 503, 504)
+TOKENIZE_CODES = (401, 413, 422, 500, 503)
+READ_CODES = (401, 500, 503)
+METRICS_CODES = (401, 500)
+
+
+def error_responses(model: type[BaseModel], codes: tuple[int, ...]) -> dict[int | str, dict[str, Any]]:
+    """The `responses=` of a route: each error status it can answer, with its body and headers."""
+    documented: dict[int | str, dict[str, Any]] = {}
+    for code in codes:
+        entry: dict[str, Any] = {"model": model, "description": _ERROR_TEXT[code]}
+        if code in _ERROR_HEADERS:
+            entry["headers"] = _ERROR_HEADERS[code]
+        documented[code] = entry
+    return documented
+
+
+# Error responses each inference route documents in the OpenAPI schema.
+NATIVE_ERRORS = error_responses(ErrorResponse, INFERENCE_CODES)
+OPENAI_ERRORS = error_responses(OpenAIErrorResponse, INFERENCE_CODES)

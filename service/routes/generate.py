@@ -80,6 +80,8 @@ async def generate(body: GenerateRequest, request: Request, state: State) -> Res
 
 @router.post(
     "/generate_stream",
+    # No JSON 200: the body is an event stream (errors before the first event are JSON with their status).
+    response_class=Response,
     responses={**NATIVE_ERRORS, 200: {"content": {"text/event-stream": {}},
                                       "description": "One `data: StreamEvent` per token; errors as StreamError."}},
 )

@@ -11,11 +11,18 @@ from starlette.responses import JSONResponse, Response
 from service.errors import Unavailable
 from service.protocol import ErrorResponse, TokenInfo, TokenizeRequest
 from service.protocol.common import encode_checked
-from service.routes.common import NATIVE_ERRORS, State, ready_parts
+from service.routes.common import (
+    METRICS_CODES,
+    READ_CODES,
+    TOKENIZE_CODES,
+    State,
+    error_responses,
+    ready_parts,
+)
 
 router = APIRouter()
 
-_PROBE_ERRORS: dict[int | str, dict[str, Any]] = {503: {"model": ErrorResponse, "description": "Not alive or ready."}}
+_PROBE_ERRORS = error_responses(ErrorResponse, READ_CODES)
 
 
 @router.get("/health", tags=["probes"], responses=_PROBE_ERRORS)
@@ -36,20 +43,22 @@ async def ready(state: State) -> dict[str, str]:
     return {"status": "ready"}
 
 
-@router.get("/info", tags=["info"], responses=NATIVE_ERRORS)
+@router.get("/info", tags=["info"], responses=error_responses(ErrorResponse, READ_CODES))
 async def info(state: State) -> dict[str, Any]:
     """The model, backend, device, limits, batching settings and version."""
     return state.info()
 
 
 @router.get("/metrics", tags=["probes"], response_class=Response,
-            responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format."}})
+            responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format."},
+                       **error_responses(ErrorResponse, METRICS_CODES)})
 async def metrics(state: State) -> Response:
     """Prometheus metrics."""
     return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
-@router.post("/tokenize", tags=["info"], response_model=list[TokenInfo], responses=NATIVE_ERRORS)
+@router.post("/tokenize", tags=["info"], response_model=list[TokenInfo],
+             responses=error_responses(ErrorResponse, TOKENIZE_CODES))
 async def tokenize(body: TokenizeRequest, state: State) -> JSONResponse:
     """The tokens of `inputs` with their text and character offsets."""
     _, limits, tokenizer = ready_parts(state)

@@ -27,14 +27,17 @@ from service.protocol import (
     EmbeddingsResponse,
     ModelCard,
     ModelList,
+    OpenAIErrorResponse,
     Usage,
 )
 from service.routes.common import (
     OPENAI_ERRORS,
+    READ_CODES,
     ClientDisconnected,
     EventStreamResponse,
     State,
     disconnected_response,
+    error_responses,
     observe,
     ready_parts,
     sse,
@@ -175,7 +178,7 @@ async def embeddings(body: EmbeddingsRequest, request: Request, state: State) ->
     return JSONResponse(response.model_dump(mode="json"), headers=headers)
 
 
-@router.get("/models", response_model=ModelList, responses=OPENAI_ERRORS)
+@router.get("/models", response_model=ModelList, responses=error_responses(OpenAIErrorResponse, READ_CODES))
 async def models(state: State) -> ModelList:
     """The one model this server serves."""
     _, limits, _ = ready_parts(state)
