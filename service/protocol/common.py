@@ -8,6 +8,7 @@ from typing import Annotated, Any, Protocol
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, model_validator
 
+from model.sampling import SamplingParams
 from service.errors import InputTooLong, ValidationFailed
 
 log = logging.getLogger("service.protocol")
@@ -19,9 +20,10 @@ class Tokenizer(Protocol):
 
 class RequestModel(BaseModel):
     """Request base: unknown fields are kept aside and logged (clients written for TGI/OpenAI send extras);
-    NaN and infinities are refused."""
+    NaN and infinities are refused, and so are values of the wrong JSON type (strict: `true` is not a
+    number and `"5"` is not an integer, as the published schema says)."""
 
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
 
     @model_validator(mode="after")
     def _log_unknown_fields(self) -> RequestModel:
@@ -123,6 +125,24 @@ def check_truncate(value: bool | int | None, limits: Limits, field: str) -> int 
     if value > limits.max_input_tokens:
         raise ValidationFailed(f"{field} must be <= {limits.max_input_tokens} (got {value})", param=field)
     return int(value)
+
+
+# Below these the sampler's float32 arithmetic breaks down (a temperature or penalty that rounds to 0 makes
+# logits infinite, a top_p that rounds to 0 drops every token): found by fuzzing, as 500s and NaN logprobs.
+GREEDY_BELOW_TEMPERATURE = 1e-5  # vLLM's convention: a smaller temperature means greedy
+MIN_TOP_P = 1e-6  # keeps only the most likely token for any vocabulary under a million, as any smaller value
+MIN_REPETITION_PENALTY = 1e-6
+
+
+def sampling_params(*, temperature: float, top_k: int, top_p: float, repetition_penalty: float, do_sample: bool,
+                    seed: int | None) -> SamplingParams:
+    """SamplingParams from a request's (already range-checked) values, with the float32 floors above."""
+    if temperature < GREEDY_BELOW_TEMPERATURE:
+        temperature, do_sample = 1.0, False
+    return SamplingParams(
+        temperature=temperature, top_k=top_k, top_p=max(top_p, MIN_TOP_P),
+        repetition_penalty=max(repetition_penalty, MIN_REPETITION_PENALTY), do_sample=do_sample, seed=seed,
+    )
 
 
 def extra_of(model: BaseModel) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from service.protocol.common import (
     check_stop,
     check_truncate,
     encode_checked,
+    sampling_params,
 )
 
 
@@ -58,7 +59,7 @@ class GenerateParameters(RequestModel):
         return value
 
     def sampling(self) -> SamplingParams:
-        return SamplingParams(
+        return sampling_params(
             temperature=self.temperature if self.temperature is not None else 1.0,
             top_k=self.top_k or 0,
             top_p=self.top_p if self.top_p is not None else 1.0,

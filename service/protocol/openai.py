@@ -6,7 +6,6 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from model.sampling import SamplingParams
 from service.errors import ValidationFailed
 from service.jobs import EmbeddingSpec, GenerationSpec
 from service.protocol.common import (
@@ -19,6 +18,7 @@ from service.protocol.common import (
     check_new_tokens,
     check_stop,
     encode_checked,
+    sampling_params,
 )
 
 # Our finish reasons in OpenAI's words.
@@ -71,7 +71,7 @@ class CompletionRequest(RequestModel):
             )
         max_new = check_new_tokens(self.max_tokens, limits, "max_tokens")
         stop = check_stop(self.stop_list(), limits, "stop")
-        sampling = SamplingParams(
+        sampling = sampling_params(
             temperature=self.temperature if self.temperature > 0 else 1.0,
             top_k=max(self.top_k, 0),
             top_p=self.top_p,
