@@ -1,0 +1,87 @@
+"""Schemathesis against the service's own OpenAPI schema, in-process (ASGI), a bounded number of examples per
+operation: no 5xx, and every response (status, content type, headers, body) is one the schema documents."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, settings
+
+from service.app import create_app
+from service.settings import Settings
+from tests.service.helpers import running_app
+
+# Per operation; with the tiny model and short generations the file runs in well under two minutes.
+MAX_EXAMPLES = 30
+FUZZ_CHECKS = [
+    schemathesis.checks.not_a_server_error,
+    schemathesis.checks.status_code_conformance,
+    schemathesis.checks.content_type_conformance,
+    schemathesis.checks.response_headers_conformance,
+    schemathesis.checks.response_schema_conformance,
+    # Whatever the schema forbids must be refused (4xx), not served.
+    schemathesis.checks.negative_data_rejection,
+]
+
+
+# The schema as the app publishes it at /openapi.json (it does not depend on settings or the model).
+OPENAPI: dict[str, Any] = create_app(Settings()).openapi()  # type: ignore[call-arg]
+schema = schemathesis.openapi.from_dict(OPENAPI)
+
+
+@pytest.fixture(scope="module")
+def fuzzed_app(artifact: Any) -> Iterator[Any]:
+    """The app under fuzzing, started and warmed up once for the module.
+
+    Schemathesis ends the lifespan of an app it reached after every test item; the app's lifespan runs here
+    instead (in the TestClient's loop), and schemathesis gets a view of it that answers only HTTP."""
+    # Small limits keep every admitted generation short; requests beyond them must get documented 4xx.
+    with running_app(artifact, backend="torch", max_input_tokens=256, max_new_tokens=4, default_new_tokens=4,
+                     max_client_batch_size=4, max_wait_ms=0, log_level="warning") as client:
+        app = client.app
+
+        async def http_only(scope: Any, receive: Any, send: Any) -> None:
+            if scope["type"] == "lifespan":
+                return  # an app that declines the lifespan scope: schemathesis neither starts nor stops it
+            await app(scope, receive, send)
+
+        yield http_only
+
+
+@schema.parametrize()
+@settings(max_examples=MAX_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+def test_every_response_is_documented_and_no_5xx(case: schemathesis.Case, fuzzed_app: Any) -> None:
+    case.call_and_validate(app=fuzzed_app, checks=FUZZ_CHECKS)
+
+
+def error_schema_name(responses: dict[str, Any], code: str) -> str:
+    return str(responses[code]["content"]["application/json"]["schema"]["$ref"]).rsplit("/", 1)[-1]
+
+
+def test_schema_documents_every_error_response() -> None:
+    """Each inference route documents 401/413/422/429/500/503/504 with the error body its clients get; every
+    other route documents at least 401, 500 and (but /metrics) 503; 429 and 503 carry Retry-After."""
+    inference = {"/generate", "/generate_stream", "/embed", "/v1/completions", "/v1/embeddings"}
+    for path, operations in OPENAPI["paths"].items():
+        for method, operation in operations.items():
+            responses = operation["responses"]
+            shape = "OpenAIErrorResponse" if path.startswith("/v1") else "ErrorResponse"
+            codes = ("401", "413", "422", "429", "500", "503", "504") if path in inference else ("401", "500")
+            for code in codes + (("503",) if path != "/metrics" else ()):
+                assert error_schema_name(responses, code) == shape, (method, path, code)
+            if "429" in responses:
+                assert responses["429"]["headers"]["Retry-After"]["required"] is True, path
+            if "503" in responses:
+                assert "Retry-After" in responses["503"]["headers"], path
+            assert "HTTPValidationError" not in json.dumps(responses), (method, path)
+
+
+def test_event_stream_routes_document_their_media_types() -> None:
+    stream_ok = OPENAPI["paths"]["/generate_stream"]["post"]["responses"]["200"]["content"]
+    assert set(stream_ok) == {"text/event-stream"}
+    completions_ok = OPENAPI["paths"]["/v1/completions"]["post"]["responses"]["200"]["content"]
+    assert set(completions_ok) == {"application/json", "text/event-stream"}
