@@ -123,10 +123,11 @@ def summarise(
     )
 
 
-def _throughput(result: LevelResult) -> tuple[str, float]:
-    if result.tokens_per_s is not None:
-        return "tokens_per_s", result.tokens_per_s
-    return "requests_per_s", result.requests_per_s
+def _throughputs(result: LevelResult, ref: LevelResult) -> tuple[str, float, float]:
+    """The same measure for both levels: tokens/s where both have it, else requests/s."""
+    if result.tokens_per_s is not None and ref.tokens_per_s is not None:
+        return "tokens_per_s", result.tokens_per_s, ref.tokens_per_s
+    return "requests_per_s", result.requests_per_s, ref.requests_per_s
 
 
 def add_gains(results: list[LevelResult]) -> list[BatchingGain]:
@@ -137,8 +138,7 @@ def add_gains(results: list[LevelResult]) -> list[BatchingGain]:
         ref = base.get((result.endpoint, result.length_bytes))
         if ref is None or result.concurrency is None:
             continue
-        measure, value = _throughput(result)
-        _, ref_value = _throughput(ref)
+        measure, value, ref_value = _throughputs(result, ref)
         if ref_value <= 0:
             continue
         result.gain_vs_c1 = value / ref_value
