@@ -61,21 +61,45 @@ def attend(q: Tensor, k: Tensor, v: Tensor, masked: Tensor, self_hit: Tensor | N
     return out, lse.squeeze(-1)
 
 
-def local_mask(chunk: int, before: int, after: int, t: int, batch: GraphBatch) -> tuple[Tensor, Tensor, Tensor]:
-    """(window chunk index (B, N, W), chunked mask (B, 1, N, C, W*C), dense first-chunk mask (B, 1, C, C))."""
+def windows(x: Tensor, win: Tensor) -> Tensor:
+    """x (B, M, C, *rest), win (B, M, W) chunk indices -> (B, M, W*C, *rest): every chunk's window, built
+    by one gather along the chunk axis (no head axis to move, so no transposes in the graph)."""
+    b, m, c = x.shape[:3]
+    rest = x.shape[3:]
+    base = torch.arange(b, device=x.device).view(b, 1, 1) * m
+    picked = x.reshape(b * m, c, *rest)[(win + base).reshape(-1)]  # (B*M*W, C, *rest)
+    return picked.view(b, m, win.shape[-1] * c, *rest)
+
+
+def shifted_windows(x: Tensor, before: int, dim: int) -> Tensor:
+    """Chunk axis `dim`, chunk positions on `dim + 1`: each chunk after the `before` chunks ahead of it,
+    wrapping around the batch's chunk axis -> the chunk-position axis grows to (before+1)*C. For a causal
+    layer this equals eager's per-row wrap: a wrapped chunk lies after every query of the chunk that sees
+    it, so the causal mask removes it either way."""
+    parts = [torch.roll(x, shifts=s, dims=dim) for s in range(before, 0, -1)] + [x]
+    return torch.cat(parts, dim=dim + 1)
+
+
+def local_mask(chunk: int, before: int, after: int, t: int, batch: GraphBatch) -> tuple[Tensor | None, Tensor, Tensor]:
+    """(window chunk index (B, N, W) or None for shifted windows, chunked mask (B, 1, N, C, W*C), dense
+    first-chunk mask (B, 1, C, C)): positions only, so one mask serves every local layer and head."""
     b = batch.own_length.shape[0]
     n = t // chunk
-    own_chunks = torch.clamp((batch.own_length + chunk - 1) // chunk, min=1)
-    win = window_chunk_index(own_chunks, 1, n, before, after)
-    pos = torch.arange(t, device=own_chunks.device)
+    pos = torch.arange(t, device=batch.own_length.device)
     qp = pos.view(1, 1, n, chunk).expand(b, 1, n, chunk)  # (B, 1, N, C)
-    kp = gather_chunks(qp.unsqueeze(-1), win).squeeze(-1)  # (B, 1, N, W*C)
+    win = None
+    if batch.causal and after == 0:
+        kp = shifted_windows(qp, before, dim=2)  # (B, 1, N, W*C)
+    else:
+        own_chunks = torch.clamp((batch.own_length + chunk - 1) // chunk, min=1)
+        win = window_chunk_index(own_chunks, 1, n, before, after)
+        kp = gather_chunks(qp.unsqueeze(-1), win).squeeze(-1)
     first = pos[:chunk].view(1, 1, chunk).expand(b, 1, chunk)
     return win, masked_positions(qp, kp, batch), masked_positions(first, first, batch)
 
 
 def local_attention(att: LocalSelfAttention, h: Tensor, batch: GraphBatch,
-                    masks: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+                    masks: tuple[Tensor | None, Tensor, Tensor]) -> tuple[Tensor, Tensor]:
     """h (B, L, hidden) -> (chunked (B, H, L, D), dense over the first chunk (B, H, C, D))."""
     win, masked, masked_first = masks
     b, t, _ = h.shape
@@ -84,8 +108,11 @@ def local_attention(att: LocalSelfAttention, h: Tensor, batch: GraphBatch,
     k = split_heads(att.key(h), att.heads, d) / math.sqrt(d)
     v = split_heads(att.value(h), att.heads, d)
     n = t // c
-    k_w = gather_chunks(k.view(b, att.heads, n, c, d), win)  # (B, H, N, W*C, D)
-    v_w = gather_chunks(v.view(b, att.heads, n, c, d), win)
+    k_c, v_c = k.view(b, att.heads, n, c, d), v.view(b, att.heads, n, c, d)
+    if win is None:
+        k_w, v_w = shifted_windows(k_c, att.before, dim=2), shifted_windows(v_c, att.before, dim=2)
+    else:
+        k_w, v_w = gather_chunks(k_c, win), gather_chunks(v_c, win)  # (B, H, N, W*C, D)
     out, _ = attend(q.view(b, att.heads, n, c, d), k_w, v_w, masked, None)
     dense, _ = attend(q[:, :, :c], k[:, :, :c], v[:, :, :c], masked_first, None)
     return out.reshape(b, att.heads, t, d), dense
@@ -110,24 +137,24 @@ def lsh_attention(att: LSHSelfAttention, h: Tensor, valid: Tensor, batch: GraphB
     k = length_normalize(qk) / math.sqrt(d)
     heads = []
     for i in range(att.heads):  # one head at a time: peak memory is one head's score blocks
-        sp = sorted_pos[:, i : i + 1]  # (B, 1, R*L)
-        idx = sp.unsqueeze(-1).expand(-1, -1, -1, d)
-        q_c = torch.gather(qk[:, i : i + 1], 2, idx).view(b, 1, r * n, c, d)
-        k_c = torch.gather(k[:, i : i + 1], 2, idx).view(b, 1, r * n, c, d)
-        v_c = torch.gather(v[:, i : i + 1], 2, idx).view(b, 1, r * n, c, d)
-        qp = sp.view(b, 1, r * n, c)  # (B, 1, R*N, C)
-        kp = gather_chunks(qp.unsqueeze(-1), win).squeeze(-1)  # (B, 1, R*N, W*C)
+        sp = sorted_pos[:, i]  # (B, R*L)
+        idx = sp.unsqueeze(-1).expand(-1, -1, d)
+        q_c = torch.gather(qk[:, i], 1, idx).view(b, r * n, c, d)  # (B, R*N, C, D)
+        k_c = torch.gather(k[:, i], 1, idx).view(b, r * n, c, d)
+        v_c = torch.gather(v[:, i], 1, idx).view(b, r * n, c, d)
+        qp = sp.view(b, r * n, c)  # (B, R*N, C)
+        kp = windows(qp.unsqueeze(-1), win).squeeze(-1)  # (B, R*N, W*C)
         self_hit = kp.unsqueeze(-2) == qp.unsqueeze(-1)
-        o, lse = attend(q_c, gather_chunks(k_c, win), gather_chunks(v_c, win), masked_positions(qp, kp, batch),
-                        self_hit)  # (B, 1, R*N, C, D), (B, 1, R*N, C)
+        o, lse = attend(q_c, windows(k_c, win), windows(v_c, win), masked_positions(qp, kp, batch),
+                        self_hit)  # (B, R*N, C, D), (B, R*N, C)
         # undo the sort, then weigh every round by its share of the probability mass
-        undo = order[:, i : i + 1]  # (B, 1, R, L)
-        o = torch.empty_like(o.view(b, 1, r, t, d)).scatter(3, undo.unsqueeze(-1).expand(-1, -1, -1, -1, d),
-                                                            o.view(b, 1, r, t, d))
-        lse = torch.empty_like(lse.view(b, 1, r, t)).scatter(3, undo, lse.view(b, 1, r, t))
-        weights = torch.exp(lse - torch.logsumexp(lse, dim=2, keepdim=True)).unsqueeze(-1)
-        heads.append((o * weights).sum(dim=2))  # (B, 1, L, D)
+        undo = order[:, i]  # (B, R, L)
+        o = torch.empty_like(o.view(b, r, t, d)).scatter(2, undo.unsqueeze(-1).expand(-1, -1, -1, d),
+                                                         o.view(b, r, t, d))
+        lse = torch.empty_like(lse.view(b, r, t)).scatter(2, undo, lse.view(b, r, t))
+        weights = torch.exp(lse - torch.logsumexp(lse, dim=1, keepdim=True)).unsqueeze(-1)
+        heads.append((o * weights).sum(dim=1))  # (B, L, D)
     first = pos[:c].view(1, 1, c).expand(b, 1, c)
     self_first = (first.unsqueeze(-1) == first.unsqueeze(-2))
     dense, _ = attend(qk[:, :, :c], k[:, :, :c], v[:, :, :c], masked_positions(first, first, batch), self_first)
-    return torch.cat(heads, dim=1), dense
+    return torch.stack(heads, dim=1), dense
