@@ -115,21 +115,58 @@ def error_response(path: str, error: ServiceError) -> JSONResponse:
     return JSONResponse(body, status_code=error.status_code, headers=error.headers)
 
 
+# Union members pydantic names in an error's location (`bool | int`); no request field has these names.
+_UNION_MEMBERS = frozenset({"str", "int", "float", "bool", "none", "list", "dict"})
+
+
+def _field_path(loc: Any) -> str:
+    """`inputs.0` from pydantic's location, without `body` and without the union member tried
+    (`function-after[_check_text(), str]`, `list[...]`, `int`), which name our types, not the client's field."""
+    return ".".join(
+        str(p) for p in loc if p != "body" and not (isinstance(p, str) and ("[" in p or p in _UNION_MEMBERS))
+    )
+
+
+def _is_type_error(err: Any) -> bool:
+    return str(err.get("type", "")).endswith("_type")
+
+
 def describe_validation_errors(errors: list[Any]) -> tuple[str, str | None]:
     """One message naming each failing field (`parameters.top_p: Input should be ...`), and the first field."""
+    fields = [_field_path(e.get("loc", ())) for e in errors]
+    # A union (a text or a list of texts) reports each member's failure. Where the value had the shape of one
+    # member (a failure inside it, or a failed value check), the other members' "should be a valid <type>"
+    # only hides the real problem.
+    def shadowed(field: str) -> bool:
+        return any(
+            other.startswith(field + ".") or (other == field and not _is_type_error(e))
+            for other, e in zip(fields, errors, strict=True)
+        )
+
     parts: list[str] = []
     first_param: str | None = None
-    for err in errors:
-        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-        field = ".".join(loc)
+    for err, field in zip(errors, fields, strict=True):
         if err.get("type") == "json_invalid":
             detail = err.get("ctx", {}).get("error", "invalid JSON")
-            parts.append(f"request body is not valid JSON ({detail} at position {field or 0})")
+            parts.append(f"request body is not valid JSON: {detail} (position {field or 0})")
+            continue
+        if _is_type_error(err) and shadowed(field):
             continue
         if first_param is None and field:
             first_param = field
-        parts.append(f"{field or 'body'}: {err.get('msg', 'invalid value')}")
+        part = f"{field or 'body'}: {err.get('msg', 'invalid value')}"
+        if part not in parts:
+            parts.append(part)
     return "; ".join(parts) or "invalid request", first_param
+
+
+def body_parse_error(cause: BaseException | None) -> str:
+    """Why FastAPI could not decode a body it answers 400 for, in the client's terms."""
+    if isinstance(cause, RecursionError):
+        return "request body could not be parsed: JSON nested too deeply"
+    if isinstance(cause, UnicodeDecodeError):
+        return f"request body could not be parsed: not valid UTF-8 (byte {cause.start})"
+    return "request body could not be parsed as JSON"
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -149,7 +186,7 @@ def install_error_handlers(app: FastAPI) -> None:
         # FastAPI answers 400 for a body it cannot decode (invalid UTF-8, nesting too deep): for our
         # clients that is a validation error like any other malformed JSON.
         if exc.status_code == 400:
-            error: ServiceError = ValidationFailed(f"request body could not be parsed: {exc.detail}")
+            error: ServiceError = ValidationFailed(body_parse_error(exc.__cause__))
         elif exc.status_code == 404:
             error = NotFound(f"no route {request.url.path}")
         elif exc.status_code == 405:
