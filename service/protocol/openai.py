@@ -21,6 +21,8 @@ from service.protocol.common import (
     sampling_params,
 )
 
+OPENAI_DEFAULT_MAX_TOKENS = 16
+
 # Our finish reasons in OpenAI's words.
 OPENAI_FINISH_REASON = {"length": "length", "eos_token": "stop", "stop_sequence": "stop"}
 
@@ -30,7 +32,9 @@ class CompletionRequest(RequestModel):
 
     model: str | None = Field(None, description="Accepted and ignored: this server serves one model.")
     prompt: InputText | list[InputText] = Field(description="A prompt or a list of prompts.")
-    max_tokens: int = Field(16, ge=1, description="Tokens to generate at most.")
+    max_tokens: int | None = Field(
+        None, ge=1, description="Tokens to generate at most (16 when unset, as OpenAI; capped by the server)."
+    )
     temperature: float = Field(1.0, ge=0, le=2, description="0 picks the most likely token; > 0 samples.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass, in (0, 1].")
     top_k: int = Field(0, ge=-1, description="Keep the k most likely tokens (0 or -1: all).")
@@ -69,7 +73,9 @@ class CompletionRequest(RequestModel):
                 f"truncate_prompt_tokens must be <= {limits.max_input_tokens} (got {self.truncate_prompt_tokens})",
                 param="truncate_prompt_tokens",
             )
-        max_new = check_new_tokens(self.max_tokens, limits, "max_tokens")
+        # An unset max_tokens must not be refused by a server whose limit is under OpenAI's default.
+        max_new = (min(OPENAI_DEFAULT_MAX_TOKENS, limits.max_new_tokens) if self.max_tokens is None
+                   else check_new_tokens(self.max_tokens, limits, "max_tokens"))
         stop = check_stop(self.stop_list(), limits, "stop")
         sampling = sampling_params(
             temperature=self.temperature if self.temperature > 0 else 1.0,
