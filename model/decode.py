@@ -222,10 +222,13 @@ def _lsh_step(lm: ReformerLM, att: LSHSelfAttention, cache: LayerCache, qk: Tens
             idx[hd, r, : len(windows[hd][r])] = windows[hd][r]
     index = torch.from_numpy(idx).to(qk.device)
     present = index >= 0
-    safe = index.clamp(min=0)
-    head_ix = torch.arange(heads, device=qk.device).view(heads, 1, 1)
-    keys = length_normalize(cache.keys[head_ix, safe]) / scale  # (H, R, W, D)
-    values = cache.values[head_ix, safe]
+    # one row gather from the flattened cache (index_select stays cheap however long the cache grows)
+    capacity = cache.keys.shape[1]
+    rows = (index.clamp(min=0) + torch.arange(heads, device=qk.device).view(heads, 1, 1) * capacity).reshape(-1)
+    d = cache.keys.shape[2]
+    keys = cache.keys.reshape(-1, d).index_select(0, rows).view(heads, rounds, width, d)
+    keys = length_normalize(keys) / scale  # (H, R, W, D)
+    values = cache.values.reshape(-1, d).index_select(0, rows).view(heads, rounds, width, d)
     dots = torch.einsum("hd,hrwd->hrw", qk, keys)
     # masks replace logits, as in the reference: padding never counts, the query's own position gets -1e5
     dots = dots.masked_fill(~present, mask_value(dots.dtype))
