@@ -46,7 +46,7 @@ def test_cached_decoding_equals_full_recompute(layers: list[str], hashes: int, p
     torch.manual_seed(0)
     lm = ReformerLM(tiny_config(attn_layers=layers, num_hashes=hashes, vocab_size=258,
                                 initializer_range=0.3)).eval()
-    assert _max_step_difference(lm, prompt_len, steps=30) <= 1e-5
+    assert _max_step_difference(lm, prompt_len, steps=20) <= 1e-5
 
 
 def test_automatic_bucket_count_is_rehashed_as_the_length_grows() -> None:
