@@ -2,23 +2,21 @@
 torch on fresh random inputs.
 
 The eager model picks code paths in Python from shapes and data (dense attention for sequences that fit
-one chunk, a padding-free fast path, per-row dense attention for short rows in a batch, feed-forward
-chunking by length). A traced graph keeps one path, so `OnnxForward` runs the one path that is valid
-for every shape: it pads the batch to a chunk multiple with tensor ops inside the graph and gives every
-row chunked attention, each row wrapping within its own padded length. For a row whose own length is
-longer than one chunk this is exactly what eager computes; for a row that fits in one chunk, the chunk
-(and its wrapped neighbour, the same tokens again) holds the whole row, so attention sees the same
-keys, each counted twice, which equals eager's dense attention up to float rounding. Verification
-compares every real token of every row, so both cases are checked, not assumed."""
+one chunk, fast paths for unpadded batches, feed-forward chunking by length), which a traced graph cannot
+keep. `OnnxForward` is the one path valid for every shape: it pads the batch to a chunk multiple with
+tensor ops inside the graph, gives every row chunked attention wrapping within its own padded length
+(export/graph_attention.py), and for rows whose own length fits in one chunk selects, with `where`, the
+dense attention eager gives such a row. Verification compares every real token of every row with the
+eager model, at lengths below, at and above one chunk and in padded batches, and refuses a graph whose
+logits differ by more than PARITY_TOLERANCE.
+"""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from model import ReformerLM, chunking
+from model import ReformerLM
 from model.attention import LocalSelfAttention, LSHSelfAttention, merge_heads
 from model.reformer import _own_padded_lengths
 from model.reversible import ReformerLayer
@@ -108,19 +106,6 @@ def max_export_length(model: ReformerLM) -> int:
     return model.config.max_position_embeddings // multiple * multiple
 
 
-@contextlib.contextmanager
-def plain_attention() -> Iterator[None]:
-    """Trace the plain softmax formulation, not eager's fused CPU kernel (which has no ONNX form)."""
-    saved = getattr(chunking, "FUSED_ATTENTION", None)
-    if saved is not None:
-        chunking.FUSED_ATTENTION = False  # type: ignore[attr-defined]
-    try:
-        yield
-    finally:
-        if saved is not None:
-            chunking.FUSED_ATTENTION = saved  # type: ignore[attr-defined]
-
-
 def export_onnx(model: ReformerLM, path: Path) -> None:
     """Write the graph (weights embedded, one file) to `path`."""
     model = model.eval()
@@ -134,7 +119,7 @@ def export_onnx(model: ReformerLM, path: Path) -> None:
     batch = torch.export.Dim("batch", min=1, max=1 << 16)
     seq = torch.export.Dim("sequence", min=1, max=max_export_length(model))
     dynamic = {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}}
-    with torch.no_grad(), plain_attention(), warnings.catch_warnings():
+    with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
             wrapper, (ids, mask), dynamo=True, opset_version=OPSET, input_names=INPUT_NAMES,
