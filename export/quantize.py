@@ -48,6 +48,8 @@ BUILTIN_EVAL_TEXT = (
 def read_eval_data(directory: Path, max_bytes_per_file: int = 32768) -> bytes:
     """The last `max_bytes_per_file` bytes of every *.txt file under `directory` (training holds out the
     tail of each document, so the tail is the validation text), joined by blank lines."""
+    if not directory.exists():
+        raise FileNotFoundError(f"{directory}: no such evaluation file or directory")
     files = sorted(p for p in directory.rglob("*.txt") if p.is_file()) if directory.is_dir() else [directory]
     if not files:
         raise FileNotFoundError(f"{directory}: no *.txt files to evaluate on")
@@ -56,6 +58,11 @@ def read_eval_data(directory: Path, max_bytes_per_file: int = 32768) -> bytes:
         data = p.read_bytes().replace(b"\r\n", b"\n")
         parts.append(data[-max_bytes_per_file:])
     return b"\n\n".join(parts)
+
+
+def byte_ids(text: bytes, tokenizer: ByteTokenizer) -> list[int]:
+    """Token ids of raw bytes (a cut through a multi-byte character stays the bytes it is)."""
+    return [b + tokenizer.offset for b in text]
 
 
 def eval_windows(ids: list[int], window: int) -> list[list[int]]:
@@ -73,7 +80,7 @@ def _bits(logits: np.ndarray, targets: np.ndarray) -> float:
 def bits_per_byte_onnx(path: Path, text: bytes, tokenizer: ByteTokenizer, window: int) -> float:
     """Validation bits per byte of an ONNX graph. Byte tokenizer: one token per byte."""
     session = ort_session(path)
-    ids = tokenizer.encode(text.decode("utf-8", errors="replace"))
+    ids = byte_ids(text, tokenizer)
     total, count = 0.0, 0
     for w in eval_windows(ids, window):
         x = np.asarray([w], dtype=np.int64)
@@ -84,7 +91,7 @@ def bits_per_byte_onnx(path: Path, text: bytes, tokenizer: ByteTokenizer, window
 
 
 def bits_per_byte_torch(model: ReformerLM, text: bytes, tokenizer: ByteTokenizer, window: int) -> float:
-    ids = tokenizer.encode(text.decode("utf-8", errors="replace"))
+    ids = byte_ids(text, tokenizer)
     total, count = 0.0, 0
     with torch.no_grad():
         for w in eval_windows(ids, window):
@@ -105,9 +112,10 @@ def quantize_int8(src: Path, dst: Path) -> None:
 
 
 def quantize_and_evaluate(model: ReformerLM, onnx_path: Path, int8_path: Path, tokenizer: ByteTokenizer,
-                          eval_text: bytes | None = None, window: int = 1024) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Quantise, then measure bits per byte of both graphs on the evaluation text.
-    Returns (export record, evaluation record) for the manifest."""
+                          eval_text: bytes | None = None, window: int = 4096) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Quantise, then measure bits per byte of both graphs on the evaluation text, in windows as long as
+    the training default (4096 bytes, or the model's maximum). Returns (export record, evaluation record)
+    for the manifest."""
     quantize_int8(onnx_path, int8_path)
     text = eval_text if eval_text else BUILTIN_EVAL_TEXT
     window = min(window, max_export_length(model))

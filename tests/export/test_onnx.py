@@ -14,17 +14,26 @@ import torch
 
 from export import load_artifact, save_artifact
 from export import onnx_export as ox
-from export.cli import verify_main
-from export.quantize import BUILTIN_EVAL_TEXT, bits_per_byte_onnx, bits_per_byte_torch
+from export.cli import export_main, verify_main
+from export.quantize import BUILTIN_EVAL_TEXT, bits_per_byte_onnx, bits_per_byte_torch, read_eval_data
 from model import ByteTokenizer
 from tests.conftest import tiny_model
+from tests.export.helpers import write_checkpoint
+
+EVAL_TEXT = BUILTIN_EVAL_TEXT[:1500] + "\n\u00e9t\u00e9 \u2014 na\u00efve caf\u00e9\n".encode()
 
 
 @pytest.fixture(scope="module")
 def onnx_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One export (the slow part, ~1 min on 2 cores) shared by this module: ONNX plus int8."""
-    out = tmp_path_factory.mktemp("onnx") / "artifact"
-    return save_artifact(tiny_model(), out, tokenizer=ByteTokenizer(), onnx=True, quantize="int8")
+    """One export (the slow part, ~1 min on 2 cores) shared by this module, made the way users make it:
+    `reformer export CHECKPOINT OUT --quantize int8 --eval-data DIR` on a trainer-style checkpoint."""
+    root = tmp_path_factory.mktemp("onnx")
+    ckpt = write_checkpoint(root / "ckpt", seed=0)
+    (root / "eval").mkdir()
+    (root / "eval" / "held_out.txt").write_bytes(EVAL_TEXT)
+    out = root / "artifact"
+    assert export_main([str(ckpt), str(out), "--quantize", "int8", "--eval-data", str(root / "eval")]) == 0
+    return out
 
 
 def test_manifest_records_export_parity_and_hashes_the_graphs(onnx_artifact: Path) -> None:
@@ -102,13 +111,27 @@ def test_export_needs_a_fixed_bucket_count() -> None:
 def test_int8_graph_is_quantised_and_its_quality_change_recorded(onnx_artifact: Path) -> None:
     manifest = json.loads((onnx_artifact / "manifest.json").read_text())
     ev = manifest["evaluation"]["int8"]
-    assert ev["text"] == "builtin" and ev["bytes"] == len(BUILTIN_EVAL_TEXT)
+    assert ev["text"] == "eval-data" and ev["bytes"] == len(EVAL_TEXT)
     assert ev["bits_per_byte_change"] == pytest.approx(ev["bits_per_byte_int8"] - ev["bits_per_byte_fp32"])
     # the fp32 graph's figure is the torch model's figure
-    torch_bpb = bits_per_byte_torch(tiny_model(), BUILTIN_EVAL_TEXT, ByteTokenizer(), ev["window"])
+    torch_bpb = bits_per_byte_torch(tiny_model(), EVAL_TEXT, ByteTokenizer(), ev["window"])
     assert ev["bits_per_byte_fp32"] == pytest.approx(torch_bpb, abs=1e-4)
-    int8_bpb = bits_per_byte_onnx(onnx_artifact / "model.int8.onnx", BUILTIN_EVAL_TEXT, ByteTokenizer(), ev["window"])
+    int8_bpb = bits_per_byte_onnx(onnx_artifact / "model.int8.onnx", EVAL_TEXT, ByteTokenizer(), ev["window"])
     assert int8_bpb == pytest.approx(ev["bits_per_byte_int8"], abs=1e-6)
     ops = {n.op_type for n in onnx.load(str(onnx_artifact / "model.int8.onnx")).graph.node}
     assert ops & {"MatMulInteger", "DynamicQuantizeLinear", "DynamicQuantizeMatMul"}
     assert not ops & ox.RANDOM_OPS
+
+
+def test_eval_data_is_the_tail_of_every_text_file(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_bytes(b"head of a\r\n" + b"x" * 50 + b"tail of a\r\n")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b.txt").write_bytes(b"only b\n")
+    (tmp_path / "notes.md").write_bytes(b"not text data")
+    text = read_eval_data(tmp_path, max_bytes_per_file=10)
+    assert text == b"tail of a\n" + b"\n\n" + b"only b\n"
+    with pytest.raises(FileNotFoundError, match="no such evaluation file"):
+        read_eval_data(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no \\*.txt files"):
+        read_eval_data(tmp_path / "empty")
