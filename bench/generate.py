@@ -72,7 +72,8 @@ def run_case(kind: str, length: int, new_tokens: int, threads: int) -> dict:
             cache = {}
     return {"model": kind, "length": length, "prefill_s": prefill_s, "ms_per_token": 1000 * per_token,
             "tokens_per_s": 1 / per_token, "cpu_ms_per_token": 1000 * cpu_per_token,
-            "tokens_per_cpu_s": 1 / cpu_per_token, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "tokens_per_cpu_s": 1 / cpu_per_token,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             **cache}
 
 
