@@ -195,8 +195,8 @@ def create_app(settings: Settings | None = None, artifact: Any = None) -> FastAP
         app.include_router(module.router)
     known_paths = frozenset(getattr(r, "path", "") for r in app.routes)
     # add_middleware wraps: the last added is the outermost.
-    app.add_middleware(AvailabilityMiddleware, state=state)
     app.add_middleware(PayloadLimitMiddleware, max_bytes=settings.max_payload_bytes)
+    app.add_middleware(AvailabilityMiddleware, state=state)  # refuses before the body is read
     if settings.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key.get_secret_value(),
                            protect_probes=settings.api_key_on_probes)

@@ -11,6 +11,7 @@ a request whose client went away is dropped from the queue or from the running b
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import threading
 import time
@@ -38,6 +39,21 @@ class EngineConfig:
     max_queue_size: int = 64
     request_timeout_s: float = 60.0
     warmup: bool = True
+
+
+class Reservation:
+    """A place in the queue held by a request between its arrival and its admission (see Engine.reserve)."""
+
+    __slots__ = ("held",)
+
+    def __init__(self) -> None:
+        self.held = True
+
+
+# The reservation of the request being handled (set by the availability middleware, read by `_admit`).
+current_reservation: contextvars.ContextVar[Reservation | None] = contextvars.ContextVar(
+    "current_reservation", default=None
+)
 
 
 @dataclass
@@ -88,6 +104,7 @@ class Engine:
         self._gen_queue: deque[GenerationJob] = deque()
         self._embed_items: list[_EmbedItem] = []
         self._pending = {"embed": 0, "generate": 0}
+        self._reserved = 0  # requests arrived but not yet admitted (touched on the event loop only)
         self._running: list[GenerationJob] = []
         self._cache_bytes = 0
         self._stopping = False
@@ -127,21 +144,47 @@ class Engine:
         self._admit(job, lambda: self._gen_queue.append(job))
         return GenerationStream(self, job)
 
+    def reserve(self) -> Reservation | Overloaded:
+        """A place in the queue for a request that has just arrived, or the 429 it gets at once (event loop
+        only). The excess of a burst is refused before anything of it is read or parsed, while the requests
+        ahead of it are still being parsed: they hold reservations until `_admit` turns them into queue
+        entries, so the queue's capacity counts them from the moment they arrive."""
+        if self._waiting() >= self.config.max_queue_size:
+            return self._overloaded()
+        self._reserved += 1
+        return Reservation()
+
+    def release(self, reservation: Reservation) -> None:
+        """The request was admitted, refused or answered: its reservation no longer holds a place."""
+        if reservation.held:
+            reservation.held = False
+            self._reserved -= 1
+
+    def _waiting(self) -> int:
+        return sum(self._pending.values()) + self._reserved
+
+    def _overloaded(self) -> Overloaded:
+        self.metrics.rejected.labels("queue_full").inc()
+        waiting = self._waiting()
+        return Overloaded(
+            f"the queue is full ({waiting} requests waiting, max_queue_size={self.config.max_queue_size});"
+            " retry later",
+            headers={"Retry-After": "1"},
+        )
+
     def _admit(self, job: Job, enqueue: Callable[[], None]) -> None:
+        reservation = current_reservation.get()
+        own = 1 if reservation is not None and reservation.held else 0
         with self._cond:
             if self._dead or self._stopping:
                 raise Unavailable("the model worker is not running")
-            waiting = sum(self._pending.values())
-            if waiting >= self.config.max_queue_size:
-                self.metrics.rejected.labels("queue_full").inc()
-                raise Overloaded(
-                    f"the queue is full ({waiting} requests waiting, max_queue_size={self.config.max_queue_size});"
-                    " retry later",
-                    headers={"Retry-After": "1"},
-                )
+            if self._waiting() - own >= self.config.max_queue_size:
+                raise self._overloaded()
             enqueue()
             self._pending[job.kind] += 1
             self._cond.notify()
+        if reservation is not None:
+            self.release(reservation)  # the place it held is now the job's
         job.timer = job.loop.call_later(self.config.request_timeout_s, self._expire, job)
 
     def _expire(self, job: Job) -> None:

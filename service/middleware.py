@@ -1,5 +1,6 @@
 """Pure ASGI middlewares, outermost first: request context (id, access log, request metrics), API key,
-payload size limit, availability (503 while loading or draining). Pure ASGI so streaming passes through."""
+availability (503 while loading or draining, 429 while the queue is full), payload size limit. Pure ASGI so
+streaming passes through."""
 
 from __future__ import annotations
 
@@ -13,13 +14,16 @@ from typing import Any
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.errors import error_body
+from service.engine import current_reservation
+from service.errors import Overloaded, error_body
 from service.logs import request_id_var
 from service.metrics import ServiceMetrics
 
 log = logging.getLogger("service.access")
 
 PROBE_PATHS = frozenset({"/health", "/ready", "/metrics"})
+# Routes whose requests wait in the model's queue (and so can be refused with 429 when it is full).
+QUEUED_PATHS = frozenset({"/generate", "/generate_stream", "/embed", "/v1/completions", "/v1/embeddings"})
 DOC_PATHS = frozenset({"/docs", "/docs/oauth2-redirect", "/openapi.json", "/redoc"})
 
 
@@ -162,7 +166,10 @@ class PayloadLimitMiddleware:
 
 
 class AvailabilityMiddleware:
-    """503 on API routes until the model is loaded and warmed up, and once draining has begun."""
+    """503 on API routes until the model is loaded and warmed up, and once draining has begun; 429 on the
+    queued routes while the queue is full, counting requests still being parsed (Engine.reserve). It sits
+    outside the payload limit: the excess of a burst is refused before its body is read or parsed, in the
+    same turn of the event loop that reads it, whatever the model worker is doing."""
 
     def __init__(self, app: ASGIApp, state: Any):
         self.app = app
@@ -176,4 +183,21 @@ class AvailabilityMiddleware:
                 self.state.metrics.rejected.labels("unavailable").inc()
                 await _send_error(scope, receive, send, 503, "unavailable", reason, headers={"Retry-After": "5"})
                 return
+            if path in QUEUED_PATHS and scope["method"] == "POST":
+                await self._queued(scope, receive, send)
+                return
         await self.app(scope, receive, send)
+
+    async def _queued(self, scope: Scope, receive: Receive, send: Send) -> None:
+        engine = self.state.engine
+        reservation = engine.reserve()
+        if isinstance(reservation, Overloaded):
+            await _send_error(scope, receive, send, reservation.status_code, reservation.error_type,
+                              reservation.message, headers=reservation.headers)
+            return
+        token = current_reservation.set(reservation)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            current_reservation.reset(token)
+            engine.release(reservation)
