@@ -84,7 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--max-steps", type=int, help="optimizer steps in total (also the cosine schedule length)")
     r.add_argument("--stop-at-step", type=int,
                    help="stop and save at this step without changing the schedule (resume later)")
-    r.add_argument("--time-budget", help="wall-clock limit for this invocation: 600, 600s, 80m, 1.5h")
+    r.add_argument("--time-budget",
+                   help="wall-clock limit for this invocation: 600, 600s, 80m, 1.5h (without --max-steps the "
+                        "cosine schedule follows this clock, so the run is not bit-reproducible)")
     r.add_argument("--eval-every", type=int, default=200, help="validate every N steps (0: only at the end)")
     r.add_argument("--val-windows", type=int, default=16, help="validation windows at intervals (0: all)")
     r.add_argument("--final-val-windows", type=int, default=0, help="validation windows at the end (0: all)")
