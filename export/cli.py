@@ -134,7 +134,7 @@ def verify_main(argv: list[str]) -> int:
     if art.onnx_path is None:
         print("no ONNX graph in this artifact")
         return 0
-    from .onnx_export import check_graph, verify_onnx
+    from .onnx_export import check_graph, ort_session, run_ort, verification_cases, verify_onnx
 
     try:
         info = check_graph(art.onnx_path)
@@ -143,4 +143,16 @@ def verify_main(argv: list[str]) -> int:
         return _fail(p.prog, e)
     print(f"{art.onnx_path.name}: opset {info['opset']}, no random operators, dynamic batch and length; "
           f"max abs diff vs torch {parity['max_abs_diff_logits']:.3g} (tolerance {parity['tolerance']})")
+    if art.onnx_int8_path is not None:
+        # int8 is approximate by design: checked for structure and that it runs; its quality cost is the
+        # bits-per-byte change recorded at export
+        try:
+            check_graph(art.onnx_int8_path)
+            ids, mask = verification_cases(art.model, seed=args.seed)[-1]
+            logits, _ = run_ort(ort_session(art.onnx_int8_path), ids, mask)
+        except ExportError as e:
+            return _fail(p.prog, e)
+        change = art.manifest.get("evaluation", {}).get("int8", {}).get("bits_per_byte_change")
+        recorded = f"{change:+.4f}" if change is not None else "none recorded"
+        print(f"{art.onnx_int8_path.name}: runs, logits {tuple(logits.shape)}; bits-per-byte change {recorded}")
     return 0

@@ -4,6 +4,7 @@ names, dynamic axes, no random operators), refusal of a graph that disagrees, in
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -86,7 +87,10 @@ def test_onnx_matches_torch_on_shapes_it_was_not_traced_with(onnx_artifact: Path
 def test_verify_command_rechecks_a_graph_with_fresh_inputs(onnx_artifact: Path, capsys: pytest.CaptureFixture[str]
                                                            ) -> None:
     assert verify_main([str(onnx_artifact), "--seed", "5"]) == 0
-    assert "max abs diff vs torch" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "max abs diff vs torch" in out
+    assert "model.int8.onnx: runs" in out
+    assert re.search(r"bits-per-byte change [+-]\d\.\d{4}", out)
 
 
 def test_export_refuses_a_graph_that_disagrees_with_torch(onnx_artifact: Path, tmp_path: Path,
