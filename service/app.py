@@ -137,6 +137,9 @@ class ServiceState:
             "artifact_path": str(getattr(art, "path", "")),
             "backend": self.backend_name,
             "decode_backend": "torch",
+            # Which engine runs each stage: embeddings on the chosen backend; prefill and decode steps on torch
+            # (the ONNX graph is the plain forward pass, without the LSH window cache decoding needs).
+            "backends": {"embeddings": self.backend_name, "prefill": "torch", "decode": "torch"},
             "device": self.device,
             "dtype": self.dtype,
             "embedding_dimension": self.embedding_dim,
