@@ -16,7 +16,7 @@ from service.settings import Settings
 from tests.service.helpers import running_app
 
 # Per operation; with the tiny model and short generations the file runs in well under two minutes.
-MAX_EXAMPLES = 30
+MAX_EXAMPLES = 50
 FUZZ_CHECKS = [
     schemathesis.checks.not_a_server_error,
     schemathesis.checks.status_code_conformance,
