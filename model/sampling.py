@@ -52,9 +52,14 @@ def filter_top_k_top_p(logits: Tensor, top_k: int, top_p: float) -> Tensor:
         cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
         # drop a token when the mass before it already reaches top_p (the first token always stays)
         drop_sorted = (cum - torch.softmax(sorted_logits, dim=-1)) >= top_p
+        drop_sorted[0] = False  # even a top_p that rounds to 0 keeps the most likely token
         drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
+
+
+MIN_TEMPERATURE = 1e-5  # below this, sampling is greedy (vLLM's convention)
+MIN_FACTOR = 1e-6
 
 
 class Sampler:
@@ -67,8 +72,9 @@ class Sampler:
         """logits (vocab,) -> (token id, its log-probability under the distribution it was drawn from)."""
         p = self.params
         logits = logits.detach().float().cpu()
-        logits = apply_repetition_penalty(logits, previous, p.repetition_penalty)
-        if not p.do_sample:
+        # a penalty or temperature that underflows float32 would turn logits into inf/NaN
+        logits = apply_repetition_penalty(logits, previous, max(p.repetition_penalty, MIN_FACTOR))
+        if not p.do_sample or p.temperature < MIN_TEMPERATURE:
             token = int(torch.argmax(logits).item())
             return token, float(torch.log_softmax(logits, -1)[token].item())
         logits = filter_top_k_top_p(logits / p.temperature, p.top_k, p.top_p)

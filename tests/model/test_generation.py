@@ -67,3 +67,13 @@ def test_repetition_penalty_discourages_seen_tokens() -> None:
 def test_invalid_sampling_params_are_refused(bad: dict) -> None:
     with pytest.raises(ValueError):
         SamplingParams(**bad)
+
+
+def test_extreme_but_valid_sampling_values_stay_finite() -> None:
+    logits = torch.tensor([3.0, 1.0, -2.0])
+    for params in (SamplingParams(do_sample=True, temperature=1e-300, seed=1),
+                   SamplingParams(do_sample=True, top_p=5e-324, seed=1),
+                   SamplingParams(repetition_penalty=1e-300)):
+        token, logprob = Sampler(params).next_token(logits, previous=[0])
+        assert token in (0, 1, 2) and logprob == logprob  # not NaN
+    assert Sampler(SamplingParams(do_sample=True, top_p=5e-324, seed=3)).next_token(logits)[0] == 0
