@@ -74,7 +74,9 @@ class Settings(BaseSettings):
     max_stop_sequences: int = Field(4, ge=0, description="Most stop sequences in one generation request.")
     max_payload_bytes: int = Field(4_000_000, ge=1, description="Largest request body in bytes; larger gets 413.")
     api_key: SecretStr | None = Field(
-        None, description="If set, inference routes need `Authorization: Bearer <key>` (compared in constant time)."
+        None,
+        description="If set, inference routes need `Authorization: Bearer <key>` (compared in constant time). "
+        "An empty or blank value means no key.",
     )
     api_key_on_probes: bool = Field(
         False, description="Whether /metrics, /health and /ready also need the API key (when one is set)."
@@ -94,6 +96,17 @@ class Settings(BaseSettings):
     def _split_origins(cls, value: Any) -> Any:
         if isinstance(value, str):
             return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("api_key", mode="before")
+    @classmethod
+    def _blank_key_is_no_key(cls, value: Any) -> Any:
+        # `REFORMER_API_KEY=` (an empty variable, as templated env files and k8s secrets often leave it) must
+        # not turn authentication on with a blank key that every client would have to send.
+        if isinstance(value, SecretStr):
+            value = value.get_secret_value()
+        if isinstance(value, str) and not value.strip():
+            return None
         return value
 
     def public_dict(self) -> dict[str, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 from pydantic import ValidationError
@@ -12,6 +13,7 @@ from service.protocol import CompletionRequest, EmbeddingsRequest, EmbedRequest,
 from service.protocol.native import GenerateParameters
 from service.settings import Settings, settings_from_argv
 from tests.service.conftest import REPO
+from tests.service.helpers import running_app
 
 
 def test_every_setting_and_request_field_is_documented() -> None:
@@ -50,3 +52,13 @@ def test_reformer_serve_help_lists_the_flags() -> None:
     assert out.returncode == 0
     for flag in ("--max-queue-size", "--max-batch-tokens", "--api-key", "--grace-period-s", "REFORMER_DEVICE"):
         assert flag in out.stdout
+
+
+def test_an_empty_api_key_means_no_key(monkeypatch: pytest.MonkeyPatch, artifact: Any) -> None:
+    monkeypatch.setenv("REFORMER_API_KEY", "")  # e.g. a templated env file that left the value out
+    assert Settings().api_key is None
+    assert Settings().public_dict()["api_key_set"] is False
+    assert settings_from_argv(["--api-key", "  "]).api_key is None
+    with running_app(artifact, backend="torch") as client:  # the app reads the same environment
+        r = client.post("/generate", json={"inputs": "open", "parameters": {"max_new_tokens": 1}})
+        assert r.status_code == 200, r.text
