@@ -14,7 +14,7 @@ from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import APIRouter, FastAPI
 from starlette.middleware.cors import CORSMiddleware
 
 from service.backends import OnnxBackend, TorchBackend, resolve_backend, resolve_device, resolve_dtype
@@ -154,6 +154,14 @@ class ServiceState:
         }
 
 
+def route_paths(app: FastAPI, routers: list[APIRouter]) -> frozenset[str]:
+    """Every path the app serves. The included routers' own route lists are read: this FastAPI keeps an
+    included router as one lazily expanded entry of `app.routes`, which has no `path`, so `app.routes`
+    alone names only the docs routes (and requests refused before routing were labelled "unmatched")."""
+    routes = [*app.routes, *(route for router in routers for route in router.routes)]
+    return frozenset(path for route in routes if (path := getattr(route, "path", None)))
+
+
 def create_app(settings: Settings | None = None, artifact: Any = None) -> FastAPI:
     """Build the app; `artifact` (an already loaded export.Artifact) skips loading in the lifespan."""
     from service.routes import embed, generate, meta, openai
@@ -194,9 +202,10 @@ def create_app(settings: Settings | None = None, artifact: Any = None) -> FastAP
     )
     app.state.service = state
     install_error_handlers(app)
-    for module in (generate, embed, openai, meta):
-        app.include_router(module.router)
-    known_paths = frozenset(getattr(r, "path", "") for r in app.routes)
+    routers = [module.router for module in (generate, embed, openai, meta)]
+    for router in routers:
+        app.include_router(router)
+    known_paths = route_paths(app, routers)
     # add_middleware wraps: the last added is the outermost.
     app.add_middleware(PayloadLimitMiddleware, max_bytes=settings.max_payload_bytes)
     app.add_middleware(AvailabilityMiddleware, state=state)  # refuses before the body is read

@@ -7,6 +7,8 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.service.helpers import metric_value
+
 pytestmark = pytest.mark.xdist_group("service-access")
 
 KEY = "s3cret-key-for-tests-0123456789"
@@ -86,6 +88,21 @@ def test_chunked_payload_over_the_limit_gives_413(server: Any) -> None:
 
     r = httpx.post(server.url + "/embed", content=chunks(), headers={**auth(), "content-type": "application/json"})
     assert r.status_code == 413
+
+
+def test_refusals_before_routing_are_counted_under_their_route(server: Any) -> None:
+    def counts() -> tuple[float, float, float]:
+        text = httpx.get(server.url + "/metrics").text
+        unmatched = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                        if line.startswith("reformer_requests_total{") and 'route="unmatched"' in line)
+        return (metric_value(text, "reformer_requests_total", {"route": "/generate", "status": "401"}),
+                metric_value(text, "reformer_requests_total", {"route": "/generate", "status": "413"}), unmatched)
+
+    before = counts()
+    assert httpx.post(server.url + "/generate", json={"inputs": "a"}).status_code == 401
+    assert httpx.post(server.url + "/generate", json={"inputs": "a" * 6000}, headers=auth()).status_code == 413
+    after = counts()
+    assert (after[0] - before[0], after[1] - before[1], after[2] - before[2]) == (1, 1, 0)
 
 
 def test_log_never_holds_the_key_nor_prompts_at_info(server: Any) -> None:

@@ -73,8 +73,9 @@ def test_a_full_queue_refuses_before_reading_the_body(app_client: TestClient) ->
     engine = engine_of(app_client)
     held = [engine.reserve() for _ in range(QUEUE)]  # the places a burst's first requests would hold
     try:
-        rejected_before = metric_value(app_client.get("/metrics").text, "reformer_requests_rejected_total",
-                                       {"reason": "queue_full"})
+        text = app_client.get("/metrics").text
+        rejected_before = metric_value(text, "reformer_requests_rejected_total", {"reason": "queue_full"})
+        generate_429_before = metric_value(text, "reformer_requests_total", {"route": "/generate", "status": "429"})
         # Not even parsed: invalid JSON and an oversized body get the 429, not 422 or 413.
         for body in (b"{not json", b"x" * 20_000):
             r = app_client.post("/generate", content=body, headers={"content-type": "application/json"})
@@ -85,9 +86,13 @@ def test_a_full_queue_refuses_before_reading_the_body(app_client: TestClient) ->
         # Routes that do not queue for the model still answer.
         assert app_client.post("/tokenize", json={"inputs": "a"}).status_code == 200
         assert app_client.get("/health").status_code == 200
-        rejected = metric_value(app_client.get("/metrics").text, "reformer_requests_rejected_total",
-                                {"reason": "queue_full"})
+        text = app_client.get("/metrics").text
+        rejected = metric_value(text, "reformer_requests_rejected_total", {"reason": "queue_full"})
         assert rejected - rejected_before == 3
+        # Refused before routing, yet counted under their route (not "unmatched").
+        by_route = {"route": "/generate", "status": "429"}
+        assert metric_value(text, "reformer_requests_total", by_route) - generate_429_before == 2
+        assert metric_value(text, "reformer_requests_total", {"route": "/v1/embeddings", "status": "429"}) >= 1
     finally:
         for reservation in held:
             assert isinstance(reservation, Reservation)

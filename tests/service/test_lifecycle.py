@@ -40,6 +40,8 @@ def test_not_ready_until_warm_up_is_done(artifact: Any, monkeypatch: pytest.Monk
         assert ready.status_code == 503 and ready.json()["error_type"] == "unavailable"
         r = client.post("/generate", json={"inputs": "a"})
         assert r.status_code == 503 and "loading" in r.json()["error"]
+        by_route = {"route": "/generate", "status": "503"}  # refused before routing, counted under its route
+        assert metric_value(client.get("/metrics").text, "reformer_requests_total", by_route) == 1
         release.set()
         app.state.service.engine.ready.wait(30)
         assert client.get("/ready").status_code == 200
