@@ -48,6 +48,19 @@ def config_dict(config: Any) -> dict[str, Any]:
     return {k: v for k, v in vars(config).items() if not k.startswith("_")}
 
 
+def position_limits(cfg: Any) -> tuple[int, int]:
+    """(longest prompt, positions) the model can take. The forward pass pads a sequence to a multiple of its
+    chunk lengths, and the padded length must fit in max_position_embeddings: where that is no such multiple,
+    the last few lengths below it cannot be run at all."""
+    positions = int(cfg.max_position_embeddings)
+    longest = positions
+    padded_length = getattr(cfg, "padded_length", None)
+    if padded_length is not None:
+        while longest > 1 and padded_length(longest) > positions:
+            longest -= 1
+    return longest, positions
+
+
 class ServiceState:
     """Everything the routes share: settings, metrics, and once loaded the artifact and the engine."""
 
@@ -107,8 +120,10 @@ class ServiceState:
         cfg = artifact.config
         self.embedding_dim = 2 * int(cfg.hidden_size)
         self.model_id = s.served_model_name or artifact.path.name
+        longest_prompt, positions = position_limits(cfg)
         self.limits = Limits(
-            max_input_tokens=min(s.max_input_tokens or cfg.max_position_embeddings, cfg.max_position_embeddings),
+            max_input_tokens=min(s.max_input_tokens or longest_prompt, longest_prompt),
+            max_total_tokens=positions,
             max_new_tokens=s.max_new_tokens,
             default_new_tokens=s.default_new_tokens,
             max_stop_sequences=s.max_stop_sequences,

@@ -71,6 +71,9 @@ class Limits:
     default_new_tokens: int
     max_stop_sequences: int
     max_client_batch_size: int
+    # The model's position limit (max_position_embeddings): a prompt and the tokens generated after it must
+    # fit in it together (TGI's max_total_tokens; vLLM's max_model_len).
+    max_total_tokens: int
 
 
 def check_batch_size(count: int, limits: Limits, field: str) -> None:
@@ -116,15 +119,38 @@ def encode_checked(
     return ids
 
 
-def check_truncate(value: bool | int | None, limits: Limits, field: str) -> int | None:
-    """A TGI-style `truncate` (N tokens, or true for the limit) as a token count, or None."""
+def check_truncate(value: bool | int | None, limits: Limits, field: str, new_tokens: int) -> int | None:
+    """A TGI-style `truncate` as a token count, or None: N keeps the last N tokens; true keeps as many as fit,
+    the input limit less what the `new_tokens` to generate need of the model's positions."""
     if value is None or value is False:
         return None
     if value is True:
-        return limits.max_input_tokens
+        room = limits.max_total_tokens - new_tokens
+        return min(limits.max_input_tokens, room) if room >= 1 else limits.max_input_tokens
     if value > limits.max_input_tokens:
         raise ValidationFailed(f"{field} must be <= {limits.max_input_tokens} (got {value})", param=field)
     return int(value)
+
+
+def fit_new_tokens(prompt_tokens: int, new_tokens: int, limits: Limits, *, explicit: bool, input_field: str,
+                   new_field: str) -> int:
+    """The tokens to generate after a prompt, so that prompt + generation fit in the model's positions.
+
+    As TGI: a request that asked for `new_tokens` explicitly and does not fit is refused (422), never cut
+    short or left to fail in the model; a default is lowered to what fits (TGI fills the remaining room
+    when max_new_tokens is unset), and refused only when no room is left at all."""
+    room = limits.max_total_tokens - prompt_tokens
+    if new_tokens <= room:
+        return new_tokens
+    if not explicit and room >= 1:
+        return room
+    asked = f"{new_field}={new_tokens}" + ("" if explicit else " (the default)")
+    raise InputTooLong(
+        f"{input_field} tokens + {new_field} must be <= {limits.max_total_tokens} (the model's "
+        f"max_position_embeddings); given {prompt_tokens} {input_field} tokens and {asked}: shorten the "
+        f"input, lower {new_field} or truncate the input",
+        param=new_field,
+    )
 
 
 # Below these the sampler's float32 arithmetic breaks down (a temperature or penalty that rounds to 0 makes

@@ -20,6 +20,7 @@ from service.protocol.common import (
     check_stop,
     check_truncate,
     encode_checked,
+    fit_new_tokens,
     sampling_params,
 )
 
@@ -38,7 +39,9 @@ class GenerateParameters(RequestModel):
     seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Random seed: same seed, same tokens.")
     stop: list[str] = Field(default_factory=list, description="Stop when the text ends with one of these.")
     truncate: bool | int | None = Field(
-        None, description="Keep only the last N input tokens (true: the server's input limit)."
+        None,
+        description="Keep only the last N input tokens (true: as many as fit, the server's input limit less "
+        "the room max_new_tokens needs in the model's positions).",
     )
     details: bool = Field(False, description="Return finish reason, token counts, seed and tokens.")
     return_full_text: bool = Field(False, description="Prepend the prompt to generated_text.")
@@ -80,19 +83,20 @@ class GenerateRequest(RequestModel):
 
     def to_spec(self, tokenizer: Tokenizer, limits: Limits) -> GenerationSpec:
         p = self.parameters
-        keep_last = check_truncate(p.truncate, limits, "parameters.truncate")
-        ids = encode_checked(
-            tokenizer, self.inputs, limits, field="inputs", keep_last=keep_last,
-            truncate_hint="set parameters.truncate to keep the last tokens",
-        )
         if p.max_new_tokens is None:
             new_tokens = min(limits.default_new_tokens, limits.max_new_tokens)
         else:
             new_tokens = check_new_tokens(p.max_new_tokens, limits, "parameters.max_new_tokens")
+        keep_last = check_truncate(p.truncate, limits, "parameters.truncate", new_tokens)
+        ids = encode_checked(
+            tokenizer, self.inputs, limits, field="inputs", keep_last=keep_last,
+            truncate_hint="set parameters.truncate to keep the last tokens",
+        )
         return GenerationSpec(
             prompt_ids=ids,
             sampling=p.sampling(),
-            max_new_tokens=new_tokens,
+            max_new_tokens=fit_new_tokens(len(ids), new_tokens, limits, explicit=p.max_new_tokens is not None,
+                                          input_field="inputs", new_field="parameters.max_new_tokens"),
             stop_sequences=check_stop(p.stop, limits, "parameters.stop"),
             stop_on_eos=not p.ignore_eos,
         )

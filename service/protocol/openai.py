@@ -18,6 +18,7 @@ from service.protocol.common import (
     check_new_tokens,
     check_stop,
     encode_checked,
+    fit_new_tokens,
     sampling_params,
 )
 
@@ -91,7 +92,10 @@ class CompletionRequest(RequestModel):
                 tokenizer, text, limits, field="prompt" if len(prompts) == 1 else f"prompt.{i}",
                 keep_last=self.truncate_prompt_tokens, truncate_hint="set truncate_prompt_tokens to keep the last",
             )
-            specs.append(GenerationSpec(ids, sampling, max_new, stop, stop_on_eos=not self.ignore_eos))
+            new_tokens = fit_new_tokens(len(ids), max_new, limits, explicit=self.max_tokens is not None,
+                                        input_field="prompt" if len(prompts) == 1 else f"prompt.{i}",
+                                        new_field="max_tokens")
+            specs.append(GenerationSpec(ids, sampling, new_tokens, stop, stop_on_eos=not self.ignore_eos))
         return specs
 
 

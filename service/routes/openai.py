@@ -182,5 +182,5 @@ async def embeddings(body: EmbeddingsRequest, request: Request, state: State) ->
 async def models(state: State) -> ModelList:
     """The one model this server serves."""
     _, limits, _ = ready_parts(state)
-    card = ModelCard(id=state.model_id, created=state.created, max_model_len=limits.max_input_tokens)
+    card = ModelCard(id=state.model_id, created=state.created, max_model_len=limits.max_total_tokens)
     return ModelList(data=[card])

@@ -68,7 +68,7 @@ def test_unexpected_errors_are_a_generic_500_with_the_trace_only_in_the_log(
 def test_queue_full_gets_429_and_queue_timeout_gets_504(server_factory: Any) -> None:
     server = server_factory(backend="torch", max_batch_size=1, max_queue_size=2, request_timeout_s=3,
                             max_new_tokens=4096)
-    hog = {"prompt": "hog", "max_tokens": 4096, "ignore_eos": True, "stream": True}
+    hog = {"prompt": "hog", "max_tokens": 2000, "ignore_eos": True, "stream": True}  # within the 2048 positions
     queued_body = {"inputs": "queued", "parameters": {"max_new_tokens": 2}}
     with httpx.Client(base_url=server.url, timeout=60) as c, c.stream("POST", "/v1/completions", json=hog) as r:
         lines = r.iter_lines()  # kept referenced: a collected iterator closes the stream
