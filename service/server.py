@@ -2,18 +2,20 @@
 file and exit status 2), and run uvicorn.
 
 SIGTERM (or Ctrl-C) drains: new API requests get 503 and /ready turns 503 while in-flight requests finish,
-for at most `grace_period_s`; then the process exits 0. A second signal exits at once. If the model worker
-dies, the process exits 1 so that an orchestrator restarts it.
+for at most `grace_period_s`; then the process exits 0 at once (skipping the interpreter's slow teardown). A
+second signal exits at once. If the model worker dies, the process exits 1 so that an orchestrator restarts it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
 import time
 from types import FrameType
+from typing import NoReturn
 
 import uvicorn
 from pydantic import ValidationError
@@ -105,4 +107,20 @@ def main(argv: list[str] | None = None) -> int:
     server.run()
     if server.exit_code:
         log.critical("exiting with status %d: the model worker died", server.exit_code)
-    return server.exit_code
+    end_process(server.exit_code)
+    return server.exit_code  # not reached
+
+
+def end_process(code: int) -> NoReturn:
+    """Exit now, skipping the interpreter's teardown. Uvicorn has returned: the drain is over, the model
+    worker has stopped and the log is flushed here; what teardown would add is freeing every module torch
+    loaded, which took 2-5 s on a loaded 2-core machine (0.07 s without it), while an orchestrator waits
+    on a process that no longer serves. Nothing of ours runs at exit (no atexit handlers to lose)."""
+    log.info("exiting with status %d", code)
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
