@@ -36,3 +36,11 @@ def tiny_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     save_artifact(tiny_model(), out, tokenizer=ByteTokenizer(),
                   provenance={"note": "random weights for tests"}, onnx=False)
     return out
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under `pytest -n 2 --dist loadgroup` (what `make test` runs), keep each test module on one worker so
+    its module-scoped fixtures (servers, exported graphs) are built once, not once per worker."""
+    for item in items:
+        if not any(m.name == "xdist_group" for m in item.iter_markers()):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__ if item.module else item.nodeid))
