@@ -2,6 +2,12 @@
 within 50 ms, every admitted request must complete, and memory must stay bounded; a request that waits
 past the timeout must get 504.
 
+What is timed is the server, not the client: every connection is opened and used once (GET /health) before
+the burst, the requests are pre-built and written back to back on raw sockets, and each 429 is timed from
+its write to the kernel's arrival stamp of its status line (SO_TIMESTAMPNS), so a client short of CPU
+does not inflate it. Also reported: when the client got round to reading it, the in-server duration of
+each 429 from the server's access log, and the load average around the burst.
+
     python bench/overload.py [--artifact DIR | --url URL] [--out bench/results/overload.json]
 
 Without --url it starts `python -m service` itself (two servers: one for the burst, one with a short
@@ -14,15 +20,21 @@ import argparse
 import asyncio
 import json
 import os
+import selectors
 import socket
 import statistics
+import struct
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 from rich.console import Console
@@ -30,6 +42,10 @@ from rich.table import Table
 
 REPO = Path(__file__).resolve().parents[1]
 REJECT_BUDGET_S = 0.050
+# Linux's SO_TIMESTAMPNS (Python names it only on some builds): the kernel stamps each received packet with
+# CLOCK_REALTIME, so a response's arrival is known whenever the client gets round to reading it.
+SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)
+TIMESTAMP_CMSG_SPACE = socket.CMSG_SPACE(16)
 
 
 def free_port() -> int:
@@ -39,20 +55,24 @@ def free_port() -> int:
 
 
 @contextmanager
-def local_server(artifact: str | None, **settings: Any) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """`python -m service` on a free loopback port until the block ends (SIGTERM, then wait)."""
+def local_server(artifact: str | None, log_path: Path,
+                 **settings: Any) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """`python -m service` on a free loopback port until the block ends (SIGTERM, then wait); its log (JSON
+    lines at info, one access line per request with the in-server duration) goes to `log_path`."""
     port = free_port()
     env = {**os.environ, **{f"REFORMER_{k.upper()}": str(v) for k, v in settings.items()}}
-    args = [sys.executable, "-m", "service", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+    args = [sys.executable, "-m", "service", "--host", "127.0.0.1", "--port", str(port), "--log-level", "info",
+            "--log-json"]
     if artifact:
         args.insert(3, artifact)
-    proc = subprocess.Popen(args, cwd=REPO, env=env)
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 180
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}")
+                raise RuntimeError(f"server exited with {proc.returncode}; log in {log_path}")
             try:
                 if httpx.get(url + "/ready", timeout=1).status_code == 200:
                     break
@@ -81,50 +101,156 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
-async def burst(url: str, count: int, new_tokens: int) -> dict[str, Any]:
-    """Send `count` generation requests at once; record status, latency and Retry-After of each."""
-    limits = httpx.Limits(max_connections=count + 8, max_keepalive_connections=count + 8)
+def server_durations_ms(log_path: Path, path: str, status: int) -> list[float]:
+    """In-server durations of the requests the access log recorded with this path and status."""
+    durations = []
+    for line in log_path.read_text(errors="replace").splitlines():
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if entry.get("logger") == "service.access" and entry.get("path") == path and entry.get("status") == status:
+            durations.append(float(entry["duration_ms"]))
+    return durations
+
+
+@dataclass
+class Exchange:
+    """One request on its own pre-opened connection, timed at the socket."""
+
+    sock: socket.socket
+    sent_ns: int = 0
+    first_byte_ns: int | None = None  # kernel arrival of the response's first bytes (its status line)
+    first_read_ns: int | None = None  # when this process got round to reading them
+    done_ns: int | None = None
+    data: bytearray = field(default_factory=bytearray)
+    status: int | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+
+    def receive(self) -> bool:
+        """Read what has arrived; True once the whole response (or the connection's end) is in."""
+        chunk, ancillary, _, _ = self.sock.recvmsg(65536, TIMESTAMP_CMSG_SPACE)
+        now = time.time_ns()
+        if self.first_read_ns is None and chunk:
+            self.first_read_ns = now
+            self.first_byte_ns = now
+            for level, kind, stamp in ancillary:
+                if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS and len(stamp) >= 16:
+                    seconds, nanoseconds = struct.unpack("qq", stamp[:16])
+                    self.first_byte_ns = seconds * 1_000_000_000 + nanoseconds
+        self.data += chunk
+        head_end = self.data.find(b"\r\n\r\n")
+        if self.status is None and head_end >= 0:
+            status_line, *header_lines = self.data[:head_end].decode("latin-1").split("\r\n")
+            self.status = int(status_line.split(" ", 2)[1])
+            self.headers = {k.strip().lower(): v.strip() for k, v in (h.split(":", 1) for h in header_lines)}
+        complete = self.status is not None and len(self.data) >= head_end + 4 + int(
+            self.headers.get("content-length", "0"))
+        if complete or not chunk:
+            self.done_ns = now
+            return True
+        return False
+
+
+def open_warm_connections(url: str, count: int) -> list[Exchange]:
+    """`count` keep-alive connections, each already used once (GET /health): the burst then measures the
+    server, not connection set-up in a client that may itself be short of CPU."""
+    parsed = urlsplit(url)
+    exchanges = []
+    for _ in range(count):
+        sock = socket.create_connection((parsed.hostname or "127.0.0.1", parsed.port or 80))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+        exchanges.append(Exchange(sock))
+    for warm in exchanges:
+        warm.sock.sendall(f"GET /health HTTP/1.1\r\nHost: {parsed.netloc}\r\n\r\n".encode())
+    for warm in exchanges:
+        while not warm.receive():
+            pass
+        if warm.status != 200 or warm.headers.get("connection") == "close":
+            raise RuntimeError(f"warm-up GET /health answered {warm.status}")
+    return [Exchange(warm.sock) for warm in exchanges]
+
+
+def post_request(url: str, path: str, body: dict[str, Any]) -> bytes:
+    payload = json.dumps(body).encode()
+    head = (f"POST {path} HTTP/1.1\r\nHost: {urlsplit(url).netloc}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(payload)}\r\n\r\n")
+    return head.encode() + payload
+
+
+def send_burst(exchanges: list[Exchange], request: bytes, timeout_s: float = 600.0) -> None:
+    """Write the same request on every connection back to back, then collect every response."""
+    for exchange in exchanges:
+        exchange.sent_ns = time.time_ns()
+        exchange.sock.sendall(request)
+    with selectors.DefaultSelector() as selector:
+        for exchange in exchanges:
+            selector.register(exchange.sock, selectors.EVENT_READ, exchange)
+        deadline = time.monotonic() + timeout_s
+        while selector.get_map() and time.monotonic() < deadline:
+            for key, _ in selector.select(timeout=1.0):
+                if key.data.receive():
+                    selector.unregister(key.fileobj)
+    for exchange in exchanges:
+        exchange.sock.close()
+
+
+def sample_memory(url: str, stop: threading.Event, rss: list[float]) -> None:
+    with httpx.Client(base_url=url, timeout=60) as client:
+        while not stop.is_set():
+            rss.append(metric(client.get("/metrics").text, "process_resident_memory_bytes"))
+            stop.wait(0.25)
+
+
+def burst(url: str, count: int, new_tokens: int, log_path: Path | None) -> dict[str, Any]:
+    """Send `count` generation requests at once on warm connections; time each from its write to the arrival
+    of its status line (kernel timestamp), and to when this process read it; the server's own figure for
+    each 429 comes from its access log."""
+    body = {"inputs": "overload " * 8, "parameters": {"max_new_tokens": new_tokens, "ignore_eos": True}}
+    exchanges = open_warm_connections(url, count)
+    request = post_request(url, "/generate", body)
     rss: list[float] = []
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
-        rss.append(metric((await client.get("/metrics")).text, "process_resident_memory_bytes"))
-        body = {"inputs": "overload " * 8, "parameters": {"max_new_tokens": new_tokens, "ignore_eos": True}}
-
-        async def one(i: int) -> dict[str, Any]:
-            started = time.perf_counter()
-            r = await client.post("/generate", json=body)
-            return {"status": r.status_code, "latency_s": time.perf_counter() - started,
-                    "retry_after": r.headers.get("retry-after")}
-
-        async def sample_memory(stop: asyncio.Event) -> None:
-            while not stop.is_set():
-                rss.append(metric((await client.get("/metrics")).text, "process_resident_memory_bytes"))
-                await asyncio.sleep(0.25)
-
-        stop = asyncio.Event()
-        sampler = asyncio.create_task(sample_memory(stop))
-        results = await asyncio.gather(*(one(i) for i in range(count)))
-        stop.set()
-        await sampler
-        rss.append(metric((await client.get("/metrics")).text, "process_resident_memory_bytes"))
-    rejected = [r for r in results if r["status"] == 429]
-    ok = [r for r in results if r["status"] == 200]
-    other = [r for r in results if r["status"] not in (200, 429)]
-    reject_latency = [r["latency_s"] for r in rejected]
+    stop = threading.Event()
+    sampler = threading.Thread(target=sample_memory, args=(url, stop, rss), daemon=True)
+    load_before = os.getloadavg()
+    sampler.start()
+    while not rss:
+        time.sleep(0.01)
+    send_burst(exchanges, request)
+    stop.set()
+    sampler.join(30)
+    load_after = os.getloadavg()
+    rejected = [e for e in exchanges if e.status == 429]
+    ok = [e for e in exchanges if e.status == 200]
+    other = [e for e in exchanges if e.status not in (200, 429)]
+    arrival = [(e.first_byte_ns - e.sent_ns) / 1e6 for e in rejected if e.first_byte_ns is not None]
+    read = [(e.first_read_ns - e.sent_ns) / 1e6 for e in rejected if e.first_read_ns is not None]
+    in_server = server_durations_ms(log_path, "/generate", 429) if log_path is not None else []
     return {
         "requests": count,
         "completed_200": len(ok),
         "rejected_429": len(rejected),
-        "other_status": sorted({r["status"] for r in other}),
+        "other_status": sorted({e.status or 0 for e in other}),
         "other_count": len(other),
-        "rejected_with_retry_after": sum(1 for r in rejected if r["retry_after"]),
-        "reject_latency_p50_ms": percentile(reject_latency, 0.5) * 1000,
-        "reject_latency_p99_ms": percentile(reject_latency, 0.99) * 1000,
-        "reject_latency_max_ms": max(reject_latency, default=float("nan")) * 1000,
-        "rejects_within_50ms": sum(1 for x in reject_latency if x <= REJECT_BUDGET_S),
-        "admitted_latency_p50_s": percentile([r["latency_s"] for r in ok], 0.5),
+        "rejected_with_retry_after": sum(1 for e in rejected if e.headers.get("retry-after")),
+        "reject_status_line_p50_ms": percentile(arrival, 0.5),
+        "reject_status_line_p99_ms": percentile(arrival, 0.99),
+        "reject_status_line_max_ms": max(arrival, default=float("nan")),
+        "rejects_within_50ms": sum(1 for x in arrival if x <= REJECT_BUDGET_S * 1000),
+        "reject_client_read_p50_ms": percentile(read, 0.5),
+        "reject_client_read_p99_ms": percentile(read, 0.99),
+        "reject_in_server_count": len(in_server),
+        "reject_in_server_p50_ms": percentile(in_server, 0.5),
+        "reject_in_server_p99_ms": percentile(in_server, 0.99),
+        "reject_in_server_max_ms": max(in_server, default=float("nan")),
+        "admitted_latency_p50_s": percentile([(e.done_ns or 0) / 1e9 - e.sent_ns / 1e9 for e in ok], 0.5),
         "rss_before_mb": rss[0] / 2**20,
         "rss_peak_mb": max(rss) / 2**20,
         "rss_after_mb": rss[-1] / 2**20,
+        "load_average_before": list(load_before),
+        "load_average_after": list(load_after),
+        "cpu_count": os.cpu_count(),
     }
 
 
@@ -161,15 +287,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.url:
         info = httpx.get(args.url + "/info", timeout=30).json()["batching"]
         capacity = info["max_queue_size"] + info["max_batch_size"]
-        report["burst"] = asyncio.run(burst(args.url, 4 * capacity, args.new_tokens))
+        report["burst"] = burst(args.url, 4 * capacity, args.new_tokens, None)  # no server log: no in-server figure
     else:
         capacity = args.queue_size + args.batch_size
-        with local_server(args.artifact, max_queue_size=args.queue_size, max_batch_size=args.batch_size,
-                          max_new_tokens=max(args.new_tokens, 1024)) as (url, _):
-            report["burst"] = asyncio.run(burst(url, 4 * capacity, args.new_tokens))
-        with local_server(args.artifact, max_queue_size=args.queue_size, max_batch_size=1,
+        logs = Path(tempfile.mkdtemp(prefix="overload-"))
+        with local_server(args.artifact, logs / "burst.log", max_queue_size=args.queue_size,
+                          max_batch_size=args.batch_size, max_new_tokens=max(args.new_tokens, 1024)) as (url, _):
+            report["burst"] = burst(url, 4 * capacity, args.new_tokens, logs / "burst.log")
+        with local_server(args.artifact, logs / "timeout.log", max_queue_size=args.queue_size, max_batch_size=1,
                           request_timeout_s=args.timeout_s, max_new_tokens=max(args.new_tokens, 1024)) as (url, _):
             report["timeout"] = asyncio.run(timeout_probe(url, args.queue_size, args.new_tokens * 4))
+        print(f"server logs in {logs}")
     report["capacity"] = capacity
     report["reject_budget_ms"] = REJECT_BUDGET_S * 1000
 
