@@ -117,7 +117,8 @@ def disconnected_response() -> Response:
 _ERROR_TEXT = {
     401: "Missing or wrong API key (when one is configured).",
     413: "Request body larger than max_payload_bytes.",
-    422: "Validation failed (error_type validation), or input longer than the limit (input_too_long).",
+    422: "Validation failed (error_type validation), or input longer than the limit, or input plus new tokens "
+         "beyond the model's positions (input_too_long).",
     429: "Queue full; retry after Retry-After seconds.",
     500: "Unexpected error (generic message; details in the server log).",
     503: "Model not loaded yet, or the server is draining.",
