@@ -38,7 +38,7 @@ class Settings(BaseSettings):
     backend: BackendName = Field(
         "auto",
         description="Forward backend for embeddings: torch or onnxruntime (needs the artifact's model.onnx). "
-        "auto picks onnxruntime on CPU when the artifact has ONNX (about 2x faster there), torch otherwise. "
+        "auto picks torch, the faster of the two in bench/backends.py on this model. "
         "Decoding always runs on torch.",
     )
     device: DeviceName = Field("auto", description="Device: cpu, cuda, or auto (CUDA when present).")
