@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--axial-norm-std", type=float, default=0.02,
                    help="init std of the axial position embeddings (the reference uses 1.0, which buries the "
                         "0.02-std token embeddings under position noise for hundreds of steps)")
+    m.add_argument("--init-std", type=float, default=0.1,
+                   help="init std of linear and token-embedding weights (the reference's 0.02 leaves attention "
+                        "near-uniform: a small model then sits on the bigram plateau for thousands of steps)")
     m.add_argument("--dropout", type=float, default=0.05, help="hidden and attention dropout")
     o = p.add_argument_group("optimisation")
     o.add_argument("--window", type=int, default=4096, help="training window in bytes (tokens)")
@@ -114,7 +117,8 @@ def model_config(args: argparse.Namespace) -> ReformerConfig:
         lsh_attn_chunk_length=args.chunk_length, local_attn_chunk_length=args.chunk_length,
         num_hashes=args.num_hashes, num_buckets=args.num_buckets, hash_seed=args.hash_seed,
         axial_pos_shape=shape, axial_pos_embds_dim=(hidden // 2, hidden // 2),  # type: ignore[arg-type]
-        max_position_embeddings=args.max_positions, axial_norm_std=args.axial_norm_std, hidden_dropout_prob=p,
+        max_position_embeddings=args.max_positions, axial_norm_std=args.axial_norm_std,
+        initializer_range=args.init_std, hidden_dropout_prob=p,
         lsh_attention_probs_dropout_prob=p, local_attention_probs_dropout_prob=p, is_decoder=True,
         pad_token_id=0, eos_token_id=1)
 
