@@ -53,7 +53,9 @@ def fuzzed_app(artifact: Any) -> Iterator[Any]:
 
 
 @schema.parametrize()
-@settings(max_examples=MAX_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+# derandomize: CI must see the same examples every run (a new failure is found by changing the seed
+# locally, not by a red build); the examples still cover every operation of the schema
+@settings(max_examples=MAX_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 def test_every_response_is_documented_and_no_5xx(case: schemathesis.Case, fuzzed_app: Any) -> None:
     case.call_and_validate(app=fuzzed_app, checks=FUZZ_CHECKS)
 
