@@ -93,9 +93,13 @@ def test_hash_seed_none_becomes_deterministic_seed() -> None:
 
 
 def test_from_hf_loads_every_weight() -> None:
+    from model.hf import hf_state_dict_to_ours
+
     hf, lm = reference_pair()
-    ours = dict(lm.state_dict())
-    assert all(torch.equal(ours[k], v) for k, v in lm.state_dict().items())
     assert isinstance(lm, ReformerLM)
-    # every reference parameter except the unused lm_head.bias found a home
+    ours = lm.state_dict()
+    mapped = hf_state_dict_to_ours(hf.state_dict())
+    # every reference tensor (but the unused lm_head.bias) lands on a parameter of ours, with its values
+    assert set(mapped) == {k for k, _ in lm.named_parameters()}
+    assert all(torch.equal(ours[k], v) for k, v in mapped.items())
     assert sum(p.numel() for p in lm.parameters()) == sum(p.numel() for p in hf.parameters()) - 40
