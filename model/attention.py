@@ -8,7 +8,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .chunking import (
@@ -336,4 +335,3 @@ def make_attention(kind: str, config: ReformerConfig) -> nn.Module:
     return LSHSelfAttention(config) if kind == "lsh" else LocalSelfAttention(config)
 
 
-__all__ = ["AttentionContext", "LSHSelfAttention", "LocalSelfAttention", "make_attention", "F"]

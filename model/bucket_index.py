@@ -90,5 +90,11 @@ class BucketIndex:
             b, offset = b + 1, 0
         return out
 
+    def slot_of_last(self) -> int:
+        """Slot of the newest position, which is always the last entry of its bucket."""
+        newest = self.total - 1
+        bucket = next(b for b, lst in enumerate(self.lists) if len(lst) and lst[-1] == newest)
+        return self._prefix(bucket) - 1
+
     def nbytes(self) -> int:
         return sum(a.itemsize * len(a) for a in self.lists) + 8 * len(self._tree)

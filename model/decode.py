@@ -198,7 +198,7 @@ def _lsh_step(lm: ReformerLM, att: LSHSelfAttention, cache: LayerCache, qk: Tens
         # first hashed step, or an automatic bucket count that changed with the length: rehash everything
         cache.num_buckets = nb
         cache.index = _build_index(att, cache.keys[:, :total], nb)
-        slots = _slots_of_last(cache.index, total)
+        slots = _slots_of_last(cache.index)
     else:
         slots = _index_append(att, cache, qk, t, nb)
     heads, rounds = len(cache.index), att.rounds
@@ -243,19 +243,11 @@ def _index_append(att: LSHSelfAttention, cache: LayerCache, qk: Tensor, t: int, 
     if cache.index is None:
         cache.num_buckets = nb
         cache.index = _build_index(att, cache.keys[:, : t + 1], nb)
-        return _slots_of_last(cache.index, t + 1)
+        return _slots_of_last(cache.index)
     buckets = att.hash(qk.view(1, att.heads, 1, att.head_size), nb, None)[0, :, :, 0].tolist()  # (H, R)
     return [[cache.index[h][r].append(t, buckets[h][r]) for r in range(len(buckets[h]))]
             for h in range(len(buckets))]
 
 
-def _slots_of_last(index: list[list[BucketIndex]], total: int) -> list[list[int]]:
-    """Slot of the newest position (total-1), which is the last entry of its bucket."""
-    out = []
-    for row in index:
-        slots = []
-        for ix in row:
-            b = next(b for b, lst in enumerate(ix.lists) if len(lst) and lst[-1] == total - 1)
-            slots.append(ix._prefix(b) - 1)
-        out.append(slots)
-    return out
+def _slots_of_last(index: list[list[BucketIndex]]) -> list[list[int]]:
+    return [[ix.slot_of_last() for ix in row] for row in index]

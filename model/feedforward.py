@@ -4,7 +4,6 @@ by the chunk, not the sequence length."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .chunking import seeded_dropout
@@ -52,4 +51,3 @@ class ChunkedFeedForward(nn.Module):
         return torch.cat([self._forward_chunk(part, generator) for part in x.split(chunk, dim=1)], dim=1)
 
 
-__all__ = ["ChunkedFeedForward", "F"]
