@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,8 +10,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .attention import AttentionContext
+from .batch import prepare_batch
 from .config import ReformerConfig
 from .embeddings import AxialPositionEmbeddings, ReformerEmbeddings
+from .pooling import pool_hidden
 from .reversible import ReformerLayer, run_layers
 
 
@@ -54,46 +55,22 @@ class ReformerLM(nn.Module):
 
     # ----------------------------------------------------------------------------------------------
     def _prepare(self, input_ids: Tensor, attention_mask: Tensor | None) -> tuple[Tensor, AttentionContext, int]:
-        """Pad the batch to a chunk multiple and work out each row's own padded length."""
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be (batch, length), got shape {tuple(input_ids.shape)}")
-        b, t = input_ids.shape
-        cfg = self.config
-        device = input_ids.device
-        padded = cfg.padded_length(t)
-        if padded > cfg.max_position_embeddings:
-            raise ValueError(
-                f"sequence of {t} tokens (padded to {padded}) exceeds max_position_embeddings "
-                f"{cfg.max_position_embeddings}"
-            )
-        valid: Tensor | None = None
-        if attention_mask is not None:
-            if attention_mask.shape != input_ids.shape:
-                raise ValueError("attention_mask must have the shape of input_ids")
-            valid = attention_mask.to(torch.bool)
-            pos = torch.arange(t, device=device)
-            own = torch.where(valid, pos + 1, torch.zeros_like(pos)).amax(dim=1)  # last real position + 1
-            if bool(valid.all()):
-                valid = None
-        else:
-            own = torch.full((b,), t, dtype=torch.long, device=device)
-        if padded != t:
-            input_ids = F.pad(input_ids, (0, padded - t), value=cfg.pad_token_id)
-            base = valid if valid is not None else torch.ones(b, t, dtype=torch.bool, device=device)
-            valid = F.pad(base, (0, padded - t), value=False)
-        own_padded = _own_padded_lengths(own, cfg)
-        return input_ids, AttentionContext(valid=valid, own_length=own_padded), t
+        """Right-padded batches only; kept for model/decode.py until it calls `prepare_batch`."""
+        batch = prepare_batch(input_ids, attention_mask, self.config)
+        return batch.input_ids, batch.context, batch.t
 
     def hidden(self, input_ids: Tensor, attention_mask: Tensor | None = None, position_offset: int = 0) -> Tensor:
-        """Final hidden states (B, L, 2*hidden) for the real length L (padding removed). `position_offset`
-        shifts the position embeddings (training uses random offsets so every axial row is trained)."""
-        ids, ctx, t = self._prepare(input_ids, attention_mask)
-        x = self.embeddings(ids, start=position_offset)  # (B, L', hidden)
+        """Final hidden states (B, L, 2*hidden) in the caller's layout. The mask may pad each row on the left,
+        the right or both (model/batch.py); every real token gets the result of its row alone, positions
+        counted from the row's first real token. `position_offset` shifts the position embeddings
+        (training uses random offsets so every axial row is trained)."""
+        batch = prepare_batch(input_ids, attention_mask, self.config)
+        x = self.embeddings(batch.input_ids, start=position_offset)  # (B, L', hidden)
         seeds = self._layer_seeds() if self.training else None
-        y1, y2 = run_layers(self.layers, x, x, ctx, seeds, self.reversible)
+        y1, y2 = run_layers(self.layers, x, x, batch.context, seeds, self.reversible)
         h = self.final_layer_norm(torch.cat([y1, y2], dim=-1))  # (B, L', 2*hidden)
         h = F.dropout(h, self.config.hidden_dropout_prob, self.training)
-        return h[:, :t]
+        return batch.restore(h)  # (B, L, 2*hidden) in the caller's layout
 
     def _layer_seeds(self) -> list[tuple[int, int]] | None:
         cfg = self.config
@@ -142,27 +119,3 @@ class ReformerLM(nn.Module):
         from .decode import decode_step
 
         return decode_step(self, token_ids, states)
-
-
-def pool_hidden(h: Tensor, attention_mask: Tensor | None, pooling: str, normalize: bool) -> Tensor:
-    b, t, _ = h.shape
-    mask = (torch.ones(b, t, device=h.device) if attention_mask is None
-            else attention_mask.to(h.dtype))  # (B, L)
-    if pooling == "mean":
-        vec = (h * mask.unsqueeze(-1)).sum(1) / mask.sum(1, keepdim=True).clamp(min=1)
-    elif pooling == "last":
-        pos = torch.arange(t, device=h.device)
-        last = torch.where(mask > 0, pos, torch.zeros_like(pos)).amax(dim=1)  # (B,)
-        vec = h[torch.arange(b, device=h.device), last]
-    else:
-        raise ValueError(f"pooling must be 'mean' or 'last', got {pooling!r}")
-    return F.normalize(vec, dim=-1) if normalize else vec
-
-
-def _own_padded_lengths(own: Tensor, cfg: ReformerConfig) -> Tensor:
-    """Each row's length as the reference pads it when run alone (ReformerConfig.padded_length), in
-    tensor ops so that export traces it."""
-    lengths = cfg.chunk_lengths()
-    lcm = math.lcm(*lengths)
-    keep = (own % lcm == 0) | (own <= min(lengths))
-    return torch.where(keep, own, (own + lcm - 1) // lcm * lcm)

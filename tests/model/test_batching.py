@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from model import ReformerLM
@@ -89,3 +90,44 @@ def test_feed_forward_and_head_run_in_chunks() -> None:
     with torch.no_grad():
         assert torch.allclose(lm(ids).logits, unchunked(ids).logits, atol=1e-5)
     assert max(seen) == 16  # the widest intermediate is one chunk, not the sequence
+
+
+def _pad_rows(seqs: list[torch.Tensor], lefts: list[int], total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row: `left` padding tokens, the sequence, then right padding up to `total`."""
+    ids = torch.full((len(seqs), total), 7, dtype=torch.long)  # padding ids are not pad_token_id on purpose
+    mask = torch.zeros_like(ids)
+    for i, (s, left) in enumerate(zip(seqs, lefts, strict=True)):
+        ids[i, left : left + len(s)] = s
+        mask[i, left : left + len(s)] = 1
+    return ids, mask
+
+
+def test_left_right_and_both_padding_give_each_row_its_result_alone() -> None:
+    torch.manual_seed(0)
+    lm = ReformerLM(tiny_config(num_hashes=4, local_attn_chunk_length=16)).eval()
+    lengths = [3, 9, 30, 17, 64, 101]
+    lefts = [0, 5, 40, 3, 60, 0]  # right padding only, left only, both, ...
+    total = max(n + left for n, left in zip(lengths, lefts, strict=True)) + 4
+    seqs = [random_ids(1, n, seed=n)[0] for n in lengths]
+    ids, mask = _pad_rows(seqs, lefts, total)
+    with torch.no_grad():
+        out = lm(ids, mask)
+        for i, (s, left) in enumerate(zip(seqs, lefts, strict=True)):
+            alone = lm(s[None])
+            real = slice(left, left + len(s))
+            assert (out.logits[i, real] - alone.logits[0]).abs().max().item() <= 1e-5, (len(s), left)
+            assert (out.hidden_states[i, real] - alone.hidden_states[0]).abs().max().item() <= 1e-5
+        for pooling in ("mean", "last"):
+            pooled = lm.embed(ids, mask, pooling=pooling)
+            for i, s in enumerate(seqs):
+                assert (pooled[i] - lm.embed(s[None], pooling=pooling)[0]).abs().max().item() <= 1e-5
+
+
+def test_mask_with_a_hole_is_refused_naming_the_row() -> None:
+    lm = ReformerLM(tiny_config()).eval()
+    ids = random_ids(3, 12)
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0  # left padding: fine
+    mask[2, 5] = 0  # a hole between real tokens
+    with torch.no_grad(), pytest.raises(ValueError, match="attention_mask row 2 has padding between real tokens"):
+        lm(ids, mask)
