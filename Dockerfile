@@ -27,6 +27,7 @@ RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY model ./model
+COPY train ./train
 COPY export ./export
 COPY service ./service
 COPY bench ./bench

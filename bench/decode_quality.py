@@ -27,7 +27,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def held_out_windows(data: Path, tokenizer, length: int, samples: int) -> list[list[int]]:  # noqa: ANN001
-    from model.data import find_text_files, read_document, split_point
+    from train.data import find_text_files, read_document, split_point
 
     windows = []
     for f in find_text_files([data]):

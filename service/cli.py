@@ -10,7 +10,7 @@ import sys
 # returns an exit code.
 SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "serve": ("service.server", "main", "serve an artifact over HTTP (default: the shipped model)"),
-    "train": ("model.train", "main", "train a byte-level Reformer on text files"),
+    "train": ("train.loop", "main", "train a byte-level Reformer on text files"),
     "export": ("export.cli", "export_main", "turn a training checkpoint into a served artifact"),
     "import-hf": ("export.cli", "import_hf_main", "convert a transformers Reformer checkpoint"),
     "verify": ("export.cli", "verify_main", "check an artifact's manifest, hashes and ONNX parity"),

@@ -1,13 +1,14 @@
 """Training checkpoints: a directory holding
 
-- `model.safetensors`: the weights; metadata keys `config` (ReformerConfig JSON), `provenance` (data
+- `model.safetensors`: the weights; metadata keys `format`, `config` (ReformerConfig JSON), `provenance` (data
   files and sha256, steps, tokens seen, wall time, seed, command line, code version) and `evaluation`
   (validation bits per byte), all JSON strings. `reformer export` turns it into a served artifact.
 - `optimizer.pt`: the optimizer's state (`torch.load(..., weights_only=True)` reads it).
 - `trainer_state.json`: where training stands (step, tokens seen, wall time, the arguments).
 
 A checkpoint is written into a temporary directory and renamed into place, so an interrupted save never
-leaves a half-written checkpoint behind."""
+leaves a half-written checkpoint behind. It is read back only through `export.checkpoint`, the one
+reader, by `reformer export` and by `reformer train --resume` alike."""
 
 from __future__ import annotations
 
@@ -19,11 +20,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .config import ReformerConfig
-from .reformer import ReformerLM
+from export.checkpoint import load_checkpoint_model, read_checkpoint_metadata, read_checkpoint_weights
+from model.reformer import ReformerLM
+
+__all__ = ["TrainerState", "code_version", "load_model", "load_training_state", "read_checkpoint_metadata",
+           "save_checkpoint"]
 
 CHECKPOINT_FORMAT = "reformer-train-checkpoint/1"
 WEIGHTS_FILE = "model.safetensors"
@@ -88,31 +91,17 @@ def save_checkpoint(path: Path, lm: ReformerLM, optimizer: torch.optim.Optimizer
     return path
 
 
-def read_checkpoint_metadata(path: Path) -> dict[str, Any]:
-    """The JSON metadata of a checkpoint's weights file, decoded: config, provenance, evaluation."""
-    with safe_open(str(Path(path) / WEIGHTS_FILE), framework="pt") as f:
-        raw = f.metadata() or {}
-    return {k: (json.loads(v) if k != "format" else v) for k, v in raw.items()}
-
-
 def load_model(path: Path) -> ReformerLM:
-    """The checkpoint's model (train mode off), config taken from the weights file's metadata."""
-    meta = read_checkpoint_metadata(path)
-    lm = ReformerLM(ReformerConfig.from_dict(meta["config"]))
-    tensors: dict[str, torch.Tensor] = {}
-    with safe_open(str(Path(path) / WEIGHTS_FILE), framework="pt") as f:
-        for k in f.keys():
-            tensors[k] = f.get_tensor(k)
-    lm.load_state_dict(tensors)
-    return lm.eval()
+    """The checkpoint's model (train mode off), read by export's one checkpoint reader."""
+    return load_checkpoint_model(path)
 
 
 def load_training_state(path: Path, lm: ReformerLM, optimizer: torch.optim.Optimizer) -> TrainerState:
     """Restore weights and optimizer in place (the learning rate is a function of the step); return the
     trainer state."""
     path = Path(path)
-    trained = load_model(path)
-    lm.load_state_dict(trained.state_dict())
+    _, weights, _ = read_checkpoint_weights(path)
+    lm.load_state_dict(weights)
     opt_state = torch.load(path / OPTIMIZER_FILE, weights_only=True, map_location="cpu")
     optimizer.load_state_dict(opt_state["optimizer"])
     raw = json.loads((path / STATE_FILE).read_text())

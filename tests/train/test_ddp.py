@@ -16,8 +16,8 @@ import torch
 from safetensors import safe_open
 
 from model import ReformerConfig, ReformerLM
-from model.train import main as train_main
-from model.train_checkpoint import read_checkpoint_metadata
+from train.checkpoint import read_checkpoint_metadata
+from train.loop import main as train_main
 
 ROOT = Path(__file__).resolve().parents[2]
 # dropout off: a rank draws its own dropout masks, which one process cannot reproduce

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .reformer import ReformerLM
+from model.reformer import ReformerLM
 
 
 @dataclass

@@ -23,11 +23,12 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from .config import ReformerConfig
+from model.config import ReformerConfig
+from model.reformer import ReformerLM
+
+from .checkpoint import TrainerState, code_version, load_training_state, save_checkpoint
 from .data import Corpus, DataError, WindowSampler, prepare_corpus, validation_windows
-from .reformer import ReformerLM
-from .train_checkpoint import TrainerState, code_version, load_training_state, save_checkpoint
-from .train_runtime import (
+from .runtime import (
     DistInfo,
     StopFlag,
     all_reduce_sum,
@@ -345,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = model_config(args)
         src = resume_source(args)
         if src is not None:
-            from .train_checkpoint import read_checkpoint_metadata
+            from .checkpoint import read_checkpoint_metadata
 
             if (src / "model.safetensors").exists():
                 cfg = ReformerConfig.from_dict(read_checkpoint_metadata(src)["config"])

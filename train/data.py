@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .tokenizer import ByteTokenizer
+from model.tokenizer import ByteTokenizer
 
 CACHE_FORMAT = 1  # bump when cleaning or the file layout changes, so stale caches are rebuilt
 _TOKEN_DTYPE = np.uint16  # ids are byte + 2 (2..257): one byte is not enough

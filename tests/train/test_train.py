@@ -19,9 +19,9 @@ import torch
 from safetensors import safe_open
 
 from export.checkpoint import read_checkpoint_weights
-from model.train import main as train_main
-from model.train_checkpoint import load_model, read_checkpoint_metadata
-from model.train_runtime import lr_factor, parse_duration
+from train.checkpoint import load_model, read_checkpoint_metadata
+from train.loop import main as train_main
+from train.runtime import lr_factor, parse_duration
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--hidden-size", "32", "--num-heads", "2", "--attn-layers", "local,lsh", "--feed-forward-size", "64",

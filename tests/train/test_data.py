@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from model import ByteTokenizer
-from model.data import (
+from train.data import (
     DataError,
     WindowSampler,
     clean_text,
@@ -17,7 +17,7 @@ from model.data import (
     read_document,
     validation_windows,
 )
-from model.train import main as train_main
+from train.loop import main as train_main
 
 GUTENBERG = (
     "\ufeffThe Project Gutenberg EBook of Something\r\n"
