@@ -14,6 +14,9 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from model.batch import check_attention_mask
+from model.pooling import pool_hidden
+
 log = logging.getLogger("service.backends")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -48,17 +51,8 @@ class EmbeddingBackend(Protocol):
     name: str
 
     def embed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, pooling: str) -> torch.Tensor:
-        """(B, L) right-padded ids and mask -> (B, D) float32 pooled vectors on the CPU."""
+        """(B, L) ids and mask (left and/or right padded) -> (B, D) float32 pooled vectors on the CPU."""
         ...
-
-
-def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, pooling: str) -> torch.Tensor:
-    """Mean over real tokens, or the last real token's state, as the model's own `embed` pools."""
-    mask = attention_mask.to(hidden.dtype).unsqueeze(-1)  # (B, L, 1)
-    if pooling == "mean":
-        return (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)
-    last = attention_mask.sum(dim=1).clamp(min=1) - 1  # (B,)
-    return hidden[torch.arange(hidden.shape[0]), last]
 
 
 class TorchBackend:
@@ -99,5 +93,6 @@ class OnnxBackend:
             "input_ids": input_ids.cpu().numpy().astype(np.int64),
             "attention_mask": attention_mask.cpu().numpy().astype(np.int64),
         }
+        check_attention_mask(attention_mask)  # the graph cannot raise: refuse masks with holes here, as torch does
         hidden = self.session.run(["hidden_states"], feeds)[0]
-        return pool(torch.from_numpy(np.asarray(hidden, dtype=np.float32)), attention_mask.cpu(), pooling)
+        return pool_hidden(torch.from_numpy(np.asarray(hidden, dtype=np.float32)), attention_mask.cpu(), pooling)
