@@ -16,6 +16,7 @@ from .chunking import (
     can_fuse,
     gather_chunks,
     look_adjacent,
+    round_weights,
     strided_windows,
     window_chunk_index,
 )
@@ -65,9 +66,11 @@ def auto_num_buckets(length: int, chunk: int, max_positions: int) -> int | list[
 
 
 class LSHSelfAttention(nn.Module):
-    def __init__(self, config: ReformerConfig) -> None:
+    def __init__(self, config: ReformerConfig, *, fused: bool = True) -> None:
         super().__init__()
         self.config = config
+        # eval forwards on CPU may use PyTorch's fused attention kernel (chunking.can_fuse)
+        self.fused = fused
         self.heads = config.num_attention_heads
         self.head_size = config.attention_head_size
         self.chunk = config.lsh_attn_chunk_length
@@ -166,7 +169,7 @@ class LSHSelfAttention(nn.Module):
         pos = torch.arange(qk.shape[2], device=qk.device)
         kv = None if ctx.valid is None else ctx.valid[:, None, :]  # (B, 1, L)
         bias = attention_bias(pos, pos, kv, self.causal, True, qk.dtype)  # (B|1, 1, L, L)
-        out, _ = attend(qk, k, v, bias, self.dropout if self.training else 0.0, ctx.generator)
+        out, _ = attend(qk, k, v, bias, self.dropout if self.training else 0.0, ctx.generator, fused=self.fused)
         return out
 
     def _chunked(self, qk: Tensor, v: Tensor, buckets: Tensor, ctx: AttentionContext) -> Tensor:
@@ -182,7 +185,7 @@ class LSHSelfAttention(nn.Module):
         win = window_chunk_index(own_chunks, r, n, self.before, self.after)  # (B, R*N, W)
         # one circular window layout for the whole batch when no row is shorter than the batch
         uniform = not torch.jit.is_tracing() and bool((own_chunks == n).all())
-        fused = can_fuse(qk, self.dropout if self.training else 0.0)
+        fused = can_fuse(qk, self.dropout if self.training else 0.0, self.fused)
         k = length_normalize(qk) / math.sqrt(self.head_size)  # (B, H, L, D)
         qkv = torch.cat([qk, k, v], dim=-1)  # (B, H, L, 3D): one row gather per head sorts all three
         valid = ctx.valid
@@ -230,7 +233,7 @@ class LSHSelfAttention(nn.Module):
         Each round is weighted by its share of the probability mass, computed as the reference does (not as
         a softmax), which rounds differently for rows that see only themselves."""
         lse_u = torch.empty_like(lse).scatter_(3, order, lse)  # back to position order
-        weights = torch.exp(lse_u - torch.logsumexp(lse_u, dim=2, keepdim=True))  # (B, h, R, L)
+        weights = round_weights(lse_u, dim=2)  # (B, h, R, L)
         w_sorted = torch.gather(weights, 3, order)  # each sorted slot's weight
         weighted = o * w_sorted.unsqueeze(-1)
         out = torch.zeros(o.shape[0], o.shape[1], o.shape[3], o.shape[4], dtype=o.dtype, device=o.device)
@@ -244,8 +247,9 @@ def _rotation_size(num_buckets: int | list[int]) -> int:
 
 
 class LocalSelfAttention(nn.Module):
-    def __init__(self, config: ReformerConfig) -> None:
+    def __init__(self, config: ReformerConfig, *, fused: bool = True) -> None:
         super().__init__()
+        self.fused = fused
         self.heads = config.num_attention_heads
         self.head_size = config.attention_head_size
         self.chunk = config.local_attn_chunk_length
@@ -282,7 +286,7 @@ class LocalSelfAttention(nn.Module):
         pos = torch.arange(q.shape[2], device=q.device)
         kv = None if ctx.valid is None else ctx.valid[:, None, :]  # (B, 1, L)
         bias = attention_bias(pos, pos, kv, self.causal, False, q.dtype)
-        out, _ = attend(q, k, v, bias, self.dropout if self.training else 0.0, ctx.generator)
+        out, _ = attend(q, k, v, bias, self.dropout if self.training else 0.0, ctx.generator, fused=self.fused)
         return out
 
     def _chunked(self, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext) -> Tensor:
@@ -299,7 +303,7 @@ class LocalSelfAttention(nn.Module):
         kp = gather_chunks(qp.unsqueeze(-1), win).squeeze(-1)  # (B, 1, N, W*C)
         kv = None if ctx.valid is None else torch.gather(ctx.valid[:, None, None, :].expand(b, 1, n, t), 3, kp)
         bias = attention_bias(qp, kp, kv, self.causal, False, q.dtype)  # (B, 1, N, C, W*C)
-        out, _ = attend(q_c, k_w, v_w, bias, dropout, ctx.generator)  # (B, H, N, C, D)
+        out, _ = attend(q_c, k_w, v_w, bias, dropout, ctx.generator, fused=self.fused)  # (B, H, N, C, D)
         return out.reshape(b, self.heads, t, self.head_size)  # (B, H, L, D)
 
 
@@ -311,7 +315,7 @@ def split_short_rows(
     """Rows whose own length fits in one chunk get dense attention over their first `chunk` positions, as
     the reference computes for them alone; the other rows get chunked attention. Returns (B, H, L, D)."""
     short = ctx.own_length <= chunk
-    if not SPLIT_SHORT_ROWS or not bool(short.any()):
+    if not bool(short.any()):
         return chunked(None, ctx)
     out = torch.zeros_like(v)
     rows_short = short.nonzero().squeeze(1)
@@ -327,11 +331,7 @@ def _subset(ctx: AttentionContext, rows: Tensor, length: int | None) -> Attentio
     return AttentionContext(valid=valid, own_length=ctx.own_length[rows], generator=ctx.generator)
 
 
-# Export traces one code path: it turns this off and gives every row chunked attention.
-SPLIT_SHORT_ROWS = True
-
-
-def make_attention(kind: str, config: ReformerConfig) -> nn.Module:
-    return LSHSelfAttention(config) if kind == "lsh" else LocalSelfAttention(config)
+def make_attention(kind: str, config: ReformerConfig, *, fused: bool = True) -> nn.Module:
+    return LSHSelfAttention(config, fused=fused) if kind == "lsh" else LocalSelfAttention(config, fused=fused)
 
 

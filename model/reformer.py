@@ -24,11 +24,15 @@ class ReformerOutput:
 
 
 class ReformerLM(nn.Module):
-    def __init__(self, config: ReformerConfig) -> None:
+    def __init__(self, config: ReformerConfig, *, fused_attention: bool = True) -> None:
+        """`fused_attention`: eval forwards on CPU may use PyTorch's fused attention kernel (as nanoGPT's
+        `self.flash`); False keeps the plain formulation everywhere. Results agree within float rounding."""
         super().__init__()
         self.config = config
         self.embeddings = ReformerEmbeddings(config)
         self.layers = nn.ModuleList([ReformerLayer(kind, config) for kind in config.attn_layers])
+        for layer in self.layers:
+            layer.attention.self_attention.fused = fused_attention
         self.final_layer_norm = nn.LayerNorm(2 * config.hidden_size, eps=config.layer_norm_eps)
         self.lm_head = nn.Linear(2 * config.hidden_size, config.vocab_size)
         # training uses the memory-saving reversible backward; tests compare it with plain autograd

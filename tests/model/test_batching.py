@@ -131,3 +131,14 @@ def test_mask_with_a_hole_is_refused_naming_the_row() -> None:
     mask[2, 5] = 0  # a hole between real tokens
     with torch.no_grad(), pytest.raises(ValueError, match="attention_mask row 2 has padding between real tokens"):
         lm(ids, mask)
+
+
+def test_fused_attention_is_a_constructor_choice_with_the_same_function() -> None:
+    torch.manual_seed(0)
+    fused = ReformerLM(tiny_config(num_hashes=4)).eval()
+    plain = ReformerLM(tiny_config(num_hashes=4), fused_attention=False).eval()
+    plain.load_state_dict(fused.state_dict())
+    assert all(layer.attention.self_attention.fused is False for layer in plain.layers)
+    ids = random_ids(2, 90)
+    with torch.no_grad():
+        assert (fused(ids).logits - plain(ids).logits).abs().max().item() <= 1e-5
