@@ -141,4 +141,4 @@ def test_fused_attention_is_a_constructor_choice_with_the_same_function() -> Non
     assert all(layer.attention.self_attention.fused is False for layer in plain.layers)
     ids = random_ids(2, 90)
     with torch.no_grad():
-        assert (fused(ids).logits - plain(ids).logits).abs().max().item() <= 1e-5
+        assert (fused(ids).logits - plain(ids).logits).abs().max().item() <= 1e-4  # float rounding only
