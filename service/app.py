@@ -5,171 +5,32 @@ warm up, then report ready; on shutdown stop the worker. Loading happens in the 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
-import threading
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from fastapi import APIRouter, FastAPI
 from starlette.middleware.cors import CORSMiddleware
 
-from service.backends import OnnxBackend, TorchBackend, resolve_backend, resolve_device, resolve_dtype
-from service.engine import Engine, EngineConfig
 from service.errors import install_error_handlers
-from service.metrics import ServiceMetrics
 from service.middleware import (
     ApiKeyMiddleware,
     AvailabilityMiddleware,
     PayloadLimitMiddleware,
     RequestContextMiddleware,
 )
-from service.protocol import Limits
+from service.routes import embed, generate, meta, openai
 from service.settings import Settings
+from service.state import ServiceState, package_version
+
+# Every router, mounted when this module is imported (routes depend on service.state, never on this module).
+ROUTERS: tuple[APIRouter, ...] = tuple(module.router for module in (generate, embed, openai, meta))
 
 log = logging.getLogger("service.app")
 
 
-def package_version() -> str:
-    try:
-        return version("reformer-serve")
-    except PackageNotFoundError:
-        return "0+unknown"
-
-
-def config_dict(config: Any) -> dict[str, Any]:
-    if dataclasses.is_dataclass(config) and not isinstance(config, type):
-        return dataclasses.asdict(config)
-    if hasattr(config, "to_dict"):
-        return dict(config.to_dict())
-    return {k: v for k, v in vars(config).items() if not k.startswith("_")}
-
-
-def position_limits(cfg: Any) -> tuple[int, int]:
-    """(longest prompt, positions) the model can take. The forward pass pads a sequence to a multiple of its
-    chunk lengths, and the padded length must fit in max_position_embeddings: where that is no such multiple,
-    the last few lengths below it cannot be run at all."""
-    positions = int(cfg.max_position_embeddings)
-    longest = positions
-    padded_length = getattr(cfg, "padded_length", None)
-    if padded_length is not None:
-        while longest > 1 and padded_length(longest) > positions:
-            longest -= 1
-    return longest, positions
-
-
-class ServiceState:
-    """Everything the routes share: settings, metrics, and once loaded the artifact and the engine."""
-
-    def __init__(self, settings: Settings):
-        self.settings = settings
-        self.metrics = ServiceMetrics(engine_source=lambda: self.engine)
-        self.artifact: Any = None
-        self.engine: Engine | None = None
-        self.limits: Limits | None = None
-        self.model_id = settings.served_model_name or "reformer"
-        self.backend_name = "torch"
-        self.device = "cpu"
-        self.dtype = "float32"
-        self.embedding_dim = 0
-        self.created = int(time.time())
-        self.draining = False
-        self.load_error: str | None = None
-        self.inflight = 0
-        self._inflight_lock = threading.Lock()
-        # Called (from any thread) when the model worker dies; the server makes the process exit non-zero.
-        self.on_fatal: Callable[[BaseException], None] = lambda exc: None
-
-    @property
-    def ready(self) -> bool:
-        return self.engine is not None and self.engine.ready.is_set() and self.engine.alive
-
-    def unavailable_reason(self) -> str | None:
-        if self.draining:
-            return "the server is shutting down"
-        if self.engine is not None and not self.engine.alive and self.engine.ready.is_set():
-            return "the model worker is not running"
-        if not self.ready:
-            return "the model is loading" if self.load_error is None else "the model failed to load"
-        return None
-
-    def count_inflight(self, delta: int) -> None:
-        with self._inflight_lock:
-            self.inflight += delta
-
-    def load(self, artifact: Any) -> None:
-        """Place the model, pick the backend, start the engine (warm-up runs on the worker thread)."""
-        from export import load_artifact
-
-        s = self.settings
-        if artifact is None:
-            artifact = load_artifact(s.artifact) if s.artifact is not None else load_artifact()
-        self.artifact = artifact
-        device = resolve_device(s.device)
-        dtype = resolve_dtype(s.dtype, device)
-        model = artifact.model.to(device=device, dtype=dtype).eval()
-        self.backend_name = resolve_backend(s.backend, device, getattr(artifact, "onnx_path", None))
-        backend = (
-            OnnxBackend(artifact.onnx_path, device) if self.backend_name == "onnxruntime"
-            else TorchBackend(model, device)
-        )
-        self.device, self.dtype = str(device), str(dtype).removeprefix("torch.")
-        cfg = artifact.config
-        self.embedding_dim = 2 * int(cfg.hidden_size)
-        self.model_id = s.served_model_name or artifact.path.name
-        longest_prompt, positions = position_limits(cfg)
-        self.limits = Limits(
-            max_input_tokens=min(s.max_input_tokens or longest_prompt, longest_prompt),
-            max_total_tokens=positions,
-            max_new_tokens=s.max_new_tokens,
-            default_new_tokens=s.default_new_tokens,
-            max_stop_sequences=s.max_stop_sequences,
-            max_client_batch_size=s.max_client_batch_size,
-        )
-        self.metrics.model_info.labels(
-            artifact.sha256, self.model_id, self.backend_name, "torch", self.device, self.dtype
-        ).set(1)
-        config = EngineConfig(
-            max_batch_size=s.max_batch_size, max_batch_tokens=s.max_batch_tokens, max_wait_ms=s.max_wait_ms,
-            max_queue_size=s.max_queue_size, request_timeout_s=s.request_timeout_s, warmup=s.warmup,
-        )
-        self.engine = Engine(model, artifact.tokenizer, backend, device, config, self.metrics,
-                             on_fatal=lambda exc: self.on_fatal(exc))
-        self.engine.start()
-
-    def info(self) -> dict[str, Any]:
-        art = self.artifact
-        s = self.settings
-        params = sum(p.numel() for p in art.model.parameters()) if art is not None else 0
-        return {
-            "model_id": self.model_id,
-            "model_sha256": getattr(art, "sha256", None),
-            "model_config": config_dict(art.config) if art is not None else {},
-            "model_parameters": params,
-            "artifact_path": str(getattr(art, "path", "")),
-            "backend": self.backend_name,
-            "decode_backend": "torch",
-            # Which engine runs each stage: embeddings on the chosen backend; prefill and decode steps on torch
-            # (the ONNX graph is the plain forward pass, without the LSH window cache decoding needs).
-            "backends": {"embeddings": self.backend_name, "prefill": "torch", "decode": "torch"},
-            "device": self.device,
-            "dtype": self.dtype,
-            "embedding_dimension": self.embedding_dim,
-            "limits": dataclasses.asdict(self.limits) if self.limits else {},
-            "batching": {
-                "max_batch_size": s.max_batch_size, "max_batch_tokens": s.max_batch_tokens,
-                "max_wait_ms": s.max_wait_ms, "max_queue_size": s.max_queue_size,
-                "request_timeout_s": s.request_timeout_s,
-            },
-            "version": package_version(),
-            "settings": s.public_dict(),
-        }
-
-
-def route_paths(app: FastAPI, routers: list[APIRouter]) -> frozenset[str]:
+def route_paths(app: FastAPI, routers: tuple[APIRouter, ...]) -> frozenset[str]:
     """Every path the app serves. The included routers' own route lists are read: this FastAPI keeps an
     included router as one lazily expanded entry of `app.routes`, which has no `path`, so `app.routes`
     alone names only the docs routes (and requests refused before routing were labelled "unmatched")."""
@@ -179,8 +40,6 @@ def route_paths(app: FastAPI, routers: list[APIRouter]) -> frozenset[str]:
 
 def create_app(settings: Settings | None = None, artifact: Any = None) -> FastAPI:
     """Build the app; `artifact` (an already loaded export.Artifact) skips loading in the lifespan."""
-    from service.routes import embed, generate, meta, openai
-
     settings = settings or Settings()  # type: ignore[call-arg]  # values come from the environment
     state = ServiceState(settings)
 
@@ -217,10 +76,9 @@ def create_app(settings: Settings | None = None, artifact: Any = None) -> FastAP
     )
     app.state.service = state
     install_error_handlers(app)
-    routers = [module.router for module in (generate, embed, openai, meta)]
-    for router in routers:
+    for router in ROUTERS:
         app.include_router(router)
-    known_paths = route_paths(app, routers)
+    known_paths = route_paths(app, ROUTERS)
     # add_middleware wraps: the last added is the outermost.
     app.add_middleware(PayloadLimitMiddleware, max_bytes=settings.max_payload_bytes)
     app.add_middleware(AvailabilityMiddleware, state=state)  # refuses before the body is read

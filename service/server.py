@@ -20,9 +20,10 @@ from typing import NoReturn
 import uvicorn
 from pydantic import ValidationError
 
-from service.app import ServiceState, create_app
+from service.app import create_app
 from service.logs import configure_logging
 from service.settings import settings_from_argv
+from service.state import ServiceState
 
 log = logging.getLogger("service.server")
 

@@ -12,11 +12,11 @@ from pydantic import BaseModel
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from service.app import ServiceState
 from service.engine import Engine
 from service.errors import Unavailable
 from service.jobs import Timings
 from service.protocol import ErrorResponse, Limits, OpenAIErrorResponse
+from service.state import ServiceState
 
 T = TypeVar("T")
 
