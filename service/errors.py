@@ -76,6 +76,16 @@ class NotFound(ServiceError):
     error_type = "not_found"
 
 
+class MethodNotAllowed(ServiceError):
+    status_code = 405
+    error_type = "method_not_allowed"
+
+
+class BodyTimeout(ServiceError):
+    status_code = 408
+    error_type = "body_timeout"
+
+
 GENERIC_INTERNAL_MESSAGE = "internal error; the server log has the details"
 
 # OpenAI's error "type" strings for each of ours.
@@ -89,6 +99,8 @@ _OPENAI_TYPES = {
     "timeout": "timeout_error",
     "internal": "server_error",
     "not_found": "not_found_error",
+    "method_not_allowed": "invalid_request_error",
+    "body_timeout": "timeout_error",
 }
 
 
@@ -190,8 +202,8 @@ def install_error_handlers(app: FastAPI) -> None:
         elif exc.status_code == 404:
             error = NotFound(f"no route {request.url.path}")
         elif exc.status_code == 405:
-            error = NotFound(f"method {request.method} is not allowed on {request.url.path}")
-            error.status_code = 405
+            error = MethodNotAllowed(f"method {request.method} is not allowed on {request.url.path}",
+                                     headers=dict(exc.headers or {}))
         elif exc.status_code == 413:
             error = PayloadTooLarge(str(exc.detail))
         else:
