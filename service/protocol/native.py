@@ -79,7 +79,10 @@ class GenerateRequest(RequestModel):
     parameters: GenerateParameters = Field(
         default_factory=lambda: GenerateParameters.model_validate({}), description="Generation parameters."
     )
-    stream: bool = Field(False, description="Accepted for TGI compatibility; use /generate_stream to stream.")
+    stream: bool = Field(
+        False, description="On `POST /` (TGI): true answers as /generate_stream, false as /generate. "
+        "/generate and /generate_stream ignore it."
+    )
 
     def to_spec(self, tokenizer: Tokenizer, limits: Limits) -> GenerationSpec:
         p = self.parameters

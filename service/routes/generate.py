@@ -1,4 +1,4 @@
-"""`POST /generate` and `POST /generate_stream` (TGI shapes)."""
+"""`POST /generate`, `POST /generate_stream` and TGI's `POST /` (TGI shapes)."""
 
 from __future__ import annotations
 
@@ -124,3 +124,17 @@ async def _events(state: State, stream: GenerationStream, first: TokenEvent, pre
                               error_type="internal").model_dump(mode="json"))
     finally:
         stream.cancel()
+
+
+@router.post(
+    "/",
+    response_model=GenerateResponse,
+    responses={**NATIVE_ERRORS, 200: {"content": {"text/event-stream": {}},
+                                      "description": "As /generate, or with `stream: true` as /generate_stream."}},
+)
+async def tgi_root(body: GenerateRequest, request: Request, state: State) -> Response:
+    """TGI's route for clients pointed at the server's URL (huggingface_hub's `InferenceClient(url)`):
+    `stream: true` in the body answers as /generate_stream, otherwise as /generate."""
+    if body.stream:
+        return await generate_stream(body, request, state)
+    return await generate(body, request, state)
