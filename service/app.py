@@ -15,6 +15,8 @@ from starlette.middleware.cors import CORSMiddleware
 
 from service.errors import install_error_handlers
 from service.middleware import (
+    DOC_PATHS,
+    PROBE_PATHS,
     ApiKeyMiddleware,
     AvailabilityMiddleware,
     PayloadLimitMiddleware,
@@ -79,6 +81,11 @@ def create_app(settings: Settings | None = None, artifact: Any = None) -> FastAP
     for router in ROUTERS:
         app.include_router(router)
     known_paths = route_paths(app, ROUTERS)
+    state.metrics.init_request_series(
+        (route.path, [int(code) for code in getattr(route, "responses", {}) if str(code).isdigit()])
+        for router in ROUTERS for route in router.routes
+        if getattr(route, "path", "/metrics") not in PROBE_PATHS | DOC_PATHS
+    )
     # add_middleware wraps: the last added is the outermost.
     app.add_middleware(PayloadLimitMiddleware, max_bytes=settings.max_payload_bytes)
     app.add_middleware(AvailabilityMiddleware, state=state)  # refuses before the body is read

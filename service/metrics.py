@@ -7,7 +7,6 @@ that fails is logged and skipped instead of failing the scrape. GPU series exist
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
 
@@ -23,6 +22,8 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from service.gpu_metrics import GPU_FAMILIES, GpuCollector
+
 log = logging.getLogger("service.metrics")
 
 # `*_created` timestamps double the series count and no dashboard reads them.
@@ -36,16 +37,18 @@ LATENCY_BUCKETS = (
 )
 TOKEN_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 TOKEN_COUNT_BUCKETS = tuple(float(2**i) for i in range(0, 18))  # 1 .. 131072
-BATCH_SIZE_BUCKETS = tuple(float(2**i) for i in range(0, 9))  # 1 .. 256
+# Batch sizes are whole numbers and histogram_quantile interpolates linearly inside a bucket from its lower
+# bound: with 1 the lowest bound, a run of batches of 1 read as p95 = 0.95. A bound just under 1 (and 2)
+# makes that bucket (0.999, 1] so the quantile reads 1 (0.99995), and 2 reads 2.
+BATCH_SIZE_BUCKETS = (0.999, 1.0, 1.999, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0, 48.0, 64.0, 96.0, 128.0,
+                      192.0, 256.0)
+# Label values the service knows before it first uses them: counters and histograms start at zero for each,
+# so `increase()` and `rate()` see the first event (a series that appears at its first increment has no
+# earlier sample to increase from, and Prometheus drops that first step).
+REJECT_REASONS = ("queue_full", "timeout", "unavailable")
+DROP_STAGES = ("queued", "running")
+BATCH_KINDS = ("embed", "prefill", "decode")
 
-GPU_FAMILIES = (
-    "reformer_gpu_memory_allocated_bytes",
-    "reformer_gpu_memory_reserved_bytes",
-    "reformer_gpu_memory_peak_allocated_bytes",
-    "reformer_gpu_memory_used_bytes",
-    "reformer_gpu_memory_total_bytes",
-    "reformer_gpu_utilization_ratio",
-)
 
 
 class EngineStats(Protocol):
@@ -89,63 +92,34 @@ class EngineCollector(Collector):
             PREFIX + "running_generations", "Generations being decoded.", value=float(stats.get("running", 0))
         )
         yield GaugeMetricFamily(
-            PREFIX + "decode_cache_bytes", "Memory held by running generations' decode caches.",
-            value=float(stats.get("cache_bytes", 0)),
-        )
-        yield GaugeMetricFamily(
             PREFIX + "engine_alive", "1 while the model worker thread runs.", value=float(stats.get("alive", 0))
         )
 
 
-class GpuCollector(Collector):
-    """GPU memory from torch's allocator stats and NVML, per visible device; nothing without CUDA."""
+class DecodeCacheCollector(Collector):
+    """`decode_cache_bytes{state}` (allocated, capacity) and `decode_cache_usage_ratio`: the figures the
+    cache allocator last set through `ServiceMetrics.set_decode_cache`, else the engine's own `cache_bytes`
+    and `cache_capacity_bytes` stats (0 where it reports none)."""
 
-    def __init__(self) -> None:
-        self._nvml_ready: bool | None = None
-        self._lock = threading.Lock()
+    def __init__(self, source: Callable[[], EngineStats | None]):
+        self.source = source
+        self.figures: tuple[float, float] | None = None
 
     def collect(self) -> Iterator[Metric]:
-        import torch
-
-        if not torch.cuda.is_available():
-            return
-        labels = ["device"]
-        allocated = GaugeMetricFamily(GPU_FAMILIES[0], "Bytes allocated by torch tensors.", labels=labels)
-        reserved = GaugeMetricFamily(GPU_FAMILIES[1], "Bytes reserved by torch's caching allocator.", labels=labels)
-        peak = GaugeMetricFamily(GPU_FAMILIES[2], "Peak bytes allocated by torch since start.", labels=labels)
-        for index in range(torch.cuda.device_count()):
-            device = str(index)
-            allocated.add_metric([device], float(torch.cuda.memory_allocated(index)))
-            reserved.add_metric([device], float(torch.cuda.memory_reserved(index)))
-            peak.add_metric([device], float(torch.cuda.max_memory_allocated(index)))
-        yield from (allocated, reserved, peak)
-        yield from self._nvml()
-
-    def _nvml(self) -> Iterator[Metric]:
-        try:
-            import pynvml
-        except ImportError:
-            return
-        with self._lock:
-            if self._nvml_ready is None:
-                try:
-                    pynvml.nvmlInit()
-                    self._nvml_ready = True
-                except pynvml.NVMLError:
-                    log.warning("NVML is not available; GPU used/total/utilization series are skipped")
-                    self._nvml_ready = False
-        if not self._nvml_ready:
-            return
-        used = GaugeMetricFamily(GPU_FAMILIES[3], "Bytes used on the device (NVML).", labels=["device"])
-        total = GaugeMetricFamily(GPU_FAMILIES[4], "Bytes on the device (NVML).", labels=["device"])
-        util = GaugeMetricFamily(GPU_FAMILIES[5], "GPU busy fraction over NVML's last sample.", labels=["device"])
-        for index in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
-            used.add_metric([str(index)], float(memory.used))
-            total.add_metric([str(index)], float(memory.total))
-            util.add_metric([str(index)], pynvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100.0)
-        yield from (used, total, util)
+        if self.figures is not None:
+            allocated, capacity = self.figures
+        else:
+            engine = self.source()
+            stats = engine.stats() if engine is not None else {}
+            allocated = float(stats.get("cache_bytes", 0))
+            capacity = float(stats.get("cache_capacity_bytes", 0))
+        family = GaugeMetricFamily(PREFIX + "decode_cache_bytes", "Decode-cache memory, allocated and capacity.",
+                                   labels=["state"])
+        family.add_metric(["allocated"], allocated)
+        family.add_metric(["capacity"], capacity)
+        yield family
+        yield GaugeMetricFamily(PREFIX + "decode_cache_usage_ratio", "Decode-cache bytes allocated / capacity.",
+                                value=allocated / capacity if capacity > 0 else 0.0)
 
 
 class ServiceMetrics:
@@ -204,8 +178,30 @@ class ServiceMetrics:
             PREFIX + "model_info", "The served model (value 1).",
             ["artifact_sha256", "model", "backend", "decode_backend", "device", "dtype"], registry=r,
         )
+        self.decode_cache = DecodeCacheCollector(engine_source)
         self.add_collector(EngineCollector(engine_source), "engine")
+        self.add_collector(self.decode_cache, "decode_cache")
         self.add_collector(GpuCollector(), "gpu")
+        for reason in REJECT_REASONS:
+            self.rejected.labels(reason)
+        for stage in DROP_STAGES:
+            self.dropped.labels(stage)
+        for kind in BATCH_KINDS:
+            self.batch_size.labels(kind)
+            self.batch_tokens.labels(kind)
+
+    def init_request_series(self, routes: Iterable[tuple[str, Iterable[int]]]) -> None:
+        """Start `requests_total{route,status}` at zero for each route and status it can answer (200 and
+        its documented errors), and the route's histograms, so the first of each is seen by `increase()`."""
+        for route, statuses in routes:
+            for status in {200, *statuses}:
+                self.requests.labels(route, str(status))
+            for histogram in (self.duration, self.queue_time, self.inference_time, self.input_tokens):
+                histogram.labels(route)
+
+    def set_decode_cache(self, allocated: int, capacity: int) -> None:
+        """The decode-cache allocator's figures in bytes (thread-safe: one tuple assignment)."""
+        self.decode_cache.figures = (float(allocated), float(capacity))
 
     def add_collector(self, collector: Collector, name: str) -> None:
         """Register a scrape-time collector; its failures are logged and never fail a scrape."""

@@ -71,23 +71,26 @@ class RequestContextMiddleware:
                 message["headers"] = [*message["headers"], (b"x-request-id", request_id.encode("latin-1"))]
             await send(message)
 
-        self.metrics.inflight.inc()
+        # Probes and docs stay out of the request series: a scrape every few seconds would pull the
+        # latency quantiles down to milliseconds and make the in-flight gauge read 1 when idle.
         if counted:
+            self.metrics.inflight.inc()
             self.inflight(+1)
         try:
             await self.app(scope, receive, send_with_id)
         finally:
             if counted:
                 self.inflight(-1)
-            self.metrics.inflight.dec()
+                self.metrics.inflight.dec()
             elapsed = time.perf_counter() - started
             route = scope.get("route")
             # Label by route template; paths no route knows share one label (bounded cardinality).
             label = getattr(route, "path", None) or (
                 scope["path"] if scope["path"] in self.known_paths else "unmatched"
             )
-            self.metrics.requests.labels(label, str(status)).inc()
-            self.metrics.duration.labels(label).observe(elapsed)
+            if counted:
+                self.metrics.requests.labels(label, str(status)).inc()
+                self.metrics.duration.labels(label).observe(elapsed)
             log.info(
                 "%s %s %d %.1f ms", scope["method"], scope["path"], status, elapsed * 1000,
                 extra={"method": scope["method"], "path": scope["path"], "status": status,

@@ -6,6 +6,7 @@ from typing import Any
 
 from fastapi import APIRouter
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse, Response
 
 from service.errors import Unavailable
@@ -54,7 +55,8 @@ async def info(state: State) -> dict[str, Any]:
                        **error_responses(ErrorResponse, METRICS_CODES)})
 async def metrics(state: State) -> Response:
     """Prometheus metrics."""
-    return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    # Collectors call NVML and the engine's lock: render in a worker thread, never on the event loop.
+    return Response(await run_in_threadpool(state.metrics.render), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.post("/tokenize", tags=["info"], response_model=list[TokenInfo],
