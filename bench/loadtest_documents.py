@@ -3,13 +3,15 @@
 Each document starts at a chapter (or, failing that, a paragraph) and runs over whole consecutive chapters;
 the last one is cut where the requested byte length runs out, at a chapter, paragraph, line or character
 boundary in that order, so every document is between `min_fill` x N and N UTF-8 bytes long and never splits
-a multi-byte character. Project Gutenberg licence headers and footers are stripped, and nothing outside the
-given directory is read (symbolic links that leave it are skipped).
+a multi-byte character. Project Gutenberg licence headers and footers are stripped. Symbolic links are
+followed, to files and to directories, wherever they point (a directory of links to books is the usual way to
+pick a few); each file is read once, and a link back up the tree does not loop.
 """
 
 from __future__ import annotations
 
 import bisect
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,20 +66,29 @@ def normalise(text: str) -> str:
 
 
 def text_files(docs_dir: Path) -> list[Path]:
-    """Regular text files under docs_dir, sorted, never following a link out of it."""
-    root = docs_dir.resolve()
+    """Text files under docs_dir, links followed, sorted by their path under docs_dir; each real file once."""
+    root = docs_dir.absolute()
     if not root.is_dir():
         raise DocumentError(f"--docs {docs_dir}: not a directory")
-    files = []
-    for path in sorted(root.rglob("*")):
-        resolved = path.resolve()
-        if not resolved.is_relative_to(root) or not resolved.is_file():
+    files: list[Path] = []
+    seen_files: set[Path] = set()
+    seen_dirs: set[Path] = set()
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        real_dir = Path(dirpath).resolve()
+        if real_dir in seen_dirs:  # a link back up the tree (or a second link to one directory)
+            dirnames.clear()
             continue
-        if path.suffix.lower() in TEXT_SUFFIXES:
-            files.append(path)
+        seen_dirs.add(real_dir)
+        dirnames.sort()  # the first link to a directory (in name order) names its files
+        for name in filenames:
+            path = Path(dirpath) / name
+            real = path.resolve()
+            if path.suffix.lower() in TEXT_SUFFIXES and real.is_file() and real not in seen_files:
+                seen_files.add(real)
+                files.append(path)
     if not files:
         raise DocumentError(f"--docs {docs_dir}: no text files ({', '.join(TEXT_SUFFIXES)})")
-    return files
+    return sorted(files)
 
 
 @dataclass(frozen=True)
@@ -97,7 +108,7 @@ class _Corpus:
 
 
 def _load_corpus(docs_dir: Path) -> _Corpus:
-    root = docs_dir.resolve()
+    root = docs_dir.absolute()
     parts: list[bytes] = []
     unit_starts: list[int] = []
     paragraph_starts: list[int] = []
@@ -106,7 +117,7 @@ def _load_corpus(docs_dir: Path) -> _Corpus:
     for path in text_files(docs_dir):
         text = normalise(strip_gutenberg(path.read_text(encoding="utf-8", errors="replace")))
         data = text.encode("utf-8")
-        sources.append((offset, str(path.resolve().relative_to(root))))
+        sources.append((offset, str(path.relative_to(root))))
         last = -_HEADING_MERGE_BYTES
         for start in [0] + [m.start() for m in _HEADING.finditer(data)]:
             if start - last >= _HEADING_MERGE_BYTES:
