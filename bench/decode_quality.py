@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from model.decode import DecodeCache, decode_step, prefill
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -46,10 +48,11 @@ def teacher_forced(lm, window: list[int], prompt_len: int) -> tuple[float, float
     ids = torch.tensor(window)
     targets = ids[prompt_len:]
     full = lm(ids[None, :-1]).logits[0, prompt_len - 1:]  # predicts window[prompt_len:]
-    logits, state = lm.prefill(ids[:prompt_len])
-    cached = [logits]
+    cache = DecodeCache.for_tokens(lm, len(window))
+    first, states = prefill(lm, cache, [ids[:prompt_len]], [len(window)])
+    cached = [first[0]]
     for tok in ids[prompt_len:-1].tolist():
-        cached.append(lm.decode_step(torch.tensor([tok]), [state])[0])
+        cached.append(decode_step(lm, torch.tensor([tok]), cache, states)[0])
     ce_full = torch.nn.functional.cross_entropy(full, targets).item()
     ce_cached = torch.nn.functional.cross_entropy(torch.stack(cached), targets).item()
     return ce_full / math.log(2), ce_cached / math.log(2)
@@ -57,7 +60,9 @@ def teacher_forced(lm, window: list[int], prompt_len: int) -> tuple[float, float
 
 @torch.no_grad()
 def greedy_agreement(lm, prompt: list[int], steps: int) -> tuple[int, int]:  # noqa: ANN001
-    logits, state = lm.prefill(torch.tensor(prompt))
+    cache = DecodeCache.for_tokens(lm, len(prompt) + steps + 1)
+    first, states = prefill(lm, cache, [torch.tensor(prompt)], [len(prompt) + steps + 1])
+    logits = first[0]
     seq = list(prompt)
     agree = 0
     for _ in range(steps):
@@ -65,7 +70,7 @@ def greedy_agreement(lm, prompt: list[int], steps: int) -> tuple[int, int]:  # n
         full_choice = int(lm(torch.tensor([seq])).logits[0, -1].argmax())
         agree += cached_choice == full_choice
         seq.append(cached_choice)
-        logits = lm.decode_step(torch.tensor([cached_choice]), [state])[0]
+        logits = decode_step(lm, torch.tensor([cached_choice]), cache, states)[0]
     return agree, steps
 
 

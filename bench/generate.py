@@ -40,19 +40,21 @@ def run_case(kind: str, length: int, new_tokens: int, threads: int) -> dict:
     with torch.no_grad():
         if kind == "ours":
             from model import ReformerConfig, ReformerLM
+            from model.decode import DecodeCache, decode_step, prefill
 
             lm = ReformerLM(ReformerConfig.from_hf(hf_config())).eval()
+            dc = DecodeCache.for_tokens(lm, prompt.shape[0] + new_tokens + 2)
             start = time.perf_counter()
-            logits, state = lm.prefill(prompt)
+            first, states = prefill(lm, dc, [prompt], [prompt.shape[0] + new_tokens + 2])
             prefill_s = time.perf_counter() - start
-            token = torch.tensor([int(logits.argmax())])
-            lm.decode_step(token, [state])  # first step outside the timing (allocations)
+            token = first.argmax(-1)
+            decode_step(lm, token, dc, states)  # first step outside the timing (allocations)
             start, cpu_start = time.perf_counter(), time.process_time()
             for _ in range(new_tokens):
-                token = lm.decode_step(token, [state]).argmax(-1)
+                token = decode_step(lm, token, dc, states).argmax(-1)
             per_token = (time.perf_counter() - start) / new_tokens
             cpu_per_token = (time.process_time() - cpu_start) / new_tokens
-            cache = {"cache_bytes": state.nbytes(), "cache_bytes_per_token": state.nbytes() / state.length}
+            cache = {"cache_bytes": dc.allocated_bytes, "cache_bytes_per_token": dc.allocated_bytes / states[0].length}
         else:
             from transformers import ReformerModelWithLMHead
 

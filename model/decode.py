@@ -1,253 +1,276 @@
-"""Incremental decoding with an exact LSH window cache.
+"""Incremental decoding: batched prefill and one batched decode step for every running request.
 
-Prefill runs the prompt once and keeps, per layer, the keys and values of every position (LSH: the shared
-query/key projection) and, per LSH head and hash round, the positions grouped by bucket. A decode step
-computes the new position's hidden state layer by layer:
+Prefill runs prompts through the full forward and stores, per layer, the keys and values of every position
+in the request's blocks of a `DecodeCache` (LSH: the shared query/key projection) and, per LSH head and
+hash round, the bucket bookkeeping of `LSHIndex`. A decode step computes the new position of all B rows at
+once: embeddings, layer norms, projections, feed-forward and LM head as (B, hidden) matmuls; the attention
+windows of all rows, heads and hash rounds gathered together with padded widths and masks:
 
 - local layers attend over the cached keys of the new position's chunk window;
 - LSH layers hash the new query with the model's rotations, find in every round the slot it takes in the
-  bucket-sorted order of all positions (`BucketIndex`), and attend to exactly the keys a full forward's
-  last position sees there: its chunk and the chunks before it in the row's own padded layout, wrapping
-  into the previous round as the full forward does; rounds are combined by their log-sum-exp weights.
+  bucket-sorted order of all positions, and attend to exactly the keys a full forward's last position sees
+  there: its chunk and the chunks before it in the row's own padded layout, wrapping into the previous
+  round as the full forward does; rounds are combined by their log-sum-exp weights.
 
 The new position's result equals the full forward's last position whenever the cached keys equal the full
 forward's (local-only models; LSH layers whose inputs come from local layers only). Deeper LSH stacks keep
 earlier positions' states as they were computed, which is what makes the cost per token independent of
-the prompt length (bench/decode_quality.py measures the difference).
+the prompt length (tests/model/test_decode.py and bench/decode_quality.py measure the difference).
+
+Shapes: a step's rows are padded to a batch bucket (1, 2, 4, ... 64, then multiples of 64), padding rows
+reading and writing the cache's scratch slot. With `invariant=True` rows run in fixed blocks of
+`INVARIANT_ROWS`, so a row's logits are bit-identical whatever it is batched with (F.linear gives a row the
+same bits whenever the number of rows is the same).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .attention import LocalSelfAttention, LSHSelfAttention, length_normalize, split_heads
-from .bucket_index import BucketIndex
 from .chunking import mask_value, self_mask_value
+from .decode_cache import CacheFull, DecodeCache, DecodeState, _flat
 
 if TYPE_CHECKING:
     from .reformer import ReformerLM
     from .reversible import ReformerLayer
 
+__all__ = ["CacheFull", "DecodeCache", "DecodeState", "INVARIANT_ROWS", "batch_bucket", "decode_step", "prefill"]
 
-HEADROOM = 256  # decode steps before the first cache growth
-
-
-def _with_headroom(x: Tensor) -> Tensor:
-    """(H, T, D) -> (H, T + HEADROOM, D) storage holding x first."""
-    out = x.new_empty(x.shape[0], x.shape[1] + HEADROOM, x.shape[2])
-    out[:, : x.shape[1]] = x
-    return out
+INVARIANT_ROWS = 16
 
 
-@dataclass
-class LayerCache:
-    kind: str
-    keys: Tensor  # (H, capacity, D): LSH: shared query/key projection; local: scaled keys
-    values: Tensor  # (H, capacity, D)
-    index: list[list[BucketIndex]] | None = None  # LSH: [head][round]
-    num_buckets: int | list[int] | None = None  # the bucket count `index` was built for
-
-    def put(self, t: int, key: Tensor, value: Tensor) -> None:
-        if t >= self.keys.shape[1]:
-            grow = max(self.keys.shape[1], 64)
-            self.keys = torch.cat([self.keys, self.keys.new_empty(self.keys.shape[0], grow, self.keys.shape[2])], 1)
-            self.values = torch.cat([self.values, self.values.new_empty(self.keys.shape[0], grow,
-                                                                         self.values.shape[2])], 1)
-        self.keys[:, t] = key
-        self.values[:, t] = value
-
-
-@dataclass
-class DecodeState:
-    """Everything one request needs to go on decoding; dropped (and freed) when the request ends."""
-
-    length: int = 0
-    ids: list[int] = field(default_factory=list)
-    layers: list[LayerCache] = field(default_factory=list)
-
-    def nbytes(self) -> int:
-        total = 0
-        for cache in self.layers:
-            total += 2 * cache.keys.shape[0] * self.length * cache.keys.shape[2] * cache.keys.element_size()
-            if cache.index is not None:
-                total += sum(ix.nbytes() for row in cache.index for ix in row)
-        return total
-
-
-def _flat_buckets(nb: int | list[int]) -> int:
-    return nb if isinstance(nb, int) else math.prod(nb)
-
-
-def _build_index(att: LSHSelfAttention, qk: Tensor, nb: int | list[int]) -> list[list[BucketIndex]]:
-    """qk (H, T, D) -> per head and round, positions grouped by bucket."""
-    buckets = att.hash(qk.unsqueeze(0), nb, None)[0].cpu().numpy()  # (H, R, T)
-    return [[BucketIndex.from_buckets(buckets[h, r], _flat_buckets(nb)) for r in range(buckets.shape[1])]
-            for h in range(buckets.shape[0])]
-
-
-@torch.no_grad()
-def prefill(lm: ReformerLM, input_ids: Tensor) -> tuple[Tensor, DecodeState]:
-    """Run the prompt (L,) once; returns the last position's logits (vocab,) and the decoding state."""
-    ids = input_ids.reshape(1, -1)
-    t = ids.shape[1]
-    padded, ctx, _ = lm._prepare(ids, None)
-    x1 = x2 = lm.embeddings(padded)
-    state = DecodeState(length=t, ids=[int(i) for i in ids[0].tolist()])
-    for layer in _layers(lm):
-        att = layer.attention.self_attention
-        h = layer.attention.layer_norm(x2[:, :t])  # (1, t, hidden)
-        if isinstance(att, LSHSelfAttention):
-            keys = split_heads(att.query_key(h), att.heads, att.head_size)[0]  # (H, t, D)
-            cache = LayerCache("lsh", _with_headroom(keys),
-                               _with_headroom(split_heads(att.value(h), att.heads, att.head_size)[0]))
-            lp = lm.config.padded_length(t)
-            if lp > att.chunk or att.config.num_buckets is not None:
-                cache.num_buckets = att.num_buckets_for(lp) if lp > att.chunk else att.config.num_buckets
-                assert cache.num_buckets is not None
-                cache.index = _build_index(att, cache.keys[:, :t], cache.num_buckets)
-        else:
-            assert isinstance(att, LocalSelfAttention)
-            keys = split_heads(att.key(h), att.heads, att.head_size)[0] / math.sqrt(att.head_size)
-            cache = LayerCache("local", _with_headroom(keys),
-                               _with_headroom(split_heads(att.value(h), att.heads, att.head_size)[0]))
-        state.layers.append(cache)
-        x1, x2, _ = layer(x1, x2, ctx)
-    hidden = lm.final_layer_norm(torch.cat([x1, x2], dim=-1)[:, t - 1])  # (1, 2*hidden)
-    return lm.lm_head(hidden)[0], state
-
-
-@torch.no_grad()
-def decode_step(lm: ReformerLM, token_ids: Tensor, states: list[DecodeState]) -> Tensor:
-    """Append one token to each request; returns the logits (B, vocab) for the position after it.
-    Each request is computed on its own, so its logits are bit-identical whatever it is batched with
-    (a batched matmul rounds differently from a single-row one)."""
-    tokens = token_ids.reshape(-1).tolist()
-    if len(tokens) != len(states):
-        raise ValueError(f"{len(tokens)} tokens for {len(states)} decoding states")
-    return torch.stack([_step_one(lm, int(tok), state) for tok, state in zip(tokens, states)])
-
-
-def _step_one(lm: ReformerLM, token: int, state: DecodeState) -> Tensor:
-    device = next(lm.parameters()).device
-    t = state.length
-    if t >= lm.config.max_position_embeddings:
-        raise ValueError(f"decoding past max_position_embeddings {lm.config.max_position_embeddings}")
-    x = lm.embeddings.word_embeddings(torch.tensor([token], device=device)) + \
-        lm.embeddings.position_embeddings(torch.tensor([t], device=device))  # (1, hidden)
-    x1 = x2 = x
-    for layer, cache in zip(_layers(lm), state.layers):
-        att = layer.attention.self_attention
-        h = layer.attention.layer_norm(x2)[0]  # (hidden,)
-        if isinstance(att, LSHSelfAttention):
-            qk = att.query_key(h).view(att.heads, att.head_size)
-            v = att.value(h).view(att.heads, att.head_size)
-            out = _lsh_step(lm, att, cache, qk, v, t)
-        else:
-            assert isinstance(att, LocalSelfAttention)
-            q = att.query(h).view(att.heads, att.head_size)
-            k = att.key(h).view(att.heads, att.head_size) / math.sqrt(att.head_size)
-            v = att.value(h).view(att.heads, att.head_size)
-            out = _local_step(lm, att, cache, q, k, v, t)
-        x1 = x1 + layer.attention.output(out.reshape(1, -1))  # (1, hidden)
-        x2 = x2 + layer.feed_forward(x1.unsqueeze(1)).squeeze(1)
-    logits = lm.lm_head(lm.final_layer_norm(torch.cat([x1, x2], dim=-1)))[0]  # (vocab,)
-    state.length += 1
-    state.ids.append(token)
-    return logits
+def batch_bucket(rows: int) -> int:
+    """The padded row count of a step: a power of two up to 64, then a multiple of 64."""
+    if rows <= 64:
+        return 1 << max(rows - 1, 0).bit_length()
+    return -(-rows // 64) * 64
 
 
 def _layers(lm: ReformerLM) -> list[ReformerLayer]:
     return list(lm.layers)  # type: ignore[arg-type]
 
 
-def _local_step(lm: ReformerLM, att: LocalSelfAttention, cache: LayerCache, q: Tensor, k: Tensor, v: Tensor,
-                t: int) -> Tensor:
-    cache.put(t, k, v)
+def _index_buckets(att: LSHSelfAttention, padded: int) -> int | list[int] | None:
+    """The bucket count a row of this padded length hashes with, or None while it attends densely and the
+    model has no fixed count (its index is built when it first hashes)."""
+    if att.config.num_buckets is not None:
+        return att.config.num_buckets
+    return att.num_buckets_for(padded) if padded > att.chunk else None
+
+
+@torch.no_grad()
+def prefill(lm: ReformerLM, cache: DecodeCache, prompts: Sequence[Tensor], reserve: Sequence[int] | None = None
+            ) -> tuple[Tensor, list[DecodeState]]:
+    """Run the prompts (each (L_i,)) together; returns the logits after each prompt (N, vocab) and their
+    states, holding blocks for `reserve[i]` positions (default: the prompt). Raises CacheFull (and
+    allocates nothing) when they do not fit."""
+    lengths = [int(p.shape[0]) for p in prompts]
+    if min(lengths, default=1) < 1:
+        raise ValueError("prefill needs non-empty prompts")
+    want = list(reserve) if reserve is not None else lengths
+    states: list[DecodeState] = []
+    try:
+        for n, w in zip(lengths, want, strict=True):
+            states.append(cache.allocate(max(n, w)))
+    except CacheFull:
+        for s in states:
+            cache.free(s)
+        raise
+    longest = max(lengths)
+    ids = torch.full((len(prompts), longest), lm.config.pad_token_id, dtype=torch.long, device=cache.device)
+    mask = torch.zeros(len(prompts), longest, dtype=torch.long, device=cache.device)
+    for i, p in enumerate(prompts):
+        ids[i, : lengths[i]] = p.to(cache.device)
+        mask[i, : lengths[i]] = 1
+    padded, ctx, _ = lm._prepare(ids, None if min(lengths) == longest else mask)
+    x1 = x2 = lm.embeddings(padded)
+    pos = torch.arange(longest, device=cache.device)
+    slots = torch.tensor([s.slot for s in states], device=cache.device)
+    rows = cache.rows(slots, pos.expand(len(prompts), longest))  # (N, L)
+    real = mask.bool()
+    for li, layer in enumerate(_layers(lm)):
+        att = layer.attention.self_attention
+        h = layer.attention.layer_norm(x2[:, :longest])  # (N, L, hidden)
+        if isinstance(att, LSHSelfAttention):
+            keys = split_heads(att.query_key(h), att.heads, att.head_size)  # (N, H, L, D)
+        else:
+            assert isinstance(att, LocalSelfAttention)
+            keys = split_heads(att.key(h), att.heads, att.head_size) / math.sqrt(att.head_size)
+        values = split_heads(att.value(h), att.heads, att.head_size)
+        # padding positions of the shorter prompts are written to the scratch block, never read
+        at = torch.where(real, rows, 0).reshape(-1)
+        cache.write(li, at, keys.transpose(1, 2).reshape(-1, att.heads, att.head_size),
+                    values.transpose(1, 2).reshape(-1, att.heads, att.head_size))
+        if isinstance(att, LSHSelfAttention):
+            for i, state in enumerate(states):
+                nb = _index_buckets(att, lm.config.padded_length(lengths[i]))
+                if nb is not None:
+                    _build_index(cache, li, att, state, keys[i, :, : lengths[i]], nb)
+        x1, x2, _ = layer(x1, x2, ctx)
+    last = torch.tensor(lengths, device=cache.device) - 1
+    hidden = torch.cat([x1, x2], dim=-1)[torch.arange(len(prompts), device=cache.device), last]  # (N, 2*hidden)
+    for state, n in zip(states, lengths):
+        state.length = n
+    return lm.lm_head(lm.final_layer_norm(hidden)), states
+
+
+def _build_index(cache: DecodeCache, layer: int, att: LSHSelfAttention, state: DecodeState, keys: Tensor,
+                 nb: int | list[int]) -> None:
+    """(Re)build a request's LSH index of one layer from its keys (H, L, D): one full hash and sort."""
+    index = cache.indexes[layer]
+    assert index is not None
+    index.grow_buckets(_flat(nb))
+    buckets = att.hash(keys.unsqueeze(0), nb, None)[0]  # (H, R, L)
+    index.build(state.slot, buckets)
+    state.num_buckets[layer] = nb
+
+
+def _rehash_if_needed(lm: ReformerLM, cache: DecodeCache, states: Sequence[DecodeState]) -> None:
+    """An automatic bucket count changes with the length (or a row starts hashing): rebuild that row's
+    index from its cached keys before the step (rare, host-known, O(L) once)."""
+    for li, layer in enumerate(_layers(lm)):
+        att = layer.attention.self_attention
+        if not isinstance(att, LSHSelfAttention) or att.config.num_buckets is not None:
+            continue
+        for state in states:
+            nb = _index_buckets(att, lm.config.padded_length(state.length + 1))
+            if nb is not None and nb != state.num_buckets[li]:
+                slots = torch.full((state.length,), state.slot, dtype=torch.long, device=cache.device)
+                rows = cache.rows(slots, torch.arange(state.length, device=cache.device))
+                keys = cache.keys[li].index_select(0, rows).transpose(0, 1)  # (H, L, D)
+                _build_index(cache, li, att, state, keys, nb)
+
+
+@torch.no_grad()
+def decode_step(lm: ReformerLM, tokens: Tensor, cache: DecodeCache, states: Sequence[DecodeState],
+                invariant: bool = False) -> Tensor:
+    """Append tokens (B,) to the B requests; returns the logits (B, vocab) for the position after each."""
+    b = len(states)
+    if tokens.numel() != b:
+        raise ValueError(f"{tokens.numel()} tokens for {b} decoding states")
+    for state in states:
+        if state.slot < 0:
+            raise ValueError("decoding a request whose cache was freed")
+        if state.length >= lm.config.max_position_embeddings:
+            raise ValueError(f"decoding past max_position_embeddings {lm.config.max_position_embeddings}")
+        if state.length >= state.capacity * cache.block_size:
+            raise ValueError(f"decoding past the {state.capacity * cache.block_size} positions reserved")
+    _rehash_if_needed(lm, cache, states)
+    tokens = tokens.reshape(-1).to(cache.device)
+    size = INVARIANT_ROWS if invariant else batch_bucket(b)
+    out = []
+    for start in range(0, b, size):
+        part = list(states[start : start + size])
+        out.append(_step_rows(lm, cache, tokens[start : start + size], part, size)[: len(part)])
+    for state in states:
+        state.length += 1
+    return torch.cat(out) if len(out) > 1 else out[0]
+
+
+def _step_rows(lm: ReformerLM, cache: DecodeCache, tokens: Tensor, states: list[DecodeState], rows: int
+               ) -> Tensor:
+    """One step over `rows` rows: the states' rows, then padding rows on the scratch slot."""
+    pad = rows - len(states)
+    device = cache.device
+    cfg = lm.config
+    # host-known per-row facts, sent to the device in one copy each
+    meta = torch.tensor(
+        [[s.slot, s.length, 1] for s in states] + [[cache.scratch_slot, 0, 0]] * pad, dtype=torch.long,
+    ).to(device)
+    slots, t, live = meta[:, 0], meta[:, 1], meta[:, 2].bool()
+    tokens = F.pad(tokens, (0, pad), value=cfg.pad_token_id)
+    padded_len = [cfg.padded_length(s.length + 1) for s in states] + [1] * pad
+    x = lm.embeddings.word_embeddings(tokens) + lm.embeddings.position_embeddings(t)  # (B, hidden)
+    x1 = x2 = x
+    new_rows = cache.rows(slots, t.view(-1, 1)).view(-1)  # (B,): where the new keys go
+    for li, layer in enumerate(_layers(lm)):
+        att = layer.attention.self_attention
+        h = layer.attention.layer_norm(x2)  # (B, hidden)
+        if isinstance(att, LSHSelfAttention):
+            qk = att.query_key(h).view(rows, att.heads, att.head_size)  # (B, H, D)
+            v = att.value(h).view(rows, att.heads, att.head_size)
+            cache.write(li, new_rows, qk, v)
+            out = _lsh_attend(lm, cache, li, att, qk, slots, t, live, states, padded_len)
+        else:
+            assert isinstance(att, LocalSelfAttention)
+            q = att.query(h).view(rows, att.heads, att.head_size)
+            k = att.key(h).view(rows, att.heads, att.head_size) / math.sqrt(att.head_size)
+            v = att.value(h).view(rows, att.heads, att.head_size)
+            cache.write(li, new_rows, k, v)
+            out = _local_attend(cache, li, att, q, slots, t, padded_len)
+        x1 = x1 + layer.attention.output(out.reshape(rows, -1))  # (B, hidden)
+        x2 = x2 + layer.feed_forward(x1.unsqueeze(1)).squeeze(1)
+    return lm.lm_head(lm.final_layer_norm(torch.cat([x1, x2], dim=-1)))  # (B, vocab)
+
+
+def _local_attend(cache: DecodeCache, li: int, att: LocalSelfAttention, q: Tensor, slots: Tensor, t: Tensor,
+                  padded_len: list[int]) -> Tensor:
     c = att.chunk
-    lp = lm.config.padded_length(t + 1)
-    start = 0 if lp <= c else max(0, (t // c - att.before) * c)
-    keys, values = cache.keys[:, start : t + 1], cache.values[:, start : t + 1]  # (H, W, D)
-    dots = torch.einsum("hd,hwd->hw", q, keys)
+    b = q.shape[0]
+    dense = torch.tensor([p <= c for p in padded_len]).to(t.device)
+    start = torch.where(dense, 0, ((torch.div(t, c, rounding_mode="floor") - att.before) * c).clamp(min=0))
+    width = (att.before + 1) * c
+    pos = start.view(b, 1) + torch.arange(width, device=t.device)  # (B, W)
+    present = pos <= t.view(b, 1)
+    pos = torch.where(present, pos, 0)
+    rows = cache.rows(slots, pos).unsqueeze(1).expand(b, att.heads, width)  # (B, H, W)
+    keys, values = cache.gather(li, rows)  # (B, H, W, D)
+    dots = (q.unsqueeze(2) * keys.to(q.dtype)).sum(-1)  # (B, H, W)
+    dots = dots.masked_fill(~present.unsqueeze(1), mask_value(dots.dtype))
     probs = torch.softmax(dots, dim=-1)
-    return torch.einsum("hw,hwd->hd", probs, values)  # (H, D)
+    return (probs.unsqueeze(-1) * values.to(q.dtype)).sum(2)  # (B, H, D)
 
 
-def _lsh_step(lm: ReformerLM, att: LSHSelfAttention, cache: LayerCache, qk: Tensor, v: Tensor, t: int) -> Tensor:
-    cache.put(t, qk, v)
-    total = t + 1
-    lp = lm.config.padded_length(total)
-    c = att.chunk
-    scale = math.sqrt(att.head_size)
-    if lp <= c:
-        # the full forward's dense attention over every position; the query masks itself
-        if att.config.num_buckets is not None:
-            _index_append(att, cache, qk, t, att.config.num_buckets)
-        keys = length_normalize(cache.keys[:, :total]) / scale  # (H, T, D)
-        dots = torch.einsum("hd,htd->ht", qk, keys)
-        dots[:, t] = self_mask_value(dots.dtype)
-        probs = torch.softmax(dots, dim=-1)
-        return torch.einsum("ht,htd->hd", probs, cache.values[:, :total])
-    nb = att.num_buckets_for(lp)
-    if cache.index is None or cache.num_buckets != nb:
-        # first hashed step, or an automatic bucket count that changed with the length: rehash everything
-        cache.num_buckets = nb
-        cache.index = _build_index(att, cache.keys[:, :total], nb)
-        slots = _slots_of_last(cache.index)
-    else:
-        slots = _index_append(att, cache, qk, t, nb)
-    heads, rounds = len(cache.index), att.rounds
-    n_chunks = lp // c
-    windows: list[list[list[int]]] = []
-    for hd in range(heads):
-        per_round = []
-        for r in range(rounds):
-            j = slots[hd][r] // c
-            keys_at: list[int] = []
-            for off in range(-att.before, att.after + 1):
-                g = (r * n_chunks + j + off) % (rounds * n_chunks)
-                r2, j2 = divmod(g, n_chunks)
-                keys_at.extend(cache.index[hd][r2].slots(j2 * c, (j2 + 1) * c))  # padding slots do not exist
-            per_round.append(keys_at)
-        windows.append(per_round)
-    width = max(len(w) for row in windows for w in row)
-    idx = np.full((heads, rounds, width), -1, dtype=np.int64)
-    for hd in range(heads):
-        for r in range(rounds):
-            idx[hd, r, : len(windows[hd][r])] = windows[hd][r]
-    index = torch.from_numpy(idx).to(qk.device)
-    present = index >= 0
-    # one row gather from the flattened cache (index_select stays cheap however long the cache grows)
-    capacity = cache.keys.shape[1]
-    rows = (index.clamp(min=0) + torch.arange(heads, device=qk.device).view(heads, 1, 1) * capacity).reshape(-1)
-    d = cache.keys.shape[2]
-    keys = cache.keys.reshape(-1, d).index_select(0, rows).view(heads, rounds, width, d)
-    keys = length_normalize(keys) / scale  # (H, R, W, D)
-    values = cache.values.reshape(-1, d).index_select(0, rows).view(heads, rounds, width, d)
-    dots = torch.einsum("hd,hrwd->hrw", qk, keys)
+def _lsh_attend(lm: ReformerLM, cache: DecodeCache, li: int, att: LSHSelfAttention, qk: Tensor, slots: Tensor,
+                t: Tensor, live: Tensor, states: list[DecodeState], padded_len: list[int]) -> Tensor:
+    b, heads, d = qk.shape
+    c, rounds = att.chunk, att.rounds
+    index = cache.indexes[li]
+    assert index is not None
+    device = qk.device
+    # hash the new query of every row that keeps an index, one call per bucket count in the batch
+    nbs = [s.num_buckets[li] for s in states] + [None] * (b - len(states))
+    buckets = torch.zeros(b, heads, rounds, dtype=torch.long, device=device)
+    groups: dict[str, tuple[int | list[int], list[int]]] = {}
+    for i, nb in enumerate(nbs):
+        if nb is not None:
+            groups.setdefault(str(nb), (nb, []))[1].append(i)
+    for nb, members in groups.values():
+        if len(members) == b:
+            buckets = att.hash(qk.unsqueeze(2), nb, None)[..., 0]  # (B, H, R)
+        else:
+            sel = torch.tensor(members, device=device)
+            buckets[sel] = att.hash(qk[sel].unsqueeze(2), nb, None)[..., 0]
+    indexed = torch.tensor([nb is not None for nb in nbs]).to(device)
+    counts = index.append(slots, buckets, t, live & indexed)
+    hashed = torch.tensor([p > c for p in padded_len]).to(device)  # (B,)
+    n_chunks = torch.tensor([max(p // c, 1) for p in padded_len]).to(device)
+    pos, present = index.window(slots, counts, buckets, t, n_chunks, c, att.before, att.after)  # (B, H, R, W)
+    w = pos.shape[-1]
+    # rows still shorter than a chunk attend densely over every position, in round 0 of the same layout
+    dense_pos = torch.arange(w, device=device).view(1, 1, 1, w)
+    dense_present = (dense_pos <= t.view(b, 1, 1, 1)) & (torch.arange(rounds, device=device).view(1, 1, -1, 1) == 0)
+    sel = hashed.view(b, 1, 1, 1)
+    pos = torch.where(sel, pos, dense_pos.expand_as(pos))
+    present = torch.where(sel, present, dense_present.expand_as(present))
+    pos = torch.where(present, pos, 0)
+    keys, values = cache.gather(li, cache.rows(slots, pos.reshape(b, -1)).view(b, heads, rounds, w))
+    keys = length_normalize(keys.to(qk.dtype)) / math.sqrt(att.head_size)  # (B, H, R, W, D)
+    dots = (qk.view(b, heads, 1, 1, d) * keys).sum(-1)  # (B, H, R, W)
     # masks replace logits, as in the reference: padding never counts, the query's own position gets -1e5
     dots = dots.masked_fill(~present, mask_value(dots.dtype))
-    dots = dots.masked_fill(index == t, self_mask_value(dots.dtype))
-    lse = torch.logsumexp(dots, dim=-1, keepdim=True)  # (H, R, 1)
-    out = torch.einsum("hrw,hrwd->hrd", torch.exp(dots - lse), values)  # (H, R, D)
-    weights = torch.exp(lse - torch.logsumexp(lse, dim=1, keepdim=True))  # (H, R, 1)
-    return (out * weights).sum(dim=1)  # (H, D)
-
-
-def _index_append(att: LSHSelfAttention, cache: LayerCache, qk: Tensor, t: int, nb: int | list[int]) -> list[list[int]]:
-    if cache.index is None:
-        cache.num_buckets = nb
-        cache.index = _build_index(att, cache.keys[:, : t + 1], nb)
-        return _slots_of_last(cache.index)
-    buckets = att.hash(qk.view(1, att.heads, 1, att.head_size), nb, None)[0, :, :, 0].tolist()  # (H, R)
-    return [[cache.index[h][r].append(t, buckets[h][r]) for r in range(len(buckets[h]))]
-            for h in range(len(buckets))]
-
-
-def _slots_of_last(index: list[list[BucketIndex]]) -> list[list[int]]:
-    return [[ix.slot_of_last() for ix in row] for row in index]
+    dots = dots.masked_fill(present & (pos == t.view(b, 1, 1, 1)), self_mask_value(dots.dtype))
+    lse = torch.logsumexp(dots, dim=-1, keepdim=True)  # (B, H, R, 1)
+    out = (torch.exp(dots - lse).unsqueeze(-1) * values.to(qk.dtype)).sum(3)  # (B, H, R, D)
+    # a dense row's other rounds see nothing: their weight is exactly 0
+    lse = torch.where(sel | (torch.arange(rounds, device=device).view(1, 1, -1, 1) == 0), lse,
+                      torch.full_like(lse, -math.inf))
+    weights = torch.exp(lse - torch.logsumexp(lse, dim=2, keepdim=True))  # (B, H, R, 1)
+    return (out * weights).sum(dim=2)  # (B, H, D)

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
+from .decode import DecodeCache, decode_step, prefill
 from .reformer import ReformerLM
 from .sampling import Sampler, SamplingParams
 
@@ -21,7 +22,9 @@ def generate(lm: ReformerLM, prompt: Sequence[int], max_new_tokens: int, params:
     out: list[int] = []
     device = next(lm.parameters()).device
     if use_cache:
-        logits, state = lm.prefill(torch.tensor(ids, device=device))
+        cache = DecodeCache.for_tokens(lm, len(ids) + max_new_tokens)
+        first, states = prefill(lm, cache, [torch.tensor(ids, device=device)], [len(ids) + max_new_tokens])
+        logits = first[0]
     else:
         logits = lm(torch.tensor([ids], device=device)).logits[0, -1]
     for step in range(max_new_tokens):
@@ -31,7 +34,7 @@ def generate(lm: ReformerLM, prompt: Sequence[int], max_new_tokens: int, params:
         if token in stop_ids or step == max_new_tokens - 1:
             break
         if use_cache:
-            logits = lm.decode_step(torch.tensor([token], device=device), [state])[0]
+            logits = decode_step(lm, torch.tensor([token], device=device), cache, states)[0]
         else:
             logits = lm(torch.tensor([ids], device=device)).logits[0, -1]
     return out

@@ -23,10 +23,12 @@ from typing import Any
 import torch
 
 from service.backends import EmbeddingBackend
-from service.errors import InternalError, Overloaded, QueueTimeout, ServiceError, Unavailable
+from service.errors import InputTooLong, InternalError, Overloaded, QueueTimeout, ServiceError, Unavailable
 from service.jobs import EmbeddingResult, EmbeddingSpec, GenerationSpec, TokenEvent
 from service.jobs_runtime import EmbedJob, GenerationJob, Job, JobState
 from service.metrics import ServiceMetrics
+from service.policy import QueuedGeneration, QueuedInput, group_by_length, pick_embed_batch, take_generations
+from service.runner import ModelRunner
 
 log = logging.getLogger("service.engine")
 
@@ -39,6 +41,8 @@ class EngineConfig:
     max_queue_size: int = 64
     request_timeout_s: float = 60.0
     warmup: bool = True
+    cache_bytes: int | None = None  # decode-cache capacity; None: service/runner.py's default share
+    batch_invariant: bool = False  # decode steps in fixed row blocks: bit-identical to a request alone
 
 
 class Reservation:
@@ -106,7 +110,7 @@ class Engine:
         self._pending = {"embed": 0, "generate": 0}
         self._reserved = 0  # requests arrived but not yet admitted (touched on the event loop only)
         self._running: list[GenerationJob] = []
-        self._cache_bytes = 0
+        self.runner = ModelRunner(model, device, config.max_batch_size, config.cache_bytes, config.batch_invariant)
         self._stopping = False
         self._dead = False
         self.ready = threading.Event()
@@ -125,23 +129,30 @@ class Engine:
             return {
                 "queued": dict(self._pending),
                 "running": len(self._running),
-                "cache_bytes": self._cache_bytes,
+                **self.runner.stats(),
                 "alive": int(self.alive),
             }
 
-    async def embed(self, spec: EmbeddingSpec, request_id: str | None = None) -> EmbeddingResult:
+    async def embed(self, spec: EmbeddingSpec, request_id: str | None = None,
+                    reservation: Reservation | None = None) -> EmbeddingResult:
         job = EmbedJob(spec, asyncio.get_running_loop(), request_id)
         items = [_EmbedItem(job, i, ids) for i, ids in enumerate(spec.sequences)]
-        self._admit(job, lambda: self._embed_items.extend(items))
+        self._admit(job, lambda: self._embed_items.extend(items), reservation)
         try:
             return await job.future
         except asyncio.CancelledError:
             self.cancel(job)
             raise
 
-    def generate(self, spec: GenerationSpec, request_id: str | None = None) -> GenerationStream:
+    def generate(self, spec: GenerationSpec, request_id: str | None = None,
+                 reservation: Reservation | None = None) -> GenerationStream:
+        tokens = len(spec.prompt_ids) + spec.max_new_tokens
+        if not self.runner.fits_ever(tokens):
+            # waiting would never help: the decode cache could not hold it even empty
+            self.metrics.rejected.labels("cache_capacity").inc()
+            raise InputTooLong(self.runner.limit_message(tokens))
         job = GenerationJob(spec, asyncio.get_running_loop(), request_id, self.tokenizer)
-        self._admit(job, lambda: self._gen_queue.append(job))
+        self._admit(job, lambda: self._gen_queue.append(job), reservation)
         return GenerationStream(self, job)
 
     def reserve(self) -> Reservation | Overloaded:
@@ -172,8 +183,9 @@ class Engine:
             headers={"Retry-After": "1"},
         )
 
-    def _admit(self, job: Job, enqueue: Callable[[], None]) -> None:
-        reservation = current_reservation.get()
+    def _admit(self, job: Job, enqueue: Callable[[], None], reservation: Reservation | None = None) -> None:
+        if reservation is None:
+            reservation = current_reservation.get()
         own = 1 if reservation is not None and reservation.held else 0
         with self._cond:
             if self._dead or self._stopping:
@@ -242,13 +254,12 @@ class Engine:
                         timeout = None if wake_at is None else max(wake_at - time.monotonic(), 0.0)
                         self._cond.wait(timeout)
                         continue
-                for job in prefills:
-                    self._prefill(job)
+                if prefills:
+                    self._prefill_all(prefills)
                 if self._running:
                     self._decode_step()
                 if batch is not None:
                     self._run_embed_batch(batch)
-                self._cache_bytes = sum(job.cache.nbytes() for job in self._running if job.cache is not None)
         except BaseException as exc:  # the worker must never die silently
             self._die(exc)
             return
@@ -269,20 +280,28 @@ class Engine:
             self._embed_items.clear()
             self._running.clear()
             self._pending = {"embed": 0, "generate": 0}
-            self._cache_bytes = 0
             for job in jobs:
                 job.state = JobState.DONE
+                if isinstance(job, GenerationJob):
+                    self._release(job)
         for job in {id(j): j for j in jobs}.values():
             job.fail(error)
+
+    def _release(self, job: GenerationJob) -> None:
+        """The job's decode cache goes back to the allocator (its blocks and slot), then the job forgets it."""
+        self.runner.free(job.cache)
+        job.release()
 
     def _warm_up(self) -> None:
         ids = self.tokenizer.encode("warm up the model")
         mask = torch.ones(1, len(ids), dtype=torch.long)
         for pooling in ("mean", "last"):
             self.backend.embed(torch.tensor([ids]), mask, pooling)
-        with torch.inference_mode():
-            logits, state = self.model.prefill(torch.tensor(ids, device=self.device))
-            self.model.decode_step(torch.tensor([int(logits.argmax())], device=self.device), [state])
+        logits, states = self.runner.prefill([ids], [len(ids) + 1])
+        try:
+            self.runner.decode([int(logits[0].argmax())], states)
+        finally:
+            self.runner.free(states[0])
         log.info("warm-up done")
 
     def _drop_cancelled(self) -> None:
@@ -293,11 +312,9 @@ class Engine:
         for job in [j for j in self._running if j.cancel_requested]:
             self._running.remove(job)
             job.state = JobState.DONE
-            job.release()
+            self._release(job)
             self.metrics.dropped.labels("running").inc()
             log.info("dropped a running generation: its client went away", extra={"request_id": job.request_id})
-        if not self._running:
-            self._cache_bytes = 0
 
     def _start(self, job: Job) -> None:
         """Under the lock: the model starts on a pending job."""
@@ -309,45 +326,27 @@ class Engine:
                 job.loop.call_soon_threadsafe(job.timer.cancel)
 
     def _take_prefills(self) -> list[GenerationJob]:
-        taken: list[GenerationJob] = []
-        tokens = 0
-        while self._gen_queue and len(self._running) + len(taken) < self.config.max_batch_size:
-            job = self._gen_queue[0]
-            if taken and tokens + len(job.spec.prompt_ids) > self.config.max_batch_tokens:
-                break
-            self._gen_queue.popleft()
+        """Under the lock: the generations that start now (service/policy.py decides)."""
+        queued = [QueuedGeneration(len(j.spec.prompt_ids), len(j.spec.prompt_ids) + j.spec.max_new_tokens)
+                  for j in self._gen_queue]
+        n = take_generations(queued, len(self._running), self.config.max_batch_size, self.config.max_batch_tokens,
+                             self.runner.fits_together)
+        taken = [self._gen_queue.popleft() for _ in range(n)]
+        for job in taken:
             self._start(job)
-            taken.append(job)
-            tokens += len(job.spec.prompt_ids)
         return taken
 
     def _take_embed_batch(self) -> tuple[list[_EmbedItem] | None, float | None]:
         """Under the lock: the next embedding batch, or (None, when to look again) while it waits for company."""
-        if not self._embed_items:
-            return None, None
-        anchor = self._embed_items[0]  # the oldest: FIFO fairness
-        same_pooling = [it for it in self._embed_items if it.job.spec.pooling == anchor.job.spec.pooling]
-        # Nearest lengths first, to limit padding.
-        candidates = sorted(same_pooling, key=lambda it: (abs(len(it.ids) - len(anchor.ids)), it.job.seq, it.index))
-        batch: list[_EmbedItem] = []
-        longest = 0
-        full = False
-        for item in candidates:
-            new_longest = max(longest, len(item.ids))
-            if batch and (
-                len(batch) + 1 > self.config.max_batch_size
-                or new_longest * (len(batch) + 1) > self.config.max_batch_tokens
-            ):
-                full = True
-                break
-            batch.append(item)
-            longest = new_longest
-        full = full or len(batch) >= self.config.max_batch_size
-        ready_at = anchor.job.timings.enqueued + self.config.max_wait_ms / 1000.0
-        if not full and time.monotonic() < ready_at and not self._stopping:
-            return None, ready_at
-        chosen = {id(it) for it in batch}
-        self._embed_items = [it for it in self._embed_items if id(it) not in chosen]
+        items = [QueuedInput(len(it.ids), it.job.spec.pooling, it.job.timings.enqueued) for it in self._embed_items]
+        picked, wake_at = pick_embed_batch(items, time.monotonic(), self.config.max_batch_size,
+                                           self.config.max_batch_tokens, self.config.max_wait_ms / 1000.0,
+                                           flush=self._stopping)
+        if picked is None:
+            return None, wake_at
+        batch = [self._embed_items[i] for i in picked]
+        chosen = set(picked)
+        self._embed_items = [it for i, it in enumerate(self._embed_items) if i not in chosen]
         for item in batch:
             self._start(item.job)
         return batch, None
@@ -376,55 +375,89 @@ class Engine:
             job.vectors[item.index] = vector.tolist()
             job.items_left -= 1
             if job.items_left == 0:
-                self.metrics.prompt_tokens.inc(job.spec.total_tokens)
+                self.metrics.prompt_tokens.inc(job.spec.total_tokens)  # completed requests only
                 with self._cond:
                     job.state = JobState.DONE
                 job.timings.finished = time.monotonic()
                 job.complete()
 
     def _fail_jobs(self, jobs: Any) -> None:
+        jobs = list(jobs)
         with self._cond:
             for job in jobs:
                 job.state = JobState.DONE
                 if isinstance(job, GenerationJob):
-                    job.release()
+                    self._release(job)
                     if job in self._running:
                         self._running.remove(job)
         for job in jobs:
             job.fail(InternalError("internal error; the server log has the details"))
 
-    def _prefill(self, job: GenerationJob) -> None:
+    def _prefill_all(self, jobs: list[GenerationJob]) -> None:
+        """Prompts prefilled together, grouped by length under max_batch_tokens (one at a time when the
+        engine runs batch-invariant, so a request's first token does not depend on its company)."""
+        if self.config.batch_invariant:
+            groups = [[i] for i in range(len(jobs))]
+        else:
+            groups = group_by_length([len(j.spec.prompt_ids) for j in jobs], self.config.max_batch_tokens)
+        for group in groups:
+            self._prefill([jobs[i] for i in group])
+
+    def _prefill(self, jobs: list[GenerationJob]) -> None:
         try:
-            job.begin()
-            with torch.inference_mode():
-                logits, job.cache = self.model.prefill(torch.tensor(job.spec.prompt_ids, device=self.device))
-            self.metrics.batch_size.labels("prefill").observe(1)
-            self.metrics.batch_tokens.labels("prefill").observe(len(job.spec.prompt_ids))
-            self.metrics.prompt_tokens.inc(len(job.spec.prompt_ids))
+            for job in jobs:
+                job.begin()
+            logits, states = self.runner.prefill([j.spec.prompt_ids for j in jobs],
+                                                 [len(j.spec.prompt_ids) + j.spec.max_new_tokens for j in jobs])
+        except Exception:
+            if len(jobs) > 1:  # find the request that fails: each one alone
+                log.warning("a prefill batch of %d failed; retrying each alone", len(jobs))
+                for job in jobs:
+                    self._prefill([job])
+                return
+            log.exception("prefill failed", extra={"request_id": jobs[0].request_id})
+            self._fail_jobs(jobs)
+            return
+        self.metrics.batch_size.labels("prefill").observe(len(jobs))
+        self.metrics.batch_tokens.labels("prefill").observe(max(len(j.spec.prompt_ids) for j in jobs) * len(jobs))
+        for job, state, row in zip(jobs, states, logits, strict=True):
+            job.cache = state
             with self._cond:
                 self._running.append(job)
-            self._advance(job, logits)
-        except Exception:
-            log.exception("prefill failed", extra={"request_id": job.request_id})
-            self._fail_jobs([job])
+            self._advance_safely(job, row)
 
     def _decode_step(self) -> None:
-        jobs = list(self._running)
+        """One batched step over every running generation. A row that cannot step fails alone before the call;
+        a failure of the call itself fails the rows in it; each row's sampling and delivery fail alone."""
+        jobs = [j for j in self._running if j.state is JobState.RUNNING]
+        broken = [j for j in jobs if j.cache is None or j.pending_token is None or not self.runner.can_step(j.cache)]
+        if broken:
+            log.error("%d generations cannot take another step; failing them", len(broken))
+            self._fail_jobs(broken)
+            jobs = [j for j in jobs if j not in broken]
+        if not jobs:
+            return
         try:
-            tokens = torch.tensor([job.pending_token for job in jobs], device=self.device)
-            with torch.inference_mode():
-                logits = self.model.decode_step(tokens, [job.cache for job in jobs])
-            self.metrics.batch_size.labels("decode").observe(len(jobs))
-            self.metrics.batch_tokens.labels("decode").observe(len(jobs))
-            for job, row in zip(jobs, logits, strict=True):
-                self._advance(job, row)
+            logits = self.runner.decode([j.pending_token for j in jobs], [j.cache for j in jobs])  # type: ignore[misc]
         except Exception:
             log.exception("decode step over %d generations failed", len(jobs))
             self._fail_jobs(jobs)
+            return
+        self.metrics.batch_size.labels("decode").observe(len(jobs))
+        self.metrics.batch_tokens.labels("decode").observe(len(jobs))
+        for job, row in zip(jobs, logits, strict=True):
+            self._advance_safely(job, row)
+
+    def _advance_safely(self, job: GenerationJob, logits: torch.Tensor) -> None:
+        try:
+            self._advance(job, logits)
+        except Exception:
+            log.exception("sampling or delivery failed", extra={"request_id": job.request_id})
+            self._fail_jobs([job])
 
     def _advance(self, job: GenerationJob, logits: torch.Tensor) -> None:
         """Sample the job's next token, deliver it, and retire the job if it is finished."""
-        event = job.accept(logits.float().cpu())
+        event = job.accept(logits)
         now = time.monotonic()
         if job.last_token_at is None:
             job.timings.first_token = now
@@ -435,9 +468,10 @@ class Engine:
         self.metrics.generated_tokens.inc()
         if event.finish is not None:
             job.timings.finished = now
+            self.metrics.prompt_tokens.inc(len(job.spec.prompt_ids))  # completed requests only
             with self._cond:
                 job.state = JobState.DONE
                 if job in self._running:
                     self._running.remove(job)
-            job.release()
+                self._release(job)
         job.deliver(event)

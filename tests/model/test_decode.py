@@ -1,5 +1,6 @@
 """Invariant 5: cached incremental decoding equals recomputing the full forward (last-token logits within
-1e-5 at every step) for models whose lower layers cannot depend on later tokens."""
+1e-5 at every step) for models whose lower layers cannot depend on later tokens; elsewhere the difference is
+measured. Batched decode steps equal single ones (bit for bit in invariant mode)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 from model import ReformerLM
+from model.decode import DecodeCache, batch_bucket, decode_step, prefill
 
 from .helpers import tiny_config
 
@@ -14,7 +16,9 @@ from .helpers import tiny_config
 def _max_step_difference(lm: ReformerLM, prompt_len: int, steps: int) -> float:
     g = torch.Generator().manual_seed(prompt_len)
     prompt = torch.randint(3, lm.config.vocab_size, (prompt_len,), generator=g)
-    logits, state = lm.prefill(prompt)
+    cache = DecodeCache.for_tokens(lm, prompt_len + steps + 1)
+    first, states = prefill(lm, cache, [prompt], [prompt_len + steps + 1])
+    logits = first[0]
     seq = prompt.tolist()
     worst = 0.0
     with torch.no_grad():
@@ -25,8 +29,8 @@ def _max_step_difference(lm: ReformerLM, prompt_len: int, steps: int) -> float:
                 break
             token = int(full.argmax())
             seq.append(token)
-            logits = lm.decode_step(torch.tensor([token]), [state])[0]
-    assert state.length == len(seq)
+            logits = decode_step(lm, torch.tensor([token]), cache, states)[0]
+    assert states[0].length == len(seq)
     return worst
 
 
@@ -56,27 +60,100 @@ def test_automatic_bucket_count_is_rehashed_as_the_length_grows() -> None:
     assert _max_step_difference(lm, 14, steps=40) <= 1e-5  # 2*L/chunk doubles on the way
 
 
-def test_batched_decode_steps_equal_single_ones() -> None:
+@pytest.mark.parametrize("layers", [["local", "lsh", "local", "lsh"], ["lsh"] * 6], ids=["shipped-mix", "lsh6"])
+def test_deeper_lsh_stacks_difference_is_measured(layers: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """Not exact by construction (earlier positions keep the states they were computed with): the cached
+    logits are measured against the full forward and printed, and must stay finite."""
+    torch.manual_seed(0)
+    lm = ReformerLM(tiny_config(attn_layers=layers, vocab_size=258, initializer_range=0.3)).eval()
+    diff = _max_step_difference(lm, 37, steps=20)
+    with capsys.disabled():
+        print(f"\n{'-'.join(layers)}: max |cached - full| logits over 21 steps = {diff:.3g}")
+    assert diff == diff and diff < float("inf")
+
+
+def _run(lm: ReformerLM, prompts: list[torch.Tensor], steps: int, together: bool, invariant: bool,
+         join_at: dict[int, int] | None = None) -> list[list[torch.Tensor]]:
+    """Greedy decoding of every prompt, all in one batch (requests joining at `join_at[i]` steps and leaving
+    after their own number of steps) or each alone; returns each request's logits per step."""
+    cache = DecodeCache.for_tokens(lm, 128, slots=len(prompts))
+    join_at = join_at or {}
+    out: list[list[torch.Tensor]] = [[] for _ in prompts]
+    if not together:
+        for i, p in enumerate(prompts):
+            first, (state,) = prefill(lm, cache, [p], [p.shape[0] + steps + 1])
+            logits = first[0]
+            for _ in range(steps):
+                out[i].append(logits)
+                logits = decode_step(lm, logits.argmax().view(1), cache, [state], invariant)[0]
+            cache.free(state)
+        return out
+    running: dict[int, tuple[object, torch.Tensor]] = {}
+    for step in range(steps + max(join_at.values(), default=0)):
+        for i, p in enumerate(prompts):
+            if join_at.get(i, 0) == step:
+                first, (state,) = prefill(lm, cache, [p], [p.shape[0] + steps + 1])
+                running[i] = (state, first[0])
+        for i, (_, logits) in running.items():
+            out[i].append(logits)
+        done = [i for i in running if len(out[i]) == steps]
+        for i in done:
+            cache.free(running.pop(i)[0])  # type: ignore[arg-type]
+        if not running:
+            break
+        order = sorted(running)
+        tokens = torch.stack([running[i][1].argmax() for i in order])
+        logits = decode_step(lm, tokens, cache, [running[i][0] for i in order], invariant)  # type: ignore[misc]
+        for k, i in enumerate(order):
+            running[i] = (running[i][0], logits[k])
+    return out
+
+
+@pytest.mark.parametrize("invariant", [False, True], ids=["bucketed", "invariant"])
+def test_batched_decoding_equals_single_requests(invariant: bool) -> None:
     torch.manual_seed(0)
     lm = ReformerLM(tiny_config(vocab_size=258, initializer_range=0.3)).eval()
-    prompts = [torch.randint(3, 258, (n,), generator=torch.Generator().manual_seed(n)) for n in (7, 33, 64)]
-    singles, batch_states = [], []
-    for p in prompts:
-        _, s = lm.prefill(p)
-        singles.append(s)
-        batch_states.append(lm.prefill(p)[1])
-    for step in range(5):
-        tokens = torch.tensor([10 + step, 20 + step, 30 + step])
-        together = lm.decode_step(tokens, batch_states)
-        for i, s in enumerate(singles):
-            alone = lm.decode_step(tokens[i : i + 1], [s])[0]
-            assert torch.equal(together[i], alone)
+    prompts = [torch.randint(3, 258, (n,), generator=torch.Generator().manual_seed(n)) for n in (7, 33, 64, 3, 20)]
+    alone = _run(lm, prompts, 12, together=False, invariant=invariant)
+    batched = _run(lm, prompts, 12, together=True, invariant=invariant, join_at={1: 2, 3: 5, 4: 5})
+    for a, b in zip(alone, batched, strict=True):
+        assert len(a) == len(b) == 12
+        assert [int(x.argmax()) for x in a] == [int(x.argmax()) for x in b]
+        for x, y in zip(a, b):
+            if invariant:
+                assert torch.equal(x, y)
+            else:
+                assert (x - y).abs().max().item() <= 1e-4
 
 
-def test_cache_memory_grows_with_the_sequence() -> None:
+def test_batched_prefill_equals_single_prefills() -> None:
+    torch.manual_seed(0)
+    lm = ReformerLM(tiny_config(vocab_size=258, initializer_range=0.3)).eval()
+    prompts = [torch.randint(3, 258, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 40, 17)]
+    cache = DecodeCache.for_tokens(lm, 64, slots=6)
+    together, states = prefill(lm, cache, prompts, [60] * 3)
+    for i, p in enumerate(prompts):
+        alone, (s,) = prefill(lm, cache, [p], [60])
+        assert (together[i] - alone[0]).abs().max().item() <= 1e-4
+        step_a = decode_step(lm, torch.tensor([7]), cache, [s])[0]
+        step_b = decode_step(lm, torch.tensor([7]), cache, [states[i]])[0]
+        assert (step_a - step_b).abs().max().item() <= 1e-4
+
+
+def test_cache_blocks_are_reserved_and_returned() -> None:
     torch.manual_seed(0)
     lm = ReformerLM(tiny_config(vocab_size=258)).eval()
-    _, state = lm.prefill(torch.randint(3, 258, (40,)))
-    before = state.nbytes()
-    lm.decode_step(torch.tensor([5]), [state])
-    assert state.nbytes() > before > 0 and state.length == 41
+    cache = DecodeCache.for_tokens(lm, 48, slots=2)
+    assert cache.allocated_bytes == 0 and cache.capacity_bytes > 0
+    _, (state,) = prefill(lm, cache, [torch.randint(3, 258, (40,))], [48])
+    used = cache.allocated_bytes
+    assert used == cache.bytes_for(48)
+    decode_step(lm, torch.tensor([5]), cache, [state])
+    assert cache.allocated_bytes == used and state.length == 41  # growth copies nothing, allocates nothing
+    assert not cache.fits_ever(10_000)
+    cache.free(state)
+    assert cache.allocated_bytes == 0
+
+
+def test_batch_buckets() -> None:
+    assert [batch_bucket(n) for n in (1, 2, 3, 5, 9, 33, 64, 65)] == [1, 2, 4, 8, 16, 64, 64, 128]

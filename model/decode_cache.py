@@ -1,0 +1,163 @@
+"""The decode cache: keys and values of every running request in preallocated blocks (a paged KV cache, as
+vLLM's), plus a fixed-size LSH index per request slot.
+
+Each layer's keys and values live in one pool of `blocks` blocks of `block_size` positions; a request owns
+a list of blocks (its row of `block_table`). A request reserves, when it is admitted, the blocks for its
+prompt plus its `max_new_tokens`, so joining or leaving copies nobody's cache and growing never copies.
+Block 0 and the last slot are scratch: padding rows of a bucketed step read and write there.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from .attention import LSHSelfAttention
+from .decode_index import LSHIndex
+
+if TYPE_CHECKING:
+    from .reformer import ReformerLM
+
+
+class CacheFull(Exception):
+    """Not enough free blocks or slots now; `never` when the request could not fit even in an empty cache."""
+
+    def __init__(self, message: str, never: bool = False) -> None:
+        super().__init__(message)
+        self.never = never
+
+
+@dataclass
+class DecodeState:
+    """One request's place in a `DecodeCache`: its slot, its blocks and its length so far."""
+
+    slot: int
+    blocks: list[int]
+    length: int = 0
+    num_buckets: list[int | list[int] | None] = field(default_factory=list)  # per layer: what its index holds
+
+    @property
+    def capacity(self) -> int:
+        return len(self.blocks)
+
+
+def _flat(nb: int | list[int]) -> int:
+    return nb if isinstance(nb, int) else math.prod(nb)
+
+
+class DecodeCache:
+    def __init__(self, lm: ReformerLM, capacity_bytes: int, max_slots: int, block_size: int = 16) -> None:
+        cfg = lm.config
+        param = next(lm.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.block_size = block_size
+        self.max_slots = max_slots
+        self.heads, self.head_size = cfg.num_attention_heads, cfg.attention_head_size
+        self.indexes: list[LSHIndex | None] = []
+        for layer in lm.layers:
+            att = layer.attention.self_attention  # type: ignore[union-attr]
+            if isinstance(att, LSHSelfAttention):
+                nb = _flat(att.config.num_buckets) if att.config.num_buckets is not None else 2
+                self.indexes.append(LSHIndex(max_slots + 1, att.heads, att.rounds, nb,
+                                             (att.after + 1) * att.chunk, (att.before + 1) * att.chunk, self.device))
+            else:
+                self.indexes.append(None)
+        elt = torch.finfo(self.dtype).bits // 8
+        self.bytes_per_token = 2 * len(self.indexes) * self.heads * self.head_size * elt
+        self.bytes_per_block = self.bytes_per_token * block_size
+        self.bytes_per_slot = sum(ix.nbytes_per_slot() for ix in self.indexes if ix is not None)
+        usable = capacity_bytes - self.bytes_per_slot * (max_slots + 1)
+        self.blocks = max(usable // self.bytes_per_block, 0) + 1  # + the scratch block 0
+        rows = self.blocks * block_size
+        # empty, not zeros: pages are touched only when written (only the scratch block is cleared); a read
+        # never reaches a position that was not written (windows point masked slots at position 0)
+        self.keys = [torch.empty(rows, self.heads, self.head_size, dtype=self.dtype, device=self.device)
+                     for _ in self.indexes]
+        self.values = [torch.empty_like(k) for k in self.keys]
+        for pool in (*self.keys, *self.values):
+            pool[:block_size].zero_()
+        self.max_blocks = -(-cfg.max_position_embeddings // block_size)
+        self.block_table = torch.zeros(max_slots + 1, self.max_blocks, dtype=torch.long, device=self.device)
+        self.scratch_slot = max_slots
+        self._free_blocks = list(range(self.blocks - 1, 0, -1))
+        self._free_slots = list(range(max_slots - 1, -1, -1))
+
+    @classmethod
+    def for_tokens(cls, lm: ReformerLM, tokens: int, slots: int = 1, block_size: int = 16) -> DecodeCache:
+        """A cache just large enough for `slots` requests of `tokens` positions each."""
+        probe = cls(lm, 0, slots, block_size)
+        need = slots * (-(-tokens // block_size) * probe.bytes_per_block + probe.bytes_per_slot) + probe.bytes_per_slot
+        return cls(lm, need, slots, block_size)
+
+    # ---- accounting --------------------------------------------------------------------------------------
+    @property
+    def capacity_bytes(self) -> int:
+        return (self.blocks - 1) * self.bytes_per_block + self.max_slots * self.bytes_per_slot
+
+    @property
+    def allocated_bytes(self) -> int:
+        used_blocks = self.blocks - 1 - len(self._free_blocks)
+        return used_blocks * self.bytes_per_block + (self.max_slots - len(self._free_slots)) * self.bytes_per_slot
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free_blocks)
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free_slots)
+
+    def bytes_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size) * self.bytes_per_block + self.bytes_per_slot
+
+    def fits_ever(self, tokens: int) -> bool:
+        return -(-tokens // self.block_size) <= self.blocks - 1 and self.max_slots > 0
+
+    def fits_now(self, tokens: int) -> bool:
+        return -(-tokens // self.block_size) <= len(self._free_blocks) and bool(self._free_slots)
+
+    # ---- allocation --------------------------------------------------------------------------------------
+    def allocate(self, tokens: int) -> DecodeState:
+        """A slot and the blocks for `tokens` positions (prompt plus new tokens), or CacheFull."""
+        need = -(-tokens // self.block_size)
+        if not self.fits_ever(tokens):
+            raise CacheFull(f"{tokens} tokens need {need * self.bytes_per_block + self.bytes_per_slot} bytes of "
+                            f"decode cache; its capacity is {self.capacity_bytes} bytes", never=True)
+        if not self.fits_now(tokens):
+            raise CacheFull(f"decode cache full: {tokens} tokens do not fit now")
+        blocks = [self._free_blocks.pop() for _ in range(need)]
+        slot = self._free_slots.pop()
+        self.block_table[slot, :need] = torch.tensor(blocks, dtype=torch.long).to(self.device)
+        return DecodeState(slot=slot, blocks=blocks, num_buckets=[None] * len(self.indexes))
+
+    def free(self, state: DecodeState) -> None:
+        if state.slot < 0:
+            return
+        self._free_blocks.extend(reversed(state.blocks))
+        self._free_slots.append(state.slot)
+        state.blocks, state.slot = [], -1
+
+    # ---- tensors -----------------------------------------------------------------------------------------
+    def rows(self, slots: Tensor, positions: Tensor) -> Tensor:
+        """Row of each (slot, position) in the flattened pools; positions (B, ...) with slots (B,)."""
+        view = slots.view(-1, *([1] * (positions.dim() - 1)))
+        block = self.block_table[view, torch.div(positions, self.block_size, rounding_mode="floor")]
+        return block * self.block_size + positions % self.block_size
+
+    def write(self, layer: int, rows: Tensor, key: Tensor, value: Tensor) -> None:
+        """rows (B,), key/value (B, H, D)."""
+        self.keys[layer].index_copy_(0, rows, key.to(self.dtype))
+        self.values[layer].index_copy_(0, rows, value.to(self.dtype))
+
+    def gather(self, layer: int, rows: Tensor) -> tuple[Tensor, Tensor]:
+        """rows (B, H, ...) -> keys, values (B, H, ..., D) of each row's own head."""
+        h, d = self.heads, self.head_size
+        head = torch.arange(h, device=rows.device).view(1, h, *([1] * (rows.dim() - 2)))
+        flat = (rows * h + head).reshape(-1)
+        keys = self.keys[layer].view(-1, d).index_select(0, flat).view(*rows.shape, d)
+        values = self.values[layer].view(-1, d).index_select(0, flat).view(*rows.shape, d)
+        return keys, values

@@ -1,0 +1,79 @@
+"""The model runner: owns the model's device tensors (the decode cache) and runs batched prefills and decode
+steps for the engine's worker thread. Logits come back to the host once per call, as float32."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import psutil
+import torch
+
+from model.decode import DecodeCache, DecodeState, decode_step, prefill
+
+log = logging.getLogger("service.engine")
+
+# Default decode-cache capacity when REFORMER_CACHE_BYTES is unset: this share of the free device memory
+# after the model is loaded (CUDA), or of the available RAM (CPU); never more than max_batch_size requests
+# of max_position_embeddings positions could use.
+CUDA_CACHE_FRACTION = 0.5
+CPU_CACHE_FRACTION = 0.25
+
+
+def default_cache_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * CUDA_CACHE_FRACTION)
+    return int(psutil.virtual_memory().available * CPU_CACHE_FRACTION)
+
+
+class ModelRunner:
+    def __init__(self, model: Any, device: torch.device | None, max_slots: int, cache_bytes: int | None = None,
+                 invariant: bool = False) -> None:
+        self.model = model
+        self.device = device if device is not None else next(model.parameters()).device
+        self.invariant = invariant
+        probe = DecodeCache(model, 0, max_slots)
+        # enough for every slot to hold a full-length request; more could never be used
+        most = probe.bytes_per_slot * (max_slots + 1) + max_slots * (
+            probe.max_blocks * probe.bytes_per_block)
+        wanted = default_cache_bytes(self.device) if cache_bytes is None else cache_bytes
+        self.cache = DecodeCache(model, min(wanted, most), max_slots)
+        self.max_positions: int = model.config.max_position_embeddings
+
+    # ---- accounting --------------------------------------------------------------------------------------
+    def fits_ever(self, tokens: int) -> bool:
+        return self.cache.fits_ever(min(tokens, self.max_positions))
+
+    def fits_together(self, token_counts: Sequence[int]) -> bool:
+        """Whether requests of these sizes can all start now (on top of the running ones)."""
+        blocks = sum(-(-min(n, self.max_positions) // self.cache.block_size) for n in token_counts)
+        return blocks <= self.cache.free_blocks and len(token_counts) <= self.cache.free_slots
+
+    def limit_message(self, tokens: int) -> str:
+        return (f"prompt plus max_new_tokens ({tokens} tokens) needs {self.cache.bytes_for(tokens)} bytes of decode "
+                f"cache, more than its capacity of {self.cache.capacity_bytes} bytes (REFORMER_CACHE_BYTES)")
+
+    # ---- model calls -------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, prompts: Sequence[Sequence[int]], reserve: Sequence[int]
+                ) -> tuple[torch.Tensor, list[DecodeState]]:
+        tensors = [torch.tensor(list(p), dtype=torch.long, device=self.device) for p in prompts]
+        logits, states = prefill(self.model, self.cache, tensors, [min(n, self.max_positions) for n in reserve])
+        return logits.float().cpu(), states
+
+    @torch.inference_mode()
+    def decode(self, tokens: Sequence[int], states: Sequence[DecodeState]) -> torch.Tensor:
+        ids = torch.tensor(list(tokens), dtype=torch.long).to(self.device)
+        return decode_step(self.model, ids, self.cache, states, self.invariant).float().cpu()
+
+    def can_step(self, state: DecodeState) -> bool:
+        return 0 <= state.slot and state.length < min(state.capacity * self.cache.block_size, self.max_positions)
+
+    def free(self, state: DecodeState | None) -> None:
+        if state is not None:
+            self.cache.free(state)
+
+    def stats(self) -> dict[str, int]:
+        return {"cache_bytes": self.cache.allocated_bytes, "cache_capacity_bytes": self.cache.capacity_bytes}
