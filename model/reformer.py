@@ -112,14 +112,3 @@ class ReformerLM(nn.Module):
         lm = cls(ReformerConfig.from_hf(hf_model.config))
         lm.load_state_dict(hf_state_dict_to_ours(hf_model.state_dict()))
         return lm.eval()
-
-    # incremental decoding (prefill / decode_step) lives in decode.py
-    def prefill(self, input_ids: Tensor) -> tuple[Tensor, Any]:
-        from .decode import prefill
-
-        return prefill(self, input_ids)
-
-    def decode_step(self, token_ids: Tensor, states: list[Any]) -> Tensor:
-        from .decode import decode_step
-
-        return decode_step(self, token_ids, states)
