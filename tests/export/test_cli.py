@@ -87,3 +87,27 @@ def test_verify_command_names_a_tampered_file(tiny_artifact: Path, tmp_path: Pat
     (d / "tokenizer.json").write_text((d / "tokenizer.json").read_text().replace('"eos_id": 1', '"eos_id": 2'))
     assert verify_main([str(d)]) == 1
     assert "tokenizer.json: altered" in capsys.readouterr().err
+
+
+def test_random_default_refuses_to_replace_the_packaged_model(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    from export import random_default
+
+    shipped = tmp_path / "default_artifact"  # stands in for the packaged directory, which must stay untouched
+    shipped.mkdir()
+    (shipped / "model.safetensors").write_bytes(b"trained weights")
+    monkeypatch.setattr(random_default, "DEFAULT_ARTIFACT", shipped)
+    monkeypatch.setattr(random_default.sys, "argv", ["random_default"])
+    with pytest.raises(SystemExit) as exit_info:  # no OUT_DIR: nothing is written to a default place
+        random_default.main()
+    assert exit_info.value.code == 2
+    assert random_default.main([str(shipped)]) == 2
+    err = capsys.readouterr().err
+    assert "default artifact" in err and "--force" in err
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "keep.txt").write_text("x")
+    assert random_default.main([str(other)]) == 2
+    assert (shipped / "model.safetensors").read_bytes() == b"trained weights"
+    assert [p.name for p in shipped.iterdir()] == ["model.safetensors"]
+    assert (other / "keep.txt").read_text() == "x"
