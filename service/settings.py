@@ -64,6 +64,20 @@ class Settings(BaseSettings):
     max_wait_ms: float = Field(
         5.0, ge=0, description="How long an embedding request may wait for company before its batch runs."
     )
+    cache_bytes: int | None = Field(
+        None, ge=0,
+        description="Decode-cache capacity in bytes (keys, values and LSH bookkeeping of running generations, in "
+        "preallocated blocks). A generation starts when its prompt plus max_new_tokens fits, waits in the queue "
+        "while it does not, and gets 422 if it never could. Default: half the free GPU memory after the model "
+        "is loaded (CUDA) or a quarter of the available RAM (CPU), capped at what max_batch_size full-length "
+        "generations could use.",
+    )
+    batch_invariant: bool = Field(
+        False,
+        description="Run decode steps in fixed blocks of 16 rows, so a generation's logits are bit-identical "
+        "whatever it is batched with (and prefill each prompt alone). Off: steps are padded to a power-of-two "
+        "batch and results match a request alone within 1e-4, with the same greedy tokens.",
+    )
     max_queue_size: int = Field(
         64, ge=1, description="Requests allowed to wait for the model; beyond it requests get 429 at once."
     )

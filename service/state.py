@@ -120,6 +120,7 @@ class ServiceState:
         config = EngineConfig(
             max_batch_size=s.max_batch_size, max_batch_tokens=s.max_batch_tokens, max_wait_ms=s.max_wait_ms,
             max_queue_size=s.max_queue_size, request_timeout_s=s.request_timeout_s, warmup=s.warmup,
+            cache_bytes=s.cache_bytes, batch_invariant=s.batch_invariant,
         )
         self.engine = Engine(model, artifact.tokenizer, backend, device, config, self.metrics,
                              on_fatal=lambda exc: self.on_fatal(exc))
@@ -149,6 +150,9 @@ class ServiceState:
                 "max_batch_size": s.max_batch_size, "max_batch_tokens": s.max_batch_tokens,
                 "max_wait_ms": s.max_wait_ms, "max_queue_size": s.max_queue_size,
                 "request_timeout_s": s.request_timeout_s,
+                # bit-identical to a request alone (fixed row blocks), or the same greedy tokens within 1e-4
+                "batch_invariant": s.batch_invariant,
+                "decode_cache_bytes": self.engine.runner.cache.capacity_bytes if self.engine else None,
             },
             "version": package_version(),
             "settings": public_settings(s),

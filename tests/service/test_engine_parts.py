@@ -1,0 +1,123 @@
+"""The engine's parts with a real tiny model and no HTTP: one request's failure fails it alone, prompt tokens
+are counted for completed requests only, and admission goes by decode-cache bytes."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from model.sampling import SamplingParams
+from service.engine import Engine, EngineConfig
+from service.errors import InputTooLong, InternalError
+from service.jobs import GenerationSpec
+from service.jobs_runtime import GenerationJob
+from service.metrics import ServiceMetrics
+
+
+def _engine(artifact: Any, **config: Any) -> Engine:
+    return Engine(artifact.model, artifact.tokenizer, backend=None,  # type: ignore[arg-type]
+                  device=None, config=EngineConfig(warmup=False, **config), metrics=ServiceMetrics())
+
+
+@pytest.fixture
+def engine(artifact: Any) -> Iterator[Engine]:
+    e = _engine(artifact)
+    e.start()
+    yield e
+    e.stop()
+
+
+def _spec(prompt: list[int], new: int = 6) -> GenerationSpec:
+    return GenerationSpec(prompt_ids=prompt, sampling=SamplingParams(), max_new_tokens=new, stop_on_eos=False)
+
+
+async def _collect(engine: Engine, spec: GenerationSpec) -> list[int] | Exception:
+    stream = engine.generate(spec)
+    ids: list[int] = []
+    try:
+        while True:
+            event = await stream.next_event()
+            ids.append(event.id)
+            if event.finish is not None:
+                return ids
+    except Exception as exc:  # noqa: BLE001
+        return exc
+
+
+def _run(engine: Engine, *specs: GenerationSpec) -> list[list[int] | Exception]:
+    async def all_of() -> list[list[int] | Exception]:
+        return list(await asyncio.gather(*(_collect(engine, s) for s in specs)))
+
+    return asyncio.run(all_of())
+
+
+def _prompt_tokens(engine: Engine) -> float:
+    return engine.metrics.prompt_tokens._value.get()  # type: ignore[attr-defined]
+
+
+def test_a_failing_prefill_fails_that_request_alone(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = engine.runner.prefill
+
+    def prefill(prompts: Any, reserve: Any) -> Any:
+        if any(99 in p for p in prompts):
+            raise RuntimeError("injected")
+        return real(prompts, reserve)
+
+    monkeypatch.setattr(engine.runner, "prefill", prefill)
+    good, bad, other = _run(engine, _spec([5, 6, 7]), _spec([99, 6]), _spec([8, 9]))
+    assert isinstance(bad, InternalError)
+    assert isinstance(good, list) and len(good) == 6 and isinstance(other, list) and len(other) == 6
+    assert _prompt_tokens(engine) == 5  # the failed request's prompt is not counted
+    assert engine.runner.cache.allocated_bytes == 0  # every cache went back
+
+
+def test_a_failing_sample_fails_that_request_alone(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = GenerationJob.accept
+
+    def accept(self: GenerationJob, logits: Any) -> Any:
+        if self.spec.prompt_ids[0] == 98 and len(self.generated) == 2:
+            raise RuntimeError("injected")
+        return real(self, logits)
+
+    monkeypatch.setattr(GenerationJob, "accept", accept)
+    alone = _run(engine, _spec([5, 6, 7], 8))[0]
+    good, bad = _run(engine, _spec([5, 6, 7], 8), _spec([98, 6, 7], 8))
+    assert isinstance(bad, InternalError)
+    assert good == alone  # batched with a failing request: same tokens as alone, to the end
+    assert _prompt_tokens(engine) == 6
+    assert engine.runner.cache.allocated_bytes == 0
+
+
+def test_admission_by_decode_cache_bytes(artifact: Any) -> None:
+    cache = _engine(artifact).runner.cache
+    # room for 3 blocks of 16 positions: one request of 3 + 20 positions (2 blocks), not two
+    engine = _engine(artifact, cache_bytes=3 * cache.bytes_per_block + cache.bytes_per_slot * (cache.max_slots + 1))
+    assert engine.runner.cache.free_blocks == 3
+    steps: list[int] = []
+    real = engine.runner.decode
+
+    def decode(tokens: Any, states: Any) -> Any:
+        steps.append(len(states))
+        return real(tokens, states)
+
+    engine.runner.decode = decode  # type: ignore[method-assign]
+    engine.start()
+    try:
+        with pytest.raises(InputTooLong, match="REFORMER_CACHE_BYTES"):
+            _run_raising(engine, _spec(list(range(5, 45)), 200))
+        a, b = _run(engine, _spec([5, 6, 7], 20), _spec([8, 9, 10], 20))
+        assert isinstance(a, list) and isinstance(b, list) and len(a) == len(b) == 20
+        assert max(steps) == 1  # the second waited in the queue until the first had left the cache
+        assert engine.stats()["cache_bytes"] == 0 and engine.stats()["cache_capacity_bytes"] > 0
+    finally:
+        engine.stop()
+
+
+def _run_raising(engine: Engine, spec: GenerationSpec) -> None:
+    async def go() -> None:
+        engine.generate(spec)
+
+    asyncio.run(go())
