@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -100,3 +101,19 @@ def test_checkpoint_of_another_model_type_is_refused(tmp_path: Path) -> None:
     (d / "config.json").write_text(json.dumps(config))
     with pytest.raises(HFImportError, match="model_type is 'gpt2'"):
         read_hf_checkpoint(d)
+
+
+def test_without_transformers_import_fails_unless_parity_is_skipped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    save_hf(tmp_path / "hf", "safetensors")
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` now raises ImportError
+    out = tmp_path / "art"
+    assert import_hf_main([str(tmp_path / "hf"), str(out), "--no-onnx"]) == 1
+    err = capsys.readouterr().err
+    assert "transformers" in err and "--skip-parity" in err
+    assert not out.exists() or not any(out.iterdir())  # nothing unchecked was written
+    assert import_hf_main([str(tmp_path / "hf"), str(out), "--no-onnx", "--skip-parity"]) == 0
+    assert "NOT checked" in capsys.readouterr().err
+    parity = load_artifact(out).manifest["evaluation"]["transformers_parity"]
+    assert parity == {"checked": False, "reason": "skipped (--skip-parity)"}
