@@ -1,6 +1,7 @@
 """`reformer train`: train a causal byte-level Reformer on a directory (or list) of UTF-8 text files.
 
     reformer train DATA... --out runs/NAME [--max-steps N] [--time-budget 80m] [--resume]
+                   [--phases 512x16:70%,16384x1:30%] [--reversible auto] [--compile]
     torchrun --nproc_per_node 2 -m service.cli train ...      (DistributedDataParallel: gloo / NCCL)
 
 Windows are sampled as a pure function of (seed, step, micro-step) and dropout is re-seeded per step,
@@ -9,6 +10,7 @@ so a run is reproducible and a resumed run continues exactly as an uninterrupted
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import math
 import shlex
@@ -19,7 +21,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
@@ -28,6 +29,7 @@ from model.reformer import ReformerLM
 
 from .checkpoint import TrainerState, code_version, load_training_state, save_checkpoint
 from .data import Corpus, DataError, WindowSampler, prepare_corpus, validation_windows
+from .phases import Phase, parse_phases, phase_at
 from .runtime import (
     DistInfo,
     StopFlag,
@@ -39,6 +41,7 @@ from .runtime import (
     max_weight_divergence,
     parse_duration,
 )
+from .step import autocast_dtype, choose_reversible, make_loss_fn
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -69,20 +72,29 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--init-std", type=float, default=0.1,
                    help="init std of linear and token-embedding weights (the reference's 0.02 leaves attention "
                         "near-uniform: a small model then sits on the bigram plateau for thousands of steps)")
-    m.add_argument("--dropout", type=float, default=0.05, help="hidden and attention dropout")
+    m.add_argument("--dropout", type=float, default=0.0,
+                   help="hidden and attention dropout (0: a small model in a short run underfits, not overfits)")
     o = p.add_argument_group("optimisation")
-    o.add_argument("--window", type=int, default=4096, help="training window in bytes (tokens)")
-    o.add_argument("--batch-size", type=int, default=1, help="windows per micro-step, per rank")
+    o.add_argument("--window", type=int, default=512, help="training window in bytes (tokens), without --phases")
+    o.add_argument("--batch-size", type=int, default=16, help="windows per micro-step, per rank, without --phases")
+    o.add_argument("--phases", type=parse_phases,
+                   help="WINDOWxBATCH:SHARE,... e.g. 512x16:70%%,16384x1:30%%: the shares split --max-steps, or "
+                        "without it --time-budget (default: one phase of --window x --batch-size)")
     o.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
     o.add_argument("--lr", type=float, default=2e-3)
     o.add_argument("--min-lr-ratio", type=float, default=0.1, help="final LR as a fraction of --lr")
     o.add_argument("--warmup-steps", type=int, default=100)
     o.add_argument("--weight-decay", type=float, default=0.01)
     o.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm (0: off)")
-    o.add_argument("--random-offsets", action=argparse.BooleanOptionalAction, default=True,
+    o.add_argument("--random-offsets", action=argparse.BooleanOptionalAction, default=False,
                    help="shift each micro-batch's positions by a random offset so every axial row is trained")
     o.add_argument("--zero-offset-prob", type=float, default=0.25, help="probability the offset is 0")
-    o.add_argument("--bf16", action="store_true", help="bf16 autocast (CUDA only)")
+    o.add_argument("--bf16", action="store_true", help="bf16 autocast (CUDA only; ignored with a note on CPU)")
+    o.add_argument("--reversible", default="auto", choices=["auto", "on", "off"],
+                   help="reversible backward (recomputes each layer, memory flat in depth) or plain autograd "
+                        "(faster); auto: plain when its activations fit in a quarter of free memory, per phase")
+    o.add_argument("--compile", action="store_true",
+                   help="torch.compile the forward and loss (one compile per phase window; pays on long runs)")
     o.add_argument("--seed", type=int, default=0)
     r = p.add_argument_group("run")
     r.add_argument("--max-steps", type=int, help="optimizer steps in total (also the cosine schedule length)")
@@ -92,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="wall-clock limit for this invocation: 600, 600s, 80m, 1.5h (without --max-steps the "
                         "cosine schedule follows this clock, so the run is not bit-reproducible)")
     r.add_argument("--eval-every", type=int, default=200, help="validate every N steps (0: only at the end)")
+    r.add_argument("--eval-every-s", type=float, default=0.0,
+                   help="also validate every this many seconds of wall time (0: off)")
+    r.add_argument("--val-window", type=int,
+                   help="validation window in bytes (default: the longest phase window, at most 4096)")
     r.add_argument("--val-windows", type=int, default=16, help="validation windows at intervals (0: all)")
     r.add_argument("--final-val-windows", type=int, default=0, help="validation windows at the end (0: all)")
     r.add_argument("--save-every", type=int, default=500, help="checkpoint every N steps")
@@ -142,9 +158,13 @@ class Trainer:
     def __init__(self, args: argparse.Namespace, argv: list[str], info: DistInfo, device: torch.device,
                  corpus: Corpus, cfg: ReformerConfig) -> None:
         self.args, self.argv, self.info, self.device, self.corpus = args, argv, info, device, corpus
-        if cfg.padded_length(args.window) > cfg.max_position_embeddings:
-            raise DataError(f"--window {args.window} is longer than the model's max_position_embeddings "
-                            f"{cfg.max_position_embeddings}")
+        self.phases: list[Phase] = args.phases or [Phase(args.window, args.batch_size, 1.0)]
+        for ph in self.phases:
+            if cfg.padded_length(ph.window) > cfg.max_position_embeddings:
+                flag = "--phases window" if args.phases else "--window"
+                raise DataError(f"{flag} {ph.window} is longer than the model's max_position_embeddings "
+                                f"{cfg.max_position_embeddings}")
+        self.val_window = args.val_window or min(max(ph.window for ph in self.phases), 4096)
         torch.manual_seed(args.seed)
         self.lm = ReformerLM(cfg).to(device).train()
         decay = [p for n, p in self.lm.named_parameters() if p.dim() >= 2 and "embeddings" not in n]
@@ -163,31 +183,57 @@ class Trainer:
         self.model: torch.nn.Module = self.lm
         if info.enabled and args.ddp == "wrap":
             self.model = DistributedDataParallel(self.lm, device_ids=[device.index] if device.type == "cuda" else None)
-        self.sampler = WindowSampler(corpus.train, args.window, args.seed)
-        self.autocast = torch.bfloat16 if (args.bf16 and device.type == "cuda") else None
+        # one sampler per phase, built up front so a window longer than every document fails at start
+        self.samplers = [WindowSampler(corpus.train, ph.window, args.seed) for ph in self.phases]
+        self.autocast = autocast_dtype(device, args.bf16)
+        self.loss_fn = make_loss_fn(self.model, self.autocast, device.type, compile=args.compile)
         self.budget_s = parse_duration(args.time_budget) if args.time_budget else None
-        self.max_offset = cfg.max_position_embeddings - cfg.padded_length(args.window)
+        self.phase = -1  # set by enter_phase
         self.code_version = code_version()  # of the code that starts the run, not of a later save
         self.rank_divergence: float | None = None  # measured at the end of a multi-process run
+        self.last_loss: float | None = None
 
     # ----------------------------------------------------------------------------------------------
+    def progress(self, step: int) -> float:
+        """How far the run is, 0..1: by steps with --max-steps, else by this invocation's wall time."""
+        if self.args.max_steps:
+            return step / self.args.max_steps
+        if self.budget_s:
+            return (time.monotonic() - self.t_start) / self.budget_s
+        return 0.0
+
+    def enter_phase(self, index: int) -> None:
+        if index == self.phase:
+            return
+        self.phase = index
+        ph = self.phases[index]
+        self.lm.reversible = choose_reversible(self.args.reversible, self.lm, ph.batch_size, ph.window, self.device)
+        self.log({"event": "phase", "phase": index, "window": ph.window, "batch_size": ph.batch_size,
+                  "reversible": self.lm.reversible, "step": self.state.step,
+                  "wall_time_s": round(self.state.wall_time_s, 1)})
+        if self.info.is_main and len(self.phases) > 1:
+            print(f"phase {index + 1}/{len(self.phases)}: window {ph.window} x batch {ph.batch_size} from step "
+                  f"{self.state.step} ({'reversible' if self.lm.reversible else 'plain autograd'})", file=sys.stderr)
+
     def micro_batch(self, step: int, micro: int) -> tuple[torch.Tensor, int]:
         """This rank's rows of the global micro-batch, and the position offset (shared by the batch)."""
-        rng = self.sampler.rng(step, micro)
-        rows = self.args.batch_size * self.info.world_size
-        batch = self.sampler.global_batch(rng, rows)
-        mine = batch[self.info.rank * self.args.batch_size:(self.info.rank + 1) * self.args.batch_size]
+        ph, sampler = self.phases[self.phase], self.samplers[self.phase]
+        rng = sampler.rng(step, micro)
+        rows = ph.batch_size * self.info.world_size
+        batch = sampler.global_batch(rng, rows)
+        mine = batch[self.info.rank * ph.batch_size:(self.info.rank + 1) * ph.batch_size]  # (b, window+1)
         offset = 0
-        if self.args.random_offsets and self.max_offset > 0 and rng.random() >= self.args.zero_offset_prob:
-            offset = int(rng.integers(0, self.max_offset + 1))
+        max_offset = self.lm.config.max_position_embeddings - self.lm.config.padded_length(ph.window)
+        if self.args.random_offsets and max_offset > 0 and rng.random() >= self.args.zero_offset_prob:
+            offset = int(rng.integers(0, max_offset + 1))
         return torch.from_numpy(np.ascontiguousarray(mine)).to(self.device), offset
 
     def train_step(self, step: int) -> float:
         args = self.args
         # dropout draws from the global generator: re-seed per step (and rank) so resume is exact
         torch.manual_seed((args.seed * 1_000_003 + step) * 1024 + self.info.rank)
-        progress = (step / args.max_steps if args.max_steps
-                    else (time.monotonic() - self.t_start) / self.budget_s if self.budget_s else 0.0)
+        progress = self.progress(step)
+        self.enter_phase(phase_at(self.phases, progress))
         lr = args.lr * lr_factor(progress, step, args.warmup_steps, args.min_lr_ratio)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -197,9 +243,7 @@ class Trainer:
             sync = micro == args.grad_accum - 1 or not isinstance(self.model, DistributedDataParallel)
             ctx = self.model.no_sync() if not sync else _null()  # type: ignore[operator]
             with ctx:
-                with torch.autocast(self.device.type, dtype=self.autocast, enabled=self.autocast is not None):
-                    logits = self.model(ids[:, :-1], position_offset=offset).logits
-                loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+                loss = self.loss_fn(ids, offset)
                 (loss / args.grad_accum).backward()
             total += float(loss.detach()) / args.grad_accum
         if self.info.enabled and args.ddp == "allreduce":
@@ -211,7 +255,7 @@ class Trainer:
         return total
 
     def validate(self, max_windows: int) -> tuple[float, int]:
-        windows = validation_windows(self.corpus.val, self.args.window, max_windows or None)
+        windows = validation_windows(self.corpus.val, self.val_window, max_windows or None)
         if not windows:
             return float("nan"), 0
         return evaluate_bpb(self.lm, windows, self.device, self.info, self.autocast)
@@ -222,7 +266,9 @@ class Trainer:
             "tokens_seen": self.state.tokens_seen, "wall_time_s": round(self.state.wall_time_s, 1),
             "seed": self.args.seed, "command": shlex.join(["reformer", "train", *self.argv]),
             "code_version": self.code_version, "world_size": self.info.world_size,
-            "parameters": self.lm.num_parameters(), "window": self.args.window,
+            "parameters": self.lm.num_parameters(), "window": max(ph.window for ph in self.phases),
+            "phases": [{"window": ph.window, "batch_size": ph.batch_size, "share": ph.share} for ph in self.phases],
+            "val_window": self.val_window,
             "val_fraction": self.args.val_fraction, "device": self.device.type,
             "ddp": self.args.ddp if self.info.enabled else None,
             "max_weight_divergence_across_ranks": self.rank_divergence,
@@ -248,9 +294,12 @@ class Trainer:
     def record_val(self, val: tuple[float, int], bar: tqdm) -> None:
         self.state.last_val_bpb = round(val[0], 4)
         entry = {"step": self.state.step, "val_bpb": round(val[0], 4), "val_bytes": val[1],
-                 "tokens_seen": self.state.tokens_seen, "wall_time_s": round(self.state.wall_time_s, 1)}
+                 "tokens_seen": self.state.tokens_seen, "wall_time_s": round(self.state.wall_time_s, 1),
+                 "phase": self.phase, "train_loss": round(self.last_loss, 4) if self.last_loss is not None else None}
         self.state.history.append(entry)
         self.log({"event": "validation", **entry})
+        if self.info.is_main:
+            write_curve(self.run_dir / "curve.csv", self.state.history)
         if self.info.is_main:
             bar.write(f"step {self.state.step}: validation {val[0]:.4f} bits per byte ({val[1]} bytes)")
 
@@ -258,8 +307,8 @@ class Trainer:
     def run(self) -> int:
         args, info = self.args, self.info
         self.t_start = time.monotonic()
-        tokens_per_step = args.window * args.batch_size * args.grad_accum * info.world_size
         wall_at_start = self.state.wall_time_s
+        last_eval = self.t_start
         bar = tqdm(total=args.max_steps, initial=self.state.step, disable=not info.is_main or args.no_progress,
                    unit="step", dynamic_ncols=True, mininterval=1.0 if sys.stderr.isatty() else 30.0)
         stopped_by = ""
@@ -273,13 +322,21 @@ class Trainer:
                     break
                 elapsed = time.monotonic() - self.t_start
                 out_of_time = self.budget_s is not None and elapsed >= self.budget_s
-                # every rank must agree to stop at the same step, or a collective would hang
-                flags = all_reduce_sum([float(stop.requested), float(out_of_time)], info, self.device)
+                eval_due = bool(args.eval_every_s) and time.monotonic() - last_eval >= args.eval_every_s
+                # every rank must agree to stop (or validate) at the same step, or a collective would hang
+                flags = all_reduce_sum([float(stop.requested), float(out_of_time), float(eval_due)], info,
+                                       self.device)
                 if flags[0] or flags[1]:
                     stopped_by = f"signal {stop.signal_name or 'on another rank'}" if flags[0] else "time-budget"
                     break
+                if flags[2] and self.state.step > 0:
+                    self.record_val(self.validate(args.val_windows), bar)
+                    last_eval = time.monotonic()
                 t0 = time.monotonic()
                 loss = self.train_step(self.state.step)
+                self.last_loss = loss
+                ph = self.phases[self.phase]
+                tokens_per_step = ph.window * ph.batch_size * args.grad_accum * info.world_size
                 self.state.step += 1
                 self.state.tokens_seen += tokens_per_step
                 self.state.wall_time_s = wall_at_start + time.monotonic() - self.t_start
@@ -289,10 +346,11 @@ class Trainer:
                                 left=_left(self.budget_s, elapsed))
                 if self.state.step % 10 == 0:
                     self.log({"event": "step", "step": self.state.step, "loss": round(loss, 4),
-                              "tokens_per_s": round(rate), "tokens_seen": self.state.tokens_seen,
+                              "tokens_per_s": round(rate), "tokens_seen": self.state.tokens_seen, "phase": self.phase,
                               "wall_time_s": round(self.state.wall_time_s, 1)})
                 if args.eval_every and self.state.step % args.eval_every == 0:
                     self.record_val(self.validate(args.val_windows), bar)
+                    last_eval = time.monotonic()
                 if args.save_every and self.state.step % args.save_every == 0:
                     self.save()
         bar.close()
@@ -306,6 +364,17 @@ class Trainer:
                   f"{self.state.wall_time_s:.0f} s; validation {final[0]:.4f} bits per byte; "
                   f"checkpoint: {self.ckpt_dir}", file=sys.stderr)
         return EXIT_INTERRUPTED if stopped_by.startswith("signal") else 0
+
+
+CURVE_FIELDS = ["step", "phase", "tokens_seen", "wall_time_s", "val_bpb", "val_bytes", "train_loss"]
+
+
+def write_curve(path: Path, history: list[dict[str, Any]]) -> None:
+    """The validation curve so far as CSV (bench/plot_training.py draws it); rewritten whole each time."""
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CURVE_FIELDS, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(history)
 
 
 def _left(budget: float | None, elapsed: float) -> str:
@@ -332,6 +401,10 @@ def main(argv: list[str] | None = None) -> int:
     info = init_distributed(device_kind)
     try:
         device = pick_device(args.device, info)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise DataError("--device cuda: torch sees no CUDA device (this torch build or machine has none)")
+        if args.bf16 and device.type != "cuda" and info.is_main:
+            print("reformer train: note: --bf16 applies to CUDA only; training in fp32 on the CPU", file=sys.stderr)
         args.out.mkdir(parents=True, exist_ok=True)
         if args.max_steps is None and args.time_budget is None:
             raise DataError("give --max-steps and/or --time-budget, so the run knows when to stop")

@@ -33,13 +33,17 @@ class DistInfo:
         return self.rank == 0
 
 
+def ddp_backend(device_kind: str) -> str:
+    """NCCL between GPUs, gloo between CPU processes."""
+    return "nccl" if device_kind == "cuda" else "gloo"
+
+
 def init_distributed(device_kind: str) -> DistInfo:
     """Join the process group when started by torchrun (WORLD_SIZE > 1): gloo on CPU, NCCL on CUDA."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return DistInfo()
-    backend = "nccl" if device_kind == "cuda" else "gloo"
-    dist.init_process_group(backend=backend)
+    dist.init_process_group(backend=ddp_backend(device_kind))
     return DistInfo(rank=dist.get_rank(), world_size=dist.get_world_size(),
                     local_rank=int(os.environ.get("LOCAL_RANK", "0")))
 

@@ -136,9 +136,12 @@ def test_ctrl_c_saves_a_checkpoint_before_exiting(corpus: Path, tmp_path: Path) 
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     log = out / "train_log.jsonl"
     deadline = time.monotonic() + 90
-    while not log.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.2)  # the log appears after the first 10 steps
-    assert log.exists(), proc.communicate()[1]
+    def stepped() -> bool:  # a "step" record is logged every 10 steps
+        return log.exists() and '"event": "step"' in log.read_text()
+
+    while not stepped() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert stepped(), proc.communicate()[1]
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=90)
     assert proc.returncode == 130, err
