@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--config", type=Path, help="ReformerConfig JSON; overrides the flags below")
     m.add_argument("--hidden-size", type=int, default=128)
     m.add_argument("--num-heads", type=int, default=4)
-    m.add_argument("--attn-layers", default="local,lsh,local,lsh,local,lsh")
+    m.add_argument("--attn-layers", default="local,lsh,local,lsh")
     m.add_argument("--feed-forward-size", type=int, default=512)
     m.add_argument("--chunk-length", type=int, default=64, help="LSH and local attention chunk length")
     m.add_argument("--num-hashes", type=int, default=2)

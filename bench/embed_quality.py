@@ -1,0 +1,123 @@
+"""Embedding quality: nearest-neighbour book identification of validation passages (leave-one-out: each
+passage's nearest other passage by cosine similarity must come from the same book), for every pooling the
+model offers (mean / last token of the final hidden states, and the mean of each layer's output),
+against a bag-of-bytes baseline (each passage's normalised byte histogram) measured in the same run.
+
+    python bench/embed_quality.py MODEL [--data ../shared/data] [--passage 2048] [--per-book 40]
+                                  [--threads 2] [--out FILE.json]
+
+MODEL is an artifact directory or a training checkpoint. Passages are cut, without overlap, from the
+held-out tail of every file, at most `--per-book` per book so that no book dominates the accuracy."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from model import ReformerLM  # noqa: E402
+from model.reformer import pool_hidden  # noqa: E402
+from train.evaluation import load_lm, passages, validation_tails  # noqa: E402
+
+
+def nn_accuracy(vectors: Tensor, labels: list[str]) -> float:
+    """Leave-one-out 1-nearest-neighbour accuracy under cosine similarity."""
+    v = F.normalize(vectors.float(), dim=-1)
+    sim = v @ v.T  # (N, N)
+    sim.fill_diagonal_(-float("inf"))
+    nearest = sim.argmax(dim=1).tolist()
+    return sum(labels[i] == labels[j] for i, j in enumerate(nearest)) / len(labels)
+
+
+def bag_of_bytes(ids: np.ndarray, vocab: int) -> Tensor:
+    return torch.from_numpy(np.bincount(ids, minlength=vocab).astype(np.float32))
+
+
+@torch.no_grad()
+def poolings(lm: ReformerLM, ids: np.ndarray) -> dict[str, Tensor]:
+    """Every pooling of one passage: final hidden states (mean, last) and each layer's output (mean)."""
+    captured: list[Tensor] = []
+    hooks = [layer.register_forward_hook(lambda _m, _i, out: captured.append(torch.cat(out[:2], dim=-1)))
+             for layer in lm.layers]
+    try:
+        h = lm.hidden(torch.from_numpy(ids).unsqueeze(0))  # (1, L, 2*hidden)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    out = {"final-mean": pool_hidden(h, None, "mean", False)[0], "final-last": pool_hidden(h, None, "last", False)[0]}
+    for i, layer_out in enumerate(captured):
+        out[f"layer{i}-mean"] = layer_out[0, : ids.shape[0]].mean(dim=0)
+    return out
+
+
+def measure(model_path: Path, data: list[str], passage: int, per_book: int, val_fraction: float) -> dict[str, Any]:
+    lm, tok = load_lm(model_path)
+    cut = passages(validation_tails(data, val_fraction, tok), passage, per_book)
+    labels = [name for name, _ in cut]
+    if len(set(labels)) < 2:
+        raise SystemExit("embed_quality: need passages from at least two books; use a shorter --passage")
+    t0 = time.perf_counter()
+    per_pool: dict[str, list[Tensor]] = {}
+    for _, ids in cut:
+        for name, vec in poolings(lm, ids).items():
+            per_pool.setdefault(name, []).append(vec)
+    rows = [{"pooling": "bag-of-bytes (baseline)",
+             "accuracy": round(nn_accuracy(torch.stack([bag_of_bytes(ids, lm.config.vocab_size) for _, ids in cut]),
+                                           labels), 4)}]
+    for name, vecs in per_pool.items():
+        rows.append({"pooling": name, "accuracy": round(nn_accuracy(torch.stack(vecs), labels), 4)})
+    base = rows[0]["accuracy"]
+    for r in rows:
+        r["vs_baseline_points"] = round(100 * (r["accuracy"] - base), 1)
+    best = max(rows[1:], key=lambda r: r["accuracy"])
+    books = {b: labels.count(b) for b in dict.fromkeys(labels)}
+    return {"benchmark": "embed_quality", "model": str(model_path), "passage_bytes": passage, "passages": len(cut),
+            "per_book": books, "chance": round(max(books.values()) / len(cut), 4), "rows": rows,
+            "best_pooling": best["pooling"], "seconds": round(time.perf_counter() - t0, 1),
+            "loadavg_1m": round(os.getloadavg()[0], 2)}
+
+
+def table(result: dict[str, Any]) -> str:
+    lines = ["| pooling | nearest-neighbour accuracy | vs bag-of-bytes (points) |", "|---|---:|---:|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['pooling']} | {r['accuracy']:.3f} | {r['vs_baseline_points']:+.1f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("model", type=Path, help="artifact directory or training checkpoint")
+    p.add_argument("--data", nargs="+", default=[str(ROOT.parent / "shared" / "data")])
+    p.add_argument("--val-fraction", type=float, default=0.05)
+    p.add_argument("--passage", type=int, default=2048)
+    p.add_argument("--per-book", type=int, default=40)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "embed_quality.json")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    result = measure(args.model, args.data, args.passage, args.per_book, args.val_fraction)
+    result["table"] = table(result)
+    print(f"{result['passages']} passages of {result['passage_bytes']} bytes {result['per_book']}; "
+          f"majority-book chance {result['chance']:.3f}\n")
+    print(result["table"])
+    print(f"\nbest pooling: {result['best_pooling']}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out} ({result['seconds']} s, load {result['loadavg_1m']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

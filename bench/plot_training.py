@@ -1,0 +1,85 @@
+"""Validation curves of `reformer train` runs: bits per byte against tokens seen and against wall time,
+one line per run, from each run's curve.csv (written by the trainer at every validation).
+
+    python bench/plot_training.py RUN_DIR [RUN_DIR ...] [--out bench/results/training_curves.png]
+                                  [--labels NAME,...] [--target 2.2]
+
+The last point of a run is its final validation (all held-out tails); the others use the periodic
+subset (`--val-windows`), so the last point can sit a little off the line."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def read_curve(run: Path) -> list[dict[str, float]]:
+    path = run / "curve.csv" if run.is_dir() else run
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no curve.csv (is {run} a `reformer train --out` directory?)")
+    with open(path, newline="") as f:
+        return [{k: float(v) for k, v in row.items() if v not in ("", None)} for row in csv.DictReader(f)]
+
+
+def plot(runs: list[tuple[str, list[dict[str, float]]]], out: Path, target: float | None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    for label, rows in runs:
+        tokens = [r["tokens_seen"] / 1e6 for r in rows]
+        wall = [r["wall_time_s"] / 60 for r in rows]
+        bpb = [r["val_bpb"] for r in rows]
+        axes[0].plot(tokens, bpb, marker=".", label=label)
+        axes[1].plot(wall, bpb, marker=".", label=label)
+        # phase boundaries: where the phase index changes
+        for a, b in zip(rows, rows[1:]):
+            if b.get("phase", 0) != a.get("phase", 0):
+                axes[1].axvline(b["wall_time_s"] / 60, color="grey", lw=0.6, ls=":")
+    axes[0].set_xlabel("tokens (bytes) seen, millions")
+    axes[1].set_xlabel("wall time, minutes")
+    axes[0].set_ylabel("validation bits per byte")
+    for ax in axes:
+        if target is not None:
+            ax.axhline(target, color="red", lw=0.8, ls="--", label=f"target {target}")
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=8)
+    fig.suptitle("reformer train: validation bits per byte")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("runs", nargs="+", type=Path, help="run directories (or curve.csv files)")
+    p.add_argument("--labels", help="comma-separated names, one per run (default: directory names)")
+    p.add_argument("--target", type=float, default=2.2, help="horizontal target line (bits per byte)")
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "training_curves.png")
+    args = p.parse_args(argv)
+    labels = args.labels.split(",") if args.labels else [r.name if r.is_dir() else r.parent.name for r in args.runs]
+    if len(labels) != len(args.runs):
+        print("plot_training: --labels needs one name per run", file=sys.stderr)
+        return 2
+    try:
+        runs = [(label, read_curve(r)) for label, r in zip(labels, args.runs)]
+    except FileNotFoundError as e:
+        print(f"plot_training: {e}", file=sys.stderr)
+        return 2
+    plot(runs, args.out, args.target)
+    for label, rows in runs:
+        last = rows[-1] if rows else {}
+        print(f"{label}: {len(rows)} validations; last {last.get('val_bpb', float('nan')):.4f} bits per byte after "
+              f"{last.get('tokens_seen', 0):,.0f} tokens, {last.get('wall_time_s', 0):.0f} s")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""bench/long_context.py and bench/embed_quality.py on a tiny checkpoint and a tiny corpus written here."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from model import ReformerConfig, ReformerLM
+from train.checkpoint import TrainerState, save_checkpoint
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import embed_quality  # noqa: E402
+import long_context  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("after")
+    data = root / "data"
+    data.mkdir()
+    rng = np.random.default_rng(0)
+    for name, letters in (("aaa", "abcde fgh\n"), ("bbb", "pqrstu vw\n"), ("ccc", "KLMNOP QR\n")):
+        (data / f"{name}.txt").write_text("".join(rng.choice(list(letters), size=2000)))
+    torch.manual_seed(0)
+    cfg = ReformerConfig(hidden_size=32, num_attention_heads=2, attention_head_size=16,
+                         attn_layers=["local", "lsh"], feed_forward_size=64, lsh_attn_chunk_length=16,
+                         local_attn_chunk_length=16, num_hashes=2, num_buckets=4, axial_pos_shape=(16, 64),
+                         axial_pos_embds_dim=(16, 16), max_position_embeddings=1024, initializer_range=0.1,
+                         axial_norm_std=0.02)
+    lm = ReformerLM(cfg)
+    opt = torch.optim.AdamW(lm.parameters())
+    ckpt = save_checkpoint(root / "checkpoint", lm, opt, TrainerState(), {}, {}, {})
+    return ckpt, data
+
+
+def test_long_context_scores_the_same_bytes_both_ways(tiny: tuple[Path, Path], tmp_path: Path) -> None:
+    ckpt, data = tiny
+    out = tmp_path / "lc.json"
+    # val fraction 0.5: 1000-byte tails -> 3 passages of 256 per book
+    assert long_context.main([str(ckpt), "--data", str(data), "--val-fraction", "0.5", "--passage", "256",
+                              "--tail", "64", "--context", "64", "--threads", "1", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    total = res["rows"][-1]
+    assert total["book"] == "all" and total["passages"] == 9 and total["bytes_scored"] == 9 * 64
+    assert {r["book"] for r in res["rows"][:-1]} == {"aaa.txt", "bbb.txt", "ccc.txt"}
+    assert 0 < total["bpb_full_context"] < 16 and total["bpb_full_context"] != total["bpb_short_context"]
+    # with no more context than the short case, both figures are the same computation
+    same = tmp_path / "same.json"
+    long_context.main([str(ckpt), "--data", str(data), "--val-fraction", "0.5", "--passage", "128", "--tail", "64",
+                       "--context", "64", "--threads", "1", "--out", str(same)])
+    row = json.loads(same.read_text())["rows"][-1]
+    assert row["bpb_full_context"] == pytest.approx(row["bpb_short_context"], abs=1e-4)
+
+
+def test_embed_quality_reports_every_pooling_against_bag_of_bytes(tiny: tuple[Path, Path], tmp_path: Path) -> None:
+    ckpt, data = tiny
+    out = tmp_path / "eq.json"
+    assert embed_quality.main([str(ckpt), "--data", str(data), "--val-fraction", "0.5", "--passage", "100",
+                               "--per-book", "6", "--threads", "1", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["passages"] == 18 and res["per_book"] == {"aaa.txt": 6, "bbb.txt": 6, "ccc.txt": 6}
+    pools = [r["pooling"] for r in res["rows"]]
+    assert pools == ["bag-of-bytes (baseline)", "final-mean", "final-last", "layer0-mean", "layer1-mean"]
+    # the three books use disjoint letters: counting bytes identifies every passage
+    assert res["rows"][0]["accuracy"] == 1.0
+    assert res["best_pooling"] in pools[1:]
+
+
+def test_nearest_neighbour_accuracy_counts_only_other_passages() -> None:
+    v = torch.tensor([[1.0, 0.0], [0.9, 0.1], [0.0, 1.0], [0.1, 0.9]])
+    assert embed_quality.nn_accuracy(v, ["a", "a", "b", "b"]) == 1.0
+    assert embed_quality.nn_accuracy(v, ["a", "b", "a", "b"]) == 0.0
