@@ -3,12 +3,13 @@ torch on fresh random inputs.
 
 The eager model picks code paths in Python from shapes and data (dense attention for sequences that fit
 one chunk, fast paths for unpadded batches, feed-forward chunking by length), which a traced graph cannot
-keep. `OnnxForward` is the one path valid for every shape: it pads the batch to a chunk multiple with
-tensor ops inside the graph, gives every row chunked attention wrapping within its own padded length
-(export/graph_attention.py), and for rows whose own length fits in one chunk selects, with `where`, the
-dense attention eager gives such a row. Verification compares every real token of every row with the
-eager model, at lengths below, at and above one chunk and in padded batches, and refuses a graph whose
-logits differ by more than PARITY_TOLERANCE.
+keep. `OnnxForward` traces the model's static-shape forward (model/static_attention.py `static_forward`),
+the one path valid for every shape, with the model's batch preparation inside the graph: the mask may pad
+rows on the left, the right or both. A graph cannot raise, so a mask with a hole (a 0 between real tokens)
+is refused before the graph runs (`run_ort`, and the service's onnxruntime backend) with the ValueError
+torch raises. Verification compares every real token of every row with the eager model, logits and
+hidden states, at lengths below, at and above one chunk, at 4,096 tokens (16,384 with `long=True`) and in
+left- and right-padded batches, and refuses a graph that differs by more than PARITY_TOLERANCE.
 """
 
 from __future__ import annotations
@@ -22,15 +23,11 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model import ReformerLM
-from model.attention import LocalSelfAttention, LSHSelfAttention, merge_heads
-from model.reformer import _own_padded_lengths
-from model.reversible import ReformerLayer
-
-from .graph_attention import GraphBatch, local_attention, local_mask, lsh_attention
+from model.batch import check_attention_mask
+from model.static_attention import static_forward
 
 OPSET = 20
 PARITY_TOLERANCE = 1e-4
@@ -46,8 +43,8 @@ class ExportError(Exception):
 
 
 class OnnxForward(nn.Module):
-    """(input_ids, attention_mask) int64 (B, L), right-padded -> (logits (B, L, vocab), hidden_states
-    (B, L, 2*hidden)), for every row as eager computes that row alone."""
+    """(input_ids, attention_mask) int64 (B, L), each row's real tokens one contiguous run -> (logits
+    (B, L, vocab), hidden_states (B, L, 2*hidden)), for every row as eager computes that row alone."""
 
     def __init__(self, model: ReformerLM) -> None:
         super().__init__()
@@ -56,38 +53,7 @@ class OnnxForward(nn.Module):
         self.multiple = math.lcm(*model.config.chunk_lengths())
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor]:
-        cfg = self.model.config
-        t = input_ids.shape[1]
-        # pad to a chunk multiple: n*multiple is divisible by every chunk length, which lets the exporter
-        # prove the chunk reshapes valid for every length
-        padded = (t + self.multiple - 1) // self.multiple * self.multiple
-        pos = torch.arange(t, device=input_ids.device)
-        real = torch.where(attention_mask > 0, pos + 1, torch.zeros_like(pos)).amax(dim=1)  # (B,)
-        batch = GraphBatch(real_length=real, own_length=_own_padded_lengths(real, cfg), causal=cfg.is_decoder)
-        ids = F.pad(input_ids, (0, padded - t), value=cfg.pad_token_id)
-        valid = F.pad(attention_mask, (0, padded - t), value=0) > 0
-        x1 = x2 = self.model.embeddings(ids)  # (B, L', hidden)
-        local_masks = None  # every local layer has the same chunking: one mask for all of them
-        for layer in self.model.layers:
-            assert isinstance(layer, ReformerLayer)
-            block = layer.attention
-            att = block.self_attention
-            h = block.layer_norm(x2)
-            if isinstance(att, LSHSelfAttention):
-                chunked, dense = lsh_attention(att, h, valid, batch)
-            elif isinstance(att, LocalSelfAttention):
-                if local_masks is None:
-                    local_masks = local_mask(att.chunk, att.before, att.after, padded, batch)
-                chunked, dense = local_attention(att, h, batch, local_masks)
-            else:
-                raise ExportError(f"unknown attention layer {type(att).__name__}")
-            # rows whose own length fits one chunk get dense attention, as eager gives them
-            short = (batch.own_length <= att.chunk).view(-1, 1, 1, 1)
-            dense = F.pad(dense, (0, 0, 0, padded - att.chunk))
-            x1 = x1 + block.output(merge_heads(torch.where(short, dense, chunked)))
-            x2 = x2 + layer.feed_forward._forward_chunk(x1, None)
-        h = self.model.final_layer_norm(torch.cat([x1, x2], dim=-1))[:, :t]  # (B, L, 2*hidden)
-        return self.model.lm_head(h), h
+        return static_forward(self.model, input_ids, attention_mask)
 
 
 def check_exportable(model: ReformerLM) -> None:
@@ -177,40 +143,64 @@ def ort_session(path: Path, threads: int = 0) -> Any:
 
 
 def run_ort(session: Any, ids: Tensor, mask: Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """Run the graph; a mask with a hole is refused (ValueError naming the row), as torch refuses it."""
+    check_attention_mask(mask)
     logits, hidden = session.run(OUTPUT_NAMES, {"input_ids": ids.numpy(), "attention_mask": mask.numpy()})
     return logits, hidden
 
 
-def verification_cases(model: ReformerLM, seed: int = 0) -> list[tuple[Tensor, Tensor]]:
+LONG_LENGTH = 4096  # always verified (capped at the graph's maximum)
+LONGER_LENGTH = 16384  # verified with long=True
+
+
+def padded_batch(rows: list[tuple[int, int, int]], vocab: int, pad_id: int, g: torch.Generator
+                 ) -> tuple[Tensor, Tensor]:
+    """rows of (left padding, real tokens, right padding), all of one total length -> ids, mask (B, L)."""
+    t = sum(rows[0])
+    ids = torch.randint(2, vocab, (len(rows), t), generator=g)
+    mask = torch.zeros_like(ids)
+    for i, (left, n, right) in enumerate(rows):
+        assert left + n + right == t
+        mask[i, left : left + n] = 1
+    return ids.masked_fill(mask == 0, pad_id), mask
+
+
+def verification_cases(model: ReformerLM, seed: int = 0, long: bool = False) -> list[tuple[Tensor, Tensor]]:
     """Fresh random inputs: single rows of lengths around the chunk length (shorter than one chunk, exact
-    multiples, not multiples, several chunks) and right-padded batches of mixed lengths."""
+    multiples, not multiples, several chunks) and of 4,096 tokens (and 16,384 with `long`), and batches of
+    mixed lengths padded on the right, on the left and on both sides."""
     cfg = model.config
     m = math.lcm(*cfg.chunk_lengths())
     top = max_export_length(model)
     g = torch.Generator().manual_seed(seed)
-    lengths = sorted({min(n, top) for n in (1, max(2, m // 2 + 1), m, m + 3, 3 * m - 1, 6 * m + 5)})
+    longest = [LONG_LENGTH, LONGER_LENGTH] if long else [LONG_LENGTH]
+    lengths = sorted({min(n, top) for n in (1, max(2, m // 2 + 1), m, m + 3, 3 * m - 1, 6 * m + 5, *longest)})
     cases = []
     for n in lengths:
         ids = torch.randint(2, cfg.vocab_size, (1, n), generator=g)
         cases.append((ids, torch.ones_like(ids)))
-    for rows in ([min(4 * m + 7, top), min(m + 1, top), max(1, m // 2)], [min(2 * m, top), min(2 * m - 3, top)]):
-        t = max(rows)
-        ids = torch.randint(2, cfg.vocab_size, (len(rows), t), generator=g)
-        mask = torch.zeros_like(ids)
-        for i, n in enumerate(rows):
-            mask[i, :n] = 1
-        ids = ids.masked_fill(mask == 0, cfg.pad_token_id)
-        cases.append((ids, mask))
+    a, b, c = min(4 * m + 7, top), min(m + 1, top), max(1, m // 2)
+    d, e = min(2 * m, top), min(2 * m - 3, top)
+    batches = [
+        [(0, a, 0), (0, b, a - b), (0, c, a - c)],  # right padding
+        [(0, d, 0), (0, e, d - e)],
+        [(0, a, 0), (a - b, b, 0), (a - c, c, 0)],  # left padding
+        [(0, a, 0), (3, b, a - b - 3), ((a - c) // 2, c, a - c - (a - c) // 2)],  # both sides
+    ]
+    for rows in batches:
+        if all(left >= 0 and right >= 0 for left, _, right in rows):
+            cases.append(padded_batch(rows, cfg.vocab_size, cfg.pad_token_id, g))
     return cases
 
 
-def verify_onnx(model: ReformerLM, path: Path, seed: int = 0) -> dict[str, Any]:
+def verify_onnx(model: ReformerLM, path: Path, seed: int = 0, long: bool = False) -> dict[str, Any]:
     """Max abs difference between torch (the eager model) and onnxruntime over the verification cases,
-    on every real token; raises ExportError above PARITY_TOLERANCE."""
+    on every real token, for the logits and the hidden states (what the onnxruntime backend pools into
+    embeddings); raises ExportError when either exceeds PARITY_TOLERANCE."""
     session = ort_session(path)
     worst_logits = worst_hidden = 0.0
     shapes = []
-    for ids, mask in verification_cases(model, seed):
+    for ids, mask in verification_cases(model, seed, long):
         with torch.no_grad():
             ref = model(ids, mask)
         logits, hidden = run_ort(session, ids, mask)
@@ -220,9 +210,10 @@ def verify_onnx(model: ReformerLM, path: Path, seed: int = 0) -> dict[str, Any]:
         shapes.append([int(v) for v in mask.sum(dim=1)])
     result = {"max_abs_diff_logits": worst_logits, "max_abs_diff_hidden_states": worst_hidden,
               "tolerance": PARITY_TOLERANCE, "cases": shapes, "seed": seed}
-    if not worst_logits <= PARITY_TOLERANCE:  # also catches NaN
-        raise ExportError(f"{path.name}: onnxruntime logits differ from torch by {worst_logits:.3g} "
-                          f"(> {PARITY_TOLERANCE}); refusing to write the artifact")
+    for name, worst in (("logits", worst_logits), ("hidden_states", worst_hidden)):
+        if not worst <= PARITY_TOLERANCE:  # also catches NaN
+            raise ExportError(f"{path.name}: onnxruntime {name} differ from torch by {worst:.3g} "
+                              f"(> {PARITY_TOLERANCE}); refusing to write the artifact")
     return result
 
 

@@ -108,8 +108,8 @@ def prepare_batch(input_ids: Tensor, attention_mask: Tensor | None, config: Refo
         else:
             own = torch.full((b,), t, dtype=torch.long, device=device)
             ids = F.pad(input_ids, (0, padded - t), value=config.pad_token_id)
-            valid = None if padded == t else (torch.arange(padded, device=device) < t).expand(b, padded)
-            return PreparedBatch(ids, valid, own_padded_lengths(own, config), own, None, t)
+            tail = None if padded == t else (torch.arange(padded, device=device) < t).expand(b, padded)
+            return PreparedBatch(ids, tail, own_padded_lengths(own, config), own, None, t)
     if attention_mask.shape != input_ids.shape:
         raise ValueError("attention_mask must have the shape of input_ids")
     if not static:

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention import AttentionContext
+from .attention import AttentionContext, LocalSelfAttention, LSHSelfAttention
 from .batch import prepare_batch
 from .config import ReformerConfig
 from .embeddings import AxialPositionEmbeddings, ReformerEmbeddings
@@ -31,8 +31,9 @@ class ReformerLM(nn.Module):
         self.config = config
         self.embeddings = ReformerEmbeddings(config)
         self.layers = nn.ModuleList([ReformerLayer(kind, config) for kind in config.attn_layers])
-        for layer in self.layers:
-            layer.attention.self_attention.fused = fused_attention
+        for module in self.modules():
+            if isinstance(module, (LSHSelfAttention, LocalSelfAttention)):
+                module.fused = fused_attention
         self.final_layer_norm = nn.LayerNorm(2 * config.hidden_size, eps=config.layer_norm_eps)
         self.lm_head = nn.Linear(2 * config.hidden_size, config.vocab_size)
         # training uses the memory-saving reversible backward; tests compare it with plain autograd

@@ -1,40 +1,46 @@
-"""The model's LSH and local attention as the exported graph computes them: the same math as
-model/attention.py (same hashing, sort, own-length window wrap, masks, log-sum-exp round weights), laid
-out for onnxruntime, where the profile of the straightforward graph was dominated by the mask `Where`s
-and `ReduceLogSumExp` over the chunked score blocks:
+"""The model's forward with static shapes, as the exported (ONNX) graph computes it: the same math as the
+eager layers (model/attention.py: same hashing, sort, own-length window wrap, masks, log-sum-exp round
+weights) and the same batch preparation (model/batch.py, in its `static` form), in one code path valid
+for every shape and laid out for onnxruntime, where the profile of the straightforward graph was
+dominated by the mask `Where`s and `ReduceLogSumExp` over the chunked score blocks:
 
-- input is right-padded (attention_mask is 1s then 0s), so a key is padding exactly when its position is
-  at or past the row's real length; for a causal model that is already implied by the causal mask for
-  every real query, so one comparison `key_pos > min(query_pos, real_length - 1)` replaces three masks;
+- the prepared batch is right-padded (each row's real tokens first), so a key is padding exactly when its
+  position is at or past the row's real length; for a causal model that is already implied by the
+  causal mask for every real query, so one comparison `key_pos > min(query_pos, real_length - 1)`
+  replaces three masks;
 - the local layers' mask depends only on positions and lengths, so it is built once per forward and
   shared by every local layer and head; causal local layers take their neighbour chunks by shifting
   (no gather), and LSH windows are gathered along the chunk axis of one head (no transposes);
-- softmax and its log-sum-exp share one exp pass: e = exp(s - max), lse = max + log(sum e), and the
-  output is (e @ v) * exp(max - lse), which normalises the small (C, D) output instead of the (C, W*C)
-  probabilities and keeps eager's rounding for rows that see only themselves.
+- softmax and its log-sum-exp share one exp pass (chunking.attend_masked);
+- every row gets chunked attention wrapping within its own padded length, and rows whose own length
+  fits one chunk select, with `where`, the dense attention eager gives such a row.
 
-The masks become one additive bias as in eager (-1e9 for future or padding keys, -1e5 at an LSH query's
-own position), built with casts and multiplies, which onnxruntime runs about 10% faster overall than
-the same masks as `Where`s. Export verification compares the result with the eager model on every real
-token."""
+Export verification compares the result with the eager model on every real token."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-from model.attention import LocalSelfAttention, LSHSelfAttention, length_normalize, split_heads
-from model.chunking import gather_chunks, mask_value, self_mask_value, window_chunk_index
+from .attention import LocalSelfAttention, LSHSelfAttention, length_normalize, merge_heads, split_heads
+from .batch import prepare_batch
+from .chunking import attend_masked, gather_chunks, round_weights, window_chunk_index
+from .reversible import ReformerLayer
+
+if TYPE_CHECKING:
+    from .reformer import ReformerLM
 
 
 @dataclass
 class GraphBatch:
     """Per-forward tensors every attention layer needs."""
 
-    real_length: Tensor  # (B,) real tokens per row (right padding)
+    real_length: Tensor  # (B,) real tokens per row (the prepared batch is right-padded)
     own_length: Tensor  # (B,) each row's length as eager pads it alone
     causal: bool
 
@@ -48,20 +54,6 @@ def masked_positions(q_pos: Tensor, k_pos: Tensor, batch: GraphBatch) -> Tensor:
         limit = torch.minimum(q_pos, real - 1)
         return k_pos.unsqueeze(-2) > limit.unsqueeze(-1)
     return (k_pos >= real).unsqueeze(-2).expand(*q_pos.shape, k_pos.shape[-1])
-
-
-def attend(q: Tensor, k: Tensor, v: Tensor, masked: Tensor, self_hit: Tensor | None) -> tuple[Tensor, Tensor]:
-    """(out (..., Q, D), lse (..., Q)) of softmax(q k^T with masks) v."""
-    dots = torch.matmul(q, k.transpose(-1, -2))  # (..., Q, K)
-    bias = masked.to(dots.dtype) * mask_value(dots.dtype)
-    if self_hit is not None:
-        bias = bias + self_hit.to(dots.dtype) * self_mask_value(dots.dtype)
-    dots = dots + bias
-    top = dots.amax(dim=-1, keepdim=True)  # (..., Q, 1)
-    e = torch.exp(dots - top)
-    lse = top + torch.log(e.sum(dim=-1, keepdim=True))
-    out = torch.matmul(e, v) * torch.exp(top - lse)
-    return out, lse.squeeze(-1)
 
 
 def windows(x: Tensor, win: Tensor) -> Tensor:
@@ -116,8 +108,8 @@ def local_attention(att: LocalSelfAttention, h: Tensor, batch: GraphBatch,
         k_w, v_w = shifted_windows(k_c, att.before, dim=2), shifted_windows(v_c, att.before, dim=2)
     else:
         k_w, v_w = gather_chunks(k_c, win), gather_chunks(v_c, win)  # (B, H, N, W*C, D)
-    out, _ = attend(q.view(b, att.heads, n, c, d), k_w, v_w, masked, None)
-    dense, _ = attend(q[:, :, :c], k[:, :, :c], v[:, :, :c], masked_first, None)
+    out, _ = attend_masked(q.view(b, att.heads, n, c, d), k_w, v_w, masked, None)
+    dense, _ = attend_masked(q[:, :, :c], k[:, :, :c], v[:, :, :c], masked_first, None)
     return out.reshape(b, att.heads, t, d), dense
 
 
@@ -148,16 +140,52 @@ def lsh_attention(att: LSHSelfAttention, h: Tensor, valid: Tensor, batch: GraphB
         qp = sp.view(b, r * n, c)  # (B, R*N, C)
         kp = windows(qp.unsqueeze(-1), win).squeeze(-1)  # (B, R*N, W*C)
         self_hit = kp.unsqueeze(-2) == qp.unsqueeze(-1)
-        o, lse = attend(q_c, windows(k_c, win), windows(v_c, win), masked_positions(qp, kp, batch),
-                        self_hit)  # (B, R*N, C, D), (B, R*N, C)
+        o, lse = attend_masked(q_c, windows(k_c, win), windows(v_c, win), masked_positions(qp, kp, batch),
+                               self_hit)  # (B, R*N, C, D), (B, R*N, C)
         # undo the sort, then weigh every round by its share of the probability mass
         undo = order[:, i]  # (B, R, L)
         o = torch.empty_like(o.view(b, r, t, d)).scatter(2, undo.unsqueeze(-1).expand(-1, -1, -1, d),
                                                          o.view(b, r, t, d))
         lse = torch.empty_like(lse.view(b, r, t)).scatter(2, undo, lse.view(b, r, t))
-        weights = torch.exp(lse - torch.logsumexp(lse, dim=1, keepdim=True)).unsqueeze(-1)
+        weights = round_weights(lse, dim=1).unsqueeze(-1)  # (B, R, L, 1)
         heads.append((o * weights).sum(dim=1))  # (B, L, D)
     first = pos[:c].view(1, 1, c).expand(b, 1, c)
     self_first = (first.unsqueeze(-1) == first.unsqueeze(-2))
-    dense, _ = attend(qk[:, :, :c], k[:, :, :c], v[:, :, :c], masked_positions(first, first, batch), self_first)
+    dense, _ = attend_masked(qk[:, :, :c], k[:, :, :c], v[:, :, :c], masked_positions(first, first, batch),
+                             self_first)
     return torch.stack(heads, dim=1), dense
+
+
+def static_forward(lm: ReformerLM, input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """(input_ids, attention_mask) (B, L) -> (logits (B, L, vocab), hidden_states (B, L, 2*hidden)) in the
+    caller's layout, every real token as eager computes its row alone. No data-dependent Python branch,
+    so it traces to one graph for every shape. The mask is not checked here (a graph cannot raise):
+    callers check it with model.batch.check_attention_mask."""
+    cfg = lm.config
+    prepared = prepare_batch(input_ids, attention_mask, cfg, static=True)
+    assert prepared.valid is not None  # the static form always builds the mask
+    batch = GraphBatch(real_length=prepared.length, own_length=prepared.own_length, causal=cfg.is_decoder)
+    padded = prepared.input_ids.shape[1]
+    x1 = x2 = lm.embeddings(prepared.input_ids)  # (B, L', hidden)
+    local_masks = None  # every local layer has the same chunking: one mask for all of them
+    for layer in lm.layers:
+        assert isinstance(layer, ReformerLayer)
+        block = layer.attention
+        att = block.self_attention
+        h = block.layer_norm(x2)
+        if isinstance(att, LSHSelfAttention):
+            chunked, dense = lsh_attention(att, h, prepared.valid, batch)
+        elif isinstance(att, LocalSelfAttention):
+            if local_masks is None:
+                local_masks = local_mask(att.chunk, att.before, att.after, padded, batch)
+            chunked, dense = local_attention(att, h, batch, local_masks)
+        else:
+            raise TypeError(f"unknown attention layer {type(att).__name__}")
+        # rows whose own length fits one chunk get dense attention, as eager gives them
+        short = (batch.own_length <= att.chunk).view(-1, 1, 1, 1)
+        dense = F.pad(dense, (0, 0, 0, padded - att.chunk))
+        x1 = x1 + block.output(merge_heads(torch.where(short, dense, chunked)))
+        # one feed-forward pass over the whole length: eager's length-dependent chunking is a Python branch
+        x2 = x2 + layer.feed_forward._forward_chunk(x1, None)
+    h = prepared.restore(lm.final_layer_norm(torch.cat([x1, x2], dim=-1)))  # (B, L, 2*hidden)
+    return lm.lm_head(h), h
