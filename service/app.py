@@ -87,8 +87,9 @@ def create_app(settings: Settings | None = None, artifact: Any = None) -> FastAP
         if getattr(route, "path", "/metrics") not in PROBE_PATHS | DOC_PATHS
     )
     # add_middleware wraps: the last added is the outermost.
-    app.add_middleware(PayloadLimitMiddleware, max_bytes=settings.max_payload_bytes)
-    app.add_middleware(AvailabilityMiddleware, state=state)  # refuses before the body is read
+    app.add_middleware(AvailabilityMiddleware, state=state)  # reserves a queue place once the body is in
+    app.add_middleware(PayloadLimitMiddleware, max_bytes=settings.max_payload_bytes,
+                       timeout_s=settings.body_timeout_s)  # reads the body first, under its deadline
     if settings.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key.get_secret_value(),
                            protect_probes=settings.api_key_on_probes)

@@ -1,9 +1,12 @@
 """Pure ASGI middlewares, outermost first: request context (id, access log, request metrics), API key,
-availability (503 while loading or draining, 429 while the queue is full), payload size limit. Pure ASGI so
-streaming passes through."""
+request body (read whole under a deadline, 408 past it, 413 beyond the payload limit), availability (503
+while loading or draining, 429 while the queue is full). A queue place is reserved only once the body has
+arrived, so a client that sends slowly holds nothing anyone else needs. Pure ASGI so streaming passes
+through."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
@@ -122,12 +125,15 @@ class ApiKeyMiddleware:
 
 
 class PayloadLimitMiddleware:
-    """Reads the body up to `max_bytes` (413 beyond), then replays it; later receives (disconnects) pass
-    through, so handlers can still notice a client that went away."""
+    """Reads the whole body before anything inner runs: up to `max_bytes` (413 beyond), within `timeout_s`
+    of the headers (408 `body_timeout` past it), then replays it; later receives (disconnects) pass
+    through, so handlers can still notice a client that went away. It sits outside the availability
+    middleware, so a request holds no queue place while its body is still on the way."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int):
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float):
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
@@ -137,21 +143,18 @@ class PayloadLimitMiddleware:
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             await self._too_large(scope, receive, send, int(declared))
             return
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_bytes:
-                await self._too_large(scope, receive, send, size)
-                return
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        body = b"".join(chunks)
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                body = await self._read(receive)
+        except TimeoutError:
+            await _send_error(scope, receive, send, 408, "body_timeout",
+                              f"request body not received within body_timeout_s={self.timeout_s:g} s")
+            return
+        except _TooLarge as too_large:
+            await self._too_large(scope, receive, send, too_large.size)
+            return
+        if body is None:  # the client went away before it finished sending
+            return
         replayed = False
 
         async def replay() -> Message:
@@ -163,16 +166,37 @@ class PayloadLimitMiddleware:
 
         await self.app(scope, replay, send)
 
+    async def _read(self, receive: Receive) -> bytes | None:
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                raise _TooLarge(size)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
     async def _too_large(self, scope: Scope, receive: Receive, send: Send, size: int) -> None:
         await _send_error(scope, receive, send, 413, "payload_too_large",
                           f"request body of {size}+ bytes exceeds max_payload_bytes={self.max_bytes}")
 
 
+class _TooLarge(Exception):
+    def __init__(self, size: int):
+        super().__init__(size)
+        self.size = size
+
+
 class AvailabilityMiddleware:
     """503 on API routes until the model is loaded and warmed up, and once draining has begun; 429 on the
     queued routes while the queue is full, counting requests still being parsed (Engine.reserve). It sits
-    outside the payload limit: the excess of a burst is refused before its body is read or parsed, in the
-    same turn of the event loop that reads it, whatever the model worker is doing."""
+    inside the body reader: a place is reserved only for a request whose body has arrived, and the excess
+    of a burst is refused before its body is parsed, whatever the model worker is doing."""
 
     def __init__(self, app: ASGIApp, state: Any):
         self.app = app

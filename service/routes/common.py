@@ -116,6 +116,7 @@ def disconnected_response() -> Response:
 
 _ERROR_TEXT = {
     401: "Missing or wrong API key (when one is configured).",
+    408: "Request body not received within body_timeout_s (error_type body_timeout).",
     413: "Request body larger than max_payload_bytes.",
     422: "Validation failed (error_type validation), or input longer than the limit, or input plus new tokens "
          "beyond the model's positions (input_too_long).",
@@ -135,8 +136,8 @@ _ERROR_HEADERS: dict[int, dict[str, Any]] = {
 
 # What can fail where: every route may need the API key and may fail unexpectedly; routes with a body may
 # be too large or invalid; only routes that queue for the model can be refused (429) or time out (504).
-INFERENCE_CODES = (401, 413, 422, 429, 500, 503, 504)
-TOKENIZE_CODES = (401, 413, 422, 500, 503)
+INFERENCE_CODES = (401, 408, 413, 422, 429, 500, 503, 504)
+TOKENIZE_CODES = (401, 408, 413, 422, 500, 503)
 READ_CODES = (401, 500, 503)
 METRICS_CODES = (401, 500)
 
