@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from .chunking import (
     attend,
     attention_bias,
-    can_fuse,
+    fusable,
     gather_chunks,
     look_adjacent,
     round_weights,
@@ -21,7 +21,7 @@ from .chunking import (
     window_chunk_index,
 )
 from .config import ReformerConfig
-from .lsh_fused import fused_lsh_attend
+from .lsh_fused import fused_lsh_attend, window_kernel_for
 
 
 @dataclass
@@ -34,6 +34,11 @@ class AttentionContext:
 
 
 def length_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:
+    """x scaled to unit root mean square over the last axis. In half precision the mean square is taken in
+    fp32: x*x overflows fp16 from |x| = 256 on."""
+    if x.dtype in (torch.float16, torch.bfloat16):
+        x32 = x.float()
+        return (x32 * torch.rsqrt(torch.mean(x32 * x32, dim=-1, keepdim=True) + eps)).to(x.dtype)
     return x * torch.rsqrt(torch.mean(x * x, dim=-1, keepdim=True) + eps)
 
 
@@ -108,10 +113,18 @@ class LSHSelfAttention(nn.Module):
 
     # ----------------------------------------------------------------------------------------------
     def hash(self, qk: Tensor, num_buckets: int | list[int], valid: Tensor | None) -> Tensor:
-        """qk (B, H, L, D) -> buckets (B, H, R, L); padding gets the extra bucket `num_buckets`."""
-        rot = self.rotations_for(num_buckets, qk)  # (H, D, R, rot/2)
+        """qk (B, H, L, D) -> buckets (B, H, R, L); padding gets the extra bucket `num_buckets`.
+        Hashing runs in fp32 whatever the model's dtype (an fp32 copy of qk, the rotations as drawn), so a
+        half-precision model buckets its projections as the fp32 model buckets the same values."""
+        x = qk.detach() if qk.dtype == torch.float32 else qk.detach().float()  # (B, H, L, D)
+        if self.rotations is not None and self.rotations.dtype != torch.float32:
+            # casting the model (lm.to(torch.bfloat16)) rounded the fixed rotations: draw them again
+            size = _rotation_size(num_buckets)
+            self.rotations = hash_rotations(self.config.hash_seed, self.heads, self.head_size, self.rounds,
+                                            size).to(x.device)
+        rot = self.rotations_for(num_buckets, x)  # (H, D, R, rot/2), fp32
         hh, dd, rr, kk = rot.shape
-        rotated = torch.matmul(qk.detach(), rot.reshape(hh, dd, rr * kk))  # (B, H, L, R*rot/2)
+        rotated = torch.matmul(x, rot.reshape(hh, dd, rr * kk))  # (B, H, L, R*rot/2)
         rotated = rotated.view(*qk.shape[:3], rr, kk)  # (B, H, L, R, rot/2)
         factors = [num_buckets] if isinstance(num_buckets, int) else list(num_buckets)
         buckets: Tensor | None = None
@@ -185,7 +198,9 @@ class LSHSelfAttention(nn.Module):
         win = window_chunk_index(own_chunks, r, n, self.before, self.after)  # (B, R*N, W)
         # one circular window layout for the whole batch when no row is shorter than the batch
         uniform = not torch.jit.is_tracing() and bool((own_chunks == n).all())
-        fused = can_fuse(qk, self.dropout if self.training else 0.0, self.fused)
+        # the fused kernel for qk's device and dtype (CPU flash, CUDA memory-efficient), or None
+        kernel = window_kernel_for(qk, fusable(self.dropout if self.training else 0.0, self.fused))
+        fused = kernel is not None
         k = length_normalize(qk) / math.sqrt(self.head_size)  # (B, H, L, D)
         qkv = torch.cat([qk, k, v], dim=-1)  # (B, H, L, 3D): one row gather per head sorts all three
         valid = ctx.valid
@@ -219,8 +234,8 @@ class LSHSelfAttention(nn.Module):
                 v_w = gather_chunks(v_c, win)
                 kp = gather_chunks(qp.unsqueeze(-1), win).squeeze(-1)
             kv = None if valid is None else valid[torch.arange(b, device=device).view(b, 1, 1, 1), kp]
-            if fused:
-                o, lse = fused_lsh_attend(q_c, k_w, v_w, v_c, qp, kp, kv, self.causal)
+            if kernel is not None:
+                o, lse = fused_lsh_attend(q_c, k_w, v_w, v_c, qp, kp, kv, self.causal, kernel)
             else:
                 bias = attention_bias(qp, kp, kv, self.causal, True, qk.dtype)  # (B, h', R*N, C, W*C)
                 o, lse = attend(q_c, k_w, v_w, bias, dropout, ctx.generator)  # (B,h',R*N,C,D), (B,h',R*N,C)

@@ -118,13 +118,18 @@ def attention_bias(
     return bias.expand(torch.broadcast_shapes(bias.shape, qp.shape, kp.shape))
 
 
-def can_fuse(q: Tensor, dropout: float, fused: bool) -> bool:
-    """Whether PyTorch's fused CPU attention kernel (it returns the log-sum-exp the hash-round combination
-    needs) may run: asked for by the layer (`fused`, a constructor argument), eval on CPU, no autograd,
-    no tracing. Training, dropout and tracing use the plain formulation in `attend`."""
-    return (fused and dropout == 0.0 and q.device.type == "cpu" and not torch.is_grad_enabled()
-            and q.dtype in (torch.float32, torch.bfloat16) and not torch.compiler.is_compiling()
+def fusable(dropout: float, fused: bool) -> bool:
+    """Whether a forward may use a fused kernel on any device: asked for by the layer (`fused`, a
+    constructor argument), no dropout, no autograd, no tracing. Training, dropout and tracing use the plain
+    formulation in `attend`. (Chunked LSH attention picks its kernel by device: model/lsh_fused.py.)"""
+    return (fused and dropout == 0.0 and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
             and not torch.jit.is_tracing())
+
+
+def can_fuse(q: Tensor, dropout: float, fused: bool) -> bool:
+    """Whether `attend` may run PyTorch's fused CPU attention kernel (it returns the log-sum-exp the
+    hash-round combination needs): `fusable`, on CPU, in fp32 or bf16."""
+    return fusable(dropout, fused) and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
 
 
 def attend(

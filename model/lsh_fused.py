@@ -1,44 +1,135 @@
-"""The eval-time inner loop of chunked LSH attention on CPU, built around PyTorch's fused attention
-kernel. The training path (model/chunking.py `attend`) is the plain formulation; both match the reference.
+"""The eval-time inner loop of chunked LSH attention through PyTorch's fused attention kernels, which also
+return the log-sum-exp the hash-round combination needs: the flash kernel on CPU, the memory-efficient
+kernel (it takes an additive bias) on CUDA. The training path (model/chunking.py `attend`) is the plain
+formulation; both match the reference.
+
+Only the kernel call differs by device. The bias (padded to the kernel's alignment), the reshape to the
+kernels' (B, H, L, D) layout, the log-sum-exp unpacking and the rows that may only see themselves are
+shared, so `reference_kernel` (plain softmax, held to the CUDA kernel's input contract) stands in for the
+CUDA kernel in the CPU tests. The kernel is chosen by the query's device and dtype at call time.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from .chunking import mask_value, self_mask_value
 
+# (q (B, H, L, D), k and v (B, H, K, D), bias (B, H, L, K) in q's dtype) -> (out (B, H, L, D), fp32 raw
+# log-sum-exp (B, H, L') with L' >= L: the CUDA kernel pads it to a multiple of 32)
+KernelFn = Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
+
+
+@dataclass(frozen=True)
+class WindowKernel:
+    name: str
+    run: KernelFn
+    dtypes: tuple[torch.dtype, ...]
+    bias_alignment: int  # the bias's row stride must be a multiple of this many elements
+    sparse_self_rows: bool = False  # rebuild self-only rows by index (a host sync: CPU only)
+
+
+def _cpu_flash(q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, False, attn_mask=bias, scale=1.0)
+    return out, lse
+
+
+def _cuda_efficient(q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
+    # (query, key, value, attn_bias, compute_log_sumexp, dropout_p, is_causal, *, scale)
+    out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, bias, True, 0.0, False, scale=1.0)
+    return out, lse
+
+
+# The CUDA kernel's attention rows per block; its log-sum-exp has a multiple of this many rows.
+CUDA_LSE_ALIGNMENT = 32
+
+
+def reference_kernel(q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
+    """Plain softmax in the CUDA kernel's place: refuses inputs the CUDA kernel refuses (its checks on the
+    layout, the bias dtype and the bias alignment), accumulates in fp32 as it does, and returns the
+    log-sum-exp padded as it does (padding filled with NaN, so a caller that reads it fails tests)."""
+    if q.dim() != 4 or k.shape[:2] != q.shape[:2] or v.shape[:3] != k.shape[:3]:
+        raise RuntimeError(f"expected (B, H, L, D) q and (B, H, K, D) k, v; got {q.shape}, {k.shape}, {v.shape}")
+    if bias.dtype != q.dtype:
+        raise RuntimeError("invalid dtype for bias - should match query's dtype")
+    if bias.shape != (*q.shape[:3], k.shape[2]):
+        raise RuntimeError(f"attn_bias: wrong shape {tuple(bias.shape)}")
+    if any(x.stride(-1) != 1 for x in (q, k, v, bias)):
+        raise RuntimeError("last dimension must be contiguous")
+    align = CUDA.bias_alignment
+    if any(s % align for s in bias.stride()[:3]) or bias.data_ptr() % (align * bias.element_size()):
+        raise RuntimeError(f"attn_bias is not correctly aligned: strides {bias.stride()}")
+    dots = torch.matmul(q.float(), k.float().transpose(-1, -2)) + bias.float()  # (B, H, L, K)
+    lse = torch.logsumexp(dots, dim=-1)  # (B, H, L)
+    out = torch.matmul(torch.exp(dots - lse.unsqueeze(-1)), v.float()).to(q.dtype)
+    rows = -(-q.shape[2] // CUDA_LSE_ALIGNMENT) * CUDA_LSE_ALIGNMENT
+    padded = lse.new_full((*lse.shape[:2], rows), float("nan"))
+    padded[..., : q.shape[2]] = lse
+    return out, padded
+
+
+CPU = WindowKernel("cpu_flash", _cpu_flash, (torch.float32, torch.bfloat16), bias_alignment=1,
+                  sparse_self_rows=True)
+# 16 elements: the memory-efficient kernel needs the bias rows aligned to 128 bits (4 fp32, 8 bf16/fp16
+# elements), and torch's own SDPA front end pads its masks to 16 for it.
+CUDA = WindowKernel("cuda_efficient", _cuda_efficient, (torch.float32, torch.bfloat16, torch.float16),
+                    bias_alignment=16)
+REFERENCE = WindowKernel("reference", reference_kernel, CUDA.dtypes, CUDA.bias_alignment)
+KERNELS = {"cpu": CPU, "cuda": CUDA}
+
+
+def window_kernel_for(q: Tensor, fusable: bool) -> WindowKernel | None:
+    """The fused kernel for q's device and dtype, or None (the plain path). `fusable`: the forward may
+    fuse at all (chunking.can_fuse's conditions other than the device: eval, no autograd, no tracing)."""
+    kernel = KERNELS.get(q.device.type)
+    return kernel if fusable and kernel is not None and q.dtype in kernel.dtypes else None
+
 
 def fused_lsh_attend(q: Tensor, k: Tensor, v: Tensor, v_own: Tensor, q_pos: Tensor, k_pos: Tensor,
-                     k_valid: Tensor | None, causal: bool) -> tuple[Tensor, Tensor]:
+                     k_valid: Tensor | None, causal: bool, kernel: WindowKernel = CPU) -> tuple[Tensor, Tensor]:
     """q, v_own (B, H, N, C, D); k, v (B, H, N, W*C, D); q_pos (B, H, N, C); k_pos, k_valid (B, H, N, W*C).
     v_own holds each query's own value.
-    Returns (output (B, H, N, C, D), log-sum-exp (B, H, N, C)) as the reference computes them.
+    Returns (output (B, H, N, C, D), log-sum-exp (B, H, N, C)), in q's dtype, as the reference computes them.
 
     A query's own position is masked outright here. In the reference it gets the logit -1e5 instead,
     which contributes nothing (exp(-1e5) = 0) unless the query sees nothing else. Those rows (the first
     token, or a token alone with later tokens in its window) come out of the kernel fully masked and are
     rebuilt below exactly as the reference computes them."""
+    b, h, n, c, d = q.shape
+    bias = window_bias(q_pos, k_pos, k_valid, causal, q.dtype, kernel.bias_alignment)  # (B*H, N, C, W*C)
+    out, lse = kernel.run(q.reshape(b * h, n, c, d), _merge_batch_heads(k), _merge_batch_heads(v), bias)
+    out = out.reshape(b, h, n, c, d)  # (B, H, N, C, D)
+    lse = lse[..., :c].reshape(b, h, n, c)  # the kernel's rows past C are padding
+    out, lse = _attend_to_self(out, lse, q_pos, k_pos, v_own, kernel.sparse_self_rows)
+    # in q's dtype, as the plain path returns it (the rounds are combined in that dtype)
+    return out, lse.to(q.dtype)
+
+
+def window_bias(q_pos: Tensor, k_pos: Tensor, k_valid: Tensor | None, causal: bool, dtype: torch.dtype,
+                alignment: int) -> Tensor:
+    """q_pos (B, H, N, C), k_pos and k_valid (B, H, N, W*C) -> additive bias (B*H, N, C, W*C): 0 where the
+    key is allowed, the mask value at the query's own position, later positions (causal) and padding. Rows
+    are laid out `alignment` elements apart (a view into a padded buffer)."""
     qp = q_pos.unsqueeze(-1)
     kp = k_pos.unsqueeze(-2)
-    dtype = q.dtype
-    zero = torch.zeros((), dtype=dtype)
-    neg = torch.full((), mask_value(dtype), dtype=dtype)
     allowed = (kp < qp) if causal else (kp != qp)  # (B, H, N, C, W*C)
-    bias = torch.where(allowed, zero, neg)
     if k_valid is not None:
-        bias = torch.where(k_valid.unsqueeze(-2), bias, neg)
-    b, h, n, c, d = q.shape
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q.reshape(b * h, n, c, d), _merge_batch_heads(k), _merge_batch_heads(v), 0.0, False,
-        attn_mask=bias.view(b * h, n, c, -1), scale=1.0)
-    out = out.view(b, h, n, c, d)
-    lse = lse.view(b, h, n, c)
-    alone = lse < 0.5 * mask_value(dtype)
-    if bool(alone.any()):
-        _attend_to_self(out, lse, alone, q_pos, k_pos, v_own)
-    return out, lse
+        allowed = allowed & k_valid.unsqueeze(-2)
+    b, h, n, c, w = allowed.shape
+    zero = torch.zeros((), dtype=dtype, device=q_pos.device)
+    neg = torch.full((), mask_value(dtype), dtype=dtype, device=q_pos.device)
+    if alignment == 1:
+        return torch.where(allowed, zero, neg).view(b * h, n, c, w)
+    padded = -(-w // alignment) * alignment
+    bias = torch.empty(b * h, n, c, padded, dtype=dtype, device=q_pos.device)[..., :w]  # (B*H, N, C, W*C)
+    torch.where(allowed.view(b * h, n, c, w), zero, neg, out=bias)
+    return bias
 
 
 def _merge_batch_heads(x: Tensor) -> Tensor:
@@ -48,16 +139,32 @@ def _merge_batch_heads(x: Tensor) -> Tensor:
     return x.reshape(-1, *x.shape[2:])
 
 
-def _attend_to_self(out: Tensor, lse: Tensor, alone: Tensor, q_pos: Tensor, k_pos: Tensor, v_own: Tensor
-                    ) -> None:
+def _attend_to_self(out: Tensor, lse: Tensor, q_pos: Tensor, k_pos: Tensor, v_own: Tensor, sparse: bool
+                    ) -> tuple[Tensor, Tensor]:
     """Rows that may only see their own position, which the window can hold several times (once per hash
     round it wraps into). The reference gives each copy the logit -1e5 and normalises by an fp32
-    log-sum-exp, so the row's output is count*exp(-1e5 - lse)*v_self with lse = -1e5 + log(count)."""
-    bi, hi, ni, ci = alone.nonzero(as_tuple=True)
-    own = q_pos[bi, hi, ni, ci]  # (M,)
-    count = (k_pos[bi, hi, ni] == own.unsqueeze(-1)).sum(-1).clamp(min=1).to(lse.dtype)  # (M,)
-    self_value = self_mask_value(lse.dtype)
-    row_lse = torch.log(count) + self_value
-    v_self = v_own[bi, hi, ni, ci]  # (M, D)
-    out[bi, hi, ni, ci] = (count * torch.exp(self_value - row_lse)).unsqueeze(-1) * v_self
-    lse[bi, hi, ni, ci] = row_lse
+    log-sum-exp, so the row's output is count*exp(-1e5 - lse)*v_self with lse = -1e5 + log(count).
+    `sparse` (CPU): find the few rows and rebuild only them. Otherwise rebuild with `where` over all rows,
+    which costs a window-sized comparison but no host sync (CUDA)."""
+    alone = lse < 0.5 * mask_value(out.dtype)  # (B, H, N, C): the kernel saw only masked keys
+    if sparse:
+        if not bool(alone.any()):
+            return out, lse
+        bi, hi, ni, ci = alone.nonzero(as_tuple=True)
+        own = q_pos[bi, hi, ni, ci]  # (M,)
+        count = (k_pos[bi, hi, ni] == own.unsqueeze(-1)).sum(-1)  # (M,)
+        row_out, row_lse = _self_rows(count, v_own[bi, hi, ni, ci], lse.dtype)
+        out[bi, hi, ni, ci] = row_out
+        lse[bi, hi, ni, ci] = row_lse
+        return out, lse
+    count = (k_pos.unsqueeze(-2) == q_pos.unsqueeze(-1)).sum(-1)  # (B, H, N, C)
+    row_out, row_lse = _self_rows(count, v_own, lse.dtype)
+    return torch.where(alone.unsqueeze(-1), row_out, out), torch.where(alone, row_lse, lse)
+
+
+def _self_rows(count: Tensor, v_self: Tensor, lse_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """count (...) copies of the own position, v_self (..., D) -> (output (..., D) in v's dtype, lse (...))."""
+    c = count.clamp(min=1).to(lse_dtype)
+    self_value = self_mask_value(v_self.dtype)
+    row_lse = torch.log(c) + self_value
+    return ((c * torch.exp(self_value - row_lse)).unsqueeze(-1) * v_self).to(v_self.dtype), row_lse
