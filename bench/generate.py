@@ -3,8 +3,12 @@ transformers' cached decoding (`past_buckets_states`, what `generate(use_cache=T
 forward benchmark's config (6 LSH layers, hidden 256, 4 heads x 64, chunk 64, 4 hash rounds).
 
     python bench/generate.py [--lengths 1024,4096,16384,32768,65536] [--models ours,hf] [--new-tokens 16]
+                             [--batch-sizes 1,8,32] [--batch-prompt 1024]
 
-Each (model, length) runs in its own subprocess. Writes bench/results/generate.json and prints a table.
+Each (model, length) runs in its own subprocess. Then, for this project only, one batched decode step over B
+running requests (each after a `--batch-prompt`-token prompt) for every B in `--batch-sizes`: time per step
+and total tokens/s, plotted against B. Writes bench/results/generate.json and generate_batch.png and prints
+two tables.
 """
 
 from __future__ import annotations
@@ -79,6 +83,66 @@ def run_case(kind: str, length: int, new_tokens: int, threads: int) -> dict:
             **cache}
 
 
+def run_batch_case(batch: int, length: int, steps: int, threads: int) -> dict:
+    """One batched decode step over `batch` requests, each after its own `length`-token prompt."""
+    import torch
+
+    from model import ReformerConfig, ReformerLM
+    from model.decode import DecodeCache, decode_step, prefill
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    lm = ReformerLM(ReformerConfig.from_hf(hf_config())).eval()
+    dc = DecodeCache.for_tokens(lm, length + steps + 2, slots=batch)
+    states = []
+    with torch.no_grad():
+        for _ in range(batch):
+            states += prefill(lm, dc, [torch.randint(3, 258, (length,))], [length + steps + 2])[1]
+        token = torch.full((batch,), 5)
+        token = decode_step(lm, token, dc, states).argmax(-1)  # first step outside the timing
+        start, cpu_start = time.perf_counter(), time.process_time()
+        for _ in range(steps):
+            token = decode_step(lm, token, dc, states).argmax(-1)
+        per_step = (time.perf_counter() - start) / steps
+        cpu_per_step = (time.process_time() - cpu_start) / steps
+    return {"batch": batch, "length": length, "ms_per_step": 1000 * per_step, "tokens_per_s": batch / per_step,
+            "cpu_ms_per_step": 1000 * cpu_per_step}
+
+
+def plot_batches(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if "error" not in r]
+    if not ok:
+        return
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.5))
+    xs = [r["batch"] for r in ok]
+    a.plot(xs, [r["tokens_per_s"] for r in ok], marker="o")
+    a.set(xscale="log", xlabel="running requests (batch)", ylabel="tokens/s (all requests)",
+          title="decode throughput")
+    b.plot(xs, [r["ms_per_step"] for r in ok], marker="o")
+    b.set(xscale="log", xlabel="running requests (batch)", ylabel="ms per step", title="time per decode step")
+    for ax in (a, b):
+        ax.set_xticks(xs, [str(x) for x in xs])
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"bench/generate.py config, {ok[0]['length']}-token prompts")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def _subprocess_row(cmd: list[str], timeout: float, fallback: dict) -> dict:
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        if proc.returncode == 0:
+            return json.loads(proc.stdout.strip().splitlines()[-1])
+        return {**fallback, "error": (proc.stderr.strip().splitlines() or ["?"])[-1][:200]}
+    except subprocess.TimeoutExpired:
+        return {**fallback, "error": f"timed out after {timeout:.0f}s"}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", default="1024,4096,16384,32768,65536")
@@ -87,26 +151,34 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--timeout", type=float, default=1200)
     p.add_argument("--out", type=Path, default=RESULTS / "generate.json")
+    p.add_argument("--batch-sizes", default="1,8,32", help="running requests per step (empty: skip)")
+    p.add_argument("--batch-prompt", type=int, default=1024, help="prompt tokens of each batched request")
     p.add_argument("--case", nargs=2, metavar=("MODEL", "LENGTH"), help=argparse.SUPPRESS)
+    p.add_argument("--batch-case", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.case:
         print(json.dumps(run_case(args.case[0], int(args.case[1]), args.new_tokens, args.threads)))
         return 0
+    if args.batch_case:
+        print(json.dumps(run_batch_case(args.batch_case, args.batch_prompt, args.new_tokens, args.threads)))
+        return 0
     rows = []
-    for length in [int(x) for x in args.lengths.split(",")]:
+    for length in [int(x) for x in args.lengths.split(",") if x]:
         for kind in args.models.split(","):
             cmd = [sys.executable, __file__, "--case", kind, str(length), "--new-tokens", str(args.new_tokens),
                    "--threads", str(args.threads)]
-            try:
-                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-                row = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else {
-                    "model": kind, "length": length, "error": (proc.stderr.strip().splitlines() or ["?"])[-1][:200]}
-            except subprocess.TimeoutExpired:
-                row = {"model": kind, "length": length, "error": f"timed out after {args.timeout:.0f}s"}
-            rows.append(row)
-            print(json.dumps(row), file=sys.stderr, flush=True)
+            rows.append(_subprocess_row(cmd, args.timeout, {"model": kind, "length": length}))
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    batch_rows = []
+    for batch in [int(x) for x in args.batch_sizes.split(",") if x]:
+        cmd = [sys.executable, __file__, "--batch-case", str(batch), "--batch-prompt", str(args.batch_prompt),
+               "--new-tokens", str(args.new_tokens), "--threads", str(args.threads)]
+        batch_rows.append(_subprocess_row(cmd, args.timeout, {"batch": batch, "length": args.batch_prompt}))
+        print(json.dumps(batch_rows[-1]), file=sys.stderr, flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"new_tokens": args.new_tokens, "threads": args.threads, "rows": rows}, indent=2))
+    args.out.write_text(json.dumps({"new_tokens": args.new_tokens, "threads": args.threads, "rows": rows,
+                                    "batch_rows": batch_rows}, indent=2))
+    plot_batches(batch_rows, args.out.with_name(args.out.stem + "_batch.png"))
     from rich.console import Console
     from rich.table import Table
 
@@ -126,6 +198,19 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r['cache_bytes'] / 2**20:.0f}" if "cache_bytes" in r else "",
                       f"{r['cache_bytes_per_token']:.0f}" if "cache_bytes_per_token" in r else "")
     Console().print(table)
+    if batch_rows:
+        one = next((r for r in batch_rows if r.get("batch") == 1 and "error" not in r), None)
+        bt = Table(title=f"batched decode steps ({args.batch_prompt}-token prompts)")
+        for col in ("batch", "ms/step", "CPU ms/step", "tokens/s", "step vs batch 1", "tokens/s vs batch 1"):
+            bt.add_column(col)
+        for r in batch_rows:
+            if "error" in r:
+                bt.add_row(str(r["batch"]), "failed", r["error"][:40], "", "", "")
+                continue
+            bt.add_row(str(r["batch"]), f"{r['ms_per_step']:.2f}", f"{r['cpu_ms_per_step']:.2f}",
+                       f"{r['tokens_per_s']:.0f}", f"{r['ms_per_step'] / one['ms_per_step']:.2f}x" if one else "",
+                       f"{r['tokens_per_s'] / one['tokens_per_s']:.1f}x" if one else "")
+        Console().print(bt)
     return 0
 
 

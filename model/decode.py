@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .attention import LocalSelfAttention, LSHSelfAttention, length_normalize, split_heads
+from .attention import LocalSelfAttention, LSHSelfAttention, split_heads
 from .chunking import mask_value, self_mask_value
 from .decode_cache import CacheFull, DecodeCache, DecodeState, _flat
 
@@ -222,10 +222,10 @@ def _local_attend(cache: DecodeCache, li: int, att: LocalSelfAttention, q: Tenso
     pos = torch.where(present, pos, 0)
     rows = cache.rows(slots, pos).unsqueeze(1).expand(b, att.heads, width)  # (B, H, W)
     keys, values = cache.gather(li, rows)  # (B, H, W, D)
-    dots = (q.unsqueeze(2) * keys.to(q.dtype)).sum(-1)  # (B, H, W)
+    dots = torch.matmul(keys.to(q.dtype), q.unsqueeze(-1)).squeeze(-1)  # (B, H, W)
     dots = dots.masked_fill(~present.unsqueeze(1), mask_value(dots.dtype))
     probs = torch.softmax(dots, dim=-1)
-    return (probs.unsqueeze(-1) * values.to(q.dtype)).sum(2)  # (B, H, D)
+    return torch.matmul(probs.unsqueeze(-2), values.to(q.dtype)).squeeze(-2)  # (B, H, D)
 
 
 def _lsh_attend(lm: ReformerLM, cache: DecodeCache, li: int, att: LSHSelfAttention, qk: Tensor, slots: Tensor,
@@ -261,14 +261,16 @@ def _lsh_attend(lm: ReformerLM, cache: DecodeCache, li: int, att: LSHSelfAttenti
     pos = torch.where(sel, pos, dense_pos.expand_as(pos))
     present = torch.where(sel, present, dense_present.expand_as(present))
     pos = torch.where(present, pos, 0)
-    keys, values = cache.gather(li, cache.rows(slots, pos.reshape(b, -1)).view(b, heads, rounds, w))
-    keys = length_normalize(keys.to(qk.dtype)) / math.sqrt(att.head_size)  # (B, H, R, W, D)
-    dots = (qk.view(b, heads, 1, 1, d) * keys).sum(-1)  # (B, H, R, W)
+    rows = cache.rows(slots, pos.reshape(b, -1)).view(b, heads, rounds, w)
+    keys, values = cache.gather(li, rows)  # (B, H, R, W, D)
+    # q . length_normalize(k) / sqrt(D), as (q . k) times the key's cached factor
+    dots = torch.matmul(keys.to(qk.dtype), qk.view(b, heads, 1, d, 1)).squeeze(-1)  # (B, H, R, W)
+    dots = dots * cache.gather_norms(li, rows).to(qk.dtype)
     # masks replace logits, as in the reference: padding never counts, the query's own position gets -1e5
     dots = dots.masked_fill(~present, mask_value(dots.dtype))
     dots = dots.masked_fill(present & (pos == t.view(b, 1, 1, 1)), self_mask_value(dots.dtype))
     lse = torch.logsumexp(dots, dim=-1, keepdim=True)  # (B, H, R, 1)
-    out = (torch.exp(dots - lse).unsqueeze(-1) * values.to(qk.dtype)).sum(3)  # (B, H, R, D)
+    out = torch.matmul(torch.exp(dots - lse).unsqueeze(-2), values.to(qk.dtype)).squeeze(-2)  # (B, H, R, D)
     # a dense row's other rounds see nothing: their weight is exactly 0
     lse = torch.where(sel | (torch.arange(rounds, device=device).view(1, 1, -1, 1) == 0), lse,
                       torch.full_like(lse, -math.inf))

@@ -45,6 +45,11 @@ class DecodeState:
         return len(self.blocks)
 
 
+def key_norm(key: Tensor, eps: float = 1e-6) -> Tensor:
+    """(..., D) -> (...): what `length_normalize` multiplies a key by, divided by sqrt(D)."""
+    return torch.rsqrt(torch.mean(key * key, dim=-1) + eps) / math.sqrt(key.shape[-1])
+
+
 def _flat(nb: int | list[int]) -> int:
     return nb if isinstance(nb, int) else math.prod(nb)
 
@@ -67,7 +72,8 @@ class DecodeCache:
             else:
                 self.indexes.append(None)
         elt = torch.finfo(self.dtype).bits // 8
-        self.bytes_per_token = 2 * len(self.indexes) * self.heads * self.head_size * elt
+        lsh = sum(ix is not None for ix in self.indexes)
+        self.bytes_per_token = (2 * len(self.indexes) * self.head_size + lsh) * self.heads * elt
         self.bytes_per_block = self.bytes_per_token * block_size
         self.bytes_per_slot = sum(ix.nbytes_per_slot() for ix in self.indexes if ix is not None)
         usable = capacity_bytes - self.bytes_per_slot * (max_slots + 1)
@@ -78,7 +84,11 @@ class DecodeCache:
         self.keys = [torch.empty(rows, self.heads, self.head_size, dtype=self.dtype, device=self.device)
                      for _ in self.indexes]
         self.values = [torch.empty_like(k) for k in self.keys]
-        for pool in (*self.keys, *self.values):
+        # LSH layers: each cached key's length-normalisation factor divided by sqrt(head size), so a step
+        # scales its dot products instead of normalising every gathered key again
+        self.norms = [torch.empty(rows, self.heads, dtype=self.dtype, device=self.device) if ix is not None
+                      else None for ix in self.indexes]
+        for pool in (*self.keys, *self.values, *(n for n in self.norms if n is not None)):
             pool[:block_size].zero_()
         self.max_blocks = -(-cfg.max_position_embeddings // block_size)
         self.block_table = torch.zeros(max_slots + 1, self.max_blocks, dtype=torch.long, device=self.device)
@@ -152,12 +162,23 @@ class DecodeCache:
         """rows (B,), key/value (B, H, D)."""
         self.keys[layer].index_copy_(0, rows, key.to(self.dtype))
         self.values[layer].index_copy_(0, rows, value.to(self.dtype))
+        norms = self.norms[layer]
+        if norms is not None:
+            norms.index_copy_(0, rows, key_norm(key).to(self.dtype))
+
+    def gather_norms(self, layer: int, rows: Tensor) -> Tensor:
+        """rows (B, H, ...) -> the factors `key_norm` of those keys (B, H, ...)."""
+        norms = self.norms[layer]
+        assert norms is not None
+        head = torch.arange(self.heads, device=rows.device).view(1, self.heads, *([1] * (rows.dim() - 2)))
+        return norms.view(-1).index_select(0, (rows * self.heads + head).reshape(-1)).view(rows.shape)
 
     def gather(self, layer: int, rows: Tensor) -> tuple[Tensor, Tensor]:
         """rows (B, H, ...) -> keys, values (B, H, ..., D) of each row's own head."""
         h, d = self.heads, self.head_size
         head = torch.arange(h, device=rows.device).view(1, h, *([1] * (rows.dim() - 2)))
-        flat = (rows * h + head).reshape(-1)
-        keys = self.keys[layer].view(-1, d).index_select(0, flat).view(*rows.shape, d)
-        values = self.values[layer].view(-1, d).index_select(0, flat).view(*rows.shape, d)
+        flat = rows * h + head
+        # an embedding lookup is the fastest row gather on CPU
+        keys = torch.nn.functional.embedding(flat, self.keys[layer].view(-1, d))  # (B, H, ..., D)
+        values = torch.nn.functional.embedding(flat, self.values[layer].view(-1, d))
         return keys, values
