@@ -4,8 +4,8 @@ run on, used by the eager forward, the static (ONNX) forward and prefill.
 Supported masks: each row's real tokens (mask != 0) form one contiguous run; anything before the run is
 left padding, anything after it right padding, and a row may have both. Positions are counted from each
 row's first real token (as `transformers` does with position ids), so a row's real tokens get exactly the
-result of that row alone. A mask with a hole (a 0 between real tokens) is refused with a ValueError that
-names the row (`check_attention_mask`).
+result of that row alone. A mask with a hole (a 0 between real tokens) is refused with
+`InvalidAttentionMask` (a ValueError) that names the row (`check_attention_mask`).
 
 How: every row's real run is shifted to the start (a per-row gather), the batch is padded to a chunk
 multiple, and each row gets its own padded length (what the reference pads that row to alone). The
@@ -24,6 +24,11 @@ from torch import Tensor
 
 from .attention import AttentionContext
 from .config import ReformerConfig
+
+
+class InvalidAttentionMask(ValueError):
+    """A mask the model does not support (a 0 between real tokens, or a wrong shape): the service answers
+    it with 422, as any invalid request."""
 
 
 @dataclass
@@ -73,11 +78,11 @@ def mask_runs(attention_mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 def check_attention_mask(attention_mask: Tensor) -> None:
     """Refuse a mask whose real tokens are not one contiguous run per row (a 0 between two 1s)."""
     if attention_mask.dim() != 2:
-        raise ValueError(f"attention_mask must be (batch, length), got shape {tuple(attention_mask.shape)}")
+        raise InvalidAttentionMask(f"attention_mask must be (batch, length), got shape {tuple(attention_mask.shape)}")
     first, count, end = mask_runs(attention_mask)
     holes = ((end - first) != count).nonzero().flatten().tolist()
     if holes:
-        raise ValueError(
+        raise InvalidAttentionMask(
             f"attention_mask row {holes[0]} has padding between real tokens; each row's real tokens must be "
             "one contiguous run (left and/or right padding only)")
 
@@ -86,7 +91,7 @@ def prepare_batch(input_ids: Tensor, attention_mask: Tensor | None, config: Refo
                   static: bool = False) -> PreparedBatch:
     """(B, L) ids and optional mask -> the layers' right-padded, chunk-padded batch.
 
-    Eager (`static=False`): checks the mask (ValueError on holes), pads to `config.padded_length(L)`, and
+    Eager (`static=False`): checks the mask (InvalidAttentionMask on holes), pads to `config.padded_length(L)`, and
     skips the shift and the mask when the data needs neither. Static (`static=True`, the ONNX graph):
     no data-dependent branches and no check (the caller of the graph checks the mask), padding to a
     multiple of the chunk lengths' least common multiple so the exporter can prove its reshapes valid."""
@@ -111,7 +116,7 @@ def prepare_batch(input_ids: Tensor, attention_mask: Tensor | None, config: Refo
             tail = None if padded == t else (torch.arange(padded, device=device) < t).expand(b, padded)
             return PreparedBatch(ids, tail, own_padded_lengths(own, config), own, None, t)
     if attention_mask.shape != input_ids.shape:
-        raise ValueError("attention_mask must have the shape of input_ids")
+        raise InvalidAttentionMask("attention_mask must have the shape of input_ids")
     if not static:
         check_attention_mask(attention_mask)
     first, count, _ = mask_runs(attention_mask)

@@ -14,6 +14,7 @@ import torch
 
 from export import onnx_export as ox
 from model import ReformerConfig, ReformerLM
+from model.batch import InvalidAttentionMask
 from model.static_attention import static_forward
 from tests.model.helpers import tiny_config
 
@@ -144,7 +145,7 @@ def test_mask_with_a_hole_is_refused_by_torch_and_the_onnx_path_alike(graph: tup
     mask = torch.ones_like(ids)
     mask[1, 4] = 0
     message = "attention_mask row 1 has padding between real tokens"
-    with torch.no_grad(), pytest.raises(ValueError, match=message):
+    with torch.no_grad(), pytest.raises(InvalidAttentionMask, match=message):
         lm(ids, mask)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(InvalidAttentionMask, match=message):
         ox.run_ort(ox.ort_session(path), ids, mask)
