@@ -11,6 +11,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import APIRouter, FastAPI
+from fastapi.routing import APIRoute
 from starlette.middleware.cors import CORSMiddleware
 
 from service.errors import install_error_handlers
@@ -82,9 +83,9 @@ def create_app(settings: Settings | None = None, artifact: Any = None) -> FastAP
         app.include_router(router)
     known_paths = route_paths(app, ROUTERS)
     state.metrics.init_request_series(
-        (route.path, [int(code) for code in getattr(route, "responses", {}) if str(code).isdigit()])
+        (route.path, [int(code) for code in route.responses if str(code).isdigit()])
         for router in ROUTERS for route in router.routes
-        if getattr(route, "path", "/metrics") not in PROBE_PATHS | DOC_PATHS
+        if isinstance(route, APIRoute) and route.path not in PROBE_PATHS | DOC_PATHS
     )
     # add_middleware wraps: the last added is the outermost.
     app.add_middleware(AvailabilityMiddleware, state=state)  # reserves a queue place once the body is in
