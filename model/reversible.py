@@ -49,13 +49,19 @@ class ReformerLayer(nn.Module):
         super().__init__()
         self.attention = AttentionBlock(kind, config)
         self.feed_forward = ChunkedFeedForward(config)
+        # without dropout no generator is built: nothing would draw from it, and under torch.compile
+        # creating one per layer call is a graph break
+        self.uses_dropout = max(config.hidden_dropout_prob, config.lsh_attention_probs_dropout_prob,
+                                config.local_attention_probs_dropout_prob) > 0.0
 
     def f(self, x2: Tensor, ctx: AttentionContext, seed: int | None, buckets: Tensor | None = None
           ) -> tuple[Tensor, Tensor | None]:
+        if not self.uses_dropout:
+            return self.attention(x2, ctx, buckets)
         return self.attention(x2, dataclasses.replace(ctx, generator=_generator(seed, x2)), buckets)
 
     def g(self, y1: Tensor, seed: int | None) -> Tensor:
-        return self.feed_forward(y1, _generator(seed, y1))
+        return self.feed_forward(y1, _generator(seed, y1) if self.uses_dropout else None)
 
     def forward(self, x1: Tensor, x2: Tensor, ctx: AttentionContext,
                 seeds: tuple[int, int] | None = None) -> tuple[Tensor, Tensor, Tensor | None]:

@@ -66,5 +66,9 @@ def make_loss_fn(model: torch.nn.Module, dtype: torch.dtype | None, device_type:
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
     if compile:
+        # a graph that fails to compile runs eagerly instead of ending a long training run
+        import torch._dynamo as dynamo
+
+        dynamo.config.suppress_errors = True
         return torch.compile(loss_fn, dynamic=False)  # type: ignore[return-value]
     return loss_fn

@@ -94,3 +94,17 @@ def test_bf16_on_cpu_trains_in_fp32_with_a_note(corpus: Path, tmp_path: Path,  #
                      "--final-val-windows", "1", "--bf16", "--device", "cpu", *TINY])
     assert rc == 0
     assert "--bf16 applies to CUDA only" in capsys.readouterr().err
+
+
+def test_loss_fn_is_the_trainers_cross_entropy_and_compile_wraps_it() -> None:
+    torch.manual_seed(0)
+    lm = ReformerLM(ReformerConfig(hidden_size=32, num_attention_heads=2, attention_head_size=16,
+                                   axial_pos_embds_dim=(16, 16), feed_forward_size=64, num_buckets=4,
+                                   axial_pos_shape=(16, 64), max_position_embeddings=1024)).train()
+    ids = torch.randint(2, 258, (2, 33))
+    loss = step_mod.make_loss_fn(lm, None, "cpu")(ids, 0)
+    logits = lm(ids[:, :-1]).logits
+    ref = torch.nn.functional.cross_entropy(logits.reshape(-1, 258), ids[:, 1:].reshape(-1))
+    assert torch.allclose(loss, ref)
+    compiled = step_mod.make_loss_fn(lm, None, "cpu", compile=True)  # compiles lazily, on the first call
+    assert callable(compiled) and compiled is not step_mod.make_loss_fn
