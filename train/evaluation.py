@@ -43,7 +43,7 @@ def validation_tails(sources: list[str | Path], val_fraction: float, tokenizer: 
 def passages(tails: list[tuple[str, np.ndarray]], length: int, per_book: int | None = None
              ) -> list[tuple[str, np.ndarray]]:
     """Non-overlapping passages of `length` tokens from the start of every tail (at most `per_book` each)."""
-    out = []
+    out: list[tuple[str, np.ndarray]] = []
     for name, ids in tails:
         n = len(ids) // length
         if per_book is not None:
