@@ -1,17 +1,17 @@
 """The model executor: ONE worker thread owns the model and the device; handlers only enqueue and await.
 
-Each turn of the worker loop: admit queued generations (prefill, up to `max_batch_tokens` prompt tokens and
-`max_batch_size` running), run one decode step for every running generation together (continuous batching:
-requests join and leave between steps), then run one embedding batch if one is ready (full, or its oldest
-request waited `max_wait_ms`). Embedding batches group requests of similar length under a padded-token
-budget. The queue is bounded (429 beyond it); a request still queued after `request_timeout_s` gets 504;
-a request whose client went away is dropped from the queue or from the running batch.
+The engine in parts: `service/admission.py` (queue bound, reservations, queue timeouts), `service/policy.py`
+(pure functions: which generations start, how prompts are grouped, which embedding batch runs),
+`service/runner.py` (the model runner: device tensors, the decode cache, batched prefill and decode steps)
+and, here, the worker loop that ties them together. Each turn: start the queued generations the policy and
+the decode cache allow (prefilled together, grouped by length under `max_batch_tokens`), run ONE batched
+decode step over every running generation (continuous batching: requests join and leave between steps),
+then one embedding batch if one is ready. A failure in one request's work fails that request only.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import logging
 import threading
 import time
@@ -22,8 +22,9 @@ from typing import Any
 
 import torch
 
+from service.admission import Admission, Reservation, current_reservation
 from service.backends import EmbeddingBackend
-from service.errors import InputTooLong, InternalError, Overloaded, QueueTimeout, ServiceError, Unavailable
+from service.errors import InputTooLong, InternalError, Overloaded, ServiceError, Unavailable
 from service.jobs import EmbeddingResult, EmbeddingSpec, GenerationSpec, TokenEvent
 from service.jobs_runtime import EmbedJob, GenerationJob, Job, JobState
 from service.metrics import ServiceMetrics
@@ -31,6 +32,9 @@ from service.policy import QueuedGeneration, QueuedInput, group_by_length, pick_
 from service.runner import ModelRunner
 
 log = logging.getLogger("service.engine")
+
+# Reservation and current_reservation live in service/admission.py; importers of service.engine keep them.
+__all__ = ["Engine", "EngineConfig", "GenerationStream", "Reservation", "current_reservation"]
 
 
 @dataclass(frozen=True)
@@ -43,21 +47,6 @@ class EngineConfig:
     warmup: bool = True
     cache_bytes: int | None = None  # decode-cache capacity; None: service/runner.py's default share
     batch_invariant: bool = False  # decode steps in fixed row blocks: bit-identical to a request alone
-
-
-class Reservation:
-    """A place in the queue held by a request between its arrival and its admission (see Engine.reserve)."""
-
-    __slots__ = ("held",)
-
-    def __init__(self) -> None:
-        self.held = True
-
-
-# The reservation of the request being handled (set by the availability middleware, read by `_admit`).
-current_reservation: contextvars.ContextVar[Reservation | None] = contextvars.ContextVar(
-    "current_reservation", default=None
-)
 
 
 @dataclass
@@ -104,11 +93,10 @@ class Engine:
         self.config = config
         self.metrics = metrics
         self.on_fatal = on_fatal
-        self._cond = threading.Condition()
+        self.admission = Admission(config.max_queue_size, config.request_timeout_s, metrics)
+        self._cond = self.admission.cond
         self._gen_queue: deque[GenerationJob] = deque()
         self._embed_items: list[_EmbedItem] = []
-        self._pending = {"embed": 0, "generate": 0}
-        self._reserved = 0  # requests arrived but not yet admitted (touched on the event loop only)
         self._running: list[GenerationJob] = []
         self.runner = ModelRunner(model, device, config.max_batch_size, config.cache_bytes, config.batch_invariant)
         self._stopping = False
@@ -156,58 +144,21 @@ class Engine:
         return GenerationStream(self, job)
 
     def reserve(self) -> Reservation | Overloaded:
-        """A place in the queue for a request that has just arrived, or the 429 it gets at once (event loop
-        only). The excess of a burst is refused before anything of it is read or parsed, while the requests
-        ahead of it are still being parsed: they hold reservations until `_admit` turns them into queue
-        entries, so the queue's capacity counts them from the moment they arrive."""
-        if self._waiting() >= self.config.max_queue_size:
-            return self._overloaded()
-        self._reserved += 1
-        return Reservation()
+        return self.admission.reserve()
 
     def release(self, reservation: Reservation) -> None:
-        """The request was admitted, refused or answered: its reservation no longer holds a place."""
-        if reservation.held:
-            reservation.held = False
-            self._reserved -= 1
+        self.admission.release(reservation)
 
-    def _waiting(self) -> int:
-        return sum(self._pending.values()) + self._reserved
+    @property
+    def _pending(self) -> dict[str, int]:
+        return self.admission.pending
 
-    def _overloaded(self) -> Overloaded:
-        self.metrics.rejected.labels("queue_full").inc()
-        waiting = self._waiting()
-        return Overloaded(
-            f"the queue is full ({waiting} requests waiting, max_queue_size={self.config.max_queue_size});"
-            " retry later",
-            headers={"Retry-After": "1"},
-        )
+    @property
+    def _reserved(self) -> int:
+        return self.admission.reserved
 
     def _admit(self, job: Job, enqueue: Callable[[], None], reservation: Reservation | None = None) -> None:
-        if reservation is None:
-            reservation = current_reservation.get()
-        own = 1 if reservation is not None and reservation.held else 0
-        with self._cond:
-            if self._dead or self._stopping:
-                raise Unavailable("the model worker is not running")
-            if self._waiting() - own >= self.config.max_queue_size:
-                raise self._overloaded()
-            enqueue()
-            self._pending[job.kind] += 1
-            self._cond.notify()
-        if reservation is not None:
-            self.release(reservation)  # the place it held is now the job's
-        job.timer = job.loop.call_later(self.config.request_timeout_s, self._expire, job)
-
-    def _expire(self, job: Job) -> None:
-        with self._cond:
-            if job.state is not JobState.PENDING:
-                return
-            self._finish_pending(job)
-        self.metrics.rejected.labels("timeout").inc()
-        job.fail(QueueTimeout(
-            f"the request waited {self.config.request_timeout_s:g} s in the queue (request_timeout_s) and was dropped"
-        ))
+        self.admission.admit(job, enqueue, reservation, lambda: self._dead or self._stopping)
 
     def cancel(self, job: Job) -> None:
         """The client went away: drop queued work now, running work at the worker's next step."""
@@ -224,11 +175,7 @@ class Engine:
                 self._cond.notify()
 
     def _finish_pending(self, job: Job) -> None:
-        """Under the lock: a pending job leaves the queue without running."""
-        job.state = JobState.DONE
-        self._pending[job.kind] -= 1
-        if job.timer is not None:
-            job.timer.cancel()
+        self.admission.finish_pending(job)
 
     def stop(self, timeout: float = 10.0) -> None:
         with self._cond:
@@ -279,7 +226,7 @@ class Engine:
             self._gen_queue.clear()
             self._embed_items.clear()
             self._running.clear()
-            self._pending = {"embed": 0, "generate": 0}
+            self.admission.clear()
             for job in jobs:
                 job.state = JobState.DONE
                 if isinstance(job, GenerationJob):
@@ -317,13 +264,7 @@ class Engine:
             log.info("dropped a running generation: its client went away", extra={"request_id": job.request_id})
 
     def _start(self, job: Job) -> None:
-        """Under the lock: the model starts on a pending job."""
-        if job.state is JobState.PENDING:
-            self._pending[job.kind] -= 1
-            job.state = JobState.RUNNING
-            job.timings.started = time.monotonic()
-            if job.timer is not None:
-                job.loop.call_soon_threadsafe(job.timer.cancel)
+        self.admission.start(job)
 
     def _take_prefills(self) -> list[GenerationJob]:
         """Under the lock: the generations that start now (service/policy.py decides)."""

@@ -1,0 +1,117 @@
+"""Admission: the bounded queue's accounting. A request holds a `Reservation` from its arrival (before its
+body is parsed) until it is admitted as a queue entry, refused or answered; admission turns the reservation
+into the entry (passed explicitly; the ContextVar remains for callers that do not pass one yet). A queued
+request that waits longer than `request_timeout_s` gets 504. The queues themselves belong to the engine;
+everything here happens under `cond`, the lock the worker also takes."""
+
+from __future__ import annotations
+
+import contextvars
+import threading
+import time
+from collections.abc import Callable
+
+from service.errors import Overloaded, QueueTimeout, Unavailable
+from service.jobs_runtime import Job, JobState
+from service.metrics import ServiceMetrics
+
+
+class Reservation:
+    """A place in the queue held by a request between its arrival and its admission (see Admission.reserve)."""
+
+    __slots__ = ("held",)
+
+    def __init__(self) -> None:
+        self.held = True
+
+
+# The reservation of the request being handled, for callers that do not pass it to Engine.generate/embed.
+current_reservation: contextvars.ContextVar[Reservation | None] = contextvars.ContextVar(
+    "current_reservation", default=None
+)
+
+
+class Admission:
+    def __init__(self, max_queue_size: int, request_timeout_s: float, metrics: ServiceMetrics) -> None:
+        self.max_queue_size = max_queue_size
+        self.request_timeout_s = request_timeout_s
+        self.metrics = metrics
+        self.cond = threading.Condition()
+        self.pending = {"embed": 0, "generate": 0}  # admitted, not yet started
+        self.reserved = 0  # requests arrived but not yet admitted (touched on the event loop only)
+
+    def waiting(self) -> int:
+        return sum(self.pending.values()) + self.reserved
+
+    def reserve(self) -> Reservation | Overloaded:
+        """A place in the queue for a request that has just arrived, or the 429 it gets at once (event loop
+        only). The excess of a burst is refused before anything of it is read or parsed, while the requests
+        ahead of it are still being parsed: they hold reservations until `admit` turns them into queue
+        entries, so the queue's capacity counts them from the moment they arrive."""
+        if self.waiting() >= self.max_queue_size:
+            return self.overloaded()
+        self.reserved += 1
+        return Reservation()
+
+    def release(self, reservation: Reservation) -> None:
+        """The request was admitted, refused or answered: its reservation no longer holds a place."""
+        if reservation.held:
+            reservation.held = False
+            self.reserved -= 1
+
+    def overloaded(self) -> Overloaded:
+        self.metrics.rejected.labels("queue_full").inc()
+        return Overloaded(
+            f"the queue is full ({self.waiting()} requests waiting, max_queue_size={self.max_queue_size});"
+            " retry later",
+            headers={"Retry-After": "1"},
+        )
+
+    def admit(self, job: Job, enqueue: Callable[[], None], reservation: Reservation | None, closed: Callable[[], bool]
+              ) -> None:
+        """Queue the job (enqueue runs under the lock), its reservation becoming its entry; 503 when `closed()`,
+        429 when the queue is full (not counting the job's own reservation)."""
+        if reservation is None:
+            reservation = current_reservation.get()
+        own = 1 if reservation is not None and reservation.held else 0
+        with self.cond:
+            if closed():
+                raise Unavailable("the model worker is not running")
+            if self.waiting() - own >= self.max_queue_size:
+                raise self.overloaded()
+            enqueue()
+            self.pending[job.kind] += 1
+            self.cond.notify()
+        if reservation is not None:
+            self.release(reservation)  # the place it held is now the job's
+        job.timer = job.loop.call_later(self.request_timeout_s, self.expire, job)
+
+    def expire(self, job: Job) -> None:
+        with self.cond:
+            if job.state is not JobState.PENDING:
+                return
+            self.finish_pending(job)
+        self.metrics.rejected.labels("timeout").inc()
+        job.fail(QueueTimeout(
+            f"the request waited {self.request_timeout_s:g} s in the queue (request_timeout_s) and was dropped"
+        ))
+
+    def finish_pending(self, job: Job) -> None:
+        """Under the lock: a pending job leaves the queue without running."""
+        job.state = JobState.DONE
+        self.pending[job.kind] -= 1
+        if job.timer is not None:
+            job.timer.cancel()
+
+    def start(self, job: Job) -> None:
+        """Under the lock: the model starts on a pending job."""
+        if job.state is JobState.PENDING:
+            self.pending[job.kind] -= 1
+            job.state = JobState.RUNNING
+            job.timings.started = time.monotonic()
+            if job.timer is not None:
+                job.loop.call_soon_threadsafe(job.timer.cancel)
+
+    def clear(self) -> None:
+        """Under the lock: nothing is pending any more (the engine failed or drained every job)."""
+        self.pending = {"embed": 0, "generate": 0}
