@@ -246,15 +246,18 @@ class LSHSelfAttention(nn.Module):
     def _combine_rounds(o: Tensor, lse: Tensor, order: Tensor) -> Tensor:
         """o (B, h, R, L, D) and lse (B, h, R, L) in sorted order; order (B, h, R, L) the sorted positions.
         Each round is weighted by its share of the probability mass, computed as the reference does (not as
-        a softmax), which rounds differently for rows that see only themselves."""
-        lse_u = torch.empty_like(lse).scatter_(3, order, lse)  # back to position order
+        a softmax), which rounds differently for rows that see only themselves.
+        In fp32 whatever o's dtype: half precision cannot tell -1e5 + log(R) from -1e5, so a row that sees only
+        itself in every round would get weight 1 from each."""
+        lse32 = lse.float()
+        lse_u = torch.empty_like(lse32).scatter_(3, order, lse32)  # back to position order
         weights = round_weights(lse_u, dim=2)  # (B, h, R, L)
         w_sorted = torch.gather(weights, 3, order)  # each sorted slot's weight
-        weighted = o * w_sorted.unsqueeze(-1)
-        out = torch.zeros(o.shape[0], o.shape[1], o.shape[3], o.shape[4], dtype=o.dtype, device=o.device)
+        weighted = o.float() * w_sorted.unsqueeze(-1)
+        out = torch.zeros(o.shape[0], o.shape[1], o.shape[3], o.shape[4], dtype=torch.float32, device=o.device)
         idx = order.reshape(o.shape[0], o.shape[1], -1, 1).expand(-1, -1, -1, o.shape[4])
         # rounds are summed in order for each position, as the reference's sum over the round axis
-        return out.scatter_add_(2, idx, weighted.reshape(o.shape[0], o.shape[1], -1, o.shape[4]))
+        return out.scatter_add_(2, idx, weighted.reshape(o.shape[0], o.shape[1], -1, o.shape[4])).to(o.dtype)
 
 
 def _rotation_size(num_buckets: int | list[int]) -> int:

@@ -95,7 +95,8 @@ def fused_lsh_attend(q: Tensor, k: Tensor, v: Tensor, v_own: Tensor, q_pos: Tens
                      k_valid: Tensor | None, causal: bool, kernel: WindowKernel = CPU) -> tuple[Tensor, Tensor]:
     """q, v_own (B, H, N, C, D); k, v (B, H, N, W*C, D); q_pos (B, H, N, C); k_pos, k_valid (B, H, N, W*C).
     v_own holds each query's own value.
-    Returns (output (B, H, N, C, D), log-sum-exp (B, H, N, C)), in q's dtype, as the reference computes them.
+    Returns (output (B, H, N, C, D) in q's dtype, log-sum-exp (B, H, N, C) in fp32) as the reference
+    computes them.
 
     A query's own position is masked outright here. In the reference it gets the logit -1e5 instead,
     which contributes nothing (exp(-1e5) = 0) unless the query sees nothing else. Those rows (the first
@@ -106,9 +107,7 @@ def fused_lsh_attend(q: Tensor, k: Tensor, v: Tensor, v_own: Tensor, q_pos: Tens
     out, lse = kernel.run(q.reshape(b * h, n, c, d), _merge_batch_heads(k), _merge_batch_heads(v), bias)
     out = out.reshape(b, h, n, c, d)  # (B, H, N, C, D)
     lse = lse[..., :c].reshape(b, h, n, c)  # the kernel's rows past C are padding
-    out, lse = _attend_to_self(out, lse, q_pos, k_pos, v_own, kernel.sparse_self_rows)
-    # in q's dtype, as the plain path returns it (the rounds are combined in that dtype)
-    return out, lse.to(q.dtype)
+    return _attend_to_self(out, lse, q_pos, k_pos, v_own, kernel.sparse_self_rows)
 
 
 def window_bias(q_pos: Tensor, k_pos: Tensor, k_valid: Tensor | None, causal: bool, dtype: torch.dtype,
