@@ -144,9 +144,8 @@ class PayloadLimitMiddleware:
             await self._too_large(scope, receive, send, int(declared))
             return
         try:
-            async with asyncio.timeout(self.timeout_s):
-                body = await self._read(receive)
-        except TimeoutError:
+            body = await asyncio.wait_for(self._read(receive), self.timeout_s)  # (asyncio.timeout is 3.11+)
+        except asyncio.TimeoutError:  # noqa: UP041 - not the builtin TimeoutError before Python 3.11
             await _send_error(scope, receive, send, 408, "body_timeout",
                               f"request body not received within body_timeout_s={self.timeout_s:g} s")
             return
