@@ -26,7 +26,7 @@ same bits whenever the number of rows is the same).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -36,12 +36,14 @@ from torch import Tensor
 from .attention import LocalSelfAttention, LSHSelfAttention, split_heads
 from .chunking import mask_value, self_mask_value
 from .decode_cache import CacheFull, DecodeCache, DecodeState, _flat
+from .feedforward import EVAL_CHUNK
 
 if TYPE_CHECKING:
     from .reformer import ReformerLM
     from .reversible import ReformerLayer
 
-__all__ = ["CacheFull", "DecodeCache", "DecodeState", "INVARIANT_ROWS", "batch_bucket", "decode_step", "prefill"]
+__all__ = ["CacheFull", "DecodeCache", "DecodeState", "INVARIANT_ROWS", "batch_bucket", "decode_step", "prefill",
+           "prefill_steps"]
 
 INVARIANT_ROWS = 16
 
@@ -71,6 +73,20 @@ def prefill(lm: ReformerLM, cache: DecodeCache, prompts: Sequence[Tensor], reser
     """Run the prompts (each (L_i,)) together; returns the logits after each prompt (N, vocab) and their
     states, holding blocks for `reserve[i]` positions (default: the prompt). Raises CacheFull (and
     allocates nothing) when they do not fit."""
+    steps = prefill_steps(lm, cache, prompts, reserve)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+
+
+def prefill_steps(lm: ReformerLM, cache: DecodeCache, prompts: Sequence[Tensor], reserve: Sequence[int] | None = None
+                  ) -> Generator[None, None, tuple[Tensor, list[DecodeState]]]:
+    """`prefill` in slices: it yields after each layer's attention and after each feed-forward slice of
+    `FF_SLICE` positions, so a caller can run decode steps in between (chunked prefill). Hashing and sorting
+    still see the whole prompt; the slices are the ones the full forward computes, so the result is the same
+    bits. Closing it early frees what it allocated."""
     lengths = [int(p.shape[0]) for p in prompts]
     if min(lengths, default=1) < 1:
         raise ValueError("prefill needs non-empty prompts")
@@ -79,10 +95,17 @@ def prefill(lm: ReformerLM, cache: DecodeCache, prompts: Sequence[Tensor], reser
     try:
         for n, w in zip(lengths, want, strict=True):
             states.append(cache.allocate(max(n, w)))
-    except CacheFull:
+        with torch.no_grad():
+            result = yield from _prefill_layers(lm, cache, prompts, lengths, states)
+    except BaseException:
         for s in states:
             cache.free(s)
         raise
+    return result
+
+
+def _prefill_layers(lm: ReformerLM, cache: DecodeCache, prompts: Sequence[Tensor], lengths: list[int],
+                    states: list[DecodeState]) -> Generator[None, None, tuple[Tensor, list[DecodeState]]]:
     longest = max(lengths)
     ids = torch.full((len(prompts), longest), lm.config.pad_token_id, dtype=torch.long, device=cache.device)
     mask = torch.zeros(len(prompts), longest, dtype=torch.long, device=cache.device)
@@ -113,7 +136,20 @@ def prefill(lm: ReformerLM, cache: DecodeCache, prompts: Sequence[Tensor], reser
                 nb = _index_buckets(att, lm.config.padded_length(lengths[i]))
                 if nb is not None:
                     _build_index(cache, li, att, state, keys[i, :, : lengths[i]], nb)
-        x1, x2, _ = layer(x1, x2, ctx)
+        # the layer as ReformerLayer.forward computes it (eval, no dropout), in slices
+        f_out, _ = layer.f(x2, ctx, None)
+        x1 = x1 + f_out
+        yield
+        ff = layer.feed_forward
+        size = ff.chunk or EVAL_CHUNK
+        if x1.shape[1] <= size:
+            x2 = x2 + ff(x1)
+        else:
+            parts = []
+            for part in x1.split(size, dim=1):  # the slices the chunked feed-forward runs anyway
+                parts.append(ff(part))
+                yield
+            x2 = x2 + torch.cat(parts, dim=1)
     last = torch.tensor(lengths, device=cache.device) - 1
     hidden = torch.cat([x1, x2], dim=-1)[torch.arange(len(prompts), device=cache.device), last]  # (N, 2*hidden)
     for state, n in zip(states, lengths):

@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +32,9 @@ from service.policy import QueuedGeneration, QueuedInput, group_by_length, pick_
 from service.runner import ModelRunner
 
 log = logging.getLogger("service.engine")
+
+# A prefill group of more padded tokens than this is sliced between decode steps while generations run.
+CHUNKED_PREFILL_TOKENS = 2048
 
 # Reservation and current_reservation live in service/admission.py; importers of service.engine keep them.
 __all__ = ["Engine", "EngineConfig", "GenerationStream", "Reservation", "current_reservation"]
@@ -98,6 +101,8 @@ class Engine:
         self._gen_queue: deque[GenerationJob] = deque()
         self._embed_items: list[_EmbedItem] = []
         self._running: list[GenerationJob] = []
+        # long prompts being prefilled slice by slice between decode steps: (jobs, their prefill in progress)
+        self._prefilling: list[tuple[list[GenerationJob], Generator[None, None, Any]]] = []
         self.runner = ModelRunner(model, device, config.max_batch_size, config.cache_bytes, config.batch_invariant)
         self._stopping = False
         self._dead = False
@@ -197,12 +202,14 @@ class Engine:
                     self._drop_cancelled()
                     prefills = self._take_prefills()
                     batch, wake_at = self._take_embed_batch()
-                    if not prefills and not self._running and batch is None:
+                    if not prefills and not self._running and not self._prefilling and batch is None:
                         timeout = None if wake_at is None else max(wake_at - time.monotonic(), 0.0)
                         self._cond.wait(timeout)
                         continue
                 if prefills:
                     self._prefill_all(prefills)
+                if self._prefilling:
+                    self._advance_prefills()
                 if self._running:
                     self._decode_step()
                 if batch is not None:
@@ -221,8 +228,12 @@ class Engine:
             self.on_fatal(exc)
 
     def _fail_everything(self, error: ServiceError) -> None:
+        for _, slices in self._prefilling:
+            slices.close()  # frees the cache it held
         with self._cond:
-            jobs: list[Job] = [*self._gen_queue, *(item.job for item in self._embed_items), *self._running]
+            jobs: list[Job] = [*self._gen_queue, *(item.job for item in self._embed_items), *self._running,
+                               *(job for group, _ in self._prefilling for job in group)]
+            self._prefilling.clear()
             self._gen_queue.clear()
             self._embed_items.clear()
             self._running.clear()
@@ -342,7 +353,33 @@ class Engine:
         else:
             groups = group_by_length([len(j.spec.prompt_ids) for j in jobs], self.config.max_batch_tokens)
         for group in groups:
-            self._prefill([jobs[i] for i in group])
+            members = [jobs[i] for i in group]
+            if self._running and max(len(j.spec.prompt_ids) for j in members) * len(members) > CHUNKED_PREFILL_TOKENS:
+                # long: sliced between decode steps, so running streams are not stalled for its whole prefill
+                for job in members:
+                    job.begin()
+                self._prefilling.append((members, self.runner.prefill_slices(
+                    [j.spec.prompt_ids for j in members],
+                    [len(j.spec.prompt_ids) + j.spec.max_new_tokens for j in members])))
+            else:
+                self._prefill(members)
+
+    def _advance_prefills(self) -> None:
+        """One slice of every prefill in progress; a finished one joins the running generations."""
+        for entry in list(self._prefilling):
+            jobs, slices = entry
+            try:
+                next(slices)
+                continue
+            except StopIteration as done:
+                logits, states = done.value
+            except Exception:
+                log.exception("sliced prefill failed", extra={"request_id": jobs[0].request_id})
+                self._prefilling.remove(entry)
+                self._fail_jobs(jobs)
+                continue
+            self._prefilling.remove(entry)
+            self._prefilled(jobs, logits, states)
 
     def _prefill(self, jobs: list[GenerationJob]) -> None:
         try:
@@ -359,6 +396,9 @@ class Engine:
             log.exception("prefill failed", extra={"request_id": jobs[0].request_id})
             self._fail_jobs(jobs)
             return
+        self._prefilled(jobs, logits, states)
+
+    def _prefilled(self, jobs: list[GenerationJob], logits: torch.Tensor, states: list[Any]) -> None:
         self.metrics.batch_size.labels("prefill").observe(len(jobs))
         self.metrics.batch_tokens.labels("prefill").observe(max(len(j.spec.prompt_ids) for j in jobs) * len(jobs))
         for job, state, row in zip(jobs, states, logits, strict=True):

@@ -4,13 +4,13 @@ steps for the engine's worker thread. Logits come back to the host once per call
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from typing import Any
 
 import psutil
 import torch
 
-from model.decode import DecodeCache, DecodeState, decode_step, prefill
+from model.decode import DecodeCache, DecodeState, decode_step, prefill, prefill_steps
 
 log = logging.getLogger("service.engine")
 
@@ -62,6 +62,26 @@ class ModelRunner:
         tensors = [torch.tensor(list(p), dtype=torch.long, device=self.device) for p in prompts]
         logits, states = prefill(self.model, self.cache, tensors, [min(n, self.max_positions) for n in reserve])
         return logits.float().cpu(), states
+
+    def prefill_slices(self, prompts: Sequence[Sequence[int]], reserve: Sequence[int]
+                       ) -> Generator[None, None, tuple[torch.Tensor, list[DecodeState]]]:
+        """`prefill` in slices (model.decode.prefill_steps): each next() runs one slice; closing it frees the
+        cache it holds."""
+        with torch.inference_mode():
+            tensors = [torch.tensor(list(p), dtype=torch.long, device=self.device) for p in prompts]
+        steps = prefill_steps(self.model, self.cache, tensors, [min(n, self.max_positions) for n in reserve])
+        while True:
+            with torch.inference_mode():
+                try:
+                    next(steps)
+                except StopIteration as done:
+                    logits, states = done.value
+                    return logits.float().cpu(), states
+            try:
+                yield
+            except GeneratorExit:
+                steps.close()
+                raise
 
     @torch.inference_mode()
     def decode(self, tokens: Sequence[int], states: Sequence[DecodeState]) -> torch.Tensor:

@@ -157,3 +157,32 @@ def test_cache_blocks_are_reserved_and_returned() -> None:
 
 def test_batch_buckets() -> None:
     assert [batch_bucket(n) for n in (1, 2, 3, 5, 9, 33, 64, 65)] == [1, 2, 4, 8, 16, 64, 64, 128]
+
+
+def test_sliced_prefill_yields_between_slices_and_computes_the_same() -> None:
+    from model.decode import prefill_steps
+
+    torch.manual_seed(0)
+    lm = ReformerLM(tiny_config(vocab_size=258, initializer_range=0.3, chunk_size_feed_forward=16)).eval()
+    prompt = torch.randint(3, 258, (40,), generator=torch.Generator().manual_seed(3))
+    cache = DecodeCache.for_tokens(lm, 48, slots=3)
+    whole, _ = prefill(lm, cache, [prompt], [48])
+    steps = prefill_steps(lm, cache, [prompt], [48])
+    slices = 0
+    while True:
+        try:
+            next(steps)
+            slices += 1
+        except StopIteration as done:
+            sliced, _ = done.value
+            break
+    assert slices == len(lm.layers) * (1 + 3)  # attention, then 3 feed-forward slices of 16, per layer
+    assert torch.equal(sliced, whole)
+    with torch.no_grad():
+        assert (lm(prompt[None]).logits[0, -1] - whole[0]).abs().max().item() <= 1e-5
+    used = cache.allocated_bytes
+    early = prefill_steps(lm, cache, [prompt], [48])
+    next(early)
+    assert cache.allocated_bytes > used
+    early.close()  # abandoned half way: its blocks go back
+    assert cache.allocated_bytes == used

@@ -121,3 +121,41 @@ def _run_raising(engine: Engine, spec: GenerationSpec) -> None:
         engine.generate(spec)
 
     asyncio.run(go())
+
+
+def test_a_long_prefill_is_sliced_between_decode_steps(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    import service.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "CHUNKED_PREFILL_TOKENS", 50)
+    calls: list[str] = []
+    real_decode, real_slices = engine.runner.decode, engine.runner.prefill_slices
+
+    def decode(tokens: Any, states: Any) -> Any:
+        calls.append("d")
+        return real_decode(tokens, states)
+
+    def prefill_slices(prompts: Any, reserve: Any) -> Any:
+        inner = real_slices(prompts, reserve)
+        while True:
+            try:
+                next(inner)
+            except StopIteration as done:
+                return done.value
+            calls.append("s")
+            yield
+
+    monkeypatch.setattr(engine.runner, "decode", decode)
+    monkeypatch.setattr(engine.runner, "prefill_slices", prefill_slices)
+    long_prompt = [5 + i % 200 for i in range(300)]
+    alone = _run(engine, _spec(long_prompt, 4))[0]
+
+    async def both() -> list[list[int] | Exception]:
+        stream = asyncio.create_task(_collect(engine, _spec([5, 6, 7], 60)))
+        await asyncio.sleep(0.05)  # the stream is running when the long prompt arrives
+        return [await _collect(engine, _spec(long_prompt, 4)), await stream]
+
+    calls.clear()
+    long_out, stream_out = asyncio.run(both())
+    assert long_out == alone and isinstance(stream_out, list) and len(stream_out) == 60
+    sliced = "".join(calls)
+    assert "s" in sliced and "d" in sliced[sliced.index("s"):sliced.rindex("s")]  # decode steps between slices
