@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.engine import current_reservation
-from service.errors import Overloaded, error_body
+from service.errors import BodyTimeout, Overloaded, error_body
 from service.logs import request_id_var
 from service.metrics import ServiceMetrics
 
@@ -146,7 +146,7 @@ class PayloadLimitMiddleware:
         try:
             body = await asyncio.wait_for(self._read(receive), self.timeout_s)  # (asyncio.timeout is 3.11+)
         except asyncio.TimeoutError:  # noqa: UP041 - not the builtin TimeoutError before Python 3.11
-            await _send_error(scope, receive, send, 408, "body_timeout",
+            await _send_error(scope, receive, send, BodyTimeout.status_code, BodyTimeout.error_type,
                               f"request body not received within body_timeout_s={self.timeout_s:g} s")
             return
         except _TooLarge as too_large:
