@@ -1,29 +1,25 @@
-# reformer-serve on a GPU host:
-#   docker build -t reformer-serve .
+# reformer-serve, one image definition for GPU and CPU hosts:
+#   docker build -t reformer-serve .                                  # CUDA 13 (NVIDIA driver >= 580)
 #   docker run --gpus all -p 8000:8000 reformer-serve
-# serves the default artifact shipped in the package on CUDA; REFORMER_* env vars configure it
-# (docs/DEPLOY.md). The CUDA versions of the base image, the torch wheel index and onnxruntime-gpu go
-# together: change them together.
-ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
+#   docker build --build-arg VARIANT=cpu -t reformer-serve:cpu .       # CPU hosts
+#   docker run -p 8000:8000 reformer-serve:cpu
+# Serves the default artifact shipped in the package; REFORMER_* env vars configure it (docs/DEPLOY.md).
+#
+# CUDA comes from the wheels, not from the base image: PyPI's torch 2.13.0 Linux wheel is the CUDA 13 build
+# and depends on CUDA 13's runtime libraries as nvidia-* wheels (cuda-toolkit 13.0.3, nvidia-cudnn-cu13);
+# onnxruntime-gpu 1.31.1 is built for CUDA 13 too and its [cuda,cudnn] extras name the same wheels. The
+# host needs only the NVIDIA driver (>= 580 for CUDA 13) and the container toolkit. TORCH_VERSION,
+# ONNXRUNTIME_GPU_VERSION and CUDA_MAJOR go together: tests/docker/test_image_pairing.py holds the
+# known pairings and fails on any other.
+ARG PYTHON_IMAGE=python:3.12-slim-bookworm
 
-FROM ${CUDA_IMAGE} AS build
+FROM ${PYTHON_IMAGE} AS build
+ARG VARIANT=cuda
+ARG CUDA_MAJOR=13
 ARG TORCH_VERSION=2.13.0
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
 ARG ONNXRUNTIME_GPU_VERSION=1.31.1
-ENV DEBIAN_FRONTEND=noninteractive \
-    PIP_NO_CACHE_DIR=1 \
+ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
-# Ubuntu's own Python (3.12 on 24.04); the base image's security updates decide the exact patch level,
-# so the versions are not pinned.
-# hadolint ignore=DL3008
-RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3 python3-venv \
-    && rm -rf /var/lib/apt/lists/*
-RUN python3 -m venv /opt/venv
-ENV PATH=/opt/venv/bin:$PATH
-# torch first, from the CUDA wheel index, so that the package's `torch>=2.4` is already met and pip
-# does not fetch a second build from PyPI.
-RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY model ./model
@@ -31,24 +27,22 @@ COPY train ./train
 COPY export ./export
 COPY service ./service
 COPY bench ./bench
-# A regular (not editable) install: the default artifact is package data of `export` and lands in
-# site-packages with it. The package depends on the CPU `onnxruntime`; both wheels provide the same
-# module, so the CPU one is swapped for the CUDA build.
-RUN pip install . \
-    && pip uninstall -y onnxruntime \
-    && pip install "onnxruntime-gpu==${ONNXRUNTIME_GPU_VERSION}"
+COPY docker/install.sh ./docker/install.sh
+# Every package install is in this one script; tests/docker/test_install.py runs it (VARIANT=cpu).
+RUN docker/install.sh /opt/venv /src
 
-FROM ${CUDA_IMAGE}
-ENV DEBIAN_FRONTEND=noninteractive \
-    PATH=/opt/venv/bin:$PATH \
+FROM ${PYTHON_IMAGE}
+ARG CUDA_MAJOR=13
+# NVIDIA_*: what the container toolkit reads on `--gpus all` (this base is no nvidia/cuda image, which
+# would set them); NVIDIA_REQUIRE_CUDA makes it refuse, with a message, a driver too old for CUDA 13.
+ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
-    REFORMER_DEVICE=auto
-# hadolint ignore=DL3008
-RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3 \
-    && rm -rf /var/lib/apt/lists/* \
-    && groupadd --gid 10001 reformer \
+    REFORMER_DEVICE=auto \
+    NVIDIA_VISIBLE_DEVICES=all \
+    NVIDIA_DRIVER_CAPABILITIES=compute,utility \
+    NVIDIA_REQUIRE_CUDA="cuda>=${CUDA_MAJOR}.0"
+RUN groupadd --gid 10001 reformer \
     && useradd --uid 10001 --gid 10001 --create-home --shell /usr/sbin/nologin reformer
 COPY --from=build /opt/venv /opt/venv
 USER 10001:10001

@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test serve lint typecheck bench clean
+.PHONY: venv test serve lint typecheck bench clean gpu-wheels
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,17 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -c constraints-cpu.txt -e ".[bench]"
 	$(PY) bench/forward.py
+
+# Wheels bench/gpu_check.sh installs on the lent GPU machine (no network there; its python3 is 3.12 and
+# lacks these): the versions of this venv, for CPython 3.12 on x86-64 Linux, with their dependencies.
+GPU_WHEEL_PACKAGES := fastapi uvicorn pydantic pydantic-settings starlette
+gpu-wheels: $(STAMP)
+	rm -rf bench/wheels
+	$(PIP) download --quiet --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+	  -d bench/wheels $$($(PY) -c "import importlib.metadata as m; \
+	  print(' '.join(f'{p}=={m.version(p)}' for p in '$(GPU_WHEEL_PACKAGES)'.split()))")
+	ls bench/wheels
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -15,7 +15,7 @@ import yaml
 
 from service.settings import Settings, settings_from_argv
 from tests.docker import service_contract as contract
-from tests.docker.conftest import K8S, OVERLAYS, load_yaml, one
+from tests.docker.conftest import K8S, OVERLAYS, REPO, load_yaml, one
 from tests.docker.kustomize_subset import Manifest, render, resource_id
 
 # The oldest Kubernetes minor these manifests promise to work on, and the newest the schemas know.
@@ -240,3 +240,11 @@ def test_renderer_merges_like_a_strategic_merge_patch(tmp_path: Path) -> None:
     (tmp_path / "kustomization.yaml").write_text("resources: [base]\nconfigMapGenerator: []\n")
     with pytest.raises(ValueError, match="configMapGenerator"):
         render(tmp_path)
+
+
+def test_deploy_doc_states_the_kustomize_version_the_overlays_need() -> None:
+    # `labels:` and `patches: - path:` arrived in kustomize 4.1, which kubectl embeds from 1.22.
+    uses = "".join(path.read_text() for path in K8S.rglob("kustomization.yaml"))
+    deploy = (REPO / "docs/DEPLOY.md").read_text()
+    if "labels:" in uses or "- path:" in uses:
+        assert "kustomize >= 4.1" in deploy and "kubectl >= 1.22" in deploy

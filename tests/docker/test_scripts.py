@@ -4,8 +4,12 @@ scripts themselves start servers and run for minutes: they run by hand, never in
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -44,8 +48,37 @@ def test_replicas_passes_flags_the_commands_accept() -> None:
     assert nginx_retry in text
 
 
-def test_gpu_check_passes_flags_reformer_serve_accepts() -> None:
-    text = (REPO / "bench/gpu_check.sh").read_text()
-    (server_args,) = re.findall(r"^SERVER_ARGS=\((.*)\)$", text, flags=re.M)
-    flags = set(FLAG.findall(server_args))
-    assert {"--device", "--port", "--host"} <= flags <= options_of(serve_parser())
+def run_gpu_check(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+    out = tmp_path / "gpu_check.json"
+    (tmp_path / "no-wheels").mkdir(exist_ok=True)
+    env = {**os.environ, "GPU_CHECK_PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(["bash", str(REPO / "bench/gpu_check.sh"), "--dry-run", "--out", str(out),
+                             "--wheels", str(tmp_path / "no-wheels"), *args],
+                            capture_output=True, text=True, timeout=300, env=env)
+    return result, out
+
+
+def test_gpu_check_dry_run_runs_every_step_on_the_cpu(tmp_path: Path, tiny_artifact: Path) -> None:
+    result, out = run_gpu_check(tmp_path, "--artifact", str(tiny_artifact))
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(out.read_text())
+    assert report["ok"] and report["failures"] == [] and report["mode"] == "dry-run"
+    (service,) = report["services"]
+    assert service["dtype"] == "float32" and service["info"]["device"] == "cpu" and service["exit_code"] == 0
+    routes = {(row["route"], row["tokens"]) for row in service["requests"]}
+    assert {route for route, _ in routes} == {"/embed", "/generate", "/generate_stream"}
+    assert all(row["status"] == 200 for row in service["requests"])
+    assert [rate["concurrency"] for rate in service["decode"]] == [1, 2]
+    assert all(rate["tokens_per_s"] > 0 for rate in service["decode"])
+    assert service["gpu_series"] == {}  # a CPU run: the GPU series are absent, not zero
+    rows = report["forward"]["rows"]
+    assert [row["tokens"] for row in rows] == [128, 256]
+    assert all(row["reformer_tokens_per_s"] > 0 and row["sdpa_full_tokens_per_s"] > 0 for row in rows)
+
+
+def test_gpu_check_fails_when_its_time_runs_out(tmp_path: Path, tiny_artifact: Path) -> None:
+    env_budget = "0.5"
+    result, out = run_gpu_check(tmp_path, "--artifact", str(tiny_artifact), "--budget-s", env_budget)
+    assert result.returncode != 0
+    report = json.loads(out.read_text())
+    assert not report["ok"] and any("time budget" in failure for failure in report["failures"])
