@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Generator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -216,13 +217,21 @@ def _step_rows(lm: ReformerLM, cache: DecodeCache, tokens: Tensor, states: list[
     pad = rows - len(states)
     device = cache.device
     cfg = lm.config
-    # host-known per-row facts, sent to the device in one copy each
-    meta = torch.tensor(
-        [[s.slot, s.length, 1] for s in states] + [[cache.scratch_slot, 0, 0]] * pad, dtype=torch.long,
-    ).to(device)
+    # host-known per-row facts (every LSH layer shares its chunk and bucket-count rule, every local layer its
+    # chunk), sent to the device in one copy: slot, position, live, LSH hashed, LSH chunks, local dense, indexed
+    lsh_c, local_c = cfg.lsh_attn_chunk_length, cfg.local_attn_chunk_length
+    first_lsh = next((i for i, k in enumerate(cfg.attn_layers) if k == "lsh"), None)
+    nbs = [None if first_lsh is None else s.num_buckets[first_lsh] for s in states] + [None] * pad
+    rows_meta = []
+    for s, nb in zip(states, nbs):
+        p = cfg.padded_length(s.length + 1)
+        rows_meta.append([s.slot, s.length, 1, p > lsh_c, max(p // lsh_c, 1), p <= local_c, nb is not None])
+    rows_meta += [[cache.scratch_slot, 0, 0, 0, 1, 1, 0]] * pad
+    meta = torch.tensor(rows_meta, dtype=torch.long).to(device)
     slots, t, live = meta[:, 0], meta[:, 1], meta[:, 2].bool()
+    step = _Step(hashed=meta[:, 3].bool(), n_chunks=meta[:, 4], local_dense=meta[:, 5].bool(),
+                 indexed=meta[:, 6].bool(), groups=_bucket_groups(nbs, device))
     tokens = F.pad(tokens, (0, pad), value=cfg.pad_token_id)
-    padded_len = [cfg.padded_length(s.length + 1) for s in states] + [1] * pad
     x = lm.embeddings.word_embeddings(tokens) + lm.embeddings.position_embeddings(t)  # (B, hidden)
     x1 = x2 = x
     new_rows = cache.rows(slots, t.view(-1, 1)).view(-1)  # (B,): where the new keys go
@@ -233,24 +242,23 @@ def _step_rows(lm: ReformerLM, cache: DecodeCache, tokens: Tensor, states: list[
             qk = att.query_key(h).view(rows, att.heads, att.head_size)  # (B, H, D)
             v = att.value(h).view(rows, att.heads, att.head_size)
             cache.write(li, new_rows, qk, v)
-            out = _lsh_attend(lm, cache, li, att, qk, slots, t, live, states, padded_len)
+            out = _lsh_attend(cache, li, att, qk, slots, t, live, step)
         else:
             assert isinstance(att, LocalSelfAttention)
             q = att.query(h).view(rows, att.heads, att.head_size)
             k = att.key(h).view(rows, att.heads, att.head_size) / math.sqrt(att.head_size)
             v = att.value(h).view(rows, att.heads, att.head_size)
             cache.write(li, new_rows, k, v)
-            out = _local_attend(cache, li, att, q, slots, t, padded_len)
+            out = _local_attend(cache, li, att, q, slots, t, step.local_dense)
         x1 = x1 + layer.attention.output(out.reshape(rows, -1))  # (B, hidden)
         x2 = x2 + layer.feed_forward(x1.unsqueeze(1)).squeeze(1)
     return lm.lm_head(lm.final_layer_norm(torch.cat([x1, x2], dim=-1)))  # (B, vocab)
 
 
 def _local_attend(cache: DecodeCache, li: int, att: LocalSelfAttention, q: Tensor, slots: Tensor, t: Tensor,
-                  padded_len: list[int]) -> Tensor:
+                  dense: Tensor) -> Tensor:
     c = att.chunk
     b = q.shape[0]
-    dense = torch.tensor([p <= c for p in padded_len]).to(t.device)
     start = torch.where(dense, 0, ((torch.div(t, c, rounding_mode="floor") - att.before) * c).clamp(min=0))
     width = (att.before + 1) * c
     pos = start.view(b, 1) + torch.arange(width, device=t.device)  # (B, W)
@@ -264,30 +272,41 @@ def _local_attend(cache: DecodeCache, li: int, att: LocalSelfAttention, q: Tenso
     return torch.matmul(probs.unsqueeze(-2), values.to(q.dtype)).squeeze(-2)  # (B, H, D)
 
 
-def _lsh_attend(lm: ReformerLM, cache: DecodeCache, li: int, att: LSHSelfAttention, qk: Tensor, slots: Tensor,
-                t: Tensor, live: Tensor, states: list[DecodeState], padded_len: list[int]) -> Tensor:
+@dataclass
+class _Step:
+    hashed: Tensor  # (B,) bool: the row's padded length exceeds the LSH chunk (else dense attention)
+    n_chunks: Tensor  # (B,) LSH chunks per round in the row's own padded layout
+    local_dense: Tensor  # (B,) bool: the row fits in one local chunk
+    indexed: Tensor  # (B,) bool: the row keeps an LSH index (and hashes its new query)
+    groups: list[tuple[int | list[int], Tensor | None]]  # bucket count -> rows (None: every row)
+
+
+def _bucket_groups(nbs: list[int | list[int] | None], device: torch.device
+                   ) -> list[tuple[int | list[int], Tensor | None]]:
+    groups: dict[str, tuple[int | list[int], list[int]]] = {}
+    for i, nb in enumerate(nbs):
+        if nb is not None:
+            groups.setdefault(str(nb), (nb, []))[1].append(i)
+    return [(nb, None if len(members) == len(nbs) else torch.tensor(members).to(device))
+            for nb, members in groups.values()]
+
+
+def _lsh_attend(cache: DecodeCache, li: int, att: LSHSelfAttention, qk: Tensor, slots: Tensor, t: Tensor,
+                live: Tensor, step: _Step) -> Tensor:
     b, heads, d = qk.shape
     c, rounds = att.chunk, att.rounds
     index = cache.indexes[li]
     assert index is not None
     device = qk.device
     # hash the new query of every row that keeps an index, one call per bucket count in the batch
-    nbs = [s.num_buckets[li] for s in states] + [None] * (b - len(states))
     buckets = torch.zeros(b, heads, rounds, dtype=torch.long, device=device)
-    groups: dict[str, tuple[int | list[int], list[int]]] = {}
-    for i, nb in enumerate(nbs):
-        if nb is not None:
-            groups.setdefault(str(nb), (nb, []))[1].append(i)
-    for nb, members in groups.values():
-        if len(members) == b:
+    for nb, sel in step.groups:
+        if sel is None:
             buckets = att.hash(qk.unsqueeze(2), nb, None)[..., 0]  # (B, H, R)
         else:
-            sel = torch.tensor(members, device=device)
             buckets[sel] = att.hash(qk[sel].unsqueeze(2), nb, None)[..., 0]
-    indexed = torch.tensor([nb is not None for nb in nbs]).to(device)
-    counts = index.append(slots, buckets, t, live & indexed)
-    hashed = torch.tensor([p > c for p in padded_len]).to(device)  # (B,)
-    n_chunks = torch.tensor([max(p // c, 1) for p in padded_len]).to(device)
+    counts = index.append(slots, buckets, t, live & step.indexed)
+    hashed, n_chunks = step.hashed, step.n_chunks
     pos, present = index.window(slots, counts, buckets, t, n_chunks, c, att.before, att.after)  # (B, H, R, W)
     w = pos.shape[-1]
     # rows still shorter than a chunk attend densely over every position, in round 0 of the same layout
