@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from model.decode import INVARIANT_ROWS
 from service.admission import Admission, Reservation, current_reservation
 from service.backends import EmbeddingBackend
 from service.errors import InputTooLong, InternalError, Overloaded, ServiceError, Unavailable
@@ -424,8 +425,12 @@ class Engine:
             log.exception("decode step over %d generations failed", len(jobs))
             self._fail_jobs(jobs)
             return
-        self.metrics.batch_size.labels("decode").observe(len(jobs))
-        self.metrics.batch_tokens.labels("decode").observe(len(jobs))
+        # rows per model call: in invariant mode the step runs in blocks of INVARIANT_ROWS rows
+        block = INVARIANT_ROWS if self.config.batch_invariant else len(jobs)
+        for start in range(0, len(jobs), block):
+            rows = min(block, len(jobs) - start)
+            self.metrics.batch_size.labels("decode").observe(rows)
+            self.metrics.batch_tokens.labels("decode").observe(rows)
         for job, row in zip(jobs, logits, strict=True):
             self._advance_safely(job, row)
 

@@ -159,3 +159,37 @@ def test_a_long_prefill_is_sliced_between_decode_steps(engine: Engine, monkeypat
     assert long_out == alone and isinstance(stream_out, list) and len(stream_out) == 60
     sliced = "".join(calls)
     assert "s" in sliced and "d" in sliced[sliced.index("s"):sliced.rindex("s")]  # decode steps between slices
+
+
+def _histogram(engine: Engine, kind: str) -> tuple[float, float]:
+    """(count, sum) of reformer_batch_size{kind}."""
+    samples = {s.name: s.value for m in engine.metrics.batch_size.collect() for s in m.samples
+               if s.labels.get("kind") == kind}
+    return samples.get("reformer_batch_size_count", 0.0), samples.get("reformer_batch_size_sum", 0.0)
+
+
+def test_batch_size_counts_rows_per_model_call(artifact: Any) -> None:
+    engine = _engine(artifact)
+    rows: list[int] = []
+    real = engine.runner.decode
+
+    def decode(tokens: Any, states: Any) -> Any:
+        rows.append(len(states))
+        return real(tokens, states)
+
+    engine.runner.decode = decode  # type: ignore[method-assign]
+
+    async def scenario() -> list[list[int] | Exception]:
+        tasks = [asyncio.create_task(_collect(engine, _spec(p, 5))) for p in ([5, 6, 7], [8, 9, 10], [11, 12])]
+        await asyncio.sleep(0.01)  # all three are queued before the worker starts
+        engine.start()
+        return list(await asyncio.gather(*tasks))
+
+    try:
+        outs = asyncio.run(scenario())
+    finally:
+        engine.stop()
+    assert all(isinstance(o, list) and len(o) == 5 for o in outs)
+    assert _histogram(engine, "prefill") == (1.0, 3.0)  # the three prompts were prefilled in one call
+    assert rows and max(rows) == 3  # and decoded together
+    assert _histogram(engine, "decode") == (float(len(rows)), float(sum(rows)))
