@@ -77,3 +77,16 @@ def test_nearest_neighbour_accuracy_counts_only_other_passages() -> None:
     v = torch.tensor([[1.0, 0.0], [0.9, 0.1], [0.0, 1.0], [0.1, 0.9]])
     assert embed_quality.nn_accuracy(v, ["a", "a", "b", "b"]) == 1.0
     assert embed_quality.nn_accuracy(v, ["a", "b", "a", "b"]) == 0.0
+
+
+def test_plot_training_draws_a_curve_file(tmp_path: Path) -> None:
+    import plot_training
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "curve.csv").write_text("step,phase,tokens_seen,wall_time_s,val_bpb,val_bytes,train_loss\n"
+                                   "10,0,81920,60.0,3.9,16000,2.7\n20,1,245760,130.0,3.5,16000,2.4\n")
+    out = tmp_path / "curves.png"
+    assert plot_training.main([str(run), "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert plot_training.main([str(tmp_path / "missing"), "--out", str(out)]) == 2
