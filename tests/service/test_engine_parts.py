@@ -193,3 +193,32 @@ def test_batch_size_counts_rows_per_model_call(artifact: Any) -> None:
     assert _histogram(engine, "prefill") == (1.0, 3.0)  # the three prompts were prefilled in one call
     assert rows and max(rows) == 3  # and decoded together
     assert _histogram(engine, "decode") == (float(len(rows)), float(sum(rows)))
+
+
+@pytest.mark.parametrize("invariant", [True, False], ids=["invariant", "bucketed"])
+def test_batched_generation_equals_the_request_alone(artifact: Any, invariant: bool) -> None:
+    engine = _engine(artifact, batch_invariant=invariant)
+    engine.start()
+
+    async def logprobs(spec: GenerationSpec) -> list[tuple[int, float]]:
+        stream, out = engine.generate(spec), []
+        while True:
+            event = await stream.next_event()
+            out.append((event.id, event.logprob))
+            if event.finish is not None:
+                return out
+
+    async def together() -> list[list[tuple[int, float]]]:
+        return list(await asyncio.gather(logprobs(_spec([5, 6, 7], 12)), logprobs(_spec(list(range(20, 60)), 5)),
+                                         logprobs(_spec([9], 9))))
+
+    try:
+        alone = asyncio.run(logprobs(_spec([5, 6, 7], 12)))
+        batched = asyncio.run(together())[0]
+    finally:
+        engine.stop()
+    assert [i for i, _ in batched] == [i for i, _ in alone]  # same greedy tokens
+    if invariant:
+        assert batched == alone  # bit for bit
+    else:
+        assert max(abs(a - b) for (_, a), (_, b) in zip(alone, batched)) <= 1e-4
