@@ -75,7 +75,6 @@ class DecodeCache:
         lsh = sum(ix is not None for ix in self.indexes)
         self.bytes_per_token = (2 * len(self.indexes) * self.head_size + lsh) * self.heads * elt
         self.bytes_per_block = self.bytes_per_token * block_size
-        self.bytes_per_slot = sum(ix.nbytes_per_slot() for ix in self.indexes if ix is not None)
         usable = capacity_bytes - self.bytes_per_slot * (max_slots + 1)
         self.blocks = max(usable // self.bytes_per_block, 0) + 1  # + the scratch block 0
         rows = self.blocks * block_size
@@ -95,6 +94,12 @@ class DecodeCache:
         self.scratch_slot = max_slots
         self._free_blocks = list(range(self.blocks - 1, 0, -1))
         self._free_slots = list(range(max_slots - 1, -1, -1))
+
+    @property
+    def bytes_per_slot(self) -> int:
+        """LSH bookkeeping of one request slot. With an automatic bucket count it grows (for every slot) when a
+        request reaches a length with more buckets; the figures here follow it, the capacity check does not."""
+        return sum(ix.nbytes_per_slot() for ix in self.indexes if ix is not None)
 
     @classmethod
     def for_tokens(cls, lm: ReformerLM, tokens: int, slots: int = 1, block_size: int = 16) -> DecodeCache:
