@@ -117,12 +117,17 @@ class LSHSelfAttention(nn.Module):
         Hashing runs in fp32 whatever the model's dtype (an fp32 copy of qk, the rotations as drawn), so a
         half-precision model buckets its projections as the fp32 model buckets the same values."""
         x = qk.detach() if qk.dtype == torch.float32 else qk.detach().float()  # (B, H, L, D)
-        if self.rotations is not None and self.rotations.dtype != torch.float32:
-            # casting the model (lm.to(torch.bfloat16)) rounded the fixed rotations: draw them again
+        if self.rotations is not None and (torch.jit.is_tracing() or torch.compiler.is_compiling()):
+            rot = self.rotations.float()  # the exported graph's constant
+        else:
+            # the rotations as drawn, not the buffer: casting the model (lm.to(torch.bfloat16), and back)
+            # rounds buffers
             size = _rotation_size(num_buckets)
-            self.rotations = hash_rotations(self.config.hash_seed, self.heads, self.head_size, self.rounds,
-                                            size).to(x.device)
-        rot = self.rotations_for(num_buckets, x)  # (H, D, R, rot/2), fp32
+            key = (size, hash(str(x.device)), 32)
+            if key not in self._rotation_cache:
+                self._rotation_cache[key] = hash_rotations(self.config.hash_seed, self.heads, self.head_size,
+                                                           self.rounds, size).to(x.device)
+            rot = self._rotation_cache[key]  # (H, D, R, rot/2)
         hh, dd, rr, kk = rot.shape
         rotated = torch.matmul(x, rot.reshape(hh, dd, rr * kk))  # (B, H, L, R*rot/2)
         rotated = rotated.view(*qk.shape[:3], rr, kk)  # (B, H, L, R, rot/2)
