@@ -60,6 +60,14 @@ def test_automatic_bucket_count_is_rehashed_as_the_length_grows() -> None:
     assert _max_step_difference(lm, 14, steps=40) <= 1e-5  # 2*L/chunk doubles on the way
 
 
+def test_factorised_automatic_bucket_counts() -> None:
+    torch.manual_seed(0)
+    lm = ReformerLM(tiny_config(attn_layers=["local", "lsh"], num_buckets=None, vocab_size=258,
+                                initializer_range=0.3)).eval()
+    # past 2*L/chunk = 44 buckets the reference factorises the count ([8, 8] at 256 positions)
+    assert _max_step_difference(lm, 250, steps=10) <= 1e-5
+
+
 @pytest.mark.parametrize("layers", [["local", "lsh", "local", "lsh"], ["lsh"] * 6], ids=["shipped-mix", "lsh6"])
 def test_deeper_lsh_stacks_difference_is_measured(layers: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     """Not exact by construction (earlier positions keep the states they were computed with): the cached
