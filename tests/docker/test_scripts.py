@@ -1,6 +1,7 @@
 """bench/gpu_check.sh and bench/replicas.sh: valid bash, `--help` works without starting anything, and
-every flag they pass to `reformer serve` and `reformer loadtest` is one those commands accept. (The
-scripts themselves start servers and run for minutes: they run by hand, never in the suite.)"""
+every flag replicas.sh passes to `reformer serve` and `reformer loadtest` is one those commands accept.
+gpu_check.sh runs here in its CPU dry run (tiny sizes, the tiny artifact): every step, the JSON report,
+and a non-zero exit when a step fails (its time budget spent). replicas.sh runs by hand."""
 
 from __future__ import annotations
 
