@@ -1,12 +1,12 @@
 """Admission: the bounded queue's accounting. A request holds a `Reservation` from its arrival (before its
 body is parsed) until it is admitted as a queue entry, refused or answered; admission turns the reservation
-into the entry (passed explicitly; the ContextVar remains for callers that do not pass one yet). A queued
+into the entry (passed explicitly: the middleware puts it on `request.state.reservation`, the routes hand it
+to `Engine.generate`/`Engine.embed`). A queued
 request that waits longer than `request_timeout_s` gets 504. The queues themselves belong to the engine;
 everything here happens under `cond`, the lock the worker also takes."""
 
 from __future__ import annotations
 
-import contextvars
 import threading
 import time
 from collections.abc import Callable
@@ -23,12 +23,6 @@ class Reservation:
 
     def __init__(self) -> None:
         self.held = True
-
-
-# The reservation of the request being handled, for callers that do not pass it to Engine.generate/embed.
-current_reservation: contextvars.ContextVar[Reservation | None] = contextvars.ContextVar(
-    "current_reservation", default=None
-)
 
 
 class Admission:
@@ -71,8 +65,6 @@ class Admission:
               ) -> None:
         """Queue the job (enqueue runs under the lock), its reservation becoming its entry; 503 when `closed()`,
         429 when the queue is full (not counting the job's own reservation)."""
-        if reservation is None:
-            reservation = current_reservation.get()
         own = 1 if reservation is not None and reservation.held else 0
         with self.cond:
             if closed():

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from model.decode import INVARIANT_ROWS
-from service.admission import Admission, Reservation, current_reservation
+from service.admission import Admission, Reservation
 from service.backends import EmbeddingBackend
 from service.errors import InputTooLong, InternalError, Overloaded, ServiceError, Unavailable
 from service.jobs import EmbeddingResult, EmbeddingSpec, GenerationSpec, TokenEvent
@@ -37,8 +37,8 @@ log = logging.getLogger("service.engine")
 # A prefill group of more padded tokens than this is sliced between decode steps while generations run.
 CHUNKED_PREFILL_TOKENS = 2048
 
-# Reservation and current_reservation live in service/admission.py; importers of service.engine keep them.
-__all__ = ["Engine", "EngineConfig", "GenerationStream", "Reservation", "current_reservation"]
+# Reservation lives in service/admission.py; importers of service.engine keep it.
+__all__ = ["Engine", "EngineConfig", "GenerationStream", "Reservation"]
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,6 @@ from typing import Any
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.engine import current_reservation
 from service.errors import BodyTimeout, Overloaded, error_body
 from service.logs import request_id_var
 from service.metrics import ServiceMetrics
@@ -221,9 +220,9 @@ class AvailabilityMiddleware:
             await _send_error(scope, receive, send, reservation.status_code, reservation.error_type,
                               reservation.message, headers=reservation.headers)
             return
-        token = current_reservation.set(reservation)
+        # handed to the route explicitly: request.state.reservation (Starlette's request.state is scope["state"])
+        scope.setdefault("state", {})["reservation"] = reservation
         try:
             await self.app(scope, receive, send)
         finally:
-            current_reservation.reset(token)
             engine.release(reservation)

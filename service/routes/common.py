@@ -12,6 +12,7 @@ from pydantic import BaseModel
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from service.admission import Reservation
 from service.engine import Engine
 from service.errors import Unavailable
 from service.jobs import Timings
@@ -29,6 +30,12 @@ def get_state(request: Request) -> ServiceState:
 
 
 State = Annotated[ServiceState, Depends(get_state)]
+
+
+def reservation_of(request: Request) -> Reservation | None:
+    """The queue place the availability middleware reserved for this request (None off the queued routes)."""
+    reservation = getattr(request.state, "reservation", None)
+    return reservation if isinstance(reservation, Reservation) else None
 
 
 def ready_parts(state: ServiceState) -> tuple[Engine, Limits, Any]:

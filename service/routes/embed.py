@@ -16,6 +16,7 @@ from service.routes.common import (
     disconnected_response,
     observe,
     ready_parts,
+    reservation_of,
     timing_headers,
     until_disconnected,
 )
@@ -32,7 +33,7 @@ async def embed(body: EmbedRequest, request: Request, state: State) -> Response:
     spec = body.to_spec(tokenizer, limits)
     log.debug("embed inputs %r", body.inputs)
     try:
-        result = await until_disconnected(request, engine.embed(spec))
+        result = await until_disconnected(request, engine.embed(spec, reservation=reservation_of(request)))
     except ClientDisconnected:
         return disconnected_response()
     observe(state, "/embed", result.timings, result.prompt_tokens)

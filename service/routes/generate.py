@@ -29,6 +29,7 @@ from service.routes.common import (
     disconnected_response,
     observe,
     ready_parts,
+    reservation_of,
     sse,
     timing_headers,
     until_disconnected,
@@ -59,7 +60,7 @@ async def generate(body: GenerateRequest, request: Request, state: State) -> Res
     engine, limits, tokenizer = ready_parts(state)
     spec = body.to_spec(tokenizer, limits)
     log.debug("generate prompt %r", body.inputs)
-    stream = engine.generate(spec)
+    stream = engine.generate(spec, reservation=reservation_of(request))
     try:
         tokens, finish = await until_disconnected(request, collect(stream))
     except ClientDisconnected:
@@ -89,7 +90,7 @@ async def generate_stream(body: GenerateRequest, request: Request, state: State)
     """Generate with Server-Sent Events, one per token; the last carries generated_text and details."""
     engine, limits, tokenizer = ready_parts(state)
     spec = body.to_spec(tokenizer, limits)
-    stream = engine.generate(spec)
+    stream = engine.generate(spec, reservation=reservation_of(request))
     try:
         first = await until_disconnected(request, stream.next_event())  # errors before the stream: real statuses
     except ClientDisconnected:

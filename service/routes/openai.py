@@ -40,6 +40,7 @@ from service.routes.common import (
     error_responses,
     observe,
     ready_parts,
+    reservation_of,
     sse,
     timing_headers,
     until_disconnected,
@@ -77,7 +78,7 @@ async def completions(body: CompletionRequest, request: Request, state: State) -
     streams = []
     try:
         for spec in specs:
-            streams.append(engine.generate(spec))
+            streams.append(engine.generate(spec, reservation=reservation_of(request)))
     except ServiceError:
         for s in streams:
             s.cancel()
@@ -162,7 +163,7 @@ async def embeddings(body: EmbeddingsRequest, request: Request, state: State) ->
     engine, limits, tokenizer = ready_parts(state)
     spec = body.to_spec(tokenizer, limits, state.embedding_dim)
     try:
-        result = await until_disconnected(request, engine.embed(spec))
+        result = await until_disconnected(request, engine.embed(spec, reservation=reservation_of(request)))
     except ClientDisconnected:
         return disconnected_response()
     observe(state, "/v1/embeddings", result.timings, result.prompt_tokens)

@@ -12,7 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from model.sampling import SamplingParams
-from service.engine import Engine, EngineConfig, Reservation, current_reservation
+from service.engine import Engine, EngineConfig, Reservation
 from service.errors import Overloaded
 from service.jobs import GenerationSpec
 from service.metrics import ServiceMetrics
@@ -35,9 +35,7 @@ def test_reservations_count_against_the_queue_and_turn_into_queue_entries(artifa
     async def scenario() -> None:
         first = engine.reserve()
         assert isinstance(first, Reservation)
-        token = current_reservation.set(first)
-        engine.generate(SPEC)  # admitted: the reservation becomes the job's queue entry, not a second place
-        current_reservation.reset(token)
+        engine.generate(SPEC, reservation=first)  # admitted: the reservation becomes the job's entry
         assert not first.held and engine.stats()["queued"]["generate"] == 1
         engine.release(first)  # the middleware's release after admission changes nothing
         held = [engine.reserve() for _ in range(QUEUE - 1)]
