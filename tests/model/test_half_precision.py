@@ -158,3 +158,18 @@ def test_cached_decoding_matches_fp32(dtype: torch.dtype, lsh_chunk: int) -> Non
     bound = REL_TOL * want.abs().max().item()
     worst = per_step.max().item() if lsh_chunk == 64 else per_step.median().item()
     assert worst <= bound, per_step.tolist()
+
+
+DECODE_FP16_OVERFLOW = pytest.mark.xfail(
+    strict=True, reason="defect, reported to the decoding owner: model/decode_cache.py key_norm squares keys in "
+    "their dtype and model/decode.py takes q.k of unnormalised keys in it; both overflow fp16 past ~256")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, pytest.param(torch.float16, marks=DECODE_FP16_OVERFLOW)], ids=str)
+def test_cached_decoding_with_large_activations_stays_finite(dtype: torch.dtype) -> None:
+    _, lm16 = _pair(dtype, num_hashes=2)
+    for att in _lsh_layers(lm16):
+        att.query_key.weight.data *= 2000.0  # query/key projections around 1e3, as in the forward test
+    prompt = random_ids(1, 40, vocab=258)[0]
+    got = _decode(lm16, prompt, torch.tensor([5, 6, 7, 8]))
+    assert torch.isfinite(got).all()
