@@ -19,6 +19,7 @@ import torch
 
 from model import ReformerLM
 from model.attention import AttentionContext, LSHSelfAttention, length_normalize, split_heads
+from model.chunking import mask_value, self_mask_value
 from model.decode import DecodeCache, decode_step, prefill
 
 from .helpers import random_ids, tiny_config
@@ -67,6 +68,15 @@ def test_casting_to_half_and_back_hashes_as_before() -> None:
     assert not torch.equal(att.rotations, att_rt.rotations)  # the buffer was rounded
     qk = torch.randn(2, att.heads, 256, att.head_size, generator=torch.Generator().manual_seed(2))
     assert torch.equal(att.hash(qk, 8, None), att_rt.hash(qk, 8, None))
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_mask_constants_are_finite_in_half_precision(dtype: torch.dtype) -> None:
+    """Masks are added to logits (and the static graph adds both masks to one logit): all stay finite."""
+    mask, own = torch.tensor(mask_value(dtype), dtype=dtype), torch.tensor(self_mask_value(dtype), dtype=dtype)
+    logit = torch.tensor(-4e3, dtype=dtype)  # the most negative logit of the large-activation tests
+    assert torch.isfinite(torch.stack([mask, own, mask + own, mask + own + logit])).all()
+    assert mask.item() < own.item() < -100.0  # padding below the self mask, both far below real logits
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=str)
