@@ -38,6 +38,9 @@ def run_case(kind: str, length: int, new_tokens: int, threads: int) -> dict:
     import torch
 
     torch.set_num_threads(threads)
+    from model.cpu_runtime import tune_cpu_runtime
+
+    tune_cpu_runtime()  # as `reformer serve` runs, for every model in the table
     torch.manual_seed(0)
     # the longest prompt leaves room for the new tokens inside max_position_embeddings (65536)
     prompt = torch.randint(3, 258, (min(length, 65536 - new_tokens - 2),))
@@ -91,6 +94,9 @@ def run_batch_case(batch: int, length: int, steps: int, threads: int) -> dict:
     from model.decode import DecodeCache, decode_step, prefill
 
     torch.set_num_threads(threads)
+    from model.cpu_runtime import tune_cpu_runtime
+
+    tune_cpu_runtime()  # as `reformer serve` runs, for every model in the table
     torch.manual_seed(0)
     lm = ReformerLM(ReformerConfig.from_hf(hf_config())).eval()
     dc = DecodeCache.for_tokens(lm, length + steps + 2, slots=batch)

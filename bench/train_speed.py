@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from model import ReformerConfig, ReformerLM  # noqa: E402
+from model.cpu_runtime import tune_cpu_runtime  # noqa: E402
 from train.step import make_loss_fn  # noqa: E402
 
 
@@ -148,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "train_speed.json")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    tune_cpu_runtime()  # as `reformer train` runs, for both models
     rows: list[dict[str, Any]] = []
     for window in (int(w) for w in args.windows.split(",")):
         batch = max(1, args.batch_tokens // window)

@@ -20,6 +20,7 @@ from typing import NoReturn
 import uvicorn
 from pydantic import ValidationError
 
+from model.cpu_runtime import tune_cpu_runtime
 from service.app import create_app
 from service.logs import configure_logging
 from service.settings import settings_from_argv
@@ -97,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     # every await of the event loop can wait that long for it back (a convoy), which made answers that need
     # no model at all (429, 503, /health) take seconds under load. 0.5 ms keeps the loop responsive.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
+    log.info("cpu runtime: %s", tune_cpu_runtime())  # denormals flushed, large blocks kept (model/cpu_runtime.py)
     app = create_app(settings, artifact)
     state: ServiceState = app.state.service
     config = uvicorn.Config(

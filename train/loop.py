@@ -25,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from model.config import ReformerConfig
+from model.cpu_runtime import tune_cpu_runtime
 from model.reformer import ReformerLM
 
 from .checkpoint import TrainerState, code_version, load_training_state, save_checkpoint
@@ -397,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    tune_cpu_runtime()
     device_kind = "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
     info = init_distributed(device_kind)
     try:
