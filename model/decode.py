@@ -35,7 +35,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .attention import LocalSelfAttention, LSHSelfAttention, split_heads
-from .chunking import mask_value, self_mask_value
+from .batch import prepare_batch
+from .chunking import mask_value, round_weights, self_mask_value
 from .decode_cache import CacheFull, DecodeCache, DecodeState, _flat
 from .feedforward import EVAL_CHUNK
 
@@ -113,8 +114,9 @@ def _prefill_layers(lm: ReformerLM, cache: DecodeCache, prompts: Sequence[Tensor
     for i, p in enumerate(prompts):
         ids[i, : lengths[i]] = p.to(cache.device)
         mask[i, : lengths[i]] = 1
-    padded, ctx, _ = lm._prepare(ids, None if min(lengths) == longest else mask)
-    x1 = x2 = lm.embeddings(padded)
+    batch = prepare_batch(ids, None if min(lengths) == longest else mask, lm.config)  # right-padded: no shift
+    ctx = batch.context
+    x1 = x2 = lm.embeddings(batch.input_ids)
     pos = torch.arange(longest, device=cache.device)
     slots = torch.tensor([s.slot for s in states], device=cache.device)
     rows = cache.rows(slots, pos.expand(len(prompts), longest))  # (N, L)
@@ -318,16 +320,17 @@ def _lsh_attend(cache: DecodeCache, li: int, att: LSHSelfAttention, qk: Tensor, 
     pos = torch.where(present, pos, 0)
     rows = cache.rows(slots, pos.reshape(b, -1)).view(b, heads, rounds, w)
     keys, values = cache.gather(li, rows)  # (B, H, R, W, D)
-    # q . length_normalize(k) / sqrt(D), as (q . k) times the key's cached factor
-    dots = torch.matmul(keys.to(qk.dtype), qk.view(b, heads, 1, d, 1)).squeeze(-1)  # (B, H, R, W)
-    dots = dots * cache.gather_norms(li, rows).to(qk.dtype)
+    # q . length_normalize(k) / sqrt(D), as (q . k) times the key's cached factor; in float32 whatever the
+    # model's dtype (q . k of unnormalised half-precision keys overflows fp16), as the softmax and round weights
+    dots = torch.matmul(keys.float(), qk.float().view(b, heads, 1, d, 1)).squeeze(-1)  # (B, H, R, W)
+    dots = dots * cache.gather_norms(li, rows).float()
     # masks replace logits, as in the reference: padding never counts, the query's own position gets -1e5
     dots = dots.masked_fill(~present, mask_value(dots.dtype))
     dots = dots.masked_fill(present & (pos == t.view(b, 1, 1, 1)), self_mask_value(dots.dtype))
     lse = torch.logsumexp(dots, dim=-1, keepdim=True)  # (B, H, R, 1)
-    out = torch.matmul(torch.exp(dots - lse).unsqueeze(-2), values.to(qk.dtype)).squeeze(-2)  # (B, H, R, D)
+    out = torch.matmul(torch.exp(dots - lse).unsqueeze(-2), values.float()).squeeze(-2)  # (B, H, R, D)
     # a dense row's other rounds see nothing: their weight is exactly 0
     lse = torch.where(sel | (torch.arange(rounds, device=device).view(1, 1, -1, 1) == 0), lse,
                       torch.full_like(lse, -math.inf))
-    weights = torch.exp(lse - torch.logsumexp(lse, dim=2, keepdim=True))  # (B, H, R, 1)
-    return (out * weights).sum(dim=2)  # (B, H, D)
+    weights = round_weights(lse, dim=2)  # (B, H, R, 1)
+    return (out * weights).sum(dim=2).to(qk.dtype)  # (B, H, D)

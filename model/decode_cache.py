@@ -46,8 +46,10 @@ class DecodeState:
 
 
 def key_norm(key: Tensor, eps: float = 1e-6) -> Tensor:
-    """(..., D) -> (...): what `length_normalize` multiplies a key by, divided by sqrt(D)."""
-    return torch.rsqrt(torch.mean(key * key, dim=-1) + eps) / math.sqrt(key.shape[-1])
+    """(..., D) -> (...) float32: what `length_normalize` multiplies a key by, divided by sqrt(D). The mean
+    square is taken in float32: squaring a half-precision key overflows fp16 past ~256."""
+    k = key.float()
+    return torch.rsqrt(torch.mean(k * k, dim=-1) + eps) / math.sqrt(key.shape[-1])
 
 
 def _flat(nb: int | list[int]) -> int:

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention import AttentionContext, LocalSelfAttention, LSHSelfAttention
+from .attention import LocalSelfAttention, LSHSelfAttention
 from .batch import prepare_batch
 from .config import ReformerConfig
 from .embeddings import AxialPositionEmbeddings, ReformerEmbeddings
@@ -59,11 +59,6 @@ class ReformerLM(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     # ----------------------------------------------------------------------------------------------
-    def _prepare(self, input_ids: Tensor, attention_mask: Tensor | None) -> tuple[Tensor, AttentionContext, int]:
-        """Right-padded batches only; kept for model/decode.py until it calls `prepare_batch`."""
-        batch = prepare_batch(input_ids, attention_mask, self.config)
-        return batch.input_ids, batch.context, batch.t
-
     def hidden(self, input_ids: Tensor, attention_mask: Tensor | None = None, position_offset: int = 0) -> Tensor:
         """Final hidden states (B, L, 2*hidden) in the caller's layout. The mask may pad each row on the left,
         the right or both (model/batch.py); every real token gets the result of its row alone, positions
