@@ -22,8 +22,8 @@ serve: $(STAMP)
 	$(VENV)/bin/reformer serve
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check model export service bench tests
-	$(VENV)/bin/mypy model export service
+	$(VENV)/bin/ruff check model export service train bench tests
+	$(VENV)/bin/mypy model export service train
 
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -c constraints-cpu.txt -e ".[bench]"
