@@ -155,7 +155,10 @@ def test_kernel_is_chosen_by_device_and_dtype() -> None:
     assert window_kernel_for(torch.zeros(1, device="meta"), True) is None
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run by bench/gpu_check.sh on a GPU host)")
+NEEDS_CUDA = "needs CUDA: on a GPU host, pytest tests/model/test_fused_cuda_path.py -k cuda (gpu_check.sh does not)"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NEEDS_CUDA)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_fused_equals_unfused_on_cuda(dtype: torch.dtype) -> None:
     fused, plain = _pair(num_hashes=4, lsh_attn_chunk_length=16, local_attn_chunk_length=16)
