@@ -86,7 +86,7 @@ class LSHSelfAttention(nn.Module):
         self.causal = config.is_decoder
         self.query_key = nn.Linear(config.hidden_size, config.all_head_size, bias=False)
         self.value = nn.Linear(config.hidden_size, config.all_head_size, bias=False)
-        self._rotation_cache: dict[tuple[int, ...], Tensor] = {}
+        self._rotation_cache: dict[tuple[int, str], Tensor] = {}  # (rotation size, device) -> fp32 rotations
         if config.num_buckets is not None:
             # a fixed bucket count makes the rotations a constant of the model (and of its ONNX graph)
             size = _rotation_size(config.num_buckets)
@@ -94,16 +94,6 @@ class LSHSelfAttention(nn.Module):
             self.register_buffer("rotations", rot, persistent=False)
         else:
             self.rotations = None
-
-    def rotations_for(self, num_buckets: int | list[int], like: Tensor) -> Tensor:
-        if self.rotations is not None:
-            return self.rotations.to(like.dtype)
-        size = _rotation_size(num_buckets)
-        key = (size, like.device.index or -1, hash(like.dtype))
-        if key not in self._rotation_cache:
-            rot = hash_rotations(self.config.hash_seed, self.heads, self.head_size, self.rounds, size)
-            self._rotation_cache[key] = rot.to(device=like.device, dtype=like.dtype)
-        return self._rotation_cache[key]
 
     def num_buckets_for(self, own_length: int) -> int | list[int]:
         nb = self.config.num_buckets
@@ -123,7 +113,7 @@ class LSHSelfAttention(nn.Module):
             # the rotations as drawn, not the buffer: casting the model (lm.to(torch.bfloat16), and back)
             # rounds buffers
             size = _rotation_size(num_buckets)
-            key = (size, hash(str(x.device)), 32)
+            key = (size, str(x.device))
             if key not in self._rotation_cache:
                 self._rotation_cache[key] = hash_rotations(self.config.hash_seed, self.heads, self.head_size,
                                                            self.rounds, size).to(x.device)
