@@ -28,8 +28,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from model import ReformerLM  # noqa: E402
-from model.reformer import pool_hidden  # noqa: E402
-from train.evaluation import load_lm, passages, validation_tails  # noqa: E402
+from model.pooling import pool_hidden  # noqa: E402
+from train.evaluation import add_passage_args, load_lm, passages, validation_tails  # noqa: E402
 
 
 def nn_accuracy(vectors: Tensor, labels: list[str]) -> float:
@@ -98,13 +98,8 @@ def table(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("model", type=Path, help="artifact directory or training checkpoint")
-    p.add_argument("--data", nargs="+", default=[str(ROOT.parent / "shared" / "data")])
-    p.add_argument("--val-fraction", type=float, default=0.05)
-    p.add_argument("--passage", type=int, default=2048)
+    add_passage_args(p, passage=2048, out=ROOT / "bench" / "results" / "embed_quality.json")
     p.add_argument("--per-book", type=int, default=40)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "embed_quality.json")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     result = measure(args.model, args.data, args.passage, args.per_book, args.val_fraction)

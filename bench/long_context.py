@@ -25,7 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from train.evaluation import load_lm, nll_bits_of_last, passages, validation_tails  # noqa: E402
+from train.evaluation import add_passage_args, load_lm, nll_bits_of_last, passages, validation_tails  # noqa: E402
 
 
 def measure(model_path: Path, data: list[str], passage: int, tail: int, context: int, val_fraction: float,
@@ -72,15 +72,10 @@ def table(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("model", type=Path, help="artifact directory or training checkpoint")
-    p.add_argument("--data", nargs="+", default=[str(ROOT.parent / "shared" / "data")])
-    p.add_argument("--val-fraction", type=float, default=0.05)
-    p.add_argument("--passage", type=int, default=16384)
+    add_passage_args(p, passage=16384, out=ROOT / "bench" / "results" / "long_context.json")
     p.add_argument("--tail", type=int, default=1024)
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--max-passages", type=int, default=0, help="0: every passage")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "long_context.json")
     args = p.parse_args(argv)
     if args.tail + args.context > args.passage:
         p.error("--tail + --context must fit in --passage")

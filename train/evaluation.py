@@ -4,6 +4,7 @@ cut exactly as `reformer train` cut them."""
 
 from __future__ import annotations
 
+import argparse
 import math
 from pathlib import Path
 
@@ -59,3 +60,14 @@ def nll_bits_of_last(lm: ReformerLM, ids: np.ndarray, last: int) -> float:
     logits = lm(x[:, :-1]).logits[:, -last:]  # (1, last, vocab)
     nll = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), x[:, -last:].reshape(-1), reduction="sum")
     return float(nll) / math.log(2)
+
+
+def add_passage_args(p: argparse.ArgumentParser, passage: int, out: Path) -> None:
+    """The arguments of every benchmark over validation passages: the model, the books and their held-out
+    split, the passage length, threads and the JSON output."""
+    p.add_argument("model", type=Path, help="artifact directory or training checkpoint")
+    p.add_argument("--data", nargs="+", default=[str(Path(__file__).resolve().parents[2] / "shared" / "data")])
+    p.add_argument("--val-fraction", type=float, default=0.05)
+    p.add_argument("--passage", type=int, default=passage)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", type=Path, default=out)
