@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -140,13 +141,15 @@ def plot_batches(rows: list[dict], path: Path) -> None:
 
 
 def _subprocess_row(cmd: list[str], timeout: float, fallback: dict) -> dict:
+    """One case in its own process; the row records the 1-minute load average when it started."""
+    load = {"loadavg_1m_before": os.getloadavg()[0]}
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         if proc.returncode == 0:
-            return json.loads(proc.stdout.strip().splitlines()[-1])
-        return {**fallback, "error": (proc.stderr.strip().splitlines() or ["?"])[-1][:200]}
+            return {**json.loads(proc.stdout.strip().splitlines()[-1]), **load}
+        return {**fallback, **load, "error": (proc.stderr.strip().splitlines() or ["?"])[-1][:200]}
     except subprocess.TimeoutExpired:
-        return {**fallback, "error": f"timed out after {timeout:.0f}s"}
+        return {**fallback, **load, "error": f"timed out after {timeout:.0f}s"}
 
 
 def main(argv: list[str] | None = None) -> int:

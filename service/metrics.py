@@ -167,13 +167,15 @@ class ServiceMetrics:
             PREFIX + "input_tokens", "Input tokens per request.", ["route"], buckets=TOKEN_COUNT_BUCKETS, registry=r
         )
         self.batch_size = Histogram(
-            PREFIX + "batch_size", "Sequences per model call.", ["kind"], buckets=BATCH_SIZE_BUCKETS, registry=r
+            PREFIX + "batch_size", "Request rows per model call (kind: embed, prefill, decode).", ["kind"],
+            buckets=BATCH_SIZE_BUCKETS, registry=r
         )
         self.batch_tokens = Histogram(
             PREFIX + "batch_tokens", "Padded tokens per model call.", ["kind"], buckets=TOKEN_COUNT_BUCKETS,
             registry=r,
         )
-        self.inflight = Gauge(PREFIX + "inflight_requests", "HTTP requests being handled.", registry=r)
+        self.inflight = Gauge(PREFIX + "inflight_requests", "API requests in progress (not probes or /metrics).",
+                              registry=r)
         self.model_info = Gauge(
             PREFIX + "model_info", "The served model (value 1).",
             ["artifact_sha256", "model", "backend", "decode_backend", "device", "dtype"], registry=r,
