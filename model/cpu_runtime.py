@@ -2,7 +2,7 @@
 by `reformer train` and `reformer serve` (never by the model's forward, so importing the model changes
 nothing).
 
-Measured on this project's 2-core machine (torch 2.13, AVX-512), 8.4M-element tensors, the size of one
+Timed by hand once (not a saved benchmark) on this project's 2-core machine (torch 2.13, AVX-512), 8.4M-element tensors, the size of one
 LSH layer's score blocks at window 512 x batch 16:
 - glibc returns every allocation above its mmap threshold (at most 32 MB by default) to the kernel when
   freed, so the next one page-faults on every page: `x * x` took 31 ms, 7 ms with the threshold raised;
