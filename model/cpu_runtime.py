@@ -2,8 +2,8 @@
 by `reformer train` and `reformer serve` (never by the model's forward, so importing the model changes
 nothing).
 
-Timed by hand once (not a saved benchmark) on this project's 2-core machine (torch 2.13, AVX-512), 8.4M-element tensors, the size of one
-LSH layer's score blocks at window 512 x batch 16:
+Timed by hand once (not a saved benchmark) on this project's 2-core machine (torch 2.13, AVX-512),
+8.4M-element tensors, the size of one LSH layer's score blocks at window 512 x batch 16:
 - glibc returns every allocation above its mmap threshold (at most 32 MB by default) to the kernel when
   freed, so the next one page-faults on every page: `x * x` took 31 ms, 7 ms with the threshold raised;
 - `exp` of masked logits (about -1e9) produces denormals, which the CPU handles in microcode: 345 ms
