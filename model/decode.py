@@ -39,6 +39,7 @@ from .batch import prepare_batch
 from .chunking import mask_value, round_weights, self_mask_value
 from .decode_cache import CacheFull, DecodeCache, DecodeState, _flat
 from .feedforward import EVAL_CHUNK
+from .prefill_slices import DEFAULT_SLICE_CHUNKS, layer_f_slices
 
 if TYPE_CHECKING:
     from .reformer import ReformerLM
@@ -83,11 +84,11 @@ def prefill(lm: ReformerLM, cache: DecodeCache, prompts: Sequence[Tensor], reser
             return done.value  # type: ignore[no-any-return]
 
 
-def prefill_steps(lm: ReformerLM, cache: DecodeCache, prompts: Sequence[Tensor], reserve: Sequence[int] | None = None
-                  ) -> Generator[None, None, tuple[Tensor, list[DecodeState]]]:
-    """`prefill` in slices: it yields after each layer's attention and after each feed-forward slice of
-    `FF_SLICE` positions, so a caller can run decode steps in between (chunked prefill). Hashing and sorting
-    still see the whole prompt; the slices are the ones the full forward computes, so the result is the same
+def prefill_steps(lm: ReformerLM, cache: DecodeCache, prompts: Sequence[Tensor], reserve: Sequence[int] | None = None,
+                  slice_chunks: int = DEFAULT_SLICE_CHUNKS) -> Generator[None, None, tuple[Tensor, list[DecodeState]]]:
+    """`prefill` in slices: it yields after each layer's cache writes, after each `slice_chunks` chunk-window
+    attentions (model/prefill_slices.py) and after each feed-forward slice, so a caller can run decode steps
+    in between (chunked prefill). Hashing and sorting still see the whole prompt; the result is the same
     bits. Closing it early frees what it allocated."""
     lengths = [int(p.shape[0]) for p in prompts]
     if min(lengths, default=1) < 1:
@@ -98,7 +99,7 @@ def prefill_steps(lm: ReformerLM, cache: DecodeCache, prompts: Sequence[Tensor],
         for n, w in zip(lengths, want, strict=True):
             states.append(cache.allocate(max(n, w)))
         with torch.no_grad():
-            result = yield from _prefill_layers(lm, cache, prompts, lengths, states)
+            result = yield from _prefill_layers(lm, cache, prompts, lengths, states, slice_chunks)
     except BaseException:
         for s in states:
             cache.free(s)
@@ -107,7 +108,8 @@ def prefill_steps(lm: ReformerLM, cache: DecodeCache, prompts: Sequence[Tensor],
 
 
 def _prefill_layers(lm: ReformerLM, cache: DecodeCache, prompts: Sequence[Tensor], lengths: list[int],
-                    states: list[DecodeState]) -> Generator[None, None, tuple[Tensor, list[DecodeState]]]:
+                    states: list[DecodeState], slice_chunks: int = DEFAULT_SLICE_CHUNKS
+                    ) -> Generator[None, None, tuple[Tensor, list[DecodeState]]]:
     longest = max(lengths)
     ids = torch.full((len(prompts), longest), lm.config.pad_token_id, dtype=torch.long, device=cache.device)
     mask = torch.zeros(len(prompts), longest, dtype=torch.long, device=cache.device)
@@ -139,8 +141,9 @@ def _prefill_layers(lm: ReformerLM, cache: DecodeCache, prompts: Sequence[Tensor
                 nb = _index_buckets(att, lm.config.padded_length(lengths[i]))
                 if nb is not None:
                     _build_index(cache, li, att, state, keys[i, :, : lengths[i]], nb)
-        # the layer as ReformerLayer.forward computes it (eval, no dropout), in slices
-        f_out, _ = layer.f(x2, ctx, None)
+        yield
+        # the layer as ReformerLayer.forward computes it (eval, no dropout), its attention in slices of chunks
+        f_out = yield from layer_f_slices(layer, x2, ctx, slice_chunks)
         x1 = x1 + f_out
         yield
         ff = layer.feed_forward

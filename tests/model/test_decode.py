@@ -184,7 +184,9 @@ def test_sliced_prefill_yields_between_slices_and_computes_the_same() -> None:
         except StopIteration as done:
             sliced, _ = done.value
             break
-    assert slices == len(lm.layers) * (1 + 3)  # attention, then 3 feed-forward slices of 16, per layer
+    # per layer: the cache writes, the attention's slices (a local layer: its windows in 1 slice; an LSH layer:
+    # hashing, the sort, 1 slice per head; model/prefill_slices.py), the output, 3 feed-forward slices of 16
+    assert slices == 2 * ((1 + 2 + 1 + 3) + (1 + 4 + 1 + 3))
     assert torch.equal(sliced, whole)
     with torch.no_grad():
         assert (lm(prompt[None]).logits[0, -1] - whole[0]).abs().max().item() <= 1e-5

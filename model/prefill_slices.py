@@ -1,0 +1,247 @@
+"""A layer's attention in bounded slices, for chunked prefill: the same bits as the full forward.
+
+A long prompt's prefill runs between decode steps (model/decode.py `prefill_steps`), so no unit of its work
+may take much longer than a decode step. A layer's attention over a 60K-token prompt is one such unit in the
+full forward (`ReformerLayer.f`); here it is cut up without changing what it computes:
+
+- the projections, the LSH hashing and the bucket sort (`argsort` of every hash round) see the whole prompt
+  at once, as in the full forward: they are the cheap, global part;
+- the chunk windows are attended `slice_chunks` window attentions (row x head x chunk) at a time, with a
+  `yield` after each slice. A chunk's window attention depends only on its own queries and its window's keys,
+  so computing the chunks in groups changes nothing: the window kernel runs on the same rows with the same
+  keys in the same order;
+- LSH rounds are combined per head once every chunk of that head is done, and the output projection runs on
+  the whole sequence (F.linear's bits depend on the number of rows).
+
+Exactness: the result is bit-identical (`torch.equal`) to `layer.f(x2, ctx, None)[0]` in eval mode, on every
+path the forward takes (fused window kernel or plain softmax, uniform or mixed-length padded batches, rows
+shorter than a chunk). tests/model/test_prefill_slices.py checks it with `torch.equal`. Training (dropout,
+autograd) is not sliced: `layer_f_slices` then runs `layer.f` in one piece.
+
+The primitives are the attention modules' own (model/attention.py, model/chunking.py, model/lsh_fused.py);
+the loops below mirror `LSHSelfAttention._chunked` and `LocalSelfAttention._chunked` with the chunk axis cut.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Generator
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from .attention import (
+    AttentionContext,
+    LocalSelfAttention,
+    LSHSelfAttention,
+    length_normalize,
+    merge_heads,
+    split_heads,
+)
+from .chunking import attend, attention_bias, fusable, strided_windows, window_chunk_index
+from .lsh_fused import fused_lsh_attend, window_kernel_for
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from .reversible import ReformerLayer
+
+# Window attentions (one batch row, one head, one chunk of queries against its window) per slice. With the
+# default model (chunk 64, head size 32, windows of 2 chunks) one is ~1 MFLOP plus the bias and the gathers;
+# 256 of them take roughly 20-40 ms on a 2-core CPU (bench/prefill_gap.py measures the gaps they leave).
+DEFAULT_SLICE_CHUNKS = 256
+
+Slices = Generator[None, None, Tensor]
+if TYPE_CHECKING:
+    _Dense = Callable[[Tensor, AttentionContext], Tensor]
+    _Chunked = Callable[[Tensor | None, AttentionContext], Slices]
+
+
+def layer_f_slices(layer: ReformerLayer, x2: Tensor, ctx: AttentionContext,
+                   slice_chunks: int = DEFAULT_SLICE_CHUNKS) -> Slices:
+    """`layer.f(x2, ctx, None)[0]` (eval) in slices: yields after the projections and hashing, then after
+    each `slice_chunks` window attentions. Returns (B, L, hidden)."""
+    block = layer.attention
+    if layer.training or torch.is_grad_enabled():
+        return layer.f(x2, ctx, None)[0]  # dropout masks and autograd want the forward's own layout
+    h = yield from attention_slices(block.self_attention, block.layer_norm(x2), ctx, slice_chunks)
+    return block.output(h)  # type: ignore[no-any-return]
+
+
+def attention_slices(att: torch.nn.Module, x: Tensor, ctx: AttentionContext,
+                     slice_chunks: int = DEFAULT_SLICE_CHUNKS) -> Slices:
+    """`att(x, ctx)[0]` for an eval LSHSelfAttention or LocalSelfAttention, in slices. Returns (B, L, H*D)."""
+    if slice_chunks < 1:
+        raise ValueError("slice_chunks must be at least 1")
+    if isinstance(att, LSHSelfAttention):
+        return (yield from _lsh_slices(att, x, ctx, slice_chunks))
+    if isinstance(att, LocalSelfAttention):
+        return (yield from _local_slices(att, x, ctx, slice_chunks))
+    raise TypeError(f"no sliced attention for {type(att).__name__}")
+
+
+def _lsh_slices(att: LSHSelfAttention, x: Tensor, ctx: AttentionContext, slice_chunks: int) -> Slices:
+    qk = split_heads(att.query_key(x), att.heads, att.head_size)  # (B, H, L, D)
+    v = split_heads(att.value(x), att.heads, att.head_size)
+    if x.shape[1] <= att.chunk:
+        return merge_heads(att._dense(qk, v, ctx))
+    buckets = att._hash_rows(qk, ctx)  # the whole prompt's buckets, as the forward hashes them
+    yield
+    c = att.chunk
+
+    def dense(rows: Tensor, sub: AttentionContext) -> Tensor:
+        return att._dense(qk[rows, :, :c], v[rows, :, :c], sub)
+
+    def chunked(rows: Tensor | None, sub: AttentionContext) -> Slices:
+        if rows is None:
+            return (yield from _lsh_chunked(att, qk, v, buckets, sub, slice_chunks))
+        return (yield from _lsh_chunked(att, qk[rows], v[rows], buckets[rows], sub, slice_chunks))
+
+    out = yield from _split_short_rows(v, ctx, c, dense, chunked)
+    return merge_heads(out)
+
+
+def _local_slices(att: LocalSelfAttention, x: Tensor, ctx: AttentionContext, slice_chunks: int) -> Slices:
+    q = split_heads(att.query(x), att.heads, att.head_size)  # (B, H, L, D)
+    k = split_heads(att.key(x), att.heads, att.head_size) / math.sqrt(att.head_size)
+    v = split_heads(att.value(x), att.heads, att.head_size)
+    if x.shape[1] <= att.chunk:
+        return merge_heads(att._dense(q, k, v, ctx))
+    yield
+    c = att.chunk
+
+    def dense(rows: Tensor, sub: AttentionContext) -> Tensor:
+        return att._dense(q[rows, :, :c], k[rows, :, :c], v[rows, :, :c], sub)
+
+    def chunked(rows: Tensor | None, sub: AttentionContext) -> Slices:
+        if rows is None:
+            return (yield from _local_chunked(att, q, k, v, sub, slice_chunks))
+        return (yield from _local_chunked(att, q[rows], k[rows], v[rows], sub, slice_chunks))
+
+    out = yield from _split_short_rows(v, ctx, c, dense, chunked)
+    return merge_heads(out)
+
+
+def _split_short_rows(v: Tensor, ctx: AttentionContext, chunk: int, dense: _Dense, chunked: _Chunked) -> Slices:
+    """attention.split_short_rows with a sliced `chunked`: rows whose own length fits in one chunk attend
+    densely (one small piece), the others chunked; the same row subsets as the forward, so the same bits."""
+    short = ctx.own_length <= chunk
+    if not bool(short.any()):
+        return (yield from chunked(None, ctx))
+    out = torch.zeros_like(v)
+    rows_short = short.nonzero().squeeze(1)
+    out[rows_short, :, :chunk] = dense(rows_short, _subset(ctx, rows_short, chunk))
+    if not bool(short.all()):
+        rows_long = (~short).nonzero().squeeze(1)
+        out[rows_long] = yield from chunked(rows_long, _subset(ctx, rows_long, None))
+    return out
+
+
+def _subset(ctx: AttentionContext, rows: Tensor, length: int | None) -> AttentionContext:
+    valid = None if ctx.valid is None else ctx.valid[rows][:, :length]
+    return AttentionContext(valid=valid, own_length=ctx.own_length[rows], generator=ctx.generator)
+
+
+def _window_rows(x: Tensor, win: Tensor, n: int) -> Tensor:
+    """Chunks `win` (B, S, W) of x (B, N*C, *rest) -> (B, S, W*C, *rest): chunking.gather_chunks for a
+    slice of the chunk axis (gather_chunks wants the index of every chunk). Same values, gathered."""
+    b, s, w = win.shape
+    c = x.shape[1] // n
+    rest = x.shape[2:]
+    flat = x.reshape(b * n, c, *rest)
+    base = torch.arange(b, device=x.device).view(b, 1, 1) * n
+    return flat[(win + base).reshape(-1)].reshape(b, s, w * c, *rest)
+
+
+def _lsh_chunked(att: LSHSelfAttention, qk: Tensor, v: Tensor, buckets: Tensor, ctx: AttentionContext,
+                 slice_chunks: int) -> Slices:
+    """LSHSelfAttention._chunked (eval), one head at a time as it runs, the head's R*N chunks cut into
+    slices. (B, H, L, D) -> (B, H, L, D)."""
+    b, h, t, d = qk.shape
+    r, c = att.rounds, att.chunk
+    n = t // c
+    device = qk.device
+    pos = torch.arange(t, device=device)
+    order = torch.argsort(buckets * t + pos, dim=-1)  # (B, H, R, L): the whole prompt's sort
+    sorted_pos = order.reshape(b, h, r * t)
+    own_chunks = torch.clamp((ctx.own_length + c - 1) // c, min=1)
+    win = window_chunk_index(own_chunks, r, n, att.before, att.after)  # (B, R*N, W)
+    uniform = bool((own_chunks == n).all())
+    kernel = window_kernel_for(qk, fusable(0.0, att.fused))
+    k = length_normalize(qk) / math.sqrt(att.head_size)
+    qkv = torch.cat([qk, k, v], dim=-1)  # (B, H, L, 3D)
+    valid = ctx.valid
+    out = torch.zeros_like(qk)
+    rows = torch.arange(b, device=device).view(b, 1, 1) * t
+    batch = torch.arange(b, device=device).view(b, 1, 1, 1)
+    step = max(1, slice_chunks // b)  # chunks of one head per slice, every batch row
+    yield
+    for i in range(h):
+        sp = sorted_pos[:, i : i + 1]  # (B, 1, R*L)
+        flat = qkv[:, i : i + 1].reshape(b * t, 3 * d)
+        picked = flat.index_select(0, (sp[:, 0] + rows[:, 0]).reshape(-1)).view(b, 1, r * t, 3 * d)
+        q_c, k_c, v_c = (x.reshape(b, 1, r * n, c, d) for x in picked.split(d, dim=-1))
+        qp = sp.view(b, 1, r * n, c)
+        if uniform and kernel is not None:
+            k_all = strided_windows(k_c.reshape(b, 1, r * t, d), c, att.before, att.after)  # views
+            v_all = strided_windows(v_c.reshape(b, 1, r * t, d), c, att.before, att.after)
+            kp_all = strided_windows(sp, c, att.before, att.after)
+        outs, lses = [], []
+        for j0 in range(0, r * n, step):
+            j1 = min(j0 + step, r * n)
+            if uniform and kernel is not None:
+                k_w, v_w, kp = k_all[:, :, j0:j1], v_all[:, :, j0:j1], kp_all[:, :, j0:j1]
+            else:
+                # the forward's look_adjacent (uniform) and gather_chunks pick these same chunks
+                w_s = win[:, j0:j1]
+                k_w = _window_rows(k_c.reshape(b, r * t, d), w_s, r * n).unsqueeze(1)  # (B, 1, S, W*C, D)
+                v_w = _window_rows(v_c.reshape(b, r * t, d), w_s, r * n).unsqueeze(1)
+                kp = _window_rows(sp.reshape(b, r * t), w_s, r * n).unsqueeze(1)  # (B, 1, S, W*C)
+            kv = None if valid is None else valid[batch, kp]
+            qs, qps = q_c[:, :, j0:j1], qp[:, :, j0:j1]
+            if kernel is not None:
+                o, lse = fused_lsh_attend(qs, k_w, v_w, v_c[:, :, j0:j1], qps, kp, kv, att.causal, kernel)
+            else:
+                bias = attention_bias(qps, kp, kv, att.causal, True, qk.dtype)
+                o, lse = attend(qs, k_w, v_w, bias, 0.0, ctx.generator)
+            outs.append(o)
+            lses.append(lse)
+            yield
+        o_all = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]  # (B, 1, R*N, C, D)
+        lse_all = torch.cat(lses, dim=2) if len(lses) > 1 else lses[0]
+        out[:, i : i + 1] = att._combine_rounds(o_all.reshape(b, 1, r, t, d), lse_all.reshape(b, 1, r, t),
+                                                order[:, i : i + 1])
+    return out
+
+
+def _local_chunked(att: LocalSelfAttention, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext,
+                   slice_chunks: int) -> Slices:
+    """LocalSelfAttention._chunked (eval) with its chunk axis cut into slices. (B, H, L, D) -> (B, H, L, D)."""
+    b, heads, t, d = q.shape
+    pos = torch.arange(t, device=q.device)
+    c, n = att.chunk, t // att.chunk
+    own_chunks = torch.clamp((ctx.own_length + c - 1) // c, min=1)
+    win = window_chunk_index(own_chunks, 1, n, att.before, att.after)  # (B, N, W)
+    q_c = q.view(b, heads, n, c, d)
+    k_t = k.transpose(1, 2)  # (B, L, H, D): rows of every head together, as gather_chunks picks them
+    v_t = v.transpose(1, 2)
+    qp_all = pos.view(1, 1, n, c).expand(b, 1, n, c)
+    step = max(1, slice_chunks // (b * heads))  # chunks per slice, every batch row and head
+    outs = []
+    for j0 in range(0, n, step):
+        j1 = min(j0 + step, n)
+        w_s = win[:, j0:j1]
+        s = j1 - j0
+        k_w = _window_rows(k_t, w_s, n).view(b, s, -1, heads, d).permute(0, 3, 1, 2, 4)  # (B, H, S, W*C, D)
+        v_w = _window_rows(v_t, w_s, n).view(b, s, -1, heads, d).permute(0, 3, 1, 2, 4)
+        qp = qp_all[:, :, j0:j1]  # (B, 1, S, C)
+        kp = _window_rows(pos.expand(b, t), w_s, n).unsqueeze(1)  # (B, 1, S, W*C)
+        kv = None if ctx.valid is None else torch.gather(ctx.valid[:, None, None, :].expand(b, 1, s, t), 3, kp)
+        bias = attention_bias(qp, kp, kv, att.causal, False, q.dtype)  # (B, 1, S, C, W*C)
+        o, _ = attend(q_c[:, :, j0:j1], k_w.reshape(b, heads, s, -1, d), v_w.reshape(b, heads, s, -1, d), bias,
+                      0.0, ctx.generator, fused=att.fused)
+        outs.append(o)
+        yield
+    out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]  # (B, H, N, C, D)
+    return out.reshape(b, heads, t, d)
