@@ -36,6 +36,11 @@ log = logging.getLogger("service.engine")
 
 # A prefill group of more padded tokens than this is sliced between decode steps while generations run.
 CHUNKED_PREFILL_TOKENS = 2048
+# Between two decode steps, sliced prefills run slice after slice until this much time has passed. A running
+# stream's gap is then about one decode step + this + one slice (model/prefill_slices.py bounds a slice), and
+# the prefill keeps at least budget / (budget + decode step) of the time: one slice per step would leave it a
+# small share when slices are short (bench/prefill_gap.py measures both).
+PREFILL_BUDGET_S = 0.08
 
 # Reservation lives in service/admission.py; importers of service.engine keep it.
 __all__ = ["Engine", "EngineConfig", "GenerationStream", "Reservation"]
@@ -366,11 +371,15 @@ class Engine:
                 self._prefill(members)
 
     def _advance_prefills(self) -> None:
-        """One slice of every prefill in progress; a finished one joins the running generations."""
+        """Slices of the prefills in progress, oldest first, until PREFILL_BUDGET_S has passed (at least one
+        slice each); a finished one joins the running generations."""
+        deadline = time.monotonic() + PREFILL_BUDGET_S
         for entry in list(self._prefilling):
             jobs, slices = entry
             try:
                 next(slices)
+                while time.monotonic() < deadline:
+                    next(slices)
                 continue
             except StopIteration as done:
                 logits, states = done.value

@@ -123,10 +123,13 @@ def _run_raising(engine: Engine, spec: GenerationSpec) -> None:
     asyncio.run(go())
 
 
-def test_a_long_prefill_is_sliced_between_decode_steps(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+def _record_slices(engine: Engine, monkeypatch: pytest.MonkeyPatch, budget_s: float) -> list[str]:
+    """Long prompts (over 50 tokens) sliced, PREFILL_BUDGET_S set; returns the calls as they happen:
+    "d" a decode step, "s" a prefill slice."""
     import service.engine as engine_module
 
     monkeypatch.setattr(engine_module, "CHUNKED_PREFILL_TOKENS", 50)
+    monkeypatch.setattr(engine_module, "PREFILL_BUDGET_S", budget_s)
     calls: list[str] = []
     real_decode, real_slices = engine.runner.decode, engine.runner.prefill_slices
 
@@ -146,19 +149,40 @@ def test_a_long_prefill_is_sliced_between_decode_steps(engine: Engine, monkeypat
 
     monkeypatch.setattr(engine.runner, "decode", decode)
     monkeypatch.setattr(engine.runner, "prefill_slices", prefill_slices)
-    long_prompt = [5 + i % 200 for i in range(300)]
-    alone = _run(engine, _spec(long_prompt, 4))[0]
+    return calls
 
+
+def _long_prompt_while_streaming(engine: Engine, long_prompt: list[int]) -> list[list[int] | Exception]:
     async def both() -> list[list[int] | Exception]:
         stream = asyncio.create_task(_collect(engine, _spec([5, 6, 7], 60)))
         await asyncio.sleep(0.05)  # the stream is running when the long prompt arrives
         return [await _collect(engine, _spec(long_prompt, 4)), await stream]
 
+    return asyncio.run(both())
+
+
+def test_a_long_prefill_is_sliced_between_decode_steps(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _record_slices(engine, monkeypatch, 0.0)  # no budget: one slice per decode step
+    long_prompt = [5 + i % 200 for i in range(300)]
+    alone = _run(engine, _spec(long_prompt, 4))[0]
     calls.clear()
-    long_out, stream_out = asyncio.run(both())
+    long_out, stream_out = _long_prompt_while_streaming(engine, long_prompt)
     assert long_out == alone and isinstance(stream_out, list) and len(stream_out) == 60
     sliced = "".join(calls)
     assert "s" in sliced and "d" in sliced[sliced.index("s"):sliced.rindex("s")]  # decode steps between slices
+    assert "ss" not in sliced
+
+
+def test_prefill_slices_run_until_the_budget_between_decode_steps(engine: Engine,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _record_slices(engine, monkeypatch, 60.0)  # a budget no slice sequence here reaches
+    long_prompt = [5 + i % 200 for i in range(300)]
+    alone = _run(engine, _spec(long_prompt, 4))[0]
+    calls.clear()
+    long_out, stream_out = _long_prompt_while_streaming(engine, long_prompt)
+    assert long_out == alone and isinstance(stream_out, list) and len(stream_out) == 60
+    sliced = "".join(calls)
+    assert sliced.count("s") > 1 and "d" not in sliced[sliced.index("s"):sliced.rindex("s")]  # all in one turn
 
 
 def _histogram(engine: Engine, kind: str) -> tuple[float, float]:
