@@ -2,9 +2,13 @@
 passage's nearest other passage by cosine similarity must come from the same book), for every pooling the
 model offers (mean / last token of the final hidden states, and the mean of each layer's output),
 against a bag-of-bytes baseline (each passage's normalised byte histogram) measured in the same run.
+Every pooling is also measured standardised per dimension ((v - mean) / std, the mean and std of that
+pooling over `--stats-passages` passages of the files' TRAINING heads, picked as `reformer export` picks
+them: export/embedding_stats.py), and, when MODEL is an artifact that ships embedding_stats.safetensors,
+"served (artifact stats)": the final mean standardised with the artifact's statistics, as the service does.
 
     python bench/embed_quality.py MODEL [--data ../shared/data] [--passage 2048] [--per-book 40]
-                                  [--threads 2] [--out FILE.json]
+                                  [--stats-passages 60] [--threads 2] [--out FILE.json]
 
 MODEL is an artifact directory or a training checkpoint. Passages are cut, without overlap, from the
 held-out tail of every file, at most `--per-book` per book so that no book dominates the accuracy."""
@@ -27,8 +31,9 @@ from torch import Tensor
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from model import ReformerLM  # noqa: E402
-from model.pooling import pool_hidden  # noqa: E402
+from export.embedding_stats import STATS_FILE, training_passages  # noqa: E402
+from model import ByteTokenizer, ReformerLM  # noqa: E402
+from model.pooling import EmbeddingStats, pool_hidden, standardize, standardize_pooled  # noqa: E402
 from train.evaluation import add_passage_args, load_lm, passages, validation_tails  # noqa: E402
 
 
@@ -62,29 +67,60 @@ def poolings(lm: ReformerLM, ids: np.ndarray) -> dict[str, Tensor]:
     return out
 
 
-def measure(model_path: Path, data: list[str], passage: int, per_book: int, val_fraction: float) -> dict[str, Any]:
+def load(model_path: Path) -> tuple[ReformerLM, ByteTokenizer, EmbeddingStats | None]:
+    """The model, its tokenizer and, for an artifact that ships them, its embedding statistics (checked)."""
+    if (model_path / STATS_FILE).exists() and (model_path / "manifest.json").exists():
+        from export import load_artifact
+
+        art = load_artifact(model_path)
+        return art.model.eval(), art.tokenizer, art.embedding_stats
     lm, tok = load_lm(model_path)
+    return lm, tok, None
+
+
+def pooled(lm: ReformerLM, cut: list[tuple[str, np.ndarray]]) -> dict[str, Tensor]:
+    """Every pooling of every passage: name -> (N, D)."""
+    per_pool: dict[str, list[Tensor]] = {}
+    for _, ids in cut:
+        for name, vec in poolings(lm, ids).items():
+            per_pool.setdefault(name, []).append(vec)
+    return {name: torch.stack(vecs) for name, vecs in per_pool.items()}
+
+
+def measure(model_path: Path, data: list[str], passage: int, per_book: int, val_fraction: float,
+            stats_passages: int = 60) -> dict[str, Any]:
+    lm, tok, served_stats = load(model_path)
     cut = passages(validation_tails(data, val_fraction, tok), passage, per_book)
     labels = [name for name, _ in cut]
     if len(set(labels)) < 2:
         raise SystemExit("embed_quality: need passages from at least two books; use a shorter --passage")
     t0 = time.perf_counter()
-    per_pool: dict[str, list[Tensor]] = {}
-    for _, ids in cut:
-        for name, vec in poolings(lm, ids).items():
-            per_pool.setdefault(name, []).append(vec)
+    per_pool = pooled(lm, cut)
+    train_cut = training_passages(data, tok, val_fraction, passage, stats_passages)
+    train_pool = pooled(lm, train_cut) if len(train_cut) >= 2 else {}
     rows = [{"pooling": "bag-of-bytes (baseline)",
              "accuracy": round(nn_accuracy(torch.stack([bag_of_bytes(ids, lm.config.vocab_size) for _, ids in cut]),
                                            labels), 4)}]
     for name, vecs in per_pool.items():
-        rows.append({"pooling": name, "accuracy": round(nn_accuracy(torch.stack(vecs), labels), 4)})
+        rows.append({"pooling": name, "accuracy": round(nn_accuracy(vecs, labels), 4)})
+    for name, vecs in per_pool.items():
+        if name in train_pool:
+            z = standardize(vecs, EmbeddingStats.from_vectors(train_pool[name]))
+            rows.append({"pooling": f"{name} standardised", "accuracy": round(nn_accuracy(z, labels), 4)})
+    if served_stats is not None:  # what the service returns for pooling "mean" (before L2, which cosine ignores)
+        served = standardize_pooled(per_pool["final-mean"], "mean", served_stats)
+        rows.append({"pooling": "served (artifact stats)", "accuracy": round(nn_accuracy(served, labels), 4)})
     base = rows[0]["accuracy"]
     for r in rows:
         r["vs_baseline_points"] = round(100 * (r["accuracy"] - base), 1)
     best = max(rows[1:], key=lambda r: r["accuracy"])
     books = {b: labels.count(b) for b in dict.fromkeys(labels)}
+    stats_books = [name for name, _ in train_cut]
     return {"benchmark": "embed_quality", "model": str(model_path), "passage_bytes": passage, "passages": len(cut),
-            "per_book": books, "chance": round(max(books.values()) / len(cut), 4), "rows": rows,
+            "per_book": books, "stats_passages": len(train_cut),
+            "stats_per_book": {b: stats_books.count(b) for b in dict.fromkeys(stats_books)},
+            "artifact_stats": served_stats is not None, "chance": round(max(books.values()) / len(cut), 4),
+            "rows": rows,
             "best_pooling": best["pooling"], "seconds": round(time.perf_counter() - t0, 1),
             "loadavg_1m": round(os.getloadavg()[0], 2)}
 
@@ -100,9 +136,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_passage_args(p, passage=2048, out=ROOT / "bench" / "results" / "embed_quality.json")
     p.add_argument("--per-book", type=int, default=40)
+    p.add_argument("--stats-passages", type=int, default=60,
+                   help="training-head passages the standardised rows estimate their mean and std on")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    result = measure(args.model, args.data, args.passage, args.per_book, args.val_fraction)
+    result = measure(args.model, args.data, args.passage, args.per_book, args.val_fraction, args.stats_passages)
     result["table"] = table(result)
     print(f"{result['passages']} passages of {result['passage_bytes']} bytes {result['per_book']}; "
           f"majority-book chance {result['chance']:.3f}\n")

@@ -19,6 +19,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from model import ByteTokenizer, ReformerConfig, ReformerLM
+from model.pooling import EmbeddingStats
+
+from .embedding_stats import STATS_FILE, read_embedding_stats, write_embedding_stats
 
 FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"
@@ -45,6 +48,7 @@ class Artifact:
     sha256: str  # of model.safetensors: identifies the weights
     onnx_path: Path | None
     onnx_int8_path: Path | None = None
+    embedding_stats: EmbeddingStats | None = None  # for standardising mean-pooled embeddings, when shipped
 
 
 # --------------------------------------------------------------------------------------------------
@@ -113,10 +117,13 @@ def save_artifact(
     quantize: str | None = None,
     eval_text: bytes | None = None,
     overwrite: bool = False,
+    embedding_stats: tuple[EmbeddingStats | None, dict[str, Any]] | None = None,
 ) -> Path:
     """Write an artifact directory. With `onnx`, the ONNX graph is exported and verified against torch;
     an export whose logits differ by more than the tolerance raises and leaves nothing at `out_dir`.
-    `quantize="int8"` adds a dynamically quantised graph and records the bits-per-byte change."""
+    `quantize="int8"` adds a dynamically quantised graph and records the bits-per-byte change.
+    `embedding_stats` (export/embedding_stats.py's stats_for_export): the statistics, written to
+    embedding_stats.safetensors when present, and the manifest's record of how (or why not) they were made."""
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
         raise FileExistsError(f"{out} exists and is not empty (pass overwrite=True to replace it)")
@@ -134,6 +141,10 @@ def save_artifact(
         write_model_files(model, tokenizer, staging)
         export_info: dict[str, Any] = {}
         evaluation = dict(evaluation or {})
+        if embedding_stats is not None:
+            stats, export_info["embedding_stats"] = embedding_stats
+            if stats is not None:
+                write_embedding_stats(staging / STATS_FILE, stats)
         if onnx:
             from .onnx_export import export_and_verify
 
@@ -251,5 +262,12 @@ def load_artifact(path: str | Path | None = None, *, check_hashes: bool = True) 
     files = manifest["files"]
     onnx_path = directory / ONNX_FILE if ONNX_FILE in files else None
     int8_path = directory / ONNX_INT8_FILE if ONNX_INT8_FILE in files else None
+    stats = None
+    if STATS_FILE in files:  # optional: older artifacts and exports without training data have none
+        try:
+            stats = read_embedding_stats(directory / STATS_FILE, 2 * config.hidden_size)
+        except ValueError as e:
+            raise ArtifactError(f"{STATS_FILE}: {e}") from e
     return Artifact(path=directory, model=model, tokenizer=tokenizer, config=config, manifest=manifest,
-                    sha256=files[WEIGHTS_FILE]["sha256"], onnx_path=onnx_path, onnx_int8_path=int8_path)
+                    sha256=files[WEIGHTS_FILE]["sha256"], onnx_path=onnx_path, onnx_int8_path=int8_path,
+                    embedding_stats=stats)

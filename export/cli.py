@@ -14,6 +14,7 @@ from model import ByteTokenizer, ReformerLM
 
 from .artifact import DEFAULT_ARTIFACT, ArtifactError, check_shapes, file_sha256, load_artifact, save_artifact
 from .checkpoint import CheckpointError, checkpoint_weights_path, read_checkpoint_weights
+from .embedding_stats import DEFAULT_PASSAGE_BYTES, DEFAULT_PASSAGES, STATS_FILE, stats_for_export
 from .onnx_export import ExportError
 
 log = logging.getLogger("export")
@@ -33,6 +34,10 @@ def _summary(path: Path, manifest: dict[str, Any]) -> str:
     onnx = manifest.get("export", {}).get("onnx")
     if onnx:
         lines.append(f"  ONNX (opset {onnx['opset']}): max abs diff vs torch {onnx['max_abs_diff']:.3g}")
+    stats = manifest.get("export", {}).get("embedding_stats")
+    if stats:
+        lines.append(f"  embedding stats: {stats['passages']} training passages of {stats['passage_bytes']} bytes"
+                     if "skipped" not in stats else f"  embedding stats skipped: {stats['skipped']}")
     int8 = manifest.get("evaluation", {}).get("int8")
     if int8:
         lines.append(f"  int8: {int8['bits_per_byte_fp32']:.4f} -> {int8['bits_per_byte_int8']:.4f} bits per byte"
@@ -57,6 +62,12 @@ def export_main(argv: list[str]) -> int:
                    help="text file or directory of *.txt whose tails are held out, for the int8 bits-per-byte check"
                         " (default: a small built-in text)")
     p.add_argument("--eval-bytes", type=int, default=32768, help="bytes taken from the end of each eval file")
+    p.add_argument("--embed-stats-passages", type=int, default=DEFAULT_PASSAGES,
+                   help="passages of the --eval-data files' training heads (before their validation tails) whose "
+                        "mean-pooled embeddings give the per-dimension mean and std the service standardises "
+                        "with (embedding_stats.safetensors); 0 skips them")
+    p.add_argument("--embed-stats-bytes", type=int, default=DEFAULT_PASSAGE_BYTES,
+                   help="length of each of those passages in bytes")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.quantize and args.no_onnx:
@@ -82,9 +93,13 @@ def export_main(argv: list[str]) -> int:
             from .quantize import read_eval_data
 
             eval_text = read_eval_data(args.eval_data, args.eval_bytes)
+        # the training run's own split, so that no validation byte is among the statistics' passages
+        val_fraction = float(provenance.get("val_fraction", 0.05))
+        stats = stats_for_export(model, tokenizer, [args.eval_data] if args.eval_data is not None else None,
+                                 val_fraction, args.embed_stats_bytes, args.embed_stats_passages)
         out = save_artifact(model, args.out_dir, tokenizer=tokenizer, provenance=provenance, evaluation=evaluation,
                             onnx=not args.no_onnx, quantize=args.quantize, eval_text=eval_text,
-                            overwrite=args.force)
+                            overwrite=args.force, embedding_stats=stats)
     except (CheckpointError, ExportError, FileExistsError, FileNotFoundError, ValueError) as e:
         return _fail(p.prog, e)
     print(_summary(out, json.loads((out / "manifest.json").read_text())))
@@ -134,6 +149,8 @@ def verify_main(argv: list[str]) -> int:
         return _fail(p.prog, e)
     print(f"{art.path}: manifest and {len(art.manifest['files'])} files check out; "
           f"{art.model.num_parameters():,} parameters; weights sha256 {art.sha256[:16]}")
+    if art.embedding_stats is not None:
+        print(f"{STATS_FILE}: mean and std of {art.embedding_stats.mean.numel()} dimensions, finite, std > 0")
     if art.onnx_path is None:
         print("no ONNX graph in this artifact")
         return 0

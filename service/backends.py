@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from model.batch import check_attention_mask
-from model.pooling import pool_hidden
+from model.pooling import EmbeddingStats, pool_hidden, standardize_pooled
 
 log = logging.getLogger("service.backends")
 
@@ -51,31 +51,34 @@ class EmbeddingBackend(Protocol):
     name: str
 
     def embed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, pooling: str) -> torch.Tensor:
-        """(B, L) ids and mask (left and/or right padded) -> (B, D) float32 pooled vectors on the CPU."""
+        """(B, L) ids and mask (left and/or right padded) -> (B, D) float32 pooled vectors on the CPU, mean-pooled
+        ones standardised with the artifact's embedding statistics when the backend was given them."""
         ...
 
 
 class TorchBackend:
     name = "torch"
 
-    def __init__(self, model: torch.nn.Module, device: torch.device):
+    def __init__(self, model: torch.nn.Module, device: torch.device, stats: EmbeddingStats | None = None):
         self.model = model
         self.device = device
+        self.stats = stats
 
     @torch.inference_mode()
     def embed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, pooling: str) -> torch.Tensor:
         vectors = self.model.embed(  # type: ignore[operator]
             input_ids.to(self.device), attention_mask=attention_mask.to(self.device), pooling=pooling
         )
-        return vectors.float().cpu()
+        return standardize_pooled(vectors.float().cpu(), pooling, self.stats)
 
 
 class OnnxBackend:
     name = "onnxruntime"
 
-    def __init__(self, onnx_path: Path, device: torch.device):
+    def __init__(self, onnx_path: Path, device: torch.device, stats: EmbeddingStats | None = None):
         import onnxruntime as ort
 
+        self.stats = stats
         options = ort.SessionOptions()
         # One worker thread owns the model; let ORT use the cores it is given (OMP_NUM_THREADS if set).
         threads = int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
@@ -95,4 +98,5 @@ class OnnxBackend:
         }
         check_attention_mask(attention_mask)  # the graph cannot raise: refuse masks with holes here, as torch does
         hidden = self.session.run(["hidden_states"], feeds)[0]
-        return pool_hidden(torch.from_numpy(np.asarray(hidden, dtype=np.float32)), attention_mask.cpu(), pooling)
+        return pool_hidden(torch.from_numpy(np.asarray(hidden, dtype=np.float32)), attention_mask.cpu(), pooling,
+                           stats=self.stats)

@@ -106,6 +106,13 @@ class Settings(BaseSettings):
     grace_period_s: float = Field(
         30.0, ge=0, description="On SIGTERM: how long in-flight requests get to finish before the process exits."
     )
+    embed_standardize: bool = Field(
+        True,
+        description="Standardise mean-pooled embeddings per dimension, (v - mean) / std, with the statistics the "
+        "artifact ships (embedding_stats.safetensors, from training passages) before any L2 normalisation; it "
+        "makes nearest neighbours follow content rather than a few dominant dimensions. No effect on pooling "
+        "last or on an artifact without the file. Off: raw mean-pooled states, as before.",
+    )
     warmup: bool = Field(True, description="Run a warm-up embedding and generation before reporting ready.")
     log_level: LogLevel = Field("info", description="Log level; prompts are logged only at debug.")
     log_json: bool = Field(True, description="Structured JSON logs (one object per line) rather than plain text.")

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
+from model.pooling import STANDARDIZED_POOLINGS
 from service.backends import OnnxBackend, TorchBackend, resolve_backend, resolve_device, resolve_dtype
 from service.engine import Engine, EngineConfig
 from service.metrics import ServiceMetrics
@@ -60,6 +61,7 @@ class ServiceState:
         self.device = "cpu"
         self.dtype = "float32"
         self.embedding_dim = 0
+        self.embedding_stats: Any = None  # what mean-pooled embeddings are standardised with; None: served raw
         self.created = int(time.time())
         self.draining = False
         self.load_error: str | None = None
@@ -97,9 +99,10 @@ class ServiceState:
         dtype = resolve_dtype(s.dtype, device)
         model = artifact.model.to(device=device, dtype=dtype).eval()
         self.backend_name = resolve_backend(s.backend, device, getattr(artifact, "onnx_path", None))
+        self.embedding_stats = getattr(artifact, "embedding_stats", None) if s.embed_standardize else None
         backend = (
-            OnnxBackend(artifact.onnx_path, device) if self.backend_name == "onnxruntime"
-            else TorchBackend(model, device)
+            OnnxBackend(artifact.onnx_path, device, self.embedding_stats) if self.backend_name == "onnxruntime"
+            else TorchBackend(model, device, self.embedding_stats)
         )
         self.device, self.dtype = str(device), str(dtype).removeprefix("torch.")
         cfg = artifact.config
@@ -145,6 +148,13 @@ class ServiceState:
             "device": self.device,
             "dtype": self.dtype,
             "embedding_dimension": self.embedding_dim,
+            # pooling "mean" is standardised per dimension with the artifact's training statistics (when it
+            # ships them and embed_standardize is on) before any L2 normalisation; pooling "last" is raw
+            "embedding_standardization": {
+                "standardized": self.embedding_stats is not None,
+                "poolings": list(STANDARDIZED_POOLINGS) if self.embedding_stats is not None else [],
+                "artifact_has_stats": getattr(art, "embedding_stats", None) is not None,
+            },
             "limits": dataclasses.asdict(self.limits) if self.limits else {},
             "batching": {
                 "max_batch_size": s.max_batch_size, "max_batch_tokens": s.max_batch_tokens,

@@ -67,10 +67,33 @@ def test_embed_quality_reports_every_pooling_against_bag_of_bytes(tiny: tuple[Pa
     res = json.loads(out.read_text())
     assert res["passages"] == 18 and res["per_book"] == {"aaa.txt": 6, "bbb.txt": 6, "ccc.txt": 6}
     pools = [r["pooling"] for r in res["rows"]]
-    assert pools == ["bag-of-bytes (baseline)", "final-mean", "final-last", "layer0-mean", "layer1-mean"]
+    raw = ["final-mean", "final-last", "layer0-mean", "layer1-mean"]
+    assert pools == ["bag-of-bytes (baseline)", *raw, *(f"{p} standardised" for p in raw)]
+    # standardised with training-head passages: the default 60 capped at the 10 non-overlapping passages of
+    # 100 bytes a 1,000-byte head holds
+    assert res["stats_passages"] == 30 and res["stats_per_book"] == {"aaa.txt": 10, "bbb.txt": 10, "ccc.txt": 10}
+    assert res["artifact_stats"] is False  # a checkpoint ships no statistics: no "served" row
     # the three books use disjoint letters: counting bytes identifies every passage
     assert res["rows"][0]["accuracy"] == 1.0
     assert res["best_pooling"] in pools[1:]
+
+
+def test_embed_quality_measures_an_artifact_as_served(tiny: tuple[Path, Path], tmp_path: Path) -> None:
+    from export.cli import export_main
+
+    ckpt, data = tiny
+    art = tmp_path / "art"
+    assert export_main([str(ckpt), str(art), "--no-onnx", "--eval-data", str(data), "--embed-stats-bytes", "100",
+                        "--embed-stats-passages", "9"]) == 0
+    out = tmp_path / "eq.json"
+    assert embed_quality.main([str(art), "--data", str(data), "--passage", "100", "--per-book", "6",
+                               "--stats-passages", "9", "--threads", "1", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    rows = {r["pooling"]: r["accuracy"] for r in res["rows"]}
+    assert res["artifact_stats"] is True
+    # export and bench pick the same training passages and pool alike: the served row is the bench's own
+    # standardised final mean
+    assert rows["served (artifact stats)"] == rows["final-mean standardised"]
 
 
 def test_nearest_neighbour_accuracy_counts_only_other_passages() -> None:

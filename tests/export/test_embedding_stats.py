@@ -1,0 +1,132 @@
+"""Embedding statistics in the artifact: computed by `reformer export` from training heads only, listed and
+hashed in the manifest, refused at load when damaged, optional for loading."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from export import ArtifactError, load_artifact
+from export.artifact import file_sha256
+from export.cli import export_main, verify_main
+from export.embedding_stats import STATS_FILE, compute_embedding_stats, training_passages
+from model import ByteTokenizer
+from tests.conftest import tiny_model
+from tests.export.helpers import write_checkpoint
+
+PASSAGE = 64
+
+
+def _books(directory: Path) -> Path:
+    """Two documents whose validation tail (the last 5% of 2,000 tokens, the reader's final newline included)
+    is made of a byte ('#') that appears nowhere in their heads."""
+    directory.mkdir()
+    for name, letters in (("a.txt", "abc de"), ("b.txt", "xyz uv")):
+        head = "".join(letters[(i * 7) % len(letters)] for i in range(1900))
+        (directory / name).write_text(head + "#" * 99)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    tmp = tmp_path_factory.mktemp("stats")
+    data = _books(tmp / "data")
+    ckpt = write_checkpoint(tmp / "ckpt", seed=2)
+    out = tmp / "art"
+    assert export_main([str(ckpt), str(out), "--no-onnx", "--eval-data", str(data),
+                        "--embed-stats-passages", "8", "--embed-stats-bytes", str(PASSAGE)]) == 0
+    return out, data
+
+
+def test_training_passages_never_touch_the_validation_tail(tmp_path: Path) -> None:
+    data = _books(tmp_path / "data")
+    tok = ByteTokenizer()
+    cut = training_passages([data], tok, 0.05, length=PASSAGE, count=7)
+    assert [name for name, _ in cut].count("a.txt") == 4 and [name for name, _ in cut].count("b.txt") == 3
+    hash_id = tok.encode("#")[0]
+    assert all(len(ids) == PASSAGE and hash_id not in ids for _, ids in cut)
+    # spread over the whole head: the last passage of a book ends at the head's end
+    head_a = np.asarray(tok.encode((data / "a.txt").read_text()))[:1900]
+    assert np.array_equal(cut[3][1], head_a[-PASSAGE:]) and np.array_equal(cut[0][1], head_a[:PASSAGE])
+
+
+def test_export_ships_the_stats_hashed_and_described(exported: tuple[Path, Path]) -> None:
+    out, data = exported
+    manifest = json.loads((out / "manifest.json").read_text())
+    entry = manifest["files"][STATS_FILE]
+    assert entry["sha256"] == file_sha256(out / STATS_FILE) and entry["size"] == (out / STATS_FILE).stat().st_size
+    record = manifest["export"]["embedding_stats"]
+    assert record["passages"] == 8 and record["passage_bytes"] == PASSAGE and record["bytes"] == 8 * PASSAGE
+    assert record["source_files"] == ["a.txt", "b.txt"] and record["val_fraction"] == 0.05
+    art = load_artifact(out)
+    assert art.embedding_stats is not None
+    expected = compute_embedding_stats(tiny_model(seed=2), training_passages([data], ByteTokenizer(), 0.05, PASSAGE, 8))
+    assert torch.allclose(art.embedding_stats.mean, expected.mean, atol=1e-6)
+    assert torch.allclose(art.embedding_stats.std, expected.std, atol=1e-6)
+    assert art.embedding_stats.mean.shape == (2 * art.config.hidden_size,)
+
+
+def test_export_without_training_data_skips_the_stats_and_says_so(tmp_path: Path) -> None:
+    ckpt = write_checkpoint(tmp_path / "ckpt")
+    assert export_main([str(ckpt), str(tmp_path / "art"), "--no-onnx"]) == 0
+    art = load_artifact(tmp_path / "art")
+    assert art.embedding_stats is None and STATS_FILE not in art.manifest["files"]
+    assert not (tmp_path / "art" / STATS_FILE).exists()
+    assert "no training data" in art.manifest["export"]["embedding_stats"]["skipped"]
+
+
+def test_an_artifact_without_the_stats_still_loads(tiny_artifact: Path) -> None:
+    assert load_artifact(tiny_artifact).embedding_stats is None
+
+
+def _copy(src: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "copy"
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _rehash(directory: Path) -> None:
+    manifest = json.loads((directory / "manifest.json").read_text())
+    p = directory / STATS_FILE
+    manifest["files"][STATS_FILE] = {"sha256": file_sha256(p), "size": p.stat().st_size}
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_an_altered_stats_file_is_refused(exported: tuple[Path, Path], tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    art = _copy(exported[0], tmp_path)
+    blob = bytearray((art / STATS_FILE).read_bytes())
+    blob[-3] ^= 0x01
+    (art / STATS_FILE).write_bytes(bytes(blob))
+    with pytest.raises(ArtifactError, match=r"embedding_stats\.safetensors: altered"):
+        load_artifact(art)
+    assert verify_main([str(art)]) == 1 and "embedding_stats.safetensors" in capsys.readouterr().err
+    (art / STATS_FILE).unlink()
+    with pytest.raises(ArtifactError, match=r"embedding_stats\.safetensors: missing"):
+        load_artifact(art)
+
+
+@pytest.mark.parametrize("tensors, message", [
+    ({"mean": torch.zeros(5), "std": torch.ones(5)},
+     r"tensor 'mean' is torch.float32 \(5,\), expected float32 \(64,\)"),
+    ({"mean": torch.zeros(64)}, "no tensor 'std'"),
+    ({"mean": torch.zeros(64), "std": torch.zeros(64)}, "'std' has values <= 0"),
+    ({"mean": torch.full((64,), float("nan")), "std": torch.ones(64)}, "'mean' has non-finite"),
+])
+def test_stats_that_do_not_fit_the_model_are_refused(exported: tuple[Path, Path], tmp_path: Path,
+                                                     tensors: dict[str, torch.Tensor], message: str) -> None:
+    art = _copy(exported[0], tmp_path)
+    save_file(tensors, str(art / STATS_FILE))
+    _rehash(art)  # the manifest agrees: only the content check can catch it
+    with pytest.raises(ArtifactError, match=r"embedding_stats\.safetensors: .*" + message):
+        load_artifact(art)
+    (art / STATS_FILE).write_bytes(b"not safetensors")
+    _rehash(art)
+    with pytest.raises(ArtifactError, match=r"embedding_stats\.safetensors: cannot be read"):
+        load_artifact(art)
