@@ -86,9 +86,9 @@ def prefill(lm: ReformerLM, cache: DecodeCache, prompts: Sequence[Tensor], reser
 
 def prefill_steps(lm: ReformerLM, cache: DecodeCache, prompts: Sequence[Tensor], reserve: Sequence[int] | None = None,
                   slice_chunks: int = DEFAULT_SLICE_CHUNKS) -> Generator[None, None, tuple[Tensor, list[DecodeState]]]:
-    """`prefill` in slices: it yields after each layer's cache writes, after each `slice_chunks` chunk-window
-    attentions (model/prefill_slices.py) and after each feed-forward slice, so a caller can run decode steps
-    in between (chunked prefill). Hashing and sorting still see the whole prompt; the result is the same
+    """`prefill` in slices: it yields after the embeddings, each layer's cache writes, each LSH index build,
+    each `slice_chunks` chunk-window attentions (model/prefill_slices.py) and each feed-forward slice, so a
+    caller can run decode steps in between (chunked prefill). Hashing and sorting still see the whole prompt; the result is the same
     bits. Closing it early frees what it allocated."""
     lengths = [int(p.shape[0]) for p in prompts]
     if min(lengths, default=1) < 1:
@@ -119,6 +119,7 @@ def _prefill_layers(lm: ReformerLM, cache: DecodeCache, prompts: Sequence[Tensor
     batch = prepare_batch(ids, None if min(lengths) == longest else mask, lm.config)  # right-padded: no shift
     ctx = batch.context
     x1 = x2 = lm.embeddings(batch.input_ids)
+    yield
     pos = torch.arange(longest, device=cache.device)
     slots = torch.tensor([s.slot for s in states], device=cache.device)
     rows = cache.rows(slots, pos.expand(len(prompts), longest))  # (N, L)
@@ -136,12 +137,13 @@ def _prefill_layers(lm: ReformerLM, cache: DecodeCache, prompts: Sequence[Tensor
         at = torch.where(real, rows, 0).reshape(-1)
         cache.write(li, at, keys.transpose(1, 2).reshape(-1, att.heads, att.head_size),
                     values.transpose(1, 2).reshape(-1, att.heads, att.head_size))
+        yield
         if isinstance(att, LSHSelfAttention):
             for i, state in enumerate(states):
                 nb = _index_buckets(att, lm.config.padded_length(lengths[i]))
                 if nb is not None:
-                    _build_index(cache, li, att, state, keys[i, :, : lengths[i]], nb)
-        yield
+                    _build_index(cache, li, att, state, keys[i, :, : lengths[i]], nb)  # a hash and sort each
+                    yield
         # the layer as ReformerLayer.forward computes it (eval, no dropout), its attention in slices of chunks
         f_out = yield from layer_f_slices(layer, x2, ctx, slice_chunks)
         x1 = x1 + f_out

@@ -36,11 +36,12 @@ log = logging.getLogger("service.engine")
 
 # A prefill group of more padded tokens than this is sliced between decode steps while generations run.
 CHUNKED_PREFILL_TOKENS = 2048
-# Between two decode steps, sliced prefills run slice after slice until this much time has passed. A running
-# stream's gap is then about one decode step + this + one slice (model/prefill_slices.py bounds a slice), and
-# the prefill keeps at least budget / (budget + decode step) of the time: one slice per step would leave it a
-# small share when slices are short (bench/prefill_gap.py measures both).
-PREFILL_BUDGET_S = 0.08
+# Between two decode steps, sliced prefills run slice after slice while the next one, if it takes as long as
+# the last, still ends within this much time (at least one slice per step). A running stream's gap is then
+# about one decode step plus this (model/prefill_slices.py bounds a slice), and the prefill keeps about
+# budget / (budget + decode step) of the time: one slice per step would leave it a small share when slices
+# are short (bench/prefill_gap.py measures both).
+PREFILL_BUDGET_S = 0.1
 
 # Reservation lives in service/admission.py; importers of service.engine keep it.
 __all__ = ["Engine", "EngineConfig", "GenerationStream", "Reservation"]
@@ -371,15 +372,18 @@ class Engine:
                 self._prefill(members)
 
     def _advance_prefills(self) -> None:
-        """Slices of the prefills in progress, oldest first, until PREFILL_BUDGET_S has passed (at least one
-        slice each); a finished one joins the running generations."""
-        deadline = time.monotonic() + PREFILL_BUDGET_S
+        """Slices of the prefills in progress, oldest first, within PREFILL_BUDGET_S (at least one slice each);
+        a finished one joins the running generations."""
+        start = time.monotonic()
         for entry in list(self._prefilling):
             jobs, slices = entry
             try:
-                next(slices)
-                while time.monotonic() < deadline:
+                while True:
+                    began = time.monotonic()
                     next(slices)
+                    now = time.monotonic()
+                    if now - start + (now - began) > PREFILL_BUDGET_S:  # another like it would overrun
+                        break
                 continue
             except StopIteration as done:
                 logits, states = done.value
