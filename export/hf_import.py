@@ -137,5 +137,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, onnx: bool = True, quanti
     }
     out = save_artifact(model, out_dir, tokenizer=tokenizer, provenance=provenance,
                         evaluation={"transformers_parity": parity}, onnx=onnx, quantize=quantize,
-                        overwrite=overwrite)
+                        overwrite=overwrite,
+                        embedding_stats=(None, {"skipped": "imported without training data: mean-pooled embeddings "
+                                                           "are served raw"}))
     return out, parity
