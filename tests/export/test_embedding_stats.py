@@ -79,6 +79,11 @@ def test_export_without_training_data_skips_the_stats_and_says_so(tmp_path: Path
     assert art.embedding_stats is None and STATS_FILE not in art.manifest["files"]
     assert not (tmp_path / "art" / STATS_FILE).exists()
     assert "no training data" in art.manifest["export"]["embedding_stats"]["skipped"]
+    data = _books(tmp_path / "data")
+    assert export_main([str(ckpt), str(tmp_path / "art0"), "--no-onnx", "--eval-data", str(data),
+                        "--embed-stats-passages", "0"]) == 0
+    art = load_artifact(tmp_path / "art0")
+    assert art.embedding_stats is None and "turned off" in art.manifest["export"]["embedding_stats"]["skipped"]
 
 
 def test_an_artifact_without_the_stats_still_loads(tiny_artifact: Path) -> None:
