@@ -38,6 +38,7 @@ from .attention import LocalSelfAttention, LSHSelfAttention, split_heads
 from .batch import prepare_batch
 from .chunking import mask_value, round_weights, self_mask_value
 from .decode_cache import CacheFull, DecodeCache, DecodeState, _flat
+from .decode_index import LSHIndex, WindowGeometry
 from .feedforward import EVAL_CHUNK
 from .prefill_slices import DEFAULT_SLICE_CHUNKS, layer_f_slices
 
@@ -225,23 +226,32 @@ def _step_rows(lm: ReformerLM, cache: DecodeCache, tokens: Tensor, states: list[
     device = cache.device
     cfg = lm.config
     # host-known per-row facts (every LSH layer shares its chunk and bucket-count rule, every local layer its
-    # chunk), sent to the device in one copy: slot, position, live, LSH hashed, LSH chunks, local dense, indexed
+    # chunk), sent to the device in one copy: slot, position, LSH hashed, LSH chunks, local dense, and the
+    # slot whose LSH index the row appends to (the scratch slot when it keeps none)
     lsh_c, local_c = cfg.lsh_attn_chunk_length, cfg.local_attn_chunk_length
     first_lsh = next((i for i, k in enumerate(cfg.attn_layers) if k == "lsh"), None)
     nbs = [None if first_lsh is None else s.num_buckets[first_lsh] for s in states] + [None] * pad
     rows_meta = []
     for s, nb in zip(states, nbs):
         p = cfg.padded_length(s.length + 1)
-        rows_meta.append([s.slot, s.length, 1, p > lsh_c, max(p // lsh_c, 1), p <= local_c, nb is not None])
-    rows_meta += [[cache.scratch_slot, 0, 0, 0, 1, 1, 0]] * pad
+        rows_meta.append([s.slot, s.length, p > lsh_c, max(p // lsh_c, 1), p <= local_c,
+                          s.slot if nb is not None else cache.scratch_slot, nb is not None])
+    # padding rows count as hashed (their results are dropped), so a batch of long rows skips the dense path
+    rows_meta += [[cache.scratch_slot, 0, 1, 1, 1, cache.scratch_slot, 0]] * pad
+    all_hashed = all(m[2] for m in rows_meta)
     meta = torch.tensor(rows_meta, dtype=torch.long).to(device)
-    slots, t, live = meta[:, 0], meta[:, 1], meta[:, 2].bool()
-    step = _Step(hashed=meta[:, 3].bool(), n_chunks=meta[:, 4], local_dense=meta[:, 5].bool(),
-                 indexed=meta[:, 6].bool(), groups=_bucket_groups(nbs, device))
+    slots, t = meta[:, 0], meta[:, 1]
+    table = cache.block_table.index_select(0, slots)  # (B, max blocks): each row's blocks
+    step = _Step(t=t, table=table, groups=_bucket_groups(nbs, device))
+    if first_lsh is not None:
+        att0 = _layers(lm)[first_lsh].attention.self_attention
+        assert isinstance(att0, LSHSelfAttention)
+        _lsh_geometry(cache, step, att0, meta, all_hashed, cache.indexes[first_lsh])
     tokens = F.pad(tokens, (0, pad), value=cfg.pad_token_id)
     x = lm.embeddings.word_embeddings(tokens) + lm.embeddings.position_embeddings(t)  # (B, hidden)
     x1 = x2 = x
-    new_rows = cache.rows(slots, t.view(-1, 1)).view(-1)  # (B,): where the new keys go
+    new_rows = _rows(cache, table, t.view(-1, 1)).view(-1)  # (B,): where the new keys go
+    local: tuple[Tensor, Tensor] | None = None
     for li, layer in enumerate(_layers(lm)):
         att = layer.attention.self_attention
         h = layer.attention.layer_norm(x2)  # (B, hidden)
@@ -249,43 +259,82 @@ def _step_rows(lm: ReformerLM, cache: DecodeCache, tokens: Tensor, states: list[
             qk = att.query_key(h).view(rows, att.heads, att.head_size)  # (B, H, D)
             v = att.value(h).view(rows, att.heads, att.head_size)
             cache.write(li, new_rows, qk, v)
-            out = _lsh_attend(cache, li, att, qk, slots, t, live, step)
+            out = _lsh_attend(cache, li, att, qk, step)
         else:
             assert isinstance(att, LocalSelfAttention)
             q = att.query(h).view(rows, att.heads, att.head_size)
             k = att.key(h).view(rows, att.heads, att.head_size) / math.sqrt(att.head_size)
             v = att.value(h).view(rows, att.heads, att.head_size)
             cache.write(li, new_rows, k, v)
-            out = _local_attend(cache, li, att, q, slots, t, step.local_dense)
+            if local is None:  # every local layer has the same window: built once per step
+                local = _local_window(cache, att, step, meta[:, 4].bool())
+            out = _local_attend(cache, li, q, local)
         x1 = x1 + layer.attention.output(out.reshape(rows, -1))  # (B, hidden)
         x2 = x2 + layer.feed_forward(x1.unsqueeze(1)).squeeze(1)
     return lm.lm_head(lm.final_layer_norm(torch.cat([x1, x2], dim=-1)))  # (B, vocab)
 
 
-def _local_attend(cache: DecodeCache, li: int, att: LocalSelfAttention, q: Tensor, slots: Tensor, t: Tensor,
-                  dense: Tensor) -> Tensor:
-    c = att.chunk
-    b = q.shape[0]
+def _rows(cache: DecodeCache, table: Tensor, positions: Tensor) -> Tensor:
+    """Pool row of each position (B, N) of the step's rows, from their block table rows (B, max blocks)."""
+    bs = cache.block_size
+    return table.gather(1, torch.div(positions, bs, rounding_mode="floor")) * bs + positions % bs
+
+
+def _local_window(cache: DecodeCache, att: LocalSelfAttention, step: _Step, dense: Tensor) -> tuple[Tensor, Tensor]:
+    """Flat (row, head) indices (B, H, W) into the pools of the new position's local window, and which
+    window slots are padding (B, 1, W)."""
+    c, t = att.chunk, step.t
+    b = t.shape[0]
     start = torch.where(dense, 0, ((torch.div(t, c, rounding_mode="floor") - att.before) * c).clamp(min=0))
     width = (att.before + 1) * c
     pos = start.view(b, 1) + torch.arange(width, device=t.device)  # (B, W)
-    present = pos <= t.view(b, 1)
-    pos = torch.where(present, pos, 0)
-    rows = cache.rows(slots, pos).unsqueeze(1).expand(b, att.heads, width)  # (B, H, W)
-    keys, values = cache.gather(li, rows)  # (B, H, W, D)
+    absent = pos > t.view(b, 1)
+    pos = pos.masked_fill(absent, 0)
+    rows = _rows(cache, step.table, pos)
+    flat = rows.unsqueeze(1) * cache.heads + torch.arange(cache.heads, device=t.device).view(1, -1, 1)
+    return flat, absent.unsqueeze(1)
+
+
+def _local_attend(cache: DecodeCache, li: int, q: Tensor, window: tuple[Tensor, Tensor]) -> Tensor:
+    flat, absent = window
+    keys, values, _ = cache.gather_flat(li, flat)  # (B, H, W, D)
     dots = torch.matmul(keys.to(q.dtype), q.unsqueeze(-1)).squeeze(-1)  # (B, H, W)
-    dots = dots.masked_fill(~present.unsqueeze(1), mask_value(dots.dtype))
+    dots = dots.masked_fill(absent, mask_value(dots.dtype))
     probs = torch.softmax(dots, dim=-1)
     return torch.matmul(probs.unsqueeze(-2), values.to(q.dtype)).squeeze(-2)  # (B, H, D)
 
 
 @dataclass
 class _Step:
-    hashed: Tensor  # (B,) bool: the row's padded length exceeds the LSH chunk (else dense attention)
-    n_chunks: Tensor  # (B,) LSH chunks per round in the row's own padded layout
-    local_dense: Tensor  # (B,) bool: the row fits in one local chunk
-    indexed: Tensor  # (B,) bool: the row keeps an LSH index (and hashes its new query)
+    t: Tensor  # (B,) the new position of each row
+    table: Tensor  # (B, max blocks) each row's block table row
     groups: list[tuple[int | list[int], Tensor | None]]  # bucket count -> rows (None: every row)
+    # LSH layers (built once per step by _lsh_geometry)
+    geo: WindowGeometry | None = None
+    base: Tensor | None = None  # (B, H, R) flat (slot, head, round) of the index each row appends to
+    value: Tensor | None = None  # (B*H*R,) the new position as the index stores it
+    weight: Tensor | None = None  # (B*H*R,) int32: 1 where the row appends
+    dense: tuple[Tensor, Tensor, Tensor, Tensor] | None = None  # hashed (B,1,1,1), positions, absent, round 0
+
+
+def _lsh_geometry(cache: DecodeCache, step: _Step, att: LSHSelfAttention, meta: Tensor, all_hashed: bool,
+                  index: LSHIndex | None) -> None:
+    assert index is not None
+    b, heads, rounds, device = meta.shape[0], att.heads, att.rounds, meta.device
+    t = step.t
+    step.geo = WindowGeometry(t, meta[:, 3], heads, rounds, att.chunk, att.before, att.after)
+    step.base = ((meta[:, 5].view(b, 1) * heads + torch.arange(heads, device=device)).view(b, heads, 1) * rounds
+                 + torch.arange(rounds, device=device))
+    step.value = index.store(t).view(b, 1).expand(b, heads * rounds).reshape(-1)
+    step.weight = meta[:, 6].int().view(b, 1).expand(b, heads * rounds).reshape(-1)
+    if not all_hashed:
+        # rows still shorter than a chunk attend densely over every position, in round 0 of the same layout
+        w = (att.before + 1 + att.after) * att.chunk
+        dense_pos = torch.arange(w, device=device).view(1, 1, 1, w)
+        round0 = torch.arange(rounds, device=device).view(1, 1, -1, 1) == 0
+        dense_absent = (dense_pos > t.view(b, 1, 1, 1)) | ~round0
+        step.dense = (meta[:, 2].bool().view(b, 1, 1, 1), dense_pos.masked_fill(dense_absent, 0), dense_absent,
+                      round0)
 
 
 def _bucket_groups(nbs: list[int | list[int] | None], device: torch.device
@@ -298,44 +347,42 @@ def _bucket_groups(nbs: list[int | list[int] | None], device: torch.device
             for nb, members in groups.values()]
 
 
-def _lsh_attend(cache: DecodeCache, li: int, att: LSHSelfAttention, qk: Tensor, slots: Tensor, t: Tensor,
-                live: Tensor, step: _Step) -> Tensor:
+def _lsh_attend(cache: DecodeCache, li: int, att: LSHSelfAttention, qk: Tensor, step: _Step) -> Tensor:
     b, heads, d = qk.shape
-    c, rounds = att.chunk, att.rounds
+    rounds = att.rounds
     index = cache.indexes[li]
-    assert index is not None
-    device = qk.device
+    assert index is not None and step.geo is not None and step.base is not None
+    assert step.value is not None and step.weight is not None
     # hash the new query of every row that keeps an index, one call per bucket count in the batch
-    buckets = torch.zeros(b, heads, rounds, dtype=torch.long, device=device)
+    buckets = torch.zeros(b, heads, rounds, dtype=torch.long, device=qk.device)
     for nb, sel in step.groups:
         if sel is None:
             buckets = att.hash(qk.unsqueeze(2), nb, None)[..., 0]  # (B, H, R)
         else:
             buckets[sel] = att.hash(qk[sel].unsqueeze(2), nb, None)[..., 0]
-    counts = index.append(slots, buckets, t, live & step.indexed)
-    hashed, n_chunks = step.hashed, step.n_chunks
-    pos, present = index.window(slots, counts, buckets, t, n_chunks, c, att.before, att.after)  # (B, H, R, W)
+    counts = index.append(step.base, buckets, step.value, step.weight)
+    pos, absent = index.window(step.base, counts, buckets, step.geo)  # (B, H, R, W)
     w = pos.shape[-1]
-    # rows still shorter than a chunk attend densely over every position, in round 0 of the same layout
-    dense_pos = torch.arange(w, device=device).view(1, 1, 1, w)
-    dense_present = (dense_pos <= t.view(b, 1, 1, 1)) & (torch.arange(rounds, device=device).view(1, 1, -1, 1) == 0)
-    sel = hashed.view(b, 1, 1, 1)
-    pos = torch.where(sel, pos, dense_pos.expand_as(pos))
-    present = torch.where(sel, present, dense_present.expand_as(present))
-    pos = torch.where(present, pos, 0)
-    rows = cache.rows(slots, pos.reshape(b, -1)).view(b, heads, rounds, w)
-    keys, values = cache.gather(li, rows)  # (B, H, R, W, D)
+    if step.dense is not None:
+        hashed, dense_pos, dense_absent, _ = step.dense
+        pos = torch.where(hashed, pos, dense_pos)
+        absent = torch.where(hashed, absent, dense_absent)
+    flat = _rows(cache, step.table, pos.view(b, -1)).view(b, heads, rounds * w)
+    flat = (flat * heads + torch.arange(heads, device=qk.device).view(1, heads, 1)).view(b, heads, rounds, w)
+    keys, values, norms = cache.gather_flat(li, flat)  # (B, H, R, W, D), (B, H, R, W)
+    assert norms is not None
     # q . length_normalize(k) / sqrt(D), as (q . k) times the key's cached factor; in float32 whatever the
     # model's dtype (q . k of unnormalised half-precision keys overflows fp16), as the softmax and round weights
     dots = torch.matmul(keys.float(), qk.float().view(b, heads, 1, d, 1)).squeeze(-1)  # (B, H, R, W)
-    dots = dots * cache.gather_norms(li, rows).float()
+    dots = dots * norms.float()
     # masks replace logits, as in the reference: padding never counts, the query's own position gets -1e5
-    dots = dots.masked_fill(~present, mask_value(dots.dtype))
-    dots = dots.masked_fill(present & (pos == t.view(b, 1, 1, 1)), self_mask_value(dots.dtype))
+    dots = dots.masked_fill(pos == step.t.view(b, 1, 1, 1), self_mask_value(dots.dtype))
+    dots = dots.masked_fill(absent, mask_value(dots.dtype))
     lse = torch.logsumexp(dots, dim=-1, keepdim=True)  # (B, H, R, 1)
     out = torch.matmul(torch.exp(dots - lse).unsqueeze(-2), values.float()).squeeze(-2)  # (B, H, R, D)
-    # a dense row's other rounds see nothing: their weight is exactly 0
-    lse = torch.where(sel | (torch.arange(rounds, device=device).view(1, 1, -1, 1) == 0), lse,
-                      torch.full_like(lse, -math.inf))
+    if step.dense is not None:
+        # a dense row's other rounds see nothing: their weight is exactly 0
+        hashed, _, _, round0 = step.dense
+        lse = torch.where(hashed | round0, lse, torch.full_like(lse, -math.inf))
     weights = round_weights(lse, dim=2)  # (B, H, R, 1)
     return (out * weights).sum(dim=2).to(qk.dtype)  # (B, H, D)

@@ -70,7 +70,8 @@ class DecodeCache:
             if isinstance(att, LSHSelfAttention):
                 nb = _flat(att.config.num_buckets) if att.config.num_buckets is not None else 2
                 self.indexes.append(LSHIndex(max_slots + 1, att.heads, att.rounds, nb,
-                                             (att.after + 1) * att.chunk, (att.before + 1) * att.chunk, self.device))
+                                             (att.after + 1) * att.chunk, (att.before + 1) * att.chunk, self.device,
+                                             cfg.max_position_embeddings))
             else:
                 self.indexes.append(None)
         elt = torch.finfo(self.dtype).bits // 8
@@ -179,6 +180,17 @@ class DecodeCache:
         assert norms is not None
         head = torch.arange(self.heads, device=rows.device).view(1, self.heads, *([1] * (rows.dim() - 2)))
         return norms.view(-1).index_select(0, (rows * self.heads + head).reshape(-1)).view(rows.shape)
+
+    def gather_flat(self, layer: int, flat: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        """flat (row * heads + head) indices (...) -> keys, values (..., D) and, for LSH layers, the key
+        factors (...), in one pass per pool."""
+        d = self.head_size
+        # an embedding lookup is the fastest row gather on CPU
+        keys = torch.nn.functional.embedding(flat, self.keys[layer].view(-1, d))
+        values = torch.nn.functional.embedding(flat, self.values[layer].view(-1, d))
+        norms = self.norms[layer]
+        factors = None if norms is None else norms.view(-1).index_select(0, flat.reshape(-1)).view(flat.shape)
+        return keys, values, factors
 
     def gather(self, layer: int, rows: Tensor) -> tuple[Tensor, Tensor]:
         """rows (B, H, ...) -> keys, values (B, H, ..., D) of each row's own head."""

@@ -7,12 +7,16 @@ buckets after it (at most (after+1)*c items) and, where it wraps into a neighbou
 heads) of that round's extreme buckets. Per (slot, head, round) this keeps:
 
 - `counts` (NB,): positions per bucket;
-- `head` (NB, A): the first A = (after+1)*c positions of each bucket (fixed once filled);
-- `tail` (NB, T): the last T = (before+1)*c positions of each bucket, as a ring: the item at offset `o`
-  of a bucket sits at `tail[o % T]` while `o >= count - T`.
+- `items` (NB, A + T): the first A = (after+1)*c positions of each bucket (fixed once filled), then the
+  last T = (before+1)*c as a ring: the item at offset `o` of a bucket sits at `A + o % T` while
+  `o >= count - T`. One array, so a window slot is one flat gather whichever part it reads.
 
-A step is a scatter-add into the counts, a prefix sum, a `searchsorted` per window slot and gathers, all
-batched over rows, heads and rounds: its cost does not depend on the sequence length.
+Positions are stored as int16 (offset by -32768) when every position fits, else int32: the index is a
+sizeable share of the cache bytes per token.
+
+A step is one index_add into the counts, two index_copy into the items, a prefix sum, a `searchsorted`
+per window slot and one gather, all batched over rows, heads and rounds on flat views: no Python loop, no
+multi-tensor advanced indexing, and no cost that grows with the sequence length.
 """
 
 from __future__ import annotations
@@ -23,20 +27,26 @@ from torch import Tensor
 
 class LSHIndex:
     def __init__(self, slots: int, heads: int, rounds: int, buckets: int, head_len: int, tail_len: int,
-                 device: torch.device) -> None:
+                 device: torch.device, max_positions: int = 2**31 - 1) -> None:
         self.shape = (slots, heads, rounds)
         self.head_len, self.tail_len = head_len, tail_len
-        # int32: positions and counts stay below max_position_embeddings; half the bytes of int64
+        # positions below 2**16 fit int16 once shifted by -32768: half the bytes of int32
+        self.dtype, self.shift = (torch.int16, -32768) if max_positions <= 2**16 else (torch.int32, 0)
         self.counts = torch.zeros(slots, heads, rounds, buckets, dtype=torch.int32, device=device)
-        self.head = torch.zeros(slots, heads, rounds, buckets, head_len, dtype=torch.int32, device=device)
-        self.tail = torch.zeros(slots, heads, rounds, buckets, tail_len, dtype=torch.int32, device=device)
+        # every item holds a valid position (0 until written): a masked window slot still reads one
+        self.items = torch.full((slots, heads, rounds, buckets, head_len + tail_len), self.shift, dtype=self.dtype,
+                                device=device)
 
     @property
     def buckets(self) -> int:
         return self.counts.shape[-1]
 
+    @property
+    def width(self) -> int:
+        return self.head_len + self.tail_len
+
     def nbytes_per_slot(self) -> int:
-        return (self.counts[0].numel() + self.head[0].numel() + self.tail[0].numel()) * self.counts.element_size()
+        return self.counts[0].numel() * self.counts.element_size() + self.items[0].numel() * self.items.element_size()
 
     def grow_buckets(self, buckets: int) -> None:
         """Room for more buckets (an automatic bucket count grew): the new buckets start empty."""
@@ -44,13 +54,16 @@ class LSHIndex:
         if extra <= 0:
             return
         self.counts = torch.nn.functional.pad(self.counts, (0, extra))
-        self.head = torch.nn.functional.pad(self.head, (0, 0, 0, extra))
-        self.tail = torch.nn.functional.pad(self.tail, (0, 0, 0, extra))
+        self.items = torch.nn.functional.pad(self.items, (0, 0, 0, extra), value=self.shift)
+
+    def store(self, positions: Tensor) -> Tensor:
+        """Positions as the items array holds them."""
+        return (positions + self.shift).to(self.dtype)
 
     def build(self, slot: int, buckets: Tensor) -> None:
         """Fill `slot` from the buckets (H, R, L) of positions 0..L-1 (one full sort, as the prefill does)."""
         h, r, length = buckets.shape
-        nb, a, t = self.buckets, self.head_len, self.tail_len
+        nb, a, t, w = self.buckets, self.head_len, self.tail_len, self.width
         device = buckets.device
         pos = torch.arange(length, device=device)
         counts = torch.zeros(h, r, nb, dtype=torch.long, device=device).scatter_add_(
@@ -59,64 +72,75 @@ class LSHIndex:
         sb = buckets.gather(-1, order)  # bucket of each sorted slot
         start = counts.cumsum(-1) - counts  # (H, R, NB)
         offset = pos - start.gather(-1, sb)  # (H, R, L): offset of each sorted slot inside its bucket
-        head = torch.zeros(h, r, nb * a + 1, dtype=torch.long, device=device)  # last entry: discard
-        head.scatter_(-1, torch.where(offset < a, sb * a + offset, nb * a), order)
-        tail = torch.zeros(h, r, nb * t + 1, dtype=torch.long, device=device)
+        items = torch.zeros(h, r, nb * w + 1, dtype=torch.long, device=device)  # last entry: discard
+        items.scatter_(-1, torch.where(offset < a, sb * w + offset, nb * w), order)
         keep = offset >= counts.gather(-1, sb) - t
-        tail.scatter_(-1, torch.where(keep, sb * t + offset % t, nb * t), order)
+        items.scatter_(-1, torch.where(keep, sb * w + a + offset % t, nb * w), order)
         self.counts[slot] = counts.int()
-        self.head[slot] = head[..., :-1].view(h, r, nb, a).int()
-        self.tail[slot] = tail[..., :-1].view(h, r, nb, t).int()
+        self.items[slot] = self.store(items[..., :-1].view(h, r, nb, w))
 
-    def append(self, slots: Tensor, buckets: Tensor, t: Tensor, live: Tensor) -> Tensor:
-        """Add position t (B,) in buckets (B, H, R) to `slots` (B,) where `live` (B,); returns the counts
-        (B, H, R, NB) after it. Rows not live leave their slot unchanged."""
-        b, h, r = buckets.shape
-        nb, a, tl = self.buckets, self.head_len, self.tail_len
-        counts = self.counts[slots].scatter_add(-1, buckets.unsqueeze(-1),
-                                                live.int().view(b, 1, 1, 1).expand(b, h, r, 1))
-        self.counts[slots] = torch.where(live.view(b, 1, 1, 1), counts, self.counts[slots])
-        offset = counts.gather(-1, buckets.unsqueeze(-1)).squeeze(-1).long() - 1  # (B, H, R)
-        cell = ((slots.view(b, 1, 1) * h + torch.arange(h, device=slots.device).view(1, h, 1)) * r
-                + torch.arange(r, device=slots.device).view(1, 1, r)) * nb + buckets  # (B, H, R)
-        value = t.view(b, 1, 1).expand(b, h, r).int()
-        live3 = live.view(b, 1, 1).expand(b, h, r)
-        head = self.head.view(-1)
-        # rows that must not write put back what is there
-        head_at = cell * a + offset.clamp(0, a - 1)
-        head.index_put_((head_at,), torch.where(live3 & (offset < a), value, head[head_at]))
-        tail = self.tail.view(-1)
-        tail_at = cell * tl + offset.clamp(min=0) % tl
-        tail.index_put_((tail_at,), torch.where(live3, value, tail[tail_at]))
-        return counts
+    def append(self, base: Tensor, buckets: Tensor, value: Tensor, weight: Tensor) -> Tensor:
+        """Add a position to bucket `buckets` (B, H, R) of the (slot, head, round) rows `base` (B, H, R, flat
+        indices into counts' first three dims); `value` (B*H*R,) is the position as `store` gives it and
+        `weight` (B*H*R,) int32 is 1 where the row writes. Rows that must not write point `base` at the
+        scratch slot with weight 0 (whatever they write there is never read as a real position). Returns
+        the counts (B, H, R, NB) after it."""
+        nb, a, t, w = self.buckets, self.head_len, self.tail_len, self.width
+        cell = (base * nb + buckets).view(-1)  # (B*H*R,)
+        counts = self.counts.view(-1)
+        counts.index_add_(0, cell, weight)
+        offset = (counts.index_select(0, cell).long() - 1).clamp(min=0)  # the new position's offset in its bucket
+        items = self.items.view(-1)
+        # past the head segment the head write goes to the scratch slot's first item instead
+        junk = (self.shape[0] - 1) * self.shape[1] * self.shape[2] * nb * w
+        items.index_copy_(0, torch.where(offset < a, cell * w + offset, junk), value)
+        items.index_copy_(0, cell * w + a + offset % t, value)
+        return self.counts.view(-1, nb).index_select(0, base.view(-1)).view(*buckets.shape, nb)
 
-    def window(self, slots: Tensor, counts: Tensor, buckets: Tensor, t: Tensor, n_chunks: Tensor, chunk: int,
-               before: int, after: int) -> tuple[Tensor, Tensor]:
-        """Positions (B, H, R, W) in the chunk window of the newest position t (B,) of every round, W =
-        (before+1+after)*chunk, wrapping through the rounds in the row's own layout of n_chunks (B,) chunks
-        per round; and whether each slot holds a real position (slots past the row's length are padding)."""
+    def window(self, base: Tensor, counts: Tensor, buckets: Tensor, geo: WindowGeometry) -> tuple[Tensor, Tensor]:
+        """Positions (B, H, R, W) in the chunk window of the newest position of every round, W =
+        (before+1+after)*chunk, wrapping through the rounds in the row's own layout (`geo`); and whether each
+        slot is padding (past the row's length: its position reads 0)."""
         b, h, r, nb = counts.shape
-        device = counts.device
+        wc = geo.offsets.shape[0]
         counts = counts.long()
         prefix = counts.cumsum(-1)  # (B, H, R, NB)
         start = prefix - counts
-        s = prefix.gather(-1, buckets.unsqueeze(-1)).squeeze(-1) - 1  # (B, H, R): slot of the newest position
-        j = torch.div(s, chunk, rounding_mode="floor")
-        offs = torch.arange(-before, after + 1, device=device)  # (Wc,)
-        n = n_chunks.view(b, 1, 1, 1)
-        g = torch.remainder(torch.arange(r, device=device).view(1, 1, r, 1) * n + j.unsqueeze(-1) + offs, r * n)
-        r2, j2 = torch.div(g, n, rounding_mode="floor"), torch.remainder(g, n)  # (B, H, R, Wc)
-        slot_pos = j2.unsqueeze(-1) * chunk + torch.arange(chunk, device=device)  # (B, H, R, Wc, C)
-        real = slot_pos <= t.view(b, 1, 1, 1, 1)
-        bi = torch.arange(b, device=device).view(b, 1, 1, 1)
-        hi = torch.arange(h, device=device).view(1, h, 1, 1)
-        prefix_r2 = prefix[bi, hi, r2]  # (B, H, R, Wc, NB): the sorted order of the round each chunk is in
-        bucket = torch.searchsorted(prefix_r2, slot_pos, right=True).clamp(max=nb - 1)  # (B, H, R, Wc, C)
-        offset = slot_pos - start[bi, hi, r2].gather(-1, bucket)
-        si, hi5, r5 = slots.view(b, 1, 1, 1, 1), hi.unsqueeze(-1), r2.unsqueeze(-1)
-        in_head = self.head[si, hi5, r5, bucket, offset.clamp(0, self.head_len - 1)]
-        in_tail = self.tail[si, hi5, r5, bucket, offset.clamp(min=0) % self.tail_len]
-        pos = torch.where(offset < self.head_len, in_head, in_tail).long()
-        pos = torch.where(real, pos, 0)
-        w = slot_pos.shape[3] * chunk
-        return pos.reshape(b, h, r, w), real.reshape(b, h, r, w)
+        s = prefix.gather(-1, buckets.unsqueeze(-1)) - 1  # (B, H, R, 1): slot of the newest position
+        g = torch.remainder(geo.round_start + torch.div(s, geo.chunk, rounding_mode="floor") + geo.offsets,
+                            geo.total)  # (B, H, R, Wc): chunk index over all rounds, wrapped
+        r2 = torch.div(g, geo.n_chunks, rounding_mode="floor")  # the round each window chunk is in
+        slot_pos = ((g - r2 * geo.n_chunks) * geo.chunk).unsqueeze(-1) + geo.in_chunk  # (B, H, R, Wc, C)
+        absent = slot_pos > geo.t
+        # the bucket starts of the round each chunk is in, one flat row gather
+        start_r2 = start.view(-1, nb).index_select(0, (geo.row_base + r2).view(-1)).view(b, h, r, wc, nb)
+        bucket = torch.searchsorted(start_r2, slot_pos, right=True) - 1  # (B, H, R, Wc, C)
+        offset = slot_pos - start_r2.gather(-1, bucket)  # >= 0: start_r2[..., 0] is 0
+        cell = (base.unsqueeze(-1) - geo.round_of_base + r2).unsqueeze(-1) * nb + bucket
+        a = self.head_len
+        at = cell * self.width + torch.where(offset < a, offset, a + offset % self.tail_len)
+        pos = self.items.view(-1).index_select(0, at.view(-1)).view(absent.shape).long() - self.shift
+        pos = pos.masked_fill(absent, 0)
+        return pos.view(b, h, r, -1), absent.view(b, h, r, -1)
+
+
+class WindowGeometry:
+    """Per-step tensors every LSH layer's `window` shares (all LSH layers have one chunk, window and round
+    count): built once per step, not once per layer."""
+
+    def __init__(self, t: Tensor, n_chunks: Tensor, heads: int, rounds: int, chunk: int, before: int,
+                 after: int) -> None:
+        b = t.shape[0]
+        device = t.device
+        self.chunk = chunk
+        self.n_chunks = n_chunks.view(b, 1, 1, 1)
+        self.total = self.n_chunks * rounds
+        ar_r = torch.arange(rounds, device=device)
+        self.round_start = ar_r.view(1, 1, rounds, 1) * self.n_chunks  # (B, 1, R, 1)
+        self.offsets = torch.arange(-before, after + 1, device=device)  # (Wc,)
+        self.in_chunk = torch.arange(chunk, device=device)  # (C,)
+        self.t = t.view(b, 1, 1, 1, 1)
+        # row of (row, head, round 0) in a step's (B*H*R) flattening; a base's round, to swap it for r2
+        self.row_base = ((torch.arange(b, device=device) * heads).view(b, 1) + torch.arange(heads, device=device)
+                         ).view(b, heads, 1, 1) * rounds
+        self.round_of_base = ar_r.view(1, 1, rounds, 1)
