@@ -48,7 +48,7 @@ def run_case(kind: str, length: int, new_tokens: int, threads: int) -> dict:
     with torch.no_grad():
         if kind == "ours":
             from model import ReformerConfig, ReformerLM
-            from model.decode import DecodeCache, decode_step, prefill
+            from model.decode import DecodeCache, decode_step, prefill, step_threads
 
             lm = ReformerLM(ReformerConfig.from_hf(hf_config())).eval()
             dc = DecodeCache.for_tokens(lm, prompt.shape[0] + new_tokens + 2)
@@ -56,10 +56,12 @@ def run_case(kind: str, length: int, new_tokens: int, threads: int) -> dict:
             first, states = prefill(lm, dc, [prompt], [prompt.shape[0] + new_tokens + 2])
             prefill_s = time.perf_counter() - start
             token = first.argmax(-1)
-            decode_step(lm, token, dc, states)  # first step outside the timing (allocations)
-            start, cpu_start = time.perf_counter(), time.process_time()
-            for _ in range(new_tokens):
-                token = decode_step(lm, token, dc, states).argmax(-1)
+            # as the service's model runner runs a step: inference mode, small steps on one thread
+            with torch.inference_mode(), step_threads(1):
+                decode_step(lm, token, dc, states)  # first step outside the timing (allocations)
+                start, cpu_start = time.perf_counter(), time.process_time()
+                for _ in range(new_tokens):
+                    token = decode_step(lm, token, dc, states).argmax(-1)
             per_token = (time.perf_counter() - start) / new_tokens
             cpu_per_token = (time.process_time() - cpu_start) / new_tokens
             cache = {"cache_bytes": dc.allocated_bytes, "cache_bytes_per_token": dc.allocated_bytes / states[0].length}
@@ -92,7 +94,7 @@ def run_batch_case(batch: int, length: int, steps: int, threads: int) -> dict:
     import torch
 
     from model import ReformerConfig, ReformerLM
-    from model.decode import DecodeCache, decode_step, prefill
+    from model.decode import DecodeCache, decode_step, prefill, step_threads
 
     torch.set_num_threads(threads)
     from model.cpu_runtime import tune_cpu_runtime
@@ -106,6 +108,7 @@ def run_batch_case(batch: int, length: int, steps: int, threads: int) -> dict:
         for _ in range(batch):
             states += prefill(lm, dc, [torch.randint(3, 258, (length,))], [length + steps + 2])[1]
         token = torch.full((batch,), 5)
+    with torch.inference_mode(), step_threads(batch):  # as the service's model runner runs a step
         token = decode_step(lm, token, dc, states).argmax(-1)  # first step outside the timing
         start, cpu_start = time.perf_counter(), time.process_time()
         for _ in range(steps):

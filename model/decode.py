@@ -26,7 +26,8 @@ same bits whenever the number of rows is the same).
 from __future__ import annotations
 
 import math
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -46,10 +47,29 @@ if TYPE_CHECKING:
     from .reformer import ReformerLM
     from .reversible import ReformerLayer
 
-__all__ = ["CacheFull", "DecodeCache", "DecodeState", "INVARIANT_ROWS", "batch_bucket", "decode_step", "prefill",
-           "prefill_steps"]
+__all__ = ["CacheFull", "DecodeCache", "DecodeState", "INVARIANT_ROWS", "SINGLE_THREAD_ROWS", "batch_bucket",
+           "decode_step", "prefill", "prefill_steps", "step_threads"]
 
 INVARIANT_ROWS = 16
+# A step over at most this many rows is a few hundred tiny ops: a second intra-op thread only adds a hand-off
+# per op (CPU time twice the wall time, and slower wall time), so callers run it on one thread
+SINGLE_THREAD_ROWS = 16
+
+
+@contextmanager
+def step_threads(rows: int) -> Iterator[None]:
+    """Run what the block holds on one intra-op thread when a step has at most SINGLE_THREAD_ROWS rows, and
+    restore the previous count after. torch.set_num_threads is process-wide: only the decode callers (the
+    service's model runner, bench/generate.py) use this, from the one thread that runs model calls."""
+    before = torch.get_num_threads()
+    if rows > SINGLE_THREAD_ROWS or before == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def batch_bucket(rows: int) -> int:
@@ -89,8 +109,8 @@ def prefill_steps(lm: ReformerLM, cache: DecodeCache, prompts: Sequence[Tensor],
                   slice_chunks: int = DEFAULT_SLICE_CHUNKS) -> Generator[None, None, tuple[Tensor, list[DecodeState]]]:
     """`prefill` in slices: it yields after the embeddings, each layer's cache writes, each LSH index build,
     each `slice_chunks` chunk-window attentions (model/prefill_slices.py) and each feed-forward slice, so a
-    caller can run decode steps in between (chunked prefill). Hashing and sorting still see the whole prompt; the result is the same
-    bits. Closing it early frees what it allocated."""
+    caller can run decode steps in between (chunked prefill). Hashing and sorting still see the whole prompt;
+    the result is the same bits. Closing it early frees what it allocated."""
     lengths = [int(p.shape[0]) for p in prompts]
     if min(lengths, default=1) < 1:
         raise ValueError("prefill needs non-empty prompts")

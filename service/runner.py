@@ -10,7 +10,7 @@ from typing import Any
 import psutil
 import torch
 
-from model.decode import DecodeCache, DecodeState, decode_step, prefill, prefill_steps
+from model.decode import DecodeCache, DecodeState, decode_step, prefill, prefill_steps, step_threads
 
 log = logging.getLogger("service.engine")
 
@@ -86,7 +86,9 @@ class ModelRunner:
     @torch.inference_mode()
     def decode(self, tokens: Sequence[int], states: Sequence[DecodeState]) -> torch.Tensor:
         ids = torch.tensor(list(tokens), dtype=torch.long).to(self.device)
-        return decode_step(self.model, ids, self.cache, states, self.invariant).float().cpu()
+        # small steps on one intra-op thread (process-wide, restored after: model.decode.step_threads)
+        with step_threads(len(states) if self.device.type == "cpu" else 1 << 30):
+            return decode_step(self.model, ids, self.cache, states, self.invariant).float().cpu()
 
     def can_step(self, state: DecodeState) -> bool:
         return 0 <= state.slot and state.length < min(state.capacity * self.cache.block_size, self.max_positions)
