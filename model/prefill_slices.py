@@ -13,9 +13,10 @@ full forward (`ReformerLayer.f`); here it is cut up without changing what it com
 - LSH rounds are combined per head once every chunk of that head is done, and the output projection runs on
   the whole sequence (F.linear's bits depend on the number of rows).
 
-Exactness: the result is bit-identical (`torch.equal`) to `layer.f(x2, ctx, None)[0]` in eval mode, on every
-path the forward takes (fused window kernel or plain softmax, uniform or mixed-length padded batches, rows
-shorter than a chunk). tests/model/test_prefill_slices.py checks it with `torch.equal`. Training (dropout,
+Exactness: the result is bit-identical (`torch.equal`) to `layer.f(x2, ctx, None)[0]` in eval mode: the same
+kernels on the same rows. tests/model/test_prefill_slices.py checks it with `torch.equal` on CPU for the fused
+window kernel and the plain softmax, uniform and mixed-length padded batches, and rows shorter than a chunk
+(the CUDA kernel's path is the same code, untested here). Training (dropout,
 autograd) is not sliced: `layer_f_slices` then runs `layer.f` in one piece.
 
 The primitives are the attention modules' own (model/attention.py, model/chunking.py, model/lsh_fused.py);
