@@ -374,11 +374,11 @@ def _lsh_attend(cache: DecodeCache, li: int, att: LSHSelfAttention, qk: Tensor, 
     assert index is not None and step.geo is not None and step.base is not None
     assert step.value is not None and step.weight is not None
     # hash the new query of every row that keeps an index, one call per bucket count in the batch
-    buckets = torch.zeros(b, heads, rounds, dtype=torch.long, device=qk.device)
-    for nb, sel in step.groups:
-        if sel is None:
-            buckets = att.hash(qk.unsqueeze(2), nb, None)[..., 0]  # (B, H, R)
-        else:
+    if len(step.groups) == 1 and step.groups[0][1] is None:  # every row hashes with one bucket count
+        buckets = att.hash(qk.unsqueeze(2), step.groups[0][0], None)[..., 0]  # (B, H, R)
+    else:
+        buckets = torch.zeros(b, heads, rounds, dtype=torch.long, device=qk.device)
+        for nb, sel in step.groups:
             buckets[sel] = att.hash(qk[sel].unsqueeze(2), nb, None)[..., 0]
     counts = index.append(step.base, buckets, step.value, step.weight)
     pos, absent = index.window(step.base, counts, buckets, step.geo)  # (B, H, R, W)
@@ -398,8 +398,14 @@ def _lsh_attend(cache: DecodeCache, li: int, att: LSHSelfAttention, qk: Tensor, 
     # masks replace logits, as in the reference: padding never counts, the query's own position gets -1e5
     dots = dots.masked_fill(pos == step.t.view(b, 1, 1, 1), self_mask_value(dots.dtype))
     dots = dots.masked_fill(absent, mask_value(dots.dtype))
-    lse = torch.logsumexp(dots, dim=-1, keepdim=True)  # (B, H, R, 1)
-    out = torch.matmul(torch.exp(dots - lse).unsqueeze(-2), values.float()).squeeze(-2)  # (B, H, R, D)
+    # the log-sum-exp by hand, reusing its exponentials for the output (torch.logsumexp is a composite of
+    # as many ops, and the output would take the exponentials again); every row has a finite maximum (masks
+    # are finite), so no infinity guard is needed
+    top = dots.amax(dim=-1, keepdim=True)
+    e = torch.exp(dots - top)
+    total = e.sum(dim=-1, keepdim=True)  # (B, H, R, 1)
+    lse = top + torch.log(total)
+    out = torch.matmul(e.unsqueeze(-2), values.float()).squeeze(-2) / total  # (B, H, R, D)
     if step.dense is not None:
         # a dense row's other rounds see nothing: their weight is exactly 0
         hashed, _, _, round0 = step.dense

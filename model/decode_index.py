@@ -103,8 +103,7 @@ class LSHIndex:
         slot is padding (past the row's length: its position reads 0)."""
         b, h, r, nb = counts.shape
         wc = geo.offsets.shape[0]
-        counts = counts.long()
-        prefix = counts.cumsum(-1)  # (B, H, R, NB)
+        prefix = counts.cumsum(-1, dtype=torch.long)  # (B, H, R, NB)
         start = prefix - counts
         s = prefix.gather(-1, buckets.unsqueeze(-1)) - 1  # (B, H, R, 1): slot of the newest position
         g = torch.remainder(geo.round_start + torch.div(s, geo.chunk, rounding_mode="floor") + geo.offsets,
