@@ -14,9 +14,10 @@ heads) of that round's extreme buckets. Per (slot, head, round) this keeps:
 Positions are stored as int16 (offset by -32768) when every position fits, else int32: the index is a
 sizeable share of the cache bytes per token.
 
-A step is one index_add into the counts, two index_copy into the items, a prefix sum, a `searchsorted`
-per window slot and one gather, all batched over rows, heads and rounds on flat views: no Python loop, no
-multi-tensor advanced indexing, and no cost that grows with the sequence length.
+A step is one index_add into the counts, two index_copy into the items, a prefix sum, one `searchsorted`
+over all rounds' bucket starts per window slot and one gather, all batched over rows, heads and rounds on
+flat views: no Python loop, no multi-tensor advanced indexing. What grows with the length is the bucket
+count (2*L/chunk by default): a prefix sum and a binary search over it.
 """
 
 from __future__ import annotations
@@ -102,25 +103,28 @@ class LSHIndex:
         (before+1+after)*chunk, wrapping through the rounds in the row's own layout (`geo`); and whether each
         slot is padding (past the row's length: its position reads 0)."""
         b, h, r, nb = counts.shape
-        wc = geo.offsets.shape[0]
         prefix = counts.cumsum(-1, dtype=torch.long)  # (B, H, R, NB)
-        start = prefix - counts
         s = prefix.gather(-1, buckets.unsqueeze(-1)) - 1  # (B, H, R, 1): slot of the newest position
         g = torch.remainder(geo.round_start + torch.div(s, geo.chunk, rounding_mode="floor") + geo.offsets,
                             geo.total)  # (B, H, R, Wc): chunk index over all rounds, wrapped
         r2 = torch.div(g, geo.n_chunks, rounding_mode="floor")  # the round each window chunk is in
         slot_pos = ((g - r2 * geo.n_chunks) * geo.chunk).unsqueeze(-1) + geo.in_chunk  # (B, H, R, Wc, C)
         absent = slot_pos > geo.t
-        # the bucket starts of the round each chunk is in, one flat row gather
-        start_r2 = start.view(-1, nb).index_select(0, (geo.row_base + r2).view(-1)).view(b, h, r, wc, nb)
-        bucket = torch.searchsorted(start_r2, slot_pos, right=True) - 1  # (B, H, R, Wc, C)
-        offset = slot_pos - start_r2.gather(-1, bucket)  # >= 0: start_r2[..., 0] is 0
-        cell = (base.unsqueeze(-1) - geo.round_of_base + r2).unsqueeze(-1) * nb + bucket
+        # every round's bucket starts in one sorted row per (row, head), round r keyed by r * 2**32, so one
+        # searchsorted finds round r2's bucket of each slot and its flat (round, bucket) index at once
+        keyed = (prefix - counts + geo.round_key).view(b, h, r * nb)
+        query = (slot_pos + (r2 * _ROUND_KEY).unsqueeze(-1)).view(b, h, -1)  # (B, H, R*Wc*C)
+        rb = torch.searchsorted(keyed, query, right=True) - 1  # round r2's first key is <= the query
+        offset = query - keyed.gather(-1, rb)  # >= 0: the slot's offset inside its bucket
+        cell = base[:, :, :1] * nb + rb  # base[..., 0] is (slot, head, round 0)
         a = self.head_len
         at = cell * self.width + torch.where(offset < a, offset, a + offset % self.tail_len)
         pos = self.items.view(-1).index_select(0, at.view(-1)).view(absent.shape).long() - self.shift
         pos = pos.masked_fill(absent, 0)
         return pos.view(b, h, r, -1), absent.view(b, h, r, -1)
+
+
+_ROUND_KEY = 2**32  # above any position count
 
 
 class WindowGeometry:
@@ -139,7 +143,4 @@ class WindowGeometry:
         self.offsets = torch.arange(-before, after + 1, device=device)  # (Wc,)
         self.in_chunk = torch.arange(chunk, device=device)  # (C,)
         self.t = t.view(b, 1, 1, 1, 1)
-        # row of (row, head, round 0) in a step's (B*H*R) flattening; a base's round, to swap it for r2
-        self.row_base = ((torch.arange(b, device=device) * heads).view(b, 1) + torch.arange(heads, device=device)
-                         ).view(b, heads, 1, 1) * rounds
-        self.round_of_base = ar_r.view(1, 1, rounds, 1)
+        self.round_key = ar_r.view(1, 1, rounds, 1) * _ROUND_KEY
