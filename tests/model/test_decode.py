@@ -197,3 +197,32 @@ def test_sliced_prefill_yields_between_slices_and_computes_the_same() -> None:
     assert cache.allocated_bytes > used
     early.close()  # abandoned half way: its blocks go back
     assert cache.allocated_bytes == used
+
+
+def test_step_threads_is_scoped_and_restored() -> None:
+    from model.decode import SINGLE_THREAD_ROWS, step_threads
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with step_threads(1):
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+        with step_threads(SINGLE_THREAD_ROWS + 1):  # large steps keep every thread
+            assert torch.get_num_threads() == 2
+        with pytest.raises(RuntimeError), step_threads(1):
+            raise RuntimeError("a failing step")
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_index_positions_round_trip_through_their_storage_type() -> None:
+    from model.decode_index import LSHIndex
+
+    positions = torch.tensor([0, 1, 32767, 32768, 65535])
+    for max_positions, dtype in ((65536, torch.int16), (70000, torch.int32)):
+        index = LSHIndex(2, 1, 1, 2, 4, 8, torch.device("cpu"), max_positions)
+        stored = index.store(positions)
+        assert stored.dtype == dtype
+        assert torch.equal(stored.long() - index.shift, positions)
