@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .chunking import (
@@ -308,8 +309,10 @@ class LocalSelfAttention(nn.Module):
         pos = torch.arange(t, device=q.device)
         c, n = self.chunk, t // self.chunk
         own_chunks = torch.clamp((ctx.own_length + c - 1) // c, min=1)
-        win = window_chunk_index(own_chunks, 1, n, self.before, self.after)  # (B, N, W)
         q_c = q.view(b, self.heads, n, c, self.head_size)  # (B, H, N, C, D)
+        if self._sdpa_applies(ctx, dropout, own_chunks, n):
+            return self._chunked_sdpa(q_c, k, v).reshape(b, self.heads, t, self.head_size)
+        win = window_chunk_index(own_chunks, 1, n, self.before, self.after)  # (B, N, W)
         k_w = gather_chunks(k.view(b, self.heads, n, c, self.head_size), win)  # (B, H, N, W*C, D)
         v_w = gather_chunks(v.view(b, self.heads, n, c, self.head_size), win)
         qp = pos.view(1, 1, n, c).expand(b, 1, n, c)  # (B, 1, N, C)
@@ -318,6 +321,45 @@ class LocalSelfAttention(nn.Module):
         bias = attention_bias(qp, kp, kv, self.causal, False, q.dtype)  # (B, 1, N, C, W*C)
         out, _ = attend(q_c, k_w, v_w, bias, dropout, ctx.generator, fused=self.fused)  # (B, H, N, C, D)
         return out.reshape(b, self.heads, t, self.head_size)  # (B, H, L, D)
+
+    @staticmethod
+    def _sdpa_applies(ctx: AttentionContext, dropout: float, own_chunks: Tensor, n: int) -> bool:
+        """Training on CPU (autograd on), no padding, every row of the batch's length, no dropout (the fused
+        kernel's dropout would not draw from the layer's generator), not traced for export. (CUDA keeps
+        the plain formulation: this path is measured and tested on CPU only.)"""
+        return (ctx.own_length.device.type == "cpu" and ctx.valid is None and dropout == 0.0
+                and torch.is_grad_enabled() and not torch.jit.is_tracing() and bool((own_chunks == n).all()))
+
+    def _chunked_sdpa(self, q_c: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """Training's local attention when every row has the batch's length and nothing is padded or
+        dropped: PyTorch's fused attention over each chunk's window with a boolean causal mask (-inf where
+        `attention_bias` adds -1e9: the same softmax, as every query sees at least itself). Local attention
+        needs no log-sum-exp, so the fused kernel's own backward applies.
+        q_c (B, H, N, C, D) -> (B, H, N, C, D)."""
+        b, h, n, c, d = q_c.shape
+        k_w = look_adjacent(k.view(b, h, n, c, d), self.before, self.after)  # (B, H, N, W*C, D)
+        v_w = look_adjacent(v.view(b, h, n, c, d), self.before, self.after)
+        mask = local_window_mask(n, c, self.before, self.after, self.causal, q_c.device)  # (1, N, C, W*C)
+        out = F.scaled_dot_product_attention(q_c.reshape(b * h, n, c, d), k_w.reshape(b * h, n, -1, d),
+                                             v_w.reshape(b * h, n, -1, d), attn_mask=mask, scale=1.0)
+        return out.view(b, h, n, c, d)
+
+
+_WINDOW_MASKS: dict[tuple[int, int, int, int, bool, str], Tensor | None] = {}
+
+
+def local_window_mask(n: int, chunk: int, before: int, after: int, causal: bool, device: torch.device
+                      ) -> Tensor | None:
+    """The allowed keys of `look_adjacent` windows over n unpadded chunks, True where a query may attend:
+    (1, N, C, W*C), cached per shape and device; None when every key is allowed (not causal)."""
+    if not causal:
+        return None
+    key = (n, chunk, before, after, causal, str(device))
+    if key not in _WINDOW_MASKS:
+        pos = torch.arange(n * chunk, device=device).view(1, 1, n, chunk)  # (1, 1, N, C)
+        kp = look_adjacent(pos.unsqueeze(-1), before, after).squeeze(-1)  # (1, 1, N, W*C)
+        _WINDOW_MASKS[key] = (kp.unsqueeze(-2) <= pos.unsqueeze(-1)).squeeze(0)  # (1, N, C, W*C)
+    return _WINDOW_MASKS[key]
 
 
 def split_short_rows(

@@ -10,6 +10,7 @@ padded length (`own_chunks`), which is what the reference computes for that row 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -147,12 +148,70 @@ def attend(
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             qq, kk, vv, 0.0, False, attn_mask=bb.contiguous(), scale=1.0)
         return out.reshape(*lead, *out.shape[-2:]), lse.reshape(*lead, q.shape[-2])
+    if dropout <= 0.0 and one_pass_ok(q, k, v, bias):
+        return OnePassAttend.apply(q, k, v, bias)
     dots = torch.matmul(q, k.transpose(-1, -2)) + bias  # (..., Q, K)
     lse = torch.logsumexp(dots, dim=-1, keepdim=True)  # (..., Q, 1)
     probs = torch.exp(dots - lse)
     if dropout > 0.0:
         probs = seeded_dropout(probs, dropout, generator)
     return torch.matmul(probs, v), lse.squeeze(-1)
+
+
+def one_pass_ok(q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> bool:
+    """Whether `OnePassAttend` applies: training (autograd records; forwards without it keep their bits),
+    q, k, v share their leading shape (no broadcasting to undo in the backward) and their dtype, no
+    autocast (its casts inside the forward would leave the backward mixing dtypes), the bias is a
+    constant, and no tracer is recording (ONNX export keeps plain ops)."""
+    return (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+            and q.shape[:-2] == k.shape[:-2] == v.shape[:-2] and q.dtype == k.dtype == v.dtype
+            and not torch.is_autocast_enabled(q.device.type) and not bias.requires_grad
+            and not torch.jit.is_tracing())
+
+
+class OnePassAttend(torch.autograd.Function):
+    """`attend` without dropout, with one exp per score and a hand-written backward.
+
+    Autograd over logsumexp + exp takes three exps per score (logsumexp's forward, the probabilities,
+    logsumexp's backward) and keeps the scores, the probabilities and the log-sum-exp. Here the forward
+    takes e = exp(s - max) once: lse = max + log(sum e) (what logsumexp computes), probabilities
+    e * exp(max - lse), and keeps only the probabilities and the output. The backward is softmax's with
+    the log-sum-exp's gradient added (d lse / d s = probabilities):
+    ds = p * (dp - rowsum(dout * out) + dlse), dp = dout @ v^T."""
+
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
+        dots = torch.matmul(q, k.transpose(-1, -2)).add_(bias)  # (..., Q, K)
+        top = dots.amax(dim=-1, keepdim=True)  # (..., Q, 1)
+        probs = dots.sub_(top).exp_()
+        lse = top + torch.log(probs.sum(dim=-1, keepdim=True))
+        # exp(s - lse) as e * exp(max - lse), not e / sum e: lse is rounded at the logits' magnitude, and
+        # rows that see only masked keys or their own position twice (-1e9, -1e5) get the old rounding
+        probs.mul_(torch.exp(top - lse))
+        out = torch.matmul(probs, v)  # (..., Q, D)
+        ctx.save_for_backward(q, k, v, probs, out)
+        ctx.set_materialize_grads(False)
+        return out, lse.squeeze(-1)
+
+    @staticmethod
+    def backward(ctx: Any, dout: Tensor | None, dlse: Tensor | None
+                 ) -> tuple[Tensor | None, Tensor | None, Tensor | None, None]:
+        q, k, v, probs, out = ctx.saved_tensors
+        if dout is None and dlse is None:
+            return None, None, None, None
+        if dout is not None:
+            dv = torch.matmul(probs.transpose(-1, -2), dout)  # (..., K, D)
+            # rowsum(dp * p) = rowsum(dout * out): a (Q, D) reduction instead of a (Q, K) one
+            shift = (dout * out).sum(dim=-1, keepdim=True)  # (..., Q, 1)
+            if dlse is not None:
+                shift = shift - dlse.unsqueeze(-1)
+            ds = torch.matmul(dout, v.transpose(-1, -2)).sub_(shift).mul_(probs)  # (..., Q, K)
+        else:
+            dv = None
+            ds = probs * dlse.unsqueeze(-1)  # type: ignore[union-attr]
+        dq = torch.matmul(ds, k)
+        dk = torch.matmul(ds.transpose(-1, -2), q)
+        return dq, dk, dv, None
 
 
 def attend_masked(q: Tensor, k: Tensor, v: Tensor, masked: Tensor, self_hit: Tensor | None) -> tuple[Tensor, Tensor]:
