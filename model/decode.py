@@ -199,14 +199,18 @@ def _build_index(cache: DecodeCache, layer: int, att: LSHSelfAttention, state: D
 
 def _rehash_if_needed(lm: ReformerLM, cache: DecodeCache, states: Sequence[DecodeState]) -> None:
     """An automatic bucket count changes with the length (or a row starts hashing): rebuild that row's
-    index from its cached keys before the step (rare, host-known, O(L) once)."""
-    for li, layer in enumerate(_layers(lm)):
-        att = layer.attention.self_attention
-        if not isinstance(att, LSHSelfAttention) or att.config.num_buckets is not None:
+    index from its cached keys before the step (rare, host-known, O(L) once). Every LSH layer shares the
+    bucket-count rule, so the count is worked out once per row, not once per row and layer."""
+    auto = [(li, att) for li, layer in enumerate(_layers(lm))
+            if isinstance(att := layer.attention.self_attention, LSHSelfAttention) and att.config.num_buckets is None]
+    if not auto:
+        return
+    for state in states:
+        nb = _index_buckets(auto[0][1], lm.config.padded_length(state.length + 1))
+        if nb is None:
             continue
-        for state in states:
-            nb = _index_buckets(att, lm.config.padded_length(state.length + 1))
-            if nb is not None and nb != state.num_buckets[li]:
+        for li, att in auto:
+            if nb != state.num_buckets[li]:
                 slots = torch.full((state.length,), state.slot, dtype=torch.long, device=cache.device)
                 rows = cache.rows(slots, torch.arange(state.length, device=cache.device))
                 keys = cache.keys[li].index_select(0, rows).transpose(0, 1)  # (H, L, D)
