@@ -109,7 +109,7 @@ def measure(variant: str, window: int, batch: int, args: argparse.Namespace) -> 
         lm.reversible = variant == "reversible"
         model = lm
         loss_fn = make_loss_fn(lm, None, "cpu", compile=variant == "compiled")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)  # as train/loop.py, for both models
 
     def step() -> None:
         loss_fn(ids, 0).backward()

@@ -172,7 +172,7 @@ class Trainer:
         other = [p for n, p in self.lm.named_parameters() if not (p.dim() >= 2 and "embeddings" not in n)]
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": args.weight_decay}, {"params": other, "weight_decay": 0.0}],
-            lr=args.lr, betas=(0.9, 0.99))
+            lr=args.lr, betas=(0.9, 0.99), fused=True)  # one kernel for all parameters, CPU and CUDA
         self.state = TrainerState(seed=args.seed)
         self.run_dir: Path = args.out
         self.ckpt_dir = self.run_dir / "checkpoint"
