@@ -51,9 +51,10 @@ __all__ = ["CacheFull", "DecodeCache", "DecodeState", "INVARIANT_ROWS", "SINGLE_
            "decode_step", "prefill", "prefill_steps", "step_threads"]
 
 INVARIANT_ROWS = 16
-# A step over at most this many rows is a few hundred tiny ops: a second intra-op thread only adds a hand-off
-# per op (CPU time twice the wall time, and slower wall time), so callers run it on one thread
-SINGLE_THREAD_ROWS = 16
+# A step over at most this many rows is hundreds of tiny ops: a second intra-op thread only adds a hand-off
+# per op (CPU time twice the wall time, and far slower wall time whenever the other core is busy), so callers
+# run it on one thread. Measured (noisy, shared 2-core machine): batch 8 and 32 steps are faster on 2 threads.
+SINGLE_THREAD_ROWS = 4
 
 
 @contextmanager
