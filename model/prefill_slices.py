@@ -225,8 +225,10 @@ def _local_chunked(att: LocalSelfAttention, q: Tensor, k: Tensor, v: Tensor, ctx
     own_chunks = torch.clamp((ctx.own_length + c - 1) // c, min=1)
     win = window_chunk_index(own_chunks, 1, n, att.before, att.after)  # (B, N, W)
     q_c = q.view(b, heads, n, c, d)
-    k_t = k.transpose(1, 2)  # (B, L, H, D): rows of every head together, as gather_chunks picks them
-    v_t = v.transpose(1, 2)
+    # (B, L, H, D): rows of every head together, as gather_chunks picks them; contiguous once here, not
+    # copied by a reshape in every slice
+    k_t = k.transpose(1, 2).contiguous()
+    v_t = v.transpose(1, 2).contiguous()
     qp_all = pos.view(1, 1, n, c).expand(b, 1, n, c)
     step = max(1, slice_chunks // (b * heads))  # chunks per slice, every batch row and head
     outs = []
