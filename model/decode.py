@@ -108,7 +108,7 @@ def prefill(lm: ReformerLM, cache: DecodeCache, prompts: Sequence[Tensor], reser
 
 def prefill_steps(lm: ReformerLM, cache: DecodeCache, prompts: Sequence[Tensor], reserve: Sequence[int] | None = None,
                   slice_chunks: int = DEFAULT_SLICE_CHUNKS) -> Generator[None, None, tuple[Tensor, list[DecodeState]]]:
-    """`prefill` in slices: it yields after the embeddings, each layer's cache writes, each LSH index build,
+    """`prefill` in slices: it yields after the embeddings, each projection and cache write, each LSH index build,
     each `slice_chunks` chunk-window attentions (model/prefill_slices.py) and each feed-forward slice, so a
     caller can run decode steps in between (chunked prefill). Hashing and sorting still see the whole prompt;
     the result is the same bits. Closing it early frees what it allocated."""
@@ -154,7 +154,9 @@ def _prefill_layers(lm: ReformerLM, cache: DecodeCache, prompts: Sequence[Tensor
         else:
             assert isinstance(att, LocalSelfAttention)
             keys = split_heads(att.key(h), att.heads, att.head_size) / math.sqrt(att.head_size)
+        yield  # a long prompt's projections are large matmuls: one piece each
         values = split_heads(att.value(h), att.heads, att.head_size)
+        yield
         # padding positions of the shorter prompts are written to the scratch block, never read
         at = torch.where(real, rows, 0).reshape(-1)
         cache.write(li, at, keys.transpose(1, 2).reshape(-1, att.heads, att.head_size),

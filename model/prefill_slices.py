@@ -61,12 +61,13 @@ if TYPE_CHECKING:
 
 def layer_f_slices(layer: ReformerLayer, x2: Tensor, ctx: AttentionContext,
                    slice_chunks: int = DEFAULT_SLICE_CHUNKS) -> Slices:
-    """`layer.f(x2, ctx, None)[0]` (eval) in slices: yields after the projections and hashing, then after
-    each `slice_chunks` window attentions. Returns (B, L, hidden)."""
+    """`layer.f(x2, ctx, None)[0]` (eval) in slices: yields after each projection, the hashing and the sort,
+    each `slice_chunks` window attentions, and before the output projection. Returns (B, L, hidden)."""
     block = layer.attention
     if layer.training or torch.is_grad_enabled():
         return layer.f(x2, ctx, None)[0]  # dropout masks and autograd want the forward's own layout
     h = yield from attention_slices(block.self_attention, block.layer_norm(x2), ctx, slice_chunks)
+    yield  # the output projection is a piece of its own: a (L, H*D) x (H*D, hidden) matmul
     return block.output(h)  # type: ignore[no-any-return]
 
 
@@ -83,10 +84,14 @@ def attention_slices(att: torch.nn.Module, x: Tensor, ctx: AttentionContext,
 
 
 def _lsh_slices(att: LSHSelfAttention, x: Tensor, ctx: AttentionContext, slice_chunks: int) -> Slices:
+    long = x.shape[1] > att.chunk  # else one dense piece: nothing to slice
     qk = split_heads(att.query_key(x), att.heads, att.head_size)  # (B, H, L, D)
+    if long:
+        yield  # each projection of a long prompt is a large matmul: one piece each
     v = split_heads(att.value(x), att.heads, att.head_size)
-    if x.shape[1] <= att.chunk:
+    if not long:
         return merge_heads(att._dense(qk, v, ctx))
+    yield
     buckets = att._hash_rows(qk, ctx)  # the whole prompt's buckets, as the forward hashes them
     yield
     c = att.chunk
@@ -104,10 +109,15 @@ def _lsh_slices(att: LSHSelfAttention, x: Tensor, ctx: AttentionContext, slice_c
 
 
 def _local_slices(att: LocalSelfAttention, x: Tensor, ctx: AttentionContext, slice_chunks: int) -> Slices:
+    long = x.shape[1] > att.chunk  # else one dense piece: nothing to slice
     q = split_heads(att.query(x), att.heads, att.head_size)  # (B, H, L, D)
+    if long:
+        yield  # each projection of a long prompt is a large matmul: one piece each
     k = split_heads(att.key(x), att.heads, att.head_size) / math.sqrt(att.head_size)
+    if long:
+        yield
     v = split_heads(att.value(x), att.heads, att.head_size)
-    if x.shape[1] <= att.chunk:
+    if not long:
         return merge_heads(att._dense(q, k, v, ctx))
     yield
     c = att.chunk
