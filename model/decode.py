@@ -166,8 +166,7 @@ def _prefill_layers(lm: ReformerLM, cache: DecodeCache, prompts: Sequence[Tensor
             for i, state in enumerate(states):
                 nb = _index_buckets(att, lm.config.padded_length(lengths[i]))
                 if nb is not None:
-                    _build_index(cache, li, att, state, keys[i, :, : lengths[i]], nb)  # a hash and sort each
-                    yield
+                    yield from _build_index_steps(cache, li, att, state, keys[i, :, : lengths[i]], nb)
         # the layer as ReformerLayer.forward computes it (eval, no dropout), its attention in slices of chunks
         f_out = yield from layer_f_slices(layer, x2, ctx, slice_chunks)
         x1 = x1 + f_out
@@ -189,15 +188,26 @@ def _prefill_layers(lm: ReformerLM, cache: DecodeCache, prompts: Sequence[Tensor
     return lm.lm_head(lm.final_layer_norm(hidden)), states
 
 
-def _build_index(cache: DecodeCache, layer: int, att: LSHSelfAttention, state: DecodeState, keys: Tensor,
-                 nb: int | list[int]) -> None:
-    """(Re)build a request's LSH index of one layer from its keys (H, L, D): one full hash and sort."""
+def _build_index_steps(cache: DecodeCache, layer: int, att: LSHSelfAttention, state: DecodeState, keys: Tensor,
+                       nb: int | list[int]) -> Generator[None, None, None]:
+    """(Re)build a request's LSH index of one layer from its keys (H, L, D): one full hash, then one sort
+    per head, yielding after each (a 60K-token prompt's sort of every head at once is a ~200 ms piece)."""
     index = cache.indexes[layer]
     assert index is not None
     index.grow_buckets(_flat(nb))
     buckets = att.hash(keys.unsqueeze(0), nb, None)[0]  # (H, R, L)
-    index.build(state.slot, buckets)
+    yield
+    for h in range(buckets.shape[0]):
+        index.build(state.slot, buckets[h : h + 1], heads=slice(h, h + 1))
+        yield
     state.num_buckets[layer] = nb
+
+
+def _build_index(cache: DecodeCache, layer: int, att: LSHSelfAttention, state: DecodeState, keys: Tensor,
+                 nb: int | list[int]) -> None:
+    """`_build_index_steps` in one go."""
+    for _ in _build_index_steps(cache, layer, att, state, keys, nb):
+        pass
 
 
 def _rehash_if_needed(lm: ReformerLM, cache: DecodeCache, states: Sequence[DecodeState]) -> None:

@@ -61,8 +61,10 @@ class LSHIndex:
         """Positions as the items array holds them."""
         return (positions + self.shift).to(self.dtype)
 
-    def build(self, slot: int, buckets: Tensor) -> None:
-        """Fill `slot` from the buckets (H, R, L) of positions 0..L-1 (one full sort, as the prefill does)."""
+    def build(self, slot: int, buckets: Tensor, heads: slice = slice(None)) -> None:
+        """Fill `slot` from the buckets (H, R, L) of positions 0..L-1 (one full sort, as the prefill does);
+        `heads` names which of the slot's heads `buckets` holds (all by default), so a long prompt's index
+        can be built one head at a time."""
         h, r, length = buckets.shape
         nb, a, t, w = self.buckets, self.head_len, self.tail_len, self.width
         device = buckets.device
@@ -77,8 +79,8 @@ class LSHIndex:
         items.scatter_(-1, torch.where(offset < a, sb * w + offset, nb * w), order)
         keep = offset >= counts.gather(-1, sb) - t
         items.scatter_(-1, torch.where(keep, sb * w + a + offset % t, nb * w), order)
-        self.counts[slot] = counts.int()
-        self.items[slot] = self.store(items[..., :-1].view(h, r, nb, w))
+        self.counts[slot, heads] = counts.int()
+        self.items[slot, heads] = self.store(items[..., :-1].view(h, r, nb, w))
 
     def append(self, base: Tensor, buckets: Tensor, value: Tensor, weight: Tensor) -> Tensor:
         """Add a position to bucket `buckets` (B, H, R) of the (slot, head, round) rows `base` (B, H, R, flat

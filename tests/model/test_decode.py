@@ -184,10 +184,11 @@ def test_sliced_prefill_yields_between_slices_and_computes_the_same() -> None:
         except StopIteration as done:
             sliced, _ = done.value
             break
-    # the embeddings; per layer: the cache's 2 projections and writes, (LSH) the index build, the attention's
-    # slices (model/prefill_slices.py; local: 3 projections, its windows in 1 slice; LSH: 2 projections, the
-    # hashing, the sort, 1 slice per head), the output projection, the residual, 3 feed-forward slices of 16
-    assert slices == 1 + 2 * ((3 + 3 + 1 + 1 + 1 + 3) + (3 + 1 + 3 + 1 + 2 + 1 + 1 + 3))
+    # the embeddings; per layer: the cache's 2 projections and writes, (LSH) the index build (its hashing,
+    # then one sort per head: 1 + 2), the attention's slices (model/prefill_slices.py; local: 3 projections,
+    # its windows in 1 slice; LSH: 2 projections, the hashing, the sort, 1 slice per head), the output
+    # projection, the residual, 3 feed-forward slices of 16
+    assert slices == 1 + 2 * ((3 + 3 + 1 + 1 + 1 + 3) + (3 + (1 + 2) + 3 + 1 + 2 + 1 + 1 + 3))
     assert torch.equal(sliced, whole)
     with torch.no_grad():
         assert (lm(prompt[None]).logits[0, -1] - whole[0]).abs().max().item() <= 1e-5
