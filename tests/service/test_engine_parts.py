@@ -161,27 +161,27 @@ def _long_prompt_while_streaming(engine: Engine, long_prompt: list[int]) -> list
     return asyncio.run(both())
 
 
-def test_a_long_prefill_is_sliced_between_decode_steps(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
-    calls = _record_slices(engine, monkeypatch, 0.0)  # no budget: one slice per decode step
+def _slices_and_steps(engine: Engine, monkeypatch: pytest.MonkeyPatch, budget: float) -> str:
+    """A long prompt's prefill while a stream decodes, under `budget`: its output equals the prompt alone;
+    returns the engine's calls in order ("s": a prefill slice, "d": a decode step)."""
+    calls = _record_slices(engine, monkeypatch, budget)
     long_prompt = [5 + i % 200 for i in range(300)]
     alone = _run(engine, _spec(long_prompt, 4))[0]
     calls.clear()
     long_out, stream_out = _long_prompt_while_streaming(engine, long_prompt)
     assert long_out == alone and isinstance(stream_out, list) and len(stream_out) == 60
-    sliced = "".join(calls)
+    return "".join(calls)
+
+
+def test_a_long_prefill_is_sliced_between_decode_steps(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    sliced = _slices_and_steps(engine, monkeypatch, 0.0)  # no budget: one slice per decode step
     assert "s" in sliced and "d" in sliced[sliced.index("s"):sliced.rindex("s")]  # decode steps between slices
     assert "ss" not in sliced
 
 
 def test_prefill_slices_run_until_the_budget_between_decode_steps(engine: Engine,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    calls = _record_slices(engine, monkeypatch, 60.0)  # a budget no slice sequence here reaches
-    long_prompt = [5 + i % 200 for i in range(300)]
-    alone = _run(engine, _spec(long_prompt, 4))[0]
-    calls.clear()
-    long_out, stream_out = _long_prompt_while_streaming(engine, long_prompt)
-    assert long_out == alone and isinstance(stream_out, list) and len(stream_out) == 60
-    sliced = "".join(calls)
+    sliced = _slices_and_steps(engine, monkeypatch, 60.0)  # a budget no slice sequence here reaches
     assert sliced.count("s") > 1 and "d" not in sliced[sliced.index("s"):sliced.rindex("s")]  # all in one turn
 
 
