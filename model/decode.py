@@ -58,12 +58,13 @@ SINGLE_THREAD_ROWS = 4
 
 
 @contextmanager
-def step_threads(rows: int) -> Iterator[None]:
-    """Run what the block holds on one intra-op thread when a step has at most SINGLE_THREAD_ROWS rows, and
-    restore the previous count after. torch.set_num_threads is process-wide: only the decode callers (the
-    service's model runner, bench/generate.py) use this, from the one thread that runs model calls."""
+def step_threads(rows: int, device: torch.device | None = None) -> Iterator[None]:
+    """Run what the block holds on one intra-op thread when a CPU step has at most SINGLE_THREAD_ROWS rows,
+    and restore the previous count after (a GPU step is left alone: intra-op threads are a CPU matter).
+    torch.set_num_threads is process-wide: only the decode callers (the service's model runner,
+    bench/generate.py) use this, from the one thread that runs model calls."""
     before = torch.get_num_threads()
-    if rows > SINGLE_THREAD_ROWS or before == 1:
+    if rows > SINGLE_THREAD_ROWS or before == 1 or (device is not None and device.type != "cpu"):
         yield
         return
     torch.set_num_threads(1)

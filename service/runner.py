@@ -87,7 +87,7 @@ class ModelRunner:
     def decode(self, tokens: Sequence[int], states: Sequence[DecodeState]) -> torch.Tensor:
         ids = torch.tensor(list(tokens), dtype=torch.long).to(self.device)
         # small steps on one intra-op thread (process-wide, restored after: model.decode.step_threads)
-        with step_threads(len(states) if self.device.type == "cpu" else 1 << 30):
+        with step_threads(len(states), self.device):
             return decode_step(self.model, ids, self.cache, states, self.invariant).float().cpu()
 
     def can_step(self, state: DecodeState) -> bool:

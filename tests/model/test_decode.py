@@ -211,6 +211,8 @@ def test_step_threads_is_scoped_and_restored() -> None:
         assert torch.get_num_threads() == 2
         with step_threads(SINGLE_THREAD_ROWS + 1):  # large steps keep every thread
             assert torch.get_num_threads() == 2
+        with step_threads(1, torch.device("meta")):  # a non-CPU step leaves the CPU threads alone
+            assert torch.get_num_threads() == 2
         with pytest.raises(RuntimeError), step_threads(1):
             raise RuntimeError("a failing step")
         assert torch.get_num_threads() == 2
