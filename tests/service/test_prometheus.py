@@ -69,7 +69,9 @@ class Prometheus:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"prometheus exited:\n{self.log_path.read_text()}")
             try:
-                if self.query('up{job="reformer-serve"} == 1'):
+                # Prometheus answers 503 to queries until its storage is open: wait for /-/ready first.
+                ready = httpx.get(self.url + "/-/ready", timeout=5.0).status_code == 200
+                if ready and self.query('up{job="reformer-serve"} == 1'):
                     time.sleep(count * SCRAPE_S + 0.5)
                     return
             except httpx.TransportError:
