@@ -125,7 +125,8 @@ def _run_raising(engine: Engine, spec: GenerationSpec) -> None:
 
 def _record_slices(engine: Engine, monkeypatch: pytest.MonkeyPatch, budget_s: float) -> list[str]:
     """Long prompts (over 50 tokens) sliced, PREFILL_BUDGET_S set; returns the calls as they happen:
-    "d" a decode step, "s" a prefill slice."""
+    "d" a decode step that includes the first request decoding after the list is cleared (the stream),
+    "x" one without it, "s" a prefill slice."""
     import service.engine as engine_module
 
     monkeypatch.setattr(engine_module, "CHUNKED_PREFILL_TOKENS", 50)
@@ -133,8 +134,12 @@ def _record_slices(engine: Engine, monkeypatch: pytest.MonkeyPatch, budget_s: fl
     calls: list[str] = []
     real_decode, real_slices = engine.runner.decode, engine.runner.prefill_slices
 
+    stream: list[Any] = []
+
     def decode(tokens: Any, states: Any) -> Any:
-        calls.append("d")
+        if not calls:
+            stream[:] = [states[0]]
+        calls.append("d" if any(s is stream[0] for s in states) else "x")
         return real_decode(tokens, states)
 
     def prefill_slices(prompts: Any, reserve: Any) -> Any:
@@ -154,7 +159,7 @@ def _record_slices(engine: Engine, monkeypatch: pytest.MonkeyPatch, budget_s: fl
 
 def _long_prompt_while_streaming(engine: Engine, long_prompt: list[int]) -> list[list[int] | Exception]:
     async def both() -> list[list[int] | Exception]:
-        stream = asyncio.create_task(_collect(engine, _spec([5, 6, 7], 60)))
+        stream = asyncio.create_task(_collect(engine, _spec([5, 6, 7], 200)))
         await asyncio.sleep(0.05)  # the stream is running when the long prompt arrives
         return [await _collect(engine, _spec(long_prompt, 4)), await stream]
 
@@ -169,14 +174,15 @@ def _slices_and_steps(engine: Engine, monkeypatch: pytest.MonkeyPatch, budget: f
     alone = _run(engine, _spec(long_prompt, 4))[0]
     calls.clear()
     long_out, stream_out = _long_prompt_while_streaming(engine, long_prompt)
-    assert long_out == alone and isinstance(stream_out, list) and len(stream_out) == 60
+    assert long_out == alone and isinstance(stream_out, list) and len(stream_out) == 200
     return "".join(calls)
 
 
 def test_a_long_prefill_is_sliced_between_decode_steps(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     sliced = _slices_and_steps(engine, monkeypatch, 0.0)  # no budget: one slice per decode step
     assert "s" in sliced and "d" in sliced[sliced.index("s"):sliced.rindex("s")]  # decode steps between slices
-    assert "ss" not in sliced
+    # while the stream still decodes, no two slices run back to back (once it has finished, nothing waits)
+    assert "ss" not in sliced[: sliced.rindex("d")]
 
 
 def test_prefill_slices_run_until_the_budget_between_decode_steps(engine: Engine,
