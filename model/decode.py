@@ -335,11 +335,11 @@ def _local_window(cache: DecodeCache, att: LocalSelfAttention, step: _Step, dens
 
 def _local_attend(cache: DecodeCache, li: int, q: Tensor, window: tuple[Tensor, Tensor]) -> Tensor:
     flat, absent = window
-    keys, values, _ = cache.gather_flat(li, flat)  # (B, H, W, D)
-    dots = torch.matmul(keys.to(q.dtype), q.unsqueeze(-1)).squeeze(-1)  # (B, H, W)
+    keys, _ = cache.gather_keys(li, flat)  # (B, H, W, D)
+    dots = torch.matmul(q.unsqueeze(-2), keys.to(q.dtype).transpose(-1, -2)).squeeze(-2)  # (B, H, W), as in _lsh_attend
     dots = dots.masked_fill(absent, mask_value(dots.dtype))
-    probs = torch.softmax(dots, dim=-1)
-    return torch.matmul(probs.unsqueeze(-2), values.to(q.dtype)).squeeze(-2)  # (B, H, D)
+    probs = torch.softmax(dots.float(), dim=-1)
+    return cache.weighted_values(li, flat, probs).to(q.dtype)  # (B, H, D)
 
 
 @dataclass
@@ -407,11 +407,13 @@ def _lsh_attend(cache: DecodeCache, li: int, att: LSHSelfAttention, qk: Tensor, 
         absent = torch.where(hashed, absent, dense_absent)
     flat = _rows(cache, step.table, pos.view(b, -1)).view(b, heads, rounds * w)
     flat = (flat * heads + torch.arange(heads, device=qk.device).view(1, heads, 1)).view(b, heads, rounds, w)
-    keys, values, norms = cache.gather_flat(li, flat)  # (B, H, R, W, D), (B, H, R, W)
+    keys, norms = cache.gather_keys(li, flat)  # (B, H, R, W, D), (B, H, R, W)
     assert norms is not None
     # q . length_normalize(k) / sqrt(D), as (q . k) times the key's cached factor; in float32 whatever the
     # model's dtype (q . k of unnormalised half-precision keys overflows fp16), as the softmax and round weights
-    dots = torch.matmul(keys.float(), qk.float().view(b, heads, 1, d, 1)).squeeze(-1)  # (B, H, R, W)
+    # q (1, D) times the keys' transposed view: a row-vector product; keys (W, D) times q (D, 1) takes a
+    # matrix-vector path about 6x slower on CPU (torch 2.13, one thread, timed by hand)
+    dots = torch.matmul(qk.float().view(b, heads, 1, 1, d), keys.float().transpose(-1, -2)).squeeze(-2)  # (B, H, R, W)
     dots = dots * norms.float()
     # masks replace logits, as in the reference: padding never counts, the query's own position gets -1e5
     dots = dots.masked_fill(pos == step.t.view(b, 1, 1, 1), self_mask_value(dots.dtype))
@@ -423,10 +425,12 @@ def _lsh_attend(cache: DecodeCache, li: int, att: LSHSelfAttention, qk: Tensor, 
     e = torch.exp(dots - top)
     total = e.sum(dim=-1, keepdim=True)  # (B, H, R, 1)
     lse = top + torch.log(total)
-    out = torch.matmul(e.unsqueeze(-2), values.float()).squeeze(-2) / total  # (B, H, R, D)
     if step.dense is not None:
         # a dense row's other rounds see nothing: their weight is exactly 0
         hashed, _, _, round0 = step.dense
         lse = torch.where(hashed | round0, lse, torch.full_like(lse, -math.inf))
     weights = round_weights(lse, dim=2)  # (B, H, R, 1)
-    return (out * weights).sum(dim=2).to(qk.dtype)  # (B, H, D)
+    # the rounds' softmaxes and their combination as one weight per window slot: the output is one weighted
+    # sum of values per (row, head) over every round's window
+    probs = (e * (weights / total)).view(b, heads, rounds * w)
+    return cache.weighted_values(li, flat.view(b, heads, rounds * w), probs).to(qk.dtype)  # (B, H, D)
