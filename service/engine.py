@@ -27,7 +27,7 @@ from service.admission import Admission, Reservation
 from service.backends import EmbeddingBackend
 from service.errors import InputTooLong, InternalError, Overloaded, ServiceError, Unavailable
 from service.jobs import EmbeddingResult, EmbeddingSpec, GenerationSpec, TokenEvent
-from service.jobs_runtime import EmbedJob, GenerationJob, Job, JobState
+from service.jobs_runtime import EmbedJob, Event, GenerationJob, Job, JobState, deliver_together
 from service.metrics import ServiceMetrics
 from service.policy import QueuedGeneration, QueuedInput, group_by_length, pick_embed_batch, take_generations
 from service.runner import ModelRunner
@@ -415,11 +415,13 @@ class Engine:
     def _prefilled(self, jobs: list[GenerationJob], logits: torch.Tensor, states: list[Any]) -> None:
         self.metrics.batch_size.labels("prefill").observe(len(jobs))
         self.metrics.batch_tokens.labels("prefill").observe(max(len(j.spec.prompt_ids) for j in jobs) * len(jobs))
+        deliveries: list[tuple[GenerationJob, Event]] = []
         for job, state, row in zip(jobs, states, logits, strict=True):
             job.cache = state
             with self._cond:
                 self._running.append(job)
-            self._advance_safely(job, row)
+            self._advance_safely(job, row, deliveries)
+        deliver_together(deliveries)
 
     def _decode_step(self) -> None:
         """One batched step over every running generation. A row that cannot step fails alone before the call;
@@ -444,18 +446,21 @@ class Engine:
             rows = min(block, len(jobs) - start)
             self.metrics.batch_size.labels("decode").observe(rows)
             self.metrics.batch_tokens.labels("decode").observe(rows)
+        deliveries: list[tuple[GenerationJob, Event]] = []
         for job, row in zip(jobs, logits, strict=True):
-            self._advance_safely(job, row)
+            self._advance_safely(job, row, deliveries)
+        deliver_together(deliveries)
 
-    def _advance_safely(self, job: GenerationJob, logits: torch.Tensor) -> None:
+    def _advance_safely(self, job: GenerationJob, logits: torch.Tensor,
+                        deliveries: list[tuple[GenerationJob, Event]]) -> None:
         try:
-            self._advance(job, logits)
+            deliveries.append((job, self._advance(job, logits)))
         except Exception:
             log.exception("sampling or delivery failed", extra={"request_id": job.request_id})
             self._fail_jobs([job])
 
-    def _advance(self, job: GenerationJob, logits: torch.Tensor) -> None:
-        """Sample the job's next token, deliver it, and retire the job if it is finished."""
+    def _advance(self, job: GenerationJob, logits: torch.Tensor) -> Event:
+        """Sample the job's next token and retire the job if it is finished; returns the event to deliver."""
         event = job.accept(logits)
         now = time.monotonic()
         if job.last_token_at is None:
@@ -473,4 +478,4 @@ class Engine:
                 if job in self._running:
                     self._running.remove(job)
                 self._release(job)
-        job.deliver(event)
+        return event

@@ -159,3 +159,22 @@ class GenerationJob(Job):
         """Free the decode cache (the request ended, failed or was dropped)."""
         self.cache = None
         self.decoder = None
+
+
+def deliver_together(deliveries: list[tuple[GenerationJob, Event]]) -> None:
+    """Deliver many requests' events with one hand-off per event loop: a decode step wakes the loop once, not
+    once per running request (each wake-up is a write to the loop's self-pipe and a contest for the GIL
+    with the worker thread). Each request still receives its events in order."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Event], Event]]] = {}
+    for job, event in deliveries:
+        by_loop.setdefault(job.loop, []).append((job.events, event))
+    for loop, items in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, items)
+        except RuntimeError:  # the loop is closed: nobody is waiting any more
+            pass
+
+
+def _put_all(items: list[tuple[asyncio.Queue[Event], Event]]) -> None:
+    for queue, event in items:
+        queue.put_nowait(event)

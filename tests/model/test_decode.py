@@ -209,8 +209,16 @@ def test_step_threads_is_scoped_and_restored() -> None:
         with step_threads(1):
             assert torch.get_num_threads() == 1
         assert torch.get_num_threads() == 2
-        with step_threads(SINGLE_THREAD_ROWS + 1):  # large steps keep every thread
-            assert torch.get_num_threads() == 2
+        with step_threads(SINGLE_THREAD_ROWS + 1):  # large steps leave one core to the event loop
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+        torch.set_num_threads(4)
+        with step_threads(SINGLE_THREAD_ROWS + 1):
+            assert torch.get_num_threads() == 3
+        with step_threads(SINGLE_THREAD_ROWS):
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 4
+        torch.set_num_threads(2)
         with step_threads(1, torch.device("meta")):  # a non-CPU step leaves the CPU threads alone
             assert torch.get_num_threads() == 2
         with pytest.raises(RuntimeError), step_threads(1):
