@@ -68,6 +68,12 @@ class Sampler:
         self.seed = params.seed if params.seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
         self.generator = torch.Generator(device="cpu").manual_seed(self.seed)
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with no repetition penalty: the choice `greedy_choices` makes for a whole batch at once."""
+        p = self.params
+        return (not p.do_sample or p.temperature < MIN_TEMPERATURE) and p.repetition_penalty == 1.0
+
     def next_token(self, logits: Tensor, previous: Sequence[int] = ()) -> tuple[int, float]:
         """logits (vocab,) -> (token id, its log-probability under the distribution it was drawn from)."""
         p = self.params
@@ -81,3 +87,13 @@ class Sampler:
         logprobs = torch.log_softmax(logits, dim=-1)
         token = int(torch.multinomial(logprobs.exp(), 1, generator=self.generator).item())
         return token, float(logprobs[token].item())
+
+
+def greedy_choices(logits: Tensor) -> list[tuple[int, float]]:
+    """logits (B, vocab) -> each row's greedy (token, log-probability) in two batched ops and one host copy:
+    the same values `Sampler.next_token` gives a plain-greedy row alone (argmax keeps the first maximum and
+    a row's log_softmax does not depend on the other rows; tests/model/test_generation.py checks both)."""
+    logits = logits.detach().float().cpu()
+    tokens = torch.argmax(logits, dim=-1)
+    logprobs = torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return list(zip(tokens.tolist(), logprobs.tolist(), strict=True))

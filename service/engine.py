@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from model.decode import INVARIANT_ROWS
+from model.sampling import greedy_choices
 from service.admission import Admission, Reservation
 from service.backends import EmbeddingBackend
 from service.errors import InputTooLong, InternalError, Overloaded, ServiceError, Unavailable
@@ -416,11 +417,11 @@ class Engine:
         self.metrics.batch_size.labels("prefill").observe(len(jobs))
         self.metrics.batch_tokens.labels("prefill").observe(max(len(j.spec.prompt_ids) for j in jobs) * len(jobs))
         deliveries: list[tuple[GenerationJob, Event]] = []
-        for job, state, row in zip(jobs, states, logits, strict=True):
+        for job, state, row, choice in zip(jobs, states, logits, self._greedy(jobs, logits), strict=True):
             job.cache = state
             with self._cond:
                 self._running.append(job)
-            self._advance_safely(job, row, deliveries)
+            self._advance_safely(job, row, deliveries, choice)
         deliver_together(deliveries)
 
     def _decode_step(self) -> None:
@@ -447,21 +448,31 @@ class Engine:
             self.metrics.batch_size.labels("decode").observe(rows)
             self.metrics.batch_tokens.labels("decode").observe(rows)
         deliveries: list[tuple[GenerationJob, Event]] = []
-        for job, row in zip(jobs, logits, strict=True):
-            self._advance_safely(job, row, deliveries)
+        for job, row, choice in zip(jobs, logits, self._greedy(jobs, logits), strict=True):
+            self._advance_safely(job, row, deliveries, choice)
         deliver_together(deliveries)
 
+    @staticmethod
+    def _greedy(jobs: list[GenerationJob], logits: torch.Tensor) -> list[tuple[int, float] | None]:
+        """Every row's greedy choice in one batched pass when some request is plain greedy, else Nones."""
+        if any(j.sampler is not None and j.sampler.plain_greedy for j in jobs):
+            try:
+                return list(greedy_choices(logits))
+            except Exception:  # each row then samples on its own, and fails alone if it must
+                log.exception("batched greedy choice over %d rows failed", len(jobs))
+        return [None] * len(jobs)
+
     def _advance_safely(self, job: GenerationJob, logits: torch.Tensor,
-                        deliveries: list[tuple[GenerationJob, Event]]) -> None:
+                        deliveries: list[tuple[GenerationJob, Event]], greedy: tuple[int, float] | None) -> None:
         try:
-            deliveries.append((job, self._advance(job, logits)))
+            deliveries.append((job, self._advance(job, logits, greedy)))
         except Exception:
             log.exception("sampling or delivery failed", extra={"request_id": job.request_id})
             self._fail_jobs([job])
 
-    def _advance(self, job: GenerationJob, logits: torch.Tensor) -> Event:
+    def _advance(self, job: GenerationJob, logits: torch.Tensor, greedy: tuple[int, float] | None) -> Event:
         """Sample the job's next token and retire the job if it is finished; returns the event to deliver."""
-        event = job.accept(logits)
+        event = job.accept(logits, greedy)
         now = time.monotonic()
         if job.last_token_at is None:
             job.timings.first_token = now

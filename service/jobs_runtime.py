@@ -114,10 +114,14 @@ class GenerationJob(Job):
     def seed(self) -> int | None:
         return getattr(self.sampler, "seed", None)
 
-    def accept(self, logits: Any) -> TokenEvent:
-        """Sample from the next-token logits; the event carries `finish` if this token ends the generation."""
+    def accept(self, logits: Any, greedy: tuple[int, float] | None = None) -> TokenEvent:
+        """Sample from the next-token logits (a plain-greedy request takes `greedy`, the batch's choice for its
+        row, when given); the event carries `finish` if this token ends the generation."""
         assert self.sampler is not None
-        token, logprob = self.sampler.next_token(logits, self.history)
+        if greedy is not None and self.sampler.plain_greedy:
+            token, logprob = greedy
+        else:
+            token, logprob = self.sampler.next_token(logits, self.history)
         token = int(token)
         self.generated.append(token)
         self.history.append(token)

@@ -5,7 +5,7 @@ import torch
 
 from model import ReformerLM
 from model.generate import generate
-from model.sampling import Sampler, SamplingParams, filter_top_k_top_p
+from model.sampling import Sampler, SamplingParams, filter_top_k_top_p, greedy_choices
 
 from .helpers import tiny_config
 
@@ -77,3 +77,17 @@ def test_extreme_but_valid_sampling_values_stay_finite() -> None:
         token, logprob = Sampler(params).next_token(logits, previous=[0])
         assert token in (0, 1, 2) and logprob == logprob  # not NaN
     assert Sampler(SamplingParams(do_sample=True, top_p=5e-324, seed=3)).next_token(logits)[0] == 0
+
+
+def test_batched_greedy_choices_equal_each_row_alone() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(33, 258) * 5
+    logits[3, [7, 9]] = 50.0  # a tie: the first maximum wins, as argmax of the row alone
+    sampler = Sampler(SamplingParams())
+    assert sampler.plain_greedy
+    for b in (1, 3, 16, 33):
+        assert greedy_choices(logits[:b]) == [sampler.next_token(row) for row in logits[:b]]  # bit for bit
+    assert greedy_choices(logits)[3][0] == 7
+    assert not Sampler(SamplingParams(repetition_penalty=1.2)).plain_greedy
+    assert not Sampler(SamplingParams(do_sample=True, temperature=0.7)).plain_greedy
+    assert Sampler(SamplingParams(do_sample=True, temperature=1e-6)).plain_greedy

@@ -77,10 +77,10 @@ def test_a_failing_prefill_fails_that_request_alone(engine: Engine, monkeypatch:
 def test_a_failing_sample_fails_that_request_alone(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     real = GenerationJob.accept
 
-    def accept(self: GenerationJob, logits: Any) -> Any:
+    def accept(self: GenerationJob, logits: Any, greedy: Any = None) -> Any:
         if self.spec.prompt_ids[0] == 98 and len(self.generated) == 2:
             raise RuntimeError("injected")
-        return real(self, logits)
+        return real(self, logits, greedy)
 
     monkeypatch.setattr(GenerationJob, "accept", accept)
     alone = _run(engine, _spec([5, 6, 7], 8))[0]
