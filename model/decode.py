@@ -39,7 +39,7 @@ from .attention import LocalSelfAttention, LSHSelfAttention, split_heads
 from .batch import prepare_batch
 from .chunking import mask_value, round_weights, self_mask_value
 from .decode_cache import CacheFull, DecodeCache, DecodeState, _flat
-from .decode_index import LSHIndex, WindowGeometry
+from .decode_index import LSHIndex, WindowGeometry, floor_div, floor_mod
 from .feedforward import EVAL_CHUNK
 from .prefill_slices import DEFAULT_SLICE_CHUNKS, layer_f_slices
 
@@ -320,7 +320,7 @@ def _step_rows(lm: ReformerLM, cache: DecodeCache, tokens: Tensor, states: list[
 def _rows(cache: DecodeCache, table: Tensor, positions: Tensor) -> Tensor:
     """Pool row of each position (B, N) of the step's rows, from their block table rows (B, max blocks)."""
     bs = cache.block_size
-    return table.gather(1, torch.div(positions, bs, rounding_mode="floor")) * bs + positions % bs
+    return table.gather(1, floor_div(positions, bs)) * bs + floor_mod(positions, bs)
 
 
 def _local_window(cache: DecodeCache, att: LocalSelfAttention, step: _Step, dense: Tensor) -> tuple[Tensor, Tensor]:

@@ -237,3 +237,12 @@ def test_index_positions_round_trip_through_their_storage_type() -> None:
         stored = index.store(positions)
         assert stored.dtype == dtype
         assert torch.equal(stored.long() - index.shift, positions)
+
+
+@pytest.mark.parametrize("n", [1, 2, 16, 64, 128, 3, 48])
+def test_floor_div_and_mod_equal_torch_for_every_sign(n: int) -> None:
+    from model.decode_index import floor_div, floor_mod
+
+    x = torch.arange(-70_000, 70_000, 7)
+    assert torch.equal(floor_div(x, n), torch.div(x, n, rounding_mode="floor"))
+    assert torch.equal(floor_mod(x, n), torch.remainder(x, n))
