@@ -3,12 +3,13 @@ transformers' cached decoding (`past_buckets_states`, what `generate(use_cache=T
 forward benchmark's config (6 LSH layers, hidden 256, 4 heads x 64, chunk 64, 4 hash rounds).
 
     python bench/generate.py [--lengths 1024,4096,16384,32768,65536] [--models ours,hf] [--new-tokens 16]
-                             [--batch-sizes 1,8,32] [--batch-prompt 1024]
+                             [--batch-sizes 1,8,32] [--batch-prompt 1024] [--batch-all-threads]
 
 Each (model, length) runs in its own subprocess. Then, for this project only, one batched decode step over B
 running requests (each after a `--batch-prompt`-token prompt) for every B in `--batch-sizes`: time per step
-and total tokens/s, plotted against B. Writes bench/results/generate.json and generate_batch.png and prints
-two tables.
+and total tokens/s, plotted against B, with the step's intra-op threads as the service's model runner sets
+them (`model.decode.step_threads`) and, with `--batch-all-threads`, again on every thread. Writes
+bench/results/generate.json and generate_batch.png and prints two tables.
 """
 
 from __future__ import annotations
@@ -89,8 +90,12 @@ def run_case(kind: str, length: int, new_tokens: int, threads: int) -> dict:
             **cache}
 
 
-def run_batch_case(batch: int, length: int, steps: int, threads: int) -> dict:
-    """One batched decode step over `batch` requests, each after its own `length`-token prompt."""
+def run_batch_case(batch: int, length: int, steps: int, threads: int, all_threads: bool = False) -> dict:
+    """One batched decode step over `batch` requests, each after its own `length`-token prompt; as the
+    service's model runner runs it (`step_threads`), or with `all_threads` on every thread (as a process with
+    nothing else to run would)."""
+    import contextlib
+
     import torch
 
     from model import ReformerConfig, ReformerLM
@@ -108,7 +113,9 @@ def run_batch_case(batch: int, length: int, steps: int, threads: int) -> dict:
         for _ in range(batch):
             states += prefill(lm, dc, [torch.randint(3, 258, (length,))], [length + steps + 2])[1]
         token = torch.full((batch,), 5)
-    with torch.inference_mode(), step_threads(batch):  # as the service's model runner runs a step
+    scope = contextlib.nullcontext() if all_threads else step_threads(batch)  # the runner's rule
+    with torch.inference_mode(), scope:
+        step_threads_used = torch.get_num_threads()
         token = decode_step(lm, token, dc, states).argmax(-1)  # first step outside the timing
         start, cpu_start = time.perf_counter(), time.process_time()
         for _ in range(steps):
@@ -116,7 +123,8 @@ def run_batch_case(batch: int, length: int, steps: int, threads: int) -> dict:
         per_step = (time.perf_counter() - start) / steps
         cpu_per_step = (time.process_time() - cpu_start) / steps
     return {"batch": batch, "length": length, "ms_per_step": 1000 * per_step, "tokens_per_s": batch / per_step,
-            "cpu_ms_per_step": 1000 * cpu_per_step}
+            "cpu_ms_per_step": 1000 * cpu_per_step, "step_threads": step_threads_used,
+            "threads_rule": "all" if all_threads else "service"}
 
 
 def plot_batches(rows: list[dict], path: Path) -> None:
@@ -129,15 +137,19 @@ def plot_batches(rows: list[dict], path: Path) -> None:
     if not ok:
         return
     fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.5))
-    xs = [r["batch"] for r in ok]
-    a.plot(xs, [r["tokens_per_s"] for r in ok], marker="o")
+    xs = sorted({r["batch"] for r in ok})
+    labels = {"service": "step threads as the service runs it", "all": "step on every thread"}
+    for rule in dict.fromkeys(r.get("threads_rule", "service") for r in ok):
+        mine = [r for r in ok if r.get("threads_rule", "service") == rule]
+        a.plot([r["batch"] for r in mine], [r["tokens_per_s"] for r in mine], marker="o", label=labels[rule])
+        b.plot([r["batch"] for r in mine], [r["ms_per_step"] for r in mine], marker="o", label=labels[rule])
     a.set(xscale="log", xlabel="running requests (batch)", ylabel="tokens/s (all requests)",
           title="decode throughput")
-    b.plot(xs, [r["ms_per_step"] for r in ok], marker="o")
     b.set(xscale="log", xlabel="running requests (batch)", ylabel="ms per step", title="time per decode step")
     for ax in (a, b):
         ax.set_xticks(xs, [str(x) for x in xs])
         ax.grid(alpha=0.3)
+    a.legend(fontsize=7)
     fig.suptitle(f"bench/generate.py config, {ok[0]['length']}-token prompts")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -166,13 +178,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-sizes", default="1,8,32", help="running requests per step (empty: skip)")
     p.add_argument("--batch-prompt", type=int, default=1024, help="prompt tokens of each batched request")
     p.add_argument("--case", nargs=2, metavar=("MODEL", "LENGTH"), help=argparse.SUPPRESS)
+    p.add_argument("--batch-all-threads", action="store_true",
+                   help="also time every batch size with the step on all --threads (the service leaves one core "
+                        "to its event loop: model.decode.step_threads)")
     p.add_argument("--batch-case", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--all-threads-case", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.case:
         print(json.dumps(run_case(args.case[0], int(args.case[1]), args.new_tokens, args.threads)))
         return 0
     if args.batch_case:
-        print(json.dumps(run_batch_case(args.batch_case, args.batch_prompt, args.new_tokens, args.threads)))
+        print(json.dumps(run_batch_case(args.batch_case, args.batch_prompt, args.new_tokens, args.threads,
+                                        args.all_threads_case)))
         return 0
     rows = []
     for length in [int(x) for x in args.lengths.split(",") if x]:
@@ -182,11 +199,13 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(_subprocess_row(cmd, args.timeout, {"model": kind, "length": length}))
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     batch_rows = []
-    for batch in [int(x) for x in args.batch_sizes.split(",") if x]:
-        cmd = [sys.executable, __file__, "--batch-case", str(batch), "--batch-prompt", str(args.batch_prompt),
-               "--new-tokens", str(args.new_tokens), "--threads", str(args.threads)]
-        batch_rows.append(_subprocess_row(cmd, args.timeout, {"batch": batch, "length": args.batch_prompt}))
-        print(json.dumps(batch_rows[-1]), file=sys.stderr, flush=True)
+    for extra in ([[], ["--all-threads-case"]] if args.batch_all_threads else [[]]):
+        for batch in [int(x) for x in args.batch_sizes.split(",") if x]:
+            cmd = [sys.executable, __file__, "--batch-case", str(batch), "--batch-prompt", str(args.batch_prompt),
+                   "--new-tokens", str(args.new_tokens), "--threads", str(args.threads), *extra]
+            batch_rows.append(_subprocess_row(cmd, args.timeout, {"batch": batch, "length": args.batch_prompt,
+                                                                  "threads_rule": "all" if extra else "service"}))
+            print(json.dumps(batch_rows[-1]), file=sys.stderr, flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"new_tokens": args.new_tokens, "threads": args.threads, "rows": rows,
                                     "batch_rows": batch_rows}, indent=2))
@@ -211,15 +230,18 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r['cache_bytes_per_token']:.0f}" if "cache_bytes_per_token" in r else "")
     Console().print(table)
     if batch_rows:
-        one = next((r for r in batch_rows if r.get("batch") == 1 and "error" not in r), None)
         bt = Table(title=f"batched decode steps ({args.batch_prompt}-token prompts)")
-        for col in ("batch", "ms/step", "CPU ms/step", "tokens/s", "step vs batch 1", "tokens/s vs batch 1"):
+        for col in ("batch", "step threads", "ms/step", "CPU ms/step", "tokens/s", "step vs batch 1",
+                    "tokens/s vs batch 1"):
             bt.add_column(col)
         for r in batch_rows:
             if "error" in r:
-                bt.add_row(str(r["batch"]), "failed", r["error"][:40], "", "", "")
+                bt.add_row(str(r["batch"]), "", "failed", r["error"][:40], "", "", "")
                 continue
-            bt.add_row(str(r["batch"]), f"{r['ms_per_step']:.2f}", f"{r['cpu_ms_per_step']:.2f}",
+            one = next((o for o in batch_rows if o.get("batch") == 1 and "error" not in o
+                        and o.get("threads_rule") == r.get("threads_rule")), None)
+            bt.add_row(str(r["batch"]), f"{r['step_threads']} ({r['threads_rule']})", f"{r['ms_per_step']:.2f}",
+                       f"{r['cpu_ms_per_step']:.2f}",
                        f"{r['tokens_per_s']:.0f}", f"{r['ms_per_step'] / one['ms_per_step']:.2f}x" if one else "",
                        f"{r['tokens_per_s'] / one['tokens_per_s']:.1f}x" if one else "")
         Console().print(bt)
