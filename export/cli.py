@@ -1,4 +1,5 @@
-"""`reformer export`, `reformer import-hf` and `reformer verify`: each takes argv and returns an exit code."""
+"""`reformer export`, `reformer export-stats`, `reformer import-hf` and `reformer verify`: each takes argv and
+returns an exit code."""
 
 from __future__ import annotations
 
@@ -12,9 +13,24 @@ from typing import Any
 
 from model import ByteTokenizer, ReformerLM
 
-from .artifact import DEFAULT_ARTIFACT, ArtifactError, check_shapes, file_sha256, load_artifact, save_artifact
+from .artifact import (
+    DEFAULT_ARTIFACT,
+    ArtifactError,
+    check_shapes,
+    code_version,
+    file_sha256,
+    load_artifact,
+    replace_embedding_stats,
+    save_artifact,
+)
 from .checkpoint import CheckpointError, checkpoint_weights_path, read_checkpoint_weights
-from .embedding_stats import DEFAULT_PASSAGE_BYTES, DEFAULT_PASSAGES, STATS_FILE, stats_for_export
+from .embedding_stats import (
+    DEFAULT_PASSAGE_BYTES,
+    DEFAULT_PASSAGES,
+    STATS_FILE,
+    WHITENING_SHRINKAGE,
+    stats_for_export,
+)
 from .onnx_export import ExportError
 
 log = logging.getLogger("export")
@@ -29,6 +45,14 @@ def _fail(prog: str, message: object) -> int:
     return 1
 
 
+def _stats_line(stats: dict[str, Any]) -> str:
+    if "skipped" in stats:
+        return f"  embedding stats skipped: {stats['skipped']}"
+    shrinkage = stats.get("whitening_shrinkage")
+    what = f"mean, std and whitening matrix (shrinkage {shrinkage})" if shrinkage is not None else "mean and std"
+    return f"  embedding stats: {what} from {stats['passages']} training passages of {stats['passage_bytes']} bytes"
+
+
 def _summary(path: Path, manifest: dict[str, Any]) -> str:
     lines = [f"artifact written to {path}"]
     onnx = manifest.get("export", {}).get("onnx")
@@ -36,8 +60,7 @@ def _summary(path: Path, manifest: dict[str, Any]) -> str:
         lines.append(f"  ONNX (opset {onnx['opset']}): max abs diff vs torch {onnx['max_abs_diff']:.3g}")
     stats = manifest.get("export", {}).get("embedding_stats")
     if stats:
-        lines.append(f"  embedding stats: {stats['passages']} training passages of {stats['passage_bytes']} bytes"
-                     if "skipped" not in stats else f"  embedding stats skipped: {stats['skipped']}")
+        lines.append(_stats_line(stats))
     int8 = manifest.get("evaluation", {}).get("int8")
     if int8:
         lines.append(f"  int8: {int8['bits_per_byte_fp32']:.4f} -> {int8['bits_per_byte_int8']:.4f} bits per byte"
@@ -64,8 +87,9 @@ def export_main(argv: list[str]) -> int:
     p.add_argument("--eval-bytes", type=int, default=32768, help="bytes taken from the end of each eval file")
     p.add_argument("--embed-stats-passages", type=int, default=DEFAULT_PASSAGES,
                    help="passages of the --eval-data files' training heads (before their validation tails) whose "
-                        "mean-pooled embeddings give the per-dimension mean and std the service standardises "
-                        "with (embedding_stats.safetensors); 0 skips them")
+                        "mean-pooled embeddings give the mean, std and shrinkage-whitening matrix (shrinkage "
+                        f"{WHITENING_SHRINKAGE}) the service whitens with (embedding_stats.safetensors); 0 skips "
+                        "them")
     p.add_argument("--embed-stats-bytes", type=int, default=DEFAULT_PASSAGE_BYTES,
                    help="length of each of those passages in bytes")
     args = p.parse_args(argv)
@@ -103,6 +127,41 @@ def export_main(argv: list[str]) -> int:
     except (CheckpointError, ExportError, FileExistsError, FileNotFoundError, ValueError) as e:
         return _fail(p.prog, e)
     print(_summary(out, json.loads((out / "manifest.json").read_text())))
+    return 0
+
+
+def export_stats_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="reformer export-stats", description=(
+        "Recompute an existing artifact's embedding statistics (embedding_stats.safetensors: mean, std and the "
+        f"shrinkage-whitening matrix, shrinkage {WHITENING_SHRINKAGE}, picked among 0, 0.1 and 0.3 on "
+        "bench/embed_quality.py's validation passages, a mild selection on that evaluation set) from the "
+        "artifact's own model, without its training checkpoint, exactly as `reformer export` computes them; the "
+        "manifest's file hash and export.embedding_stats record are updated, everything else is kept."))
+    p.add_argument("artifact", type=Path, help="artifact directory to update in place")
+    p.add_argument("--data", type=Path, action="append", required=True,
+                   help="training text file or directory of *.txt (repeatable); passages come from each "
+                        "document's training head, split with the artifact's recorded val_fraction")
+    p.add_argument("--passages", type=int, default=DEFAULT_PASSAGES, help="training passages to estimate on")
+    p.add_argument("--passage-bytes", type=int, default=DEFAULT_PASSAGE_BYTES, help="length of each passage")
+    args = p.parse_args(argv)
+    if args.passages < 2:
+        return _fail(p.prog, f"--passages must be at least 2, got {args.passages}")
+    try:
+        art = load_artifact(args.artifact)
+        # the training run's own split, as export uses it, so no validation byte is among the passages
+        val_fraction = float(art.manifest.get("provenance", {}).get("val_fraction", 0.05))
+        stats, record = stats_for_export(art.model, art.tokenizer, list(args.data), val_fraction,
+                                         args.passage_bytes, args.passages)
+        if stats is None:
+            return _fail(p.prog, record.get("skipped", "no statistics computed"))
+        record["refreshed"] = {"command": _command("reformer export-stats", argv), "code_version": code_version()}
+        manifest = replace_embedding_stats(args.artifact, stats, record)
+    except (ArtifactError, FileNotFoundError, ValueError) as e:
+        return _fail(p.prog, e)
+    entry = manifest["files"][STATS_FILE]
+    print(f"{STATS_FILE} rewritten in {args.artifact} ({entry['size']} bytes, sha256 {entry['sha256'][:16]}); "
+          "manifest updated, artifact checks out")
+    print(_stats_line(record))
     return 0
 
 
@@ -149,8 +208,13 @@ def verify_main(argv: list[str]) -> int:
         return _fail(p.prog, e)
     print(f"{art.path}: manifest and {len(art.manifest['files'])} files check out; "
           f"{art.model.num_parameters():,} parameters; weights sha256 {art.sha256[:16]}")
-    if art.embedding_stats is not None:
-        print(f"{STATS_FILE}: mean and std of {art.embedding_stats.mean.numel()} dimensions, finite, std > 0")
+    stats = art.embedding_stats
+    if stats is not None:
+        dim = stats.mean.numel()
+        print(f"{STATS_FILE}: mean and std of {dim} dimensions, finite, std > 0; "
+              + (f"whitening matrix {dim} x {dim}, finite: mean-pooled embeddings are whitened"
+                 if stats.whitening is not None else
+                 "no whitening matrix (older file): mean-pooled embeddings are standardised per dimension"))
     if art.onnx_path is None:
         print("no ONNX graph in this artifact")
         return 0

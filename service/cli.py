@@ -12,6 +12,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "serve": ("service.server", "main", "serve an artifact over HTTP (default: the shipped model)"),
     "train": ("train.loop", "main", "train a byte-level Reformer on text files"),
     "export": ("export.cli", "export_main", "turn a training checkpoint into a served artifact"),
+    "export-stats": ("export.cli", "export_stats_main", "recompute an artifact's embedding statistics in place"),
     "import-hf": ("export.cli", "import_hf_main", "convert a transformers Reformer checkpoint"),
     "verify": ("export.cli", "verify_main", "check an artifact's manifest, hashes and ONNX parity"),
     "loadtest": ("bench.loadtest", "main", "load-test a running server with long documents"),
@@ -21,7 +22,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
 def _usage() -> str:
     lines = ["usage: reformer <command> [options]", "", "commands:"]
     for name, (_, _, text) in SUBCOMMANDS.items():
-        lines.append(f"  {name:<10} {text}")
+        lines.append(f"  {name:<12} {text}")
     lines.append("")
     lines.append("`reformer <command> --help` describes each command's options.")
     return "\n".join(lines)

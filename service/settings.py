@@ -108,10 +108,14 @@ class Settings(BaseSettings):
     )
     embed_standardize: bool = Field(
         True,
-        description="Standardise mean-pooled embeddings per dimension, (v - mean) / std, with the statistics the "
-        "artifact ships (embedding_stats.safetensors, from training passages) before any L2 normalisation; it "
-        "makes nearest neighbours follow content rather than a few dominant dimensions. No effect on pooling "
-        "last or on an artifact without the file. Off: raw mean-pooled states, as before.",
+        description="Transform mean-pooled embeddings with the statistics the artifact ships "
+        "(embedding_stats.safetensors, estimated on training passages) before any L2 normalisation: when the file "
+        "holds a whitening matrix W, shrinkage-whitening (v - mean) @ W (BERT-whitening of the training "
+        "covariance shrunk toward a scaled identity; shrinkage 0.1, picked on bench/embed_quality.py's validation "
+        "passages, recorded in manifest.json); for an older file without W, per-dimension standardisation "
+        "(v - mean) / std. It makes nearest neighbours follow content rather than a few dominant directions. No "
+        "effect on pooling last or on an artifact without the file. Off: raw mean-pooled states. /info's "
+        "embedding_standardization says which is applied.",
     )
     warmup: bool = Field(True, description="Run a warm-up embedding and generation before reporting ready.")
     log_level: LogLevel = Field("info", description="Log level; prompts are logged only at debug.")

@@ -61,7 +61,7 @@ class ServiceState:
         self.device = "cpu"
         self.dtype = "float32"
         self.embedding_dim = 0
-        self.embedding_stats: Any = None  # what mean-pooled embeddings are standardised with; None: served raw
+        self.embedding_stats: Any = None  # what mean-pooled embeddings are whitened/standardised with; None: raw
         self.created = int(time.time())
         self.draining = False
         self.load_error: str | None = None
@@ -148,10 +148,12 @@ class ServiceState:
             "device": self.device,
             "dtype": self.dtype,
             "embedding_dimension": self.embedding_dim,
-            # pooling "mean" is standardised per dimension with the artifact's training statistics (when it
-            # ships them and embed_standardize is on) before any L2 normalisation; pooling "last" is raw
+            # pooling "mean" is transformed with the artifact's training statistics (when it ships them and
+            # embed_standardize is on) before any L2 normalisation: "whitening", (v - mean) @ W, when the file
+            # holds the matrix, else "per-dimension", (v - mean) / std; pooling "last" is raw
             "embedding_standardization": {
                 "standardized": self.embedding_stats is not None,
+                "method": self.embedding_stats.method if self.embedding_stats is not None else None,
                 "poolings": list(STANDARDIZED_POOLINGS) if self.embedding_stats is not None else [],
                 "artifact_has_stats": getattr(art, "embedding_stats", None) is not None,
             },

@@ -154,8 +154,9 @@ class EmbedRequest(RequestModel):
     normalize: bool = Field(True, description="L2-normalise each vector.")
     truncate: bool = Field(False, description="Keep the first max_input_tokens tokens of a longer input.")
     pooling: Literal["mean", "last"] = Field(
-        "mean", description="Pool the hidden states by mean or last token. A mean is standardised per dimension "
-        "with the artifact's training statistics when it ships them (see /info); the last token's state is raw.")
+        "mean", description="Pool the hidden states by mean or last token. A mean is whitened (or, for older "
+        "artifacts, standardised per dimension) with the artifact's training statistics when it ships them (see "
+        "/info); the last token's state is raw.")
 
     def texts(self) -> list[str]:
         return [self.inputs] if isinstance(self.inputs, str) else list(self.inputs)

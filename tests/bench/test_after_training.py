@@ -68,11 +68,12 @@ def test_embed_quality_reports_every_pooling_against_bag_of_bytes(tiny: tuple[Pa
     assert res["passages"] == 18 and res["per_book"] == {"aaa.txt": 6, "bbb.txt": 6, "ccc.txt": 6}
     pools = [r["pooling"] for r in res["rows"]]
     raw = ["final-mean", "final-last", "layer0-mean", "layer1-mean"]
-    assert pools == ["bag-of-bytes (baseline)", *raw, *(f"{p} standardised" for p in raw)]
-    # standardised with training-head passages: the default 60 capped at the 10 non-overlapping passages of
-    # 100 bytes a 1,000-byte head holds
+    assert pools == ["bag-of-bytes (baseline)", *raw, *(f"{p} standardised" for p in raw), "final-mean whitened"]
+    # standardised and whitened with training-head passages: the default 300 capped at the 10 non-overlapping
+    # passages of 100 bytes a 1,000-byte head holds
     assert res["stats_passages"] == 30 and res["stats_per_book"] == {"aaa.txt": 10, "bbb.txt": 10, "ccc.txt": 10}
-    assert res["artifact_stats"] is False  # a checkpoint ships no statistics: no "served" row
+    assert res["artifact_stats"] is False and res["served_method"] is None  # a checkpoint ships none: no "served" row
+    assert res["whitening_shrinkage"] == 0.1
     # the three books use disjoint letters: counting bytes identifies every passage
     assert res["rows"][0]["accuracy"] == 1.0
     assert res["best_pooling"] in pools[1:]
@@ -90,10 +91,10 @@ def test_embed_quality_measures_an_artifact_as_served(tiny: tuple[Path, Path], t
                                "--stats-passages", "9", "--threads", "1", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     rows = {r["pooling"]: r["accuracy"] for r in res["rows"]}
-    assert res["artifact_stats"] is True
+    assert res["artifact_stats"] is True and res["served_method"] == "whitening"
     # export and bench pick the same training passages and pool alike: the served row is the bench's own
-    # standardised final mean
-    assert rows["served (artifact stats)"] == rows["final-mean standardised"]
+    # whitened final mean
+    assert rows["served (artifact stats)"] == rows["final-mean whitened"]
 
 
 def test_nearest_neighbour_accuracy_counts_only_other_passages() -> None:

@@ -1,5 +1,6 @@
-"""Embedding statistics in the artifact: computed by `reformer export` from training heads only, listed and
-hashed in the manifest, refused at load when damaged, optional for loading."""
+"""Embedding statistics in the artifact: computed by `reformer export` from training heads only (mean, std and
+the shrinkage-whitening matrix), listed and hashed in the manifest, refused at load when damaged, optional for
+loading, and files without the whitening matrix (older exports) still load."""
 
 from __future__ import annotations
 
@@ -15,8 +16,15 @@ from safetensors.torch import save_file
 from export import ArtifactError, load_artifact
 from export.artifact import file_sha256
 from export.cli import export_main, verify_main
-from export.embedding_stats import STATS_FILE, compute_embedding_stats, training_passages
+from export.embedding_stats import (
+    STATS_FILE,
+    WHITENING_SHRINKAGE,
+    compute_embedding_stats,
+    training_passages,
+    write_embedding_stats,
+)
 from model import ByteTokenizer
+from model.pooling import EmbeddingStats, whitening_matrix
 from tests.conftest import tiny_model
 from tests.export.helpers import write_checkpoint
 
@@ -64,12 +72,18 @@ def test_export_ships_the_stats_hashed_and_described(exported: tuple[Path, Path]
     record = manifest["export"]["embedding_stats"]
     assert record["passages"] == 8 and record["passage_bytes"] == PASSAGE and record["bytes"] == 8 * PASSAGE
     assert record["source_files"] == ["a.txt", "b.txt"] and record["val_fraction"] == 0.05
+    assert record["whitening_shrinkage"] == WHITENING_SHRINKAGE == 0.1 and "whitening matrix" in record["what"]
     art = load_artifact(out)
-    assert art.embedding_stats is not None
+    assert art.embedding_stats is not None and art.embedding_stats.method == "whitening"
     expected = compute_embedding_stats(tiny_model(seed=2), training_passages([data], ByteTokenizer(), 0.05, PASSAGE, 8))
     assert torch.allclose(art.embedding_stats.mean, expected.mean, atol=1e-6)
     assert torch.allclose(art.embedding_stats.std, expected.std, atol=1e-6)
-    assert art.embedding_stats.mean.shape == (2 * art.config.hidden_size,)
+    dim = 2 * art.config.hidden_size
+    assert art.embedding_stats.mean.shape == (dim,)
+    w, w_expected = art.embedding_stats.whitening, expected.whitening
+    assert w is not None and w_expected is not None and w.shape == (dim, dim) and w.dtype == torch.float32
+    # W W^T = C_s^-1 does not depend on the eigenvectors' signs, which may differ between two eigh calls
+    assert torch.allclose(w.double() @ w.double().T, w_expected.double() @ w_expected.double().T, rtol=1e-3, atol=1e-3)
 
 
 def test_export_without_training_data_skips_the_stats_and_says_so(tmp_path: Path) -> None:
@@ -114,6 +128,38 @@ def test_an_altered_stats_file_is_refused(exported: tuple[Path, Path], tmp_path:
     assert verify_main([str(art)]) == 1 and "embedding_stats.safetensors" in capsys.readouterr().err
     (art / STATS_FILE).unlink()
     with pytest.raises(ArtifactError, match=r"embedding_stats\.safetensors: missing"):
+        load_artifact(art)
+
+
+def test_a_stats_file_without_whitening_still_loads_and_standardises_per_dimension(
+        exported: tuple[Path, Path], tmp_path: Path) -> None:
+    art = _copy(exported[0], tmp_path)
+    old = load_artifact(art).embedding_stats
+    assert old is not None
+    write_embedding_stats(art / STATS_FILE, EmbeddingStats(mean=old.mean, std=old.std))  # the format before W
+    _rehash(art)
+    stats = load_artifact(art).embedding_stats
+    assert stats is not None and stats.whitening is None and stats.method == "per-dimension"
+    assert torch.equal(stats.mean, old.mean) and torch.equal(stats.std, old.std)
+
+
+_W = whitening_matrix(torch.randn(100, 64, generator=torch.Generator().manual_seed(0)), 0.1)
+
+
+@pytest.mark.parametrize("whitening, message", [
+    (_W[:, :32], r"tensor 'whitening' is torch.float32 \(64, 32\), expected float32 \(64, 64\)"),
+    (torch.ones(64), r"tensor 'whitening' is torch.float32 \(64,\), expected float32 \(64, 64\)"),
+    (_W.double(), r"tensor 'whitening' is torch.float64 \(64, 64\), expected float32"),
+    (_W.index_fill(0, torch.tensor([3]), float("nan")), "tensor 'whitening' has non-finite values"),
+    (_W.index_fill(1, torch.tensor([0]), float("inf")), "tensor 'whitening' has non-finite values"),
+])
+def test_a_malformed_whitening_matrix_is_refused(exported: tuple[Path, Path], tmp_path: Path,
+                                                 whitening: torch.Tensor, message: str) -> None:
+    art = _copy(exported[0], tmp_path)
+    save_file({"mean": torch.zeros(64), "std": torch.ones(64), "whitening": whitening.contiguous()},
+              str(art / STATS_FILE))
+    _rehash(art)  # the manifest agrees: only the content check can catch it
+    with pytest.raises(ArtifactError, match=r"embedding_stats\.safetensors: " + message):
         load_artifact(art)
 
 
