@@ -30,7 +30,15 @@ from service.errors import InputTooLong, InternalError, Overloaded, ServiceError
 from service.jobs import EmbeddingResult, EmbeddingSpec, GenerationSpec, TokenEvent
 from service.jobs_runtime import EmbedJob, Event, GenerationJob, Job, JobState, deliver_together
 from service.metrics import ServiceMetrics
-from service.policy import QueuedGeneration, QueuedInput, group_by_length, pick_embed_batch, take_generations
+from service.policy import (
+    SLICE_HISTORY,
+    QueuedGeneration,
+    QueuedInput,
+    another_slice_fits,
+    group_by_length,
+    pick_embed_batch,
+    take_generations,
+)
 from service.runner import ModelRunner
 
 log = logging.getLogger("service.engine")
@@ -38,7 +46,8 @@ log = logging.getLogger("service.engine")
 # A prefill group of more padded tokens than this is sliced between decode steps while generations run.
 CHUNKED_PREFILL_TOKENS = 2048
 # Between two decode steps, sliced prefills run slice after slice while the next one, if it takes as long as
-# the last, still ends within this much time (at least one slice per step). A running stream's gap is then
+# the longest of the last few (service/policy.py another_slice_fits), still ends within this much time (at
+# least one slice per step). A running stream's gap is then
 # about one decode step plus this (model/prefill_slices.py bounds a slice), and the prefill keeps about
 # budget / (budget + decode step) of the time: one slice per step would leave it a small share when slices
 # are short (bench/prefill_gap.py measures both).
@@ -109,8 +118,9 @@ class Engine:
         self._gen_queue: deque[GenerationJob] = deque()
         self._embed_items: list[_EmbedItem] = []
         self._running: list[GenerationJob] = []
-        # long prompts being prefilled slice by slice between decode steps: (jobs, their prefill in progress)
-        self._prefilling: list[tuple[list[GenerationJob], Generator[None, None, Any]]] = []
+        # long prompts being prefilled slice by slice between decode steps: (jobs, their prefill in progress,
+        # the durations of its last few slices)
+        self._prefilling: list[tuple[list[GenerationJob], Generator[None, None, Any], deque[float]]] = []
         self.runner = ModelRunner(model, device, config.max_batch_size, config.cache_bytes, config.batch_invariant)
         self._stopping = False
         self._dead = False
@@ -236,11 +246,11 @@ class Engine:
             self.on_fatal(exc)
 
     def _fail_everything(self, error: ServiceError) -> None:
-        for _, slices in self._prefilling:
+        for _, slices, _ in self._prefilling:
             slices.close()  # frees the cache it held
         with self._cond:
             jobs: list[Job] = [*self._gen_queue, *(item.job for item in self._embed_items), *self._running,
-                               *(job for group, _ in self._prefilling for job in group)]
+                               *(job for group, _, _ in self._prefilling for job in group)]
             self._prefilling.clear()
             self._gen_queue.clear()
             self._embed_items.clear()
@@ -368,7 +378,7 @@ class Engine:
                     job.begin()
                 self._prefilling.append((members, self.runner.prefill_slices(
                     [j.spec.prompt_ids for j in members],
-                    [len(j.spec.prompt_ids) + j.spec.max_new_tokens for j in members])))
+                    [len(j.spec.prompt_ids) + j.spec.max_new_tokens for j in members]), deque(maxlen=SLICE_HISTORY)))
             else:
                 self._prefill(members)
 
@@ -377,13 +387,14 @@ class Engine:
         a finished one joins the running generations."""
         start = time.monotonic()
         for entry in list(self._prefilling):
-            jobs, slices = entry
+            jobs, slices, recent = entry
             try:
                 while True:
                     began = time.monotonic()
                     next(slices)
                     now = time.monotonic()
-                    if now - start + (now - began) > PREFILL_BUDGET_S:  # another like it would overrun
+                    recent.append(now - began)
+                    if not another_slice_fits(now - start, recent, PREFILL_BUDGET_S):
                         break
                 continue
             except StopIteration as done:

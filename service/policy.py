@@ -82,3 +82,15 @@ def pick_embed_batch(items: Sequence[QueuedInput], now: float, max_batch_size: i
     if not full and now < ready_at and not flush:
         return None, ready_at
     return batch, None
+
+
+# How many of a sliced prefill's latest slice durations predict the next one's.
+SLICE_HISTORY = 8
+
+
+def another_slice_fits(elapsed_s: float, recent_s: Sequence[float], budget_s: float) -> bool:
+    """Whether another prefill slice is expected to end within this turn's budget, its cost predicted as the
+    longest of the recent slices. A layer's slices cycle through kinds of very different cost (projections
+    of the whole prompt, cache writes, per-head index builds, attention and feed-forward slices): predicting
+    from the last slice alone overran the budget by a long slice's time whenever a short one preceded it."""
+    return elapsed_s + max(recent_s, default=0.0) <= budget_s

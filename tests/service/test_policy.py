@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from service.policy import QueuedGeneration, QueuedInput, group_by_length, pick_embed_batch, take_generations
+from service.policy import (
+    QueuedGeneration,
+    QueuedInput,
+    another_slice_fits,
+    group_by_length,
+    pick_embed_batch,
+    take_generations,
+)
 
 
 def _q(*sizes: tuple[int, int]) -> list[QueuedGeneration]:
@@ -51,3 +58,16 @@ def test_pick_embed_batch_waits_for_company_then_runs() -> None:
 def test_pick_embed_batch_nearest_lengths_under_the_token_budget() -> None:
     items = [QueuedInput(10, "mean", 0.0), QueuedInput(100, "mean", 0.0), QueuedInput(11, "mean", 0.0)]
     assert pick_embed_batch(items, 1.0, 8, 60, 0.005) == ([0, 2], None)
+
+
+@pytest.mark.parametrize(("elapsed", "recent", "budget", "fits"), [
+    (0.02, [0.01], 0.1, True),
+    (0.095, [0.01], 0.1, False),  # the last slice alone would overrun
+    (0.03, [0.08, 0.001], 0.1, False),  # a short slice after a long one: the long one predicts the next
+    (0.0, [], 0.1, True),
+    (0.0, [0.2], 0.1, False),  # slices longer than the budget: one per turn
+    (0.05, [0.05], 0.1, True),  # exactly at the budget still fits
+])
+def test_another_slice_fits_predicts_from_the_longest_recent_slice(elapsed: float, recent: list[float],
+                                                                   budget: float, fits: bool) -> None:
+    assert another_slice_fits(elapsed, recent, budget) is fits
