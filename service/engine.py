@@ -156,13 +156,15 @@ class Engine:
             raise
 
     def generate(self, spec: GenerationSpec, request_id: str | None = None,
-                 reservation: Reservation | None = None) -> GenerationStream:
+                 reservation: Reservation | None = None, stream: bool = True) -> GenerationStream:
+        """Queue a generation. `stream=False`: the caller only needs the finished result, so its token events
+        reach the event loop all at once with the last one, not one wake-up of the loop per token."""
         tokens = len(spec.prompt_ids) + spec.max_new_tokens
         if not self.runner.fits_ever(tokens):
             # waiting would never help: the decode cache could not hold it even empty
             self.metrics.rejected.labels("cache_capacity").inc()
             raise InputTooLong(self.runner.limit_message(tokens))
-        job = GenerationJob(spec, asyncio.get_running_loop(), request_id, self.tokenizer)
+        job = GenerationJob(spec, asyncio.get_running_loop(), request_id, self.tokenizer, stream)
         self._admit(job, lambda: self._gen_queue.append(job), reservation)
         return GenerationStream(self, job)
 
@@ -476,12 +478,12 @@ class Engine:
     def _advance_safely(self, job: GenerationJob, logits: torch.Tensor,
                         deliveries: list[tuple[GenerationJob, Event]], greedy: tuple[int, float] | None) -> None:
         try:
-            deliveries.append((job, self._advance(job, logits, greedy)))
+            deliveries.extend((job, event) for event in job.to_deliver(self._advance(job, logits, greedy)))
         except Exception:
             log.exception("sampling or delivery failed", extra={"request_id": job.request_id})
             self._fail_jobs([job])
 
-    def _advance(self, job: GenerationJob, logits: torch.Tensor, greedy: tuple[int, float] | None) -> Event:
+    def _advance(self, job: GenerationJob, logits: torch.Tensor, greedy: tuple[int, float] | None) -> TokenEvent:
         """Sample the job's next token and retire the job if it is finished; returns the event to deliver."""
         event = job.accept(logits, greedy)
         now = time.monotonic()

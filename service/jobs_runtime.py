@@ -87,9 +87,14 @@ class GenerationJob(Job):
 
     def __init__(
         self, spec: GenerationSpec, loop: asyncio.AbstractEventLoop, request_id: str | None, tokenizer: Any,
+        stream: bool = True,
     ):
         super().__init__(loop, request_id)
         self.spec = spec
+        # False: token events are held until the last one and delivered together (a non-streaming caller
+        # wakes once, not once per token, so the event loop does not contend for the GIL at every step)
+        self.stream = stream
+        self.held: list[TokenEvent] = []
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.tokenizer = tokenizer
         self.eos_id: int = tokenizer.eos_id
@@ -152,6 +157,17 @@ class GenerationJob(Job):
                 seed=self.seed,
             )
         return TokenEvent(len(self.generated) - 1, token, text, float(logprob), special, finish)
+
+    def to_deliver(self, event: TokenEvent) -> list[TokenEvent]:
+        """The events to hand to the loop now that `event` is produced: itself when streaming, else nothing
+        until the last token, then every token in order."""
+        if self.stream:
+            return [event]
+        self.held.append(event)
+        if event.finish is None:
+            return []
+        held, self.held = self.held, []
+        return held
 
     def deliver(self, event: Event) -> None:
         self.call_in_loop(self.events.put_nowait, event)

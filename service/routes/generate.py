@@ -60,7 +60,7 @@ async def generate(body: GenerateRequest, request: Request, state: State) -> Res
     engine, limits, tokenizer = ready_parts(state)
     spec = body.to_spec(tokenizer, limits)
     log.debug("generate prompt %r", body.inputs)
-    stream = engine.generate(spec, reservation=reservation_of(request))
+    stream = engine.generate(spec, reservation=reservation_of(request), stream=False)
     try:
         tokens, finish = await until_disconnected(request, collect(stream))
     except ClientDisconnected:

@@ -78,7 +78,7 @@ async def completions(body: CompletionRequest, request: Request, state: State) -
     streams = []
     try:
         for spec in specs:
-            streams.append(engine.generate(spec, reservation=reservation_of(request)))
+            streams.append(engine.generate(spec, reservation=reservation_of(request), stream=body.stream))
     except ServiceError:
         for s in streams:
             s.cancel()

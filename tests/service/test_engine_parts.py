@@ -13,7 +13,7 @@ from model.sampling import SamplingParams
 from service.engine import Engine, EngineConfig
 from service.errors import InputTooLong, InternalError
 from service.jobs import GenerationSpec
-from service.jobs_runtime import GenerationJob
+from service.jobs_runtime import GenerationJob, JobState
 from service.metrics import ServiceMetrics
 
 
@@ -252,3 +252,24 @@ def test_batched_generation_equals_the_request_alone(artifact: Any, invariant: b
         assert batched == alone  # bit for bit
     else:
         assert max(abs(a - b) for (_, a), (_, b) in zip(alone, batched)) <= 1e-4
+
+
+def test_a_non_streaming_generation_gets_its_tokens_together_at_the_end(engine: Engine) -> None:
+    async def run(stream: bool) -> tuple[list[tuple[int, float]], int]:
+        handle = engine.generate(_spec([5, 6, 7], 150), stream=stream)
+        queued_while_running = 0
+        while handle.job.state is not JobState.DONE:  # how many events reached the loop before the end
+            if handle.job.generated:
+                queued_while_running = max(queued_while_running, handle.job.events.qsize())
+            await asyncio.sleep(0.001)
+        events = []
+        while True:
+            event = await handle.next_event()
+            events.append((event.id, event.logprob))
+            if event.finish is not None:
+                return events, queued_while_running
+
+    streamed, seen_streaming = asyncio.run(run(True))
+    together, seen_together = asyncio.run(run(False))
+    assert together == streamed and len(together) == 150  # the same tokens, in order
+    assert seen_together == 0 and seen_streaming > 0
