@@ -4,11 +4,13 @@ forward benchmark's config (6 LSH layers, hidden 256, 4 heads x 64, chunk 64, 4 
 
     python bench/generate.py [--lengths 1024,4096,16384,32768,65536] [--models ours,hf] [--new-tokens 16]
                              [--batch-sizes 1,8,32] [--batch-prompt 1024] [--batch-all-threads]
+                             [--batch-artifact DIR]
 
 Each (model, length) runs in its own subprocess. Then, for this project only, one batched decode step over B
 running requests (each after a `--batch-prompt`-token prompt) for every B in `--batch-sizes`: time per step
 and total tokens/s, plotted against B, with the step's intra-op threads as the service's model runner sets
-them (`model.decode.step_threads`) and, with `--batch-all-threads`, again on every thread. Writes
+them (`model.decode.step_threads`) and, with `--batch-all-threads`, again on every thread; with
+`--batch-artifact`, on that artifact's model instead of the config above. Writes
 bench/results/generate.json and generate_batch.png and prints two tables.
 """
 
@@ -90,10 +92,11 @@ def run_case(kind: str, length: int, new_tokens: int, threads: int) -> dict:
             **cache}
 
 
-def run_batch_case(batch: int, length: int, steps: int, threads: int, all_threads: bool = False) -> dict:
+def run_batch_case(batch: int, length: int, steps: int, threads: int, all_threads: bool = False,
+                   artifact: str | None = None) -> dict:
     """One batched decode step over `batch` requests, each after its own `length`-token prompt; as the
     service's model runner runs it (`step_threads`), or with `all_threads` on every thread (as a process with
-    nothing else to run would)."""
+    nothing else to run would). `artifact`: that artifact's model instead of the benchmark's config."""
     import contextlib
 
     import torch
@@ -106,7 +109,12 @@ def run_batch_case(batch: int, length: int, steps: int, threads: int, all_thread
 
     tune_cpu_runtime()  # as `reformer serve` runs, for every model in the table
     torch.manual_seed(0)
-    lm = ReformerLM(ReformerConfig.from_hf(hf_config())).eval()
+    if artifact is not None:
+        from export import load_artifact
+
+        lm = load_artifact(artifact).model.eval()
+    else:
+        lm = ReformerLM(ReformerConfig.from_hf(hf_config())).eval()
     dc = DecodeCache.for_tokens(lm, length + steps + 2, slots=batch)
     states = []
     with torch.no_grad():
@@ -127,7 +135,7 @@ def run_batch_case(batch: int, length: int, steps: int, threads: int, all_thread
             "threads_rule": "all" if all_threads else "service"}
 
 
-def plot_batches(rows: list[dict], path: Path) -> None:
+def plot_batches(rows: list[dict], path: Path, artifact: str | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -150,7 +158,7 @@ def plot_batches(rows: list[dict], path: Path) -> None:
         ax.set_xticks(xs, [str(x) for x in xs])
         ax.grid(alpha=0.3)
     a.legend(fontsize=7)
-    fig.suptitle(f"bench/generate.py config, {ok[0]['length']}-token prompts")
+    fig.suptitle(f"{artifact or 'bench/generate.py config'}, {ok[0]['length']}-token prompts")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -181,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-all-threads", action="store_true",
                    help="also time every batch size with the step on all --threads (the service leaves one core "
                         "to its event loop: model.decode.step_threads)")
+    p.add_argument("--batch-artifact", help="run the batch cases on this artifact's model (e.g. "
+                   "export/default_artifact) instead of the benchmark's config")
     p.add_argument("--batch-case", type=int, help=argparse.SUPPRESS)
     p.add_argument("--all-threads-case", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -189,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.batch_case:
         print(json.dumps(run_batch_case(args.batch_case, args.batch_prompt, args.new_tokens, args.threads,
-                                        args.all_threads_case)))
+                                        args.all_threads_case, args.batch_artifact)))
         return 0
     rows = []
     for length in [int(x) for x in args.lengths.split(",") if x]:
@@ -202,14 +212,16 @@ def main(argv: list[str] | None = None) -> int:
     for extra in ([[], ["--all-threads-case"]] if args.batch_all_threads else [[]]):
         for batch in [int(x) for x in args.batch_sizes.split(",") if x]:
             cmd = [sys.executable, __file__, "--batch-case", str(batch), "--batch-prompt", str(args.batch_prompt),
-                   "--new-tokens", str(args.new_tokens), "--threads", str(args.threads), *extra]
+                   "--new-tokens", str(args.new_tokens), "--threads", str(args.threads), *extra,
+                   *(["--batch-artifact", args.batch_artifact] if args.batch_artifact else [])]
             batch_rows.append(_subprocess_row(cmd, args.timeout, {"batch": batch, "length": args.batch_prompt,
                                                                   "threads_rule": "all" if extra else "service"}))
             print(json.dumps(batch_rows[-1]), file=sys.stderr, flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"new_tokens": args.new_tokens, "threads": args.threads, "rows": rows,
+                                    "batch_model": args.batch_artifact or "bench config",
                                     "batch_rows": batch_rows}, indent=2))
-    plot_batches(batch_rows, args.out.with_name(args.out.stem + "_batch.png"))
+    plot_batches(batch_rows, args.out.with_name(args.out.stem + "_batch.png"), args.batch_artifact)
     from rich.console import Console
     from rich.table import Table
 
