@@ -2,11 +2,14 @@
 
 The engine in parts: `service/admission.py` (queue bound, reservations, queue timeouts), `service/policy.py`
 (pure functions: which generations start, how prompts are grouped, which embedding batch runs),
-`service/runner.py` (the model runner: device tensors, the decode cache, batched prefill and decode steps)
-and, here, the worker loop that ties them together. Each turn: start the queued generations the policy and
-the decode cache allow (prefilled together, grouped by length under `max_batch_tokens`), run ONE batched
-decode step over every running generation (continuous batching: requests join and leave between steps),
-then one embedding batch if one is ready. A failure in one request's work fails that request only.
+`service/runner.py` (the model runner: device tensors, the decode cache, batched prefill and decode steps),
+`service/embed_batches.py` (the queued inputs of embedding requests and their batches),
+`service/jobs_runtime.py` (per-request state and delivery to the event loop) and, here, the worker loop that
+ties them together with the generations' prefills and decode steps. Each turn: start the queued
+generations the policy and the decode cache allow (prefilled together, grouped by length under
+`max_batch_tokens`, or sliced between decode steps when long), run ONE batched decode step over every
+running generation (continuous batching: requests join and leave between steps), then one embedding batch
+if one is ready. A failure in one request's work fails that request only.
 """
 
 from __future__ import annotations
@@ -26,17 +29,16 @@ from model.decode import INVARIANT_ROWS
 from model.sampling import greedy_choices
 from service.admission import Admission, Reservation
 from service.backends import EmbeddingBackend
+from service.embed_batches import EmbedBatches
 from service.errors import InputTooLong, InternalError, Overloaded, ServiceError, Unavailable
 from service.jobs import EmbeddingResult, EmbeddingSpec, GenerationSpec, TokenEvent
-from service.jobs_runtime import EmbedJob, Event, GenerationJob, Job, JobState, deliver_together
+from service.jobs_runtime import EmbedJob, Event, GenerationJob, GenerationStream, Job, JobState, deliver_together
 from service.metrics import ServiceMetrics
 from service.policy import (
     SLICE_HISTORY,
     QueuedGeneration,
-    QueuedInput,
     another_slice_fits,
     group_by_length,
-    pick_embed_batch,
     take_generations,
 )
 from service.runner import ModelRunner
@@ -53,7 +55,8 @@ CHUNKED_PREFILL_TOKENS = 2048
 # are short (bench/prefill_gap.py measures both).
 PREFILL_BUDGET_S = 0.1
 
-# Reservation lives in service/admission.py; importers of service.engine keep it.
+# Reservation lives in service/admission.py and GenerationStream in service/jobs_runtime.py; importers of
+# service.engine keep them.
 __all__ = ["Engine", "EngineConfig", "GenerationStream", "Reservation"]
 
 
@@ -67,38 +70,6 @@ class EngineConfig:
     warmup: bool = True
     cache_bytes: int | None = None  # decode-cache capacity; None: service/runner.py's default share
     batch_invariant: bool = False  # decode steps in fixed row blocks: bit-identical to a request alone
-
-
-@dataclass
-class _EmbedItem:
-    job: EmbedJob
-    index: int
-    ids: list[int]
-
-
-class GenerationStream:
-    """The handler's view of a generation: await events, cancel when the client goes away."""
-
-    def __init__(self, engine: Engine, job: GenerationJob):
-        self.engine = engine
-        self.job = job
-
-    @property
-    def timings(self) -> Any:
-        return self.job.timings
-
-    async def next_event(self) -> TokenEvent:
-        try:
-            event = await self.job.events.get()
-        except asyncio.CancelledError:
-            self.cancel()
-            raise
-        if isinstance(event, ServiceError):
-            raise event
-        return event
-
-    def cancel(self) -> None:
-        self.engine.cancel(self.job)
 
 
 class Engine:
@@ -116,7 +87,8 @@ class Engine:
         self.admission = Admission(config.max_queue_size, config.request_timeout_s, metrics)
         self._cond = self.admission.cond
         self._gen_queue: deque[GenerationJob] = deque()
-        self._embed_items: list[_EmbedItem] = []
+        self.embeds = EmbedBatches(backend, tokenizer.pad_id, metrics, self._cond, config.max_batch_size,
+                                   config.max_batch_tokens, config.max_wait_ms / 1000.0)
         self._running: list[GenerationJob] = []
         # long prompts being prefilled slice by slice between decode steps: (jobs, their prefill in progress,
         # the durations of its last few slices)
@@ -147,8 +119,7 @@ class Engine:
     async def embed(self, spec: EmbeddingSpec, request_id: str | None = None,
                     reservation: Reservation | None = None) -> EmbeddingResult:
         job = EmbedJob(spec, asyncio.get_running_loop(), request_id)
-        items = [_EmbedItem(job, i, ids) for i, ids in enumerate(spec.sequences)]
-        self._admit(job, lambda: self._embed_items.extend(items), reservation)
+        self._admit(job, lambda: self.embeds.enqueue(job), reservation)
         try:
             return await job.future
         except asyncio.CancelledError:
@@ -166,7 +137,7 @@ class Engine:
             raise InputTooLong(self.runner.limit_message(tokens))
         job = GenerationJob(spec, asyncio.get_running_loop(), request_id, self.tokenizer, stream)
         self._admit(job, lambda: self._gen_queue.append(job), reservation)
-        return GenerationStream(self, job)
+        return GenerationStream(job, self.cancel)
 
     def reserve(self) -> Reservation | Overloaded:
         return self.admission.reserve()
@@ -221,7 +192,7 @@ class Engine:
                         break
                     self._drop_cancelled()
                     prefills = self._take_prefills()
-                    batch, wake_at = self._take_embed_batch()
+                    batch, wake_at = self.embeds.take(self._start, flush=self._stopping)
                     if not prefills and not self._running and not self._prefilling and batch is None:
                         timeout = None if wake_at is None else max(wake_at - time.monotonic(), 0.0)
                         self._cond.wait(timeout)
@@ -233,7 +204,7 @@ class Engine:
                 if self._running:
                     self._decode_step()
                 if batch is not None:
-                    self._run_embed_batch(batch)
+                    self.embeds.run(batch, self._fail_jobs)
         except BaseException as exc:  # the worker must never die silently
             self._die(exc)
             return
@@ -251,11 +222,11 @@ class Engine:
         for _, slices, _ in self._prefilling:
             slices.close()  # frees the cache it held
         with self._cond:
-            jobs: list[Job] = [*self._gen_queue, *(item.job for item in self._embed_items), *self._running,
+            jobs: list[Job] = [*self._gen_queue, *self.embeds.jobs(), *self._running,
                                *(job for group, _, _ in self._prefilling for job in group)]
             self._prefilling.clear()
             self._gen_queue.clear()
-            self._embed_items.clear()
+            self.embeds.clear()
             self._running.clear()
             self.admission.clear()
             for job in jobs:
@@ -286,7 +257,7 @@ class Engine:
         """Under the lock: forget dead queue entries, drop running work whose client went away."""
         if any(job.state is not JobState.PENDING for job in self._gen_queue):
             self._gen_queue = deque(j for j in self._gen_queue if j.state is JobState.PENDING)
-        self._embed_items = [it for it in self._embed_items if it.job.state is not JobState.DONE]
+        self.embeds.drop_done()
         for job in [j for j in self._running if j.cancel_requested]:
             self._running.remove(job)
             job.state = JobState.DONE
@@ -307,51 +278,6 @@ class Engine:
         for job in taken:
             self._start(job)
         return taken
-
-    def _take_embed_batch(self) -> tuple[list[_EmbedItem] | None, float | None]:
-        """Under the lock: the next embedding batch, or (None, when to look again) while it waits for company."""
-        items = [QueuedInput(len(it.ids), it.job.spec.pooling, it.job.timings.enqueued) for it in self._embed_items]
-        picked, wake_at = pick_embed_batch(items, time.monotonic(), self.config.max_batch_size,
-                                           self.config.max_batch_tokens, self.config.max_wait_ms / 1000.0,
-                                           flush=self._stopping)
-        if picked is None:
-            return None, wake_at
-        batch = [self._embed_items[i] for i in picked]
-        chosen = set(picked)
-        self._embed_items = [it for i, it in enumerate(self._embed_items) if i not in chosen]
-        for item in batch:
-            self._start(item.job)
-        return batch, None
-
-    def _run_embed_batch(self, batch: list[_EmbedItem]) -> None:
-        longest = max(len(it.ids) for it in batch)
-        ids = torch.full((len(batch), longest), self.tokenizer.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(batch), longest), dtype=torch.long)
-        for row, item in enumerate(batch):
-            ids[row, : len(item.ids)] = torch.tensor(item.ids)
-            mask[row, : len(item.ids)] = 1
-        self.metrics.batch_size.labels("embed").observe(len(batch))
-        self.metrics.batch_tokens.labels("embed").observe(longest * len(batch))
-        try:
-            vectors = self.backend.embed(ids, mask, batch[0].job.spec.pooling)
-        except Exception:
-            log.exception("embedding batch of %d failed", len(batch))
-            self._fail_jobs({id(it.job): it.job for it in batch}.values())
-            return
-        for item, vector in zip(batch, vectors, strict=True):
-            job = item.job
-            if job.state is not JobState.RUNNING:
-                continue
-            if job.spec.normalize:
-                vector = torch.nn.functional.normalize(vector, dim=0)
-            job.vectors[item.index] = vector.tolist()
-            job.items_left -= 1
-            if job.items_left == 0:
-                self.metrics.prompt_tokens.inc(job.spec.total_tokens)  # completed requests only
-                with self._cond:
-                    job.state = JobState.DONE
-                job.timings.finished = time.monotonic()
-                job.complete()
 
     def _fail_jobs(self, jobs: Any) -> None:
         jobs = list(jobs)

@@ -198,3 +198,28 @@ def deliver_together(deliveries: list[tuple[GenerationJob, Event]]) -> None:
 def _put_all(items: list[tuple[asyncio.Queue[Event], Event]]) -> None:
     for queue, event in items:
         queue.put_nowait(event)
+
+
+class GenerationStream:
+    """The handler's view of a generation: await events, cancel when the client goes away."""
+
+    def __init__(self, job: GenerationJob, cancel: Callable[[Job], None]):
+        self.job = job
+        self._cancel = cancel  # the engine's: drops the job wherever it is (queue or running)
+
+    @property
+    def timings(self) -> Any:
+        return self.job.timings
+
+    async def next_event(self) -> TokenEvent:
+        try:
+            event = await self.job.events.get()
+        except asyncio.CancelledError:
+            self.cancel()
+            raise
+        if isinstance(event, ServiceError):
+            raise event
+        return event
+
+    def cancel(self) -> None:
+        self._cancel(self.job)
