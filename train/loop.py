@@ -28,7 +28,7 @@ from model.config import ReformerConfig
 from model.cpu_runtime import tune_cpu_runtime
 from model.reformer import ReformerLM
 
-from .checkpoint import TrainerState, code_version, load_training_state, save_checkpoint
+from .checkpoint import TrainerState, code_version, initial_model, load_training_state, save_checkpoint
 from .data import Corpus, DataError, WindowSampler, prepare_corpus, validation_windows
 from .phases import Phase, parse_phases, phase_at
 from .runtime import (
@@ -55,7 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, required=True, help="run directory (checkpoint/, cache/, train_log.jsonl)")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
     p.add_argument("--resume-from", type=Path, help="continue from this checkpoint directory")
-    m = p.add_argument_group("model (ignored with --resume: the checkpoint's config is used)")
+    p.add_argument("--init-from", type=Path,
+                   help="fine-tune: start from the weights and config of this artifact directory or training "
+                        "checkpoint, with a fresh optimizer, step count and schedule (not a resume)")
+    m = p.add_argument_group("model (ignored with --resume or --init-from: that model's config is used)")
     m.add_argument("--config", type=Path, help="ReformerConfig JSON; overrides the flags below")
     m.add_argument("--hidden-size", type=int, default=128)
     m.add_argument("--num-heads", type=int, default=4)
@@ -157,7 +160,7 @@ def pick_device(name: str, info: DistInfo) -> torch.device:
 
 class Trainer:
     def __init__(self, args: argparse.Namespace, argv: list[str], info: DistInfo, device: torch.device,
-                 corpus: Corpus, cfg: ReformerConfig) -> None:
+                 corpus: Corpus, cfg: ReformerConfig, init: ReformerLM | None = None) -> None:
         self.args, self.argv, self.info, self.device, self.corpus = args, argv, info, device, corpus
         self.phases: list[Phase] = args.phases or [Phase(args.window, args.batch_size, 1.0)]
         for ph in self.phases:
@@ -168,6 +171,8 @@ class Trainer:
         self.val_window = args.val_window or min(max(ph.window for ph in self.phases), 4096)
         torch.manual_seed(args.seed)
         self.lm = ReformerLM(cfg).to(device).train()
+        if init is not None:  # --init-from: its weights; the optimizer and schedule start fresh
+            self.lm.load_state_dict(init.state_dict())
         decay = [p for n, p in self.lm.named_parameters() if p.dim() >= 2 and "embeddings" not in n]
         other = [p for n, p in self.lm.named_parameters() if not (p.dim() >= 2 and "embeddings" not in n)]
         self.optimizer = torch.optim.AdamW(
@@ -418,14 +423,20 @@ def main(argv: list[str] | None = None) -> int:
             torch.distributed.barrier()
         if not info.is_main:
             corpus = prepare_corpus(args.data, args.out / "cache", args.val_fraction)
-        cfg = model_config(args)
+        init = None
+        if args.init_from is not None:
+            if resume_source(args) is not None:
+                raise DataError("--init-from starts a new run from a model's weights; it cannot be combined "
+                                "with --resume or --resume-from")
+            init = initial_model(args.init_from)
+        cfg = init.config if init is not None else model_config(args)
         src = resume_source(args)
         if src is not None:
             from .checkpoint import read_checkpoint_metadata
 
             if (src / "model.safetensors").exists():
                 cfg = ReformerConfig.from_dict(read_checkpoint_metadata(src)["config"])
-        trainer = Trainer(args, argv, info, device, corpus, cfg)
+        trainer = Trainer(args, argv, info, device, corpus, cfg, init)
         if info.is_main:
             print(f"model: {trainer.lm.num_parameters():,} parameters; data: {corpus.train.num_tokens:,} "
                   f"training / {corpus.val.num_tokens:,} validation bytes from {len(corpus.files)} files; "

@@ -159,3 +159,24 @@ def test_durations_and_learning_rate_schedule() -> None:
     assert lr_factor(0.0, 9, 10, 0.1) == pytest.approx(1.0)
     assert lr_factor(0.5, 500, 10, 0.1) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
     assert lr_factor(1.0, 1000, 10, 0.1) == pytest.approx(0.1)
+
+
+def test_init_from_starts_a_new_run_from_a_checkpoints_or_an_artifacts_weights(
+        corpus: Path, tmp_path: Path, tiny_artifact: Path) -> None:
+    source = tmp_path / "source"
+    assert train_main([str(corpus), "--out", str(source), "--max-steps", "3", *TINY]) == 0
+    # learning rate 0: one step leaves the weights as they were loaded, so the new run holds exactly them
+    tuned = tmp_path / "tuned"
+    assert train_main([str(corpus), "--out", str(tuned), "--init-from", str(source / "checkpoint"), "--max-steps",
+                       "1", *TINY, "--lr", "0", "--hidden-size", "48"]) == 0  # model flags are ignored
+    assert _same(_weights(tuned / "checkpoint"), _weights(source / "checkpoint"))
+    assert json.loads((tuned / "checkpoint" / "trainer_state.json").read_text())["step"] == 1  # a fresh count
+    from_artifact = tmp_path / "from_artifact"
+    assert train_main([str(corpus), "--out", str(from_artifact), "--init-from", str(tiny_artifact),
+                       "--max-steps", "1", *TINY, "--lr", "0"]) == 0
+    assert _same(_weights(from_artifact / "checkpoint"), _weights(tiny_artifact))
+    # a fine-tune is not a resume, and a directory that holds no model is refused
+    assert train_main([str(corpus), "--out", str(tuned), "--init-from", str(source / "checkpoint"), "--resume",
+                       "--max-steps", "2", *TINY]) == 2
+    assert train_main([str(corpus), "--out", str(tmp_path / "x"), "--init-from", str(tmp_path),
+                       "--max-steps", "1", *TINY]) == 2
