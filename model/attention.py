@@ -85,9 +85,6 @@ class LSHSelfAttention(nn.Module):
         self.after = config.lsh_num_chunks_after
         self.dropout = config.lsh_attention_probs_dropout_prob
         self.causal = config.is_decoder
-        # a list while an export's parity check runs: each hash call appends `bucket_margin` of its real
-        # positions (export/onnx_export.py draws inputs away from bucket boundaries); None otherwise
-        self.margins: list[float] | None = None
         self.query_key = nn.Linear(config.hidden_size, config.all_head_size, bias=False)
         self.value = nn.Linear(config.hidden_size, config.all_head_size, bias=False)
         self._rotation_cache: dict[tuple[int, str], Tensor] = {}  # (rotation size, device) -> fp32 rotations
@@ -137,8 +134,6 @@ class LSHSelfAttention(nn.Module):
             buckets = b if buckets is None else buckets + scale * b
             start, scale = start + f // 2, scale * f
         assert buckets is not None
-        if self.margins is not None:
-            self.margins.append(bucket_margin(rotated, factors, valid))
         buckets = buckets.transpose(2, 3)  # (B, H, R, L)
         if valid is not None:
             buckets = buckets.masked_fill(~valid[:, None, None, :], scale)
@@ -395,17 +390,3 @@ def make_attention(kind: str, config: ReformerConfig, *, fused: bool = True) -> 
     return LSHSelfAttention(config, fused=fused) if kind == "lsh" else LocalSelfAttention(config, fused=fused)
 
 
-def bucket_margin(rotated: Tensor, factors: list[int], valid: Tensor | None) -> float:
-    """The smallest relative gap, over real positions, heads, rounds and bucket factors, between the winning
-    and the runner-up value of [x, -x] (rotated (B, H, L, R, rot/2)): how close any position is to another
-    bucket. A gap of a few float32 ulps lets two runtimes' rounding pick different buckets."""
-    worst, start = math.inf, 0
-    for f in factors:
-        part = rotated[..., start : start + f // 2]
-        top = torch.cat([part, -part], dim=-1).topk(2, dim=-1).values  # (B, H, L, R, 2)
-        rel = (top[..., 0] - top[..., 1]) / top[..., 0].abs().clamp(min=torch.finfo(top.dtype).tiny)
-        if valid is not None:
-            rel = rel.masked_fill(~valid[:, None, :, None], math.inf)
-        worst = min(worst, float(rel.min()))
-        start += f // 2
-    return worst

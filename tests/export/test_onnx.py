@@ -50,10 +50,6 @@ def test_manifest_records_export_parity_and_hashes_the_graphs(onnx_artifact: Pat
     cases = record["parity"]["cases"]
     assert [1] in cases and [8] in cases and [11] in cases
     assert any(len(c) > 1 and len(set(c)) > 1 for c in cases)
-    # every compared case's smallest bucket gap is recorded, and none is below the floor
-    margins = record["parity"]["hash_margins"]
-    assert len(margins) == len(cases) and record["parity"]["hash_margin_floor"] == ox.HASH_MARGIN_FLOOR
-    assert all(m is None or m >= ox.HASH_MARGIN_FLOOR for m in margins) and any(m is not None for m in margins)
 
 
 def test_graph_has_dynamic_axes_named_io_and_no_random_ops(onnx_artifact: Path) -> None:
@@ -167,32 +163,3 @@ def test_eval_data_is_the_tail_of_every_text_file(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="no \\*.txt files"):
         read_eval_data(tmp_path / "empty")
-
-
-def test_a_case_at_a_bucket_boundary_is_drawn_again_and_recorded(onnx_artifact: Path,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    art = load_artifact(onnx_artifact)
-    real = ox._reference
-    calls: list[int] = []
-
-    def first_draw_on_a_boundary(model: object, ids: torch.Tensor, mask: torch.Tensor) -> object:
-        ref, margin = real(model, ids, mask)  # type: ignore[arg-type]
-        calls.append(1)
-        return ref, (0.0 if len(calls) == 1 else margin)  # case 0's first draw sits on a boundary
-
-    monkeypatch.setattr(ox, "_reference", first_draw_on_a_boundary)
-    result = ox.verify_onnx(art.model, art.onnx_path)
-    assert result["redrawn"] == {"0": 1} and result["max_abs_diff_logits"] <= ox.PARITY_TOLERANCE
-    # an input that never leaves the boundary is not verified at all: the export is refused, naming why
-    monkeypatch.setattr(ox, "_reference", lambda model, ids, mask: (real(model, ids, mask)[0], 0.0))
-    with pytest.raises(ox.ExportError, match="bucket boundary"):
-        ox.verify_onnx(art.model, art.onnx_path)
-
-
-def test_bucket_margin_is_the_relative_gap_to_the_runner_up() -> None:
-    from model.attention import bucket_margin
-
-    rotated = torch.tensor([[[[[3.0, 1.0]], [[-2.0, 1.9]]]]])  # (B=1, H=1, L=2, R=1, 2): 4 buckets
-    # position 0: [3, 1, -3, -1] -> gap (3 - 1) / 3; position 1: [-2, 1.9, 2, -1.9] -> (2 - 1.9) / 2
-    assert bucket_margin(rotated, [4], None) == pytest.approx(0.05)
-    assert bucket_margin(rotated, [4], torch.tensor([[True, False]])) == pytest.approx(2 / 3)
