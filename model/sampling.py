@@ -69,10 +69,14 @@ class Sampler:
         self.generator = torch.Generator(device="cpu").manual_seed(self.seed)
 
     @property
+    def greedy(self) -> bool:
+        """Sampling is off, or its temperature is below MIN_TEMPERATURE: the argmax is taken."""
+        return not self.params.do_sample or self.params.temperature < MIN_TEMPERATURE
+
+    @property
     def plain_greedy(self) -> bool:
         """Greedy with no repetition penalty: the choice `greedy_choices` makes for a whole batch at once."""
-        p = self.params
-        return (not p.do_sample or p.temperature < MIN_TEMPERATURE) and p.repetition_penalty == 1.0
+        return self.greedy and self.params.repetition_penalty == 1.0
 
     def next_token(self, logits: Tensor, previous: Sequence[int] = ()) -> tuple[int, float]:
         """logits (vocab,) -> (token id, its log-probability under the distribution it was drawn from)."""
@@ -80,7 +84,7 @@ class Sampler:
         logits = logits.detach().float().cpu()
         # a penalty or temperature that underflows float32 would turn logits into inf/NaN
         logits = apply_repetition_penalty(logits, previous, max(p.repetition_penalty, MIN_FACTOR))
-        if not p.do_sample or p.temperature < MIN_TEMPERATURE:
+        if self.greedy:
             token = int(torch.argmax(logits).item())
             return token, float(torch.log_softmax(logits, -1)[token].item())
         logits = filter_top_k_top_p(logits / p.temperature, p.top_k, p.top_p)
