@@ -96,28 +96,6 @@ def load_model(path: Path) -> ReformerLM:
     return load_checkpoint_model(path)
 
 
-def initial_model(path: Path) -> ReformerLM:
-    """The model `reformer train --init-from` starts from: an artifact directory (it has a manifest.json; loaded
-    with every file checked) or a training checkpoint (export's one reader). DataError when it is neither."""
-    from .data import DataError
-
-    if (path / "manifest.json").exists():
-        from export import ArtifactError, load_artifact
-
-        try:
-            return load_artifact(path).model
-        except ArtifactError as e:
-            raise DataError(f"--init-from {path}: {e}") from e
-    if not (path / "model.safetensors").exists():
-        raise DataError(f"--init-from {path}: neither an artifact (manifest.json) nor a checkpoint (model.safetensors)")
-    from export.checkpoint import CheckpointError
-
-    try:
-        return load_model(path)
-    except CheckpointError as e:
-        raise DataError(f"--init-from {path}: {e}") from e
-
-
 def load_training_state(path: Path, lm: ReformerLM, optimizer: torch.optim.Optimizer) -> TrainerState:
     """Restore weights and optimizer in place (the learning rate is a function of the step); return the
     trainer state."""

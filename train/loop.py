@@ -28,8 +28,9 @@ from model.config import ReformerConfig
 from model.cpu_runtime import tune_cpu_runtime
 from model.reformer import ReformerLM
 
-from .checkpoint import TrainerState, code_version, initial_model, load_training_state, save_checkpoint
+from .checkpoint import TrainerState, code_version, load_training_state, save_checkpoint
 from .data import Corpus, DataError, WindowSampler, prepare_corpus, validation_windows
+from .evaluation import load_lm
 from .phases import Phase, parse_phases, phase_at
 from .runtime import (
     DistInfo,
@@ -148,6 +149,18 @@ def resume_source(args: argparse.Namespace) -> Path | None:
     if args.resume_from is not None:
         return Path(args.resume_from)
     return args.out / "checkpoint" if args.resume else None
+
+
+def initial_model(path: Path) -> ReformerLM:
+    """The model `--init-from` starts from: an artifact directory or a training checkpoint, read as every
+    other command reads them (train/evaluation.py load_lm); a path that is neither is a DataError."""
+    from export import ArtifactError
+    from export.checkpoint import CheckpointError
+
+    try:
+        return load_lm(path)[0]
+    except (ArtifactError, CheckpointError) as e:
+        raise DataError(f"--init-from {path}: {e}") from e
 
 
 def pick_device(name: str, info: DistInfo) -> torch.device:
