@@ -6,11 +6,10 @@ ships them, embedding_stats.safetensors). Raw mean-pooled states share a large c
 high-variance, correlated directions that dominate cosine similarity; removing them is BERT-whitening (Su
 et al. 2021). Two forms:
   * whitening (when the statistics hold the matrix): (v - mean) @ W, with W = V diag(e)^-1/2 from the
-    eigendecomposition V diag(e) V^T of the shrunk covariance (1 - s) C + s mean(diag C) I. On the default
-    model it lifted nearest-neighbour book identification from 0.916 (per-dimension) to 0.958, s = 0.1
-    (bench/embed_quality.py);
-  * per-dimension standardisation (older artifacts, without the matrix): (v - mean) / std, which lifted
-    it from 0.884 (raw) to 0.916."""
+    eigendecomposition V diag(e) V^T of the shrunk covariance (1 - s) C + s mean(diag C) I;
+  * per-dimension standardisation (older artifacts, without the matrix): (v - mean) / std.
+On the default model, statistics from the same 300 training passages, nearest-neighbour book identification
+is 0.884 raw, 0.926 standardised and 0.958 whitened with s = 0.1 (bench/results/embed_quality.json)."""
 
 from __future__ import annotations
 

@@ -49,10 +49,10 @@ log = logging.getLogger("service.engine")
 CHUNKED_PREFILL_TOKENS = 2048
 # Between two decode steps, sliced prefills run slice after slice while the next one, if it takes as long as
 # the longest of the last few (service/policy.py another_slice_fits), still ends within this much time (at
-# least one slice per step). A running stream's gap is then
-# about one decode step plus this (model/prefill_slices.py bounds a slice), and the prefill keeps about
-# budget / (budget + decode step) of the time: one slice per step would leave it a small share when slices
-# are short (bench/prefill_gap.py measures both).
+# least one slice per step). A running stream's gap is then about one decode step plus this
+# (model/prefill_slices.py bounds a slice), and the prefill keeps about budget / (budget + decode step) of
+# the time: one slice per step would leave it a small share when slices are short (bench/prefill_gap.py
+# measures both).
 PREFILL_BUDGET_S = 0.1
 
 # Reservation lives in service/admission.py and GenerationStream in service/jobs_runtime.py; importers of

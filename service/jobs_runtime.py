@@ -1,5 +1,6 @@
-"""The engine's per-request state: admission state, delivery to the event loop, and for generations the
-sampling, detokenization and stop checks done after each model step."""
+"""The engine's per-request state: admission state, delivery to the event loop (one hand-off per loop for a
+whole decode step), for generations the sampling, detokenization and stop checks done after each model
+step, and `GenerationStream`, the handler's side of a generation."""
 
 from __future__ import annotations
 
