@@ -135,3 +135,23 @@ def test_probes_info_metrics_and_docs(client: TestClient) -> None:
     for path in ("/generate", "/generate_stream", "/embed", "/v1/completions", "/v1/embeddings", "/v1/models",
                  "/tokenize", "/health", "/ready", "/info", "/metrics"):
         assert path in paths
+
+
+def test_only_streaming_routes_ask_the_engine_for_token_by_token_delivery(client: TestClient,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = client.app.state.service.engine  # type: ignore[attr-defined]
+    asked: list[bool] = []
+    real = engine.generate
+
+    def generate(spec: Any, request_id: Any = None, reservation: Any = None, stream: bool = True) -> Any:
+        asked.append(stream)
+        return real(spec, request_id, reservation, stream)
+
+    monkeypatch.setattr(engine, "generate", generate)
+    params = {"max_new_tokens": 3}
+    assert client.post("/generate", json={"inputs": "Hi", "parameters": params}).status_code == 200
+    assert client.post("/generate_stream", json={"inputs": "Hi", "parameters": params}).status_code == 200
+    assert client.post("/v1/completions", json={"model": "m", "prompt": "Hi", "max_tokens": 3}).status_code == 200
+    assert client.post("/v1/completions", json={"model": "m", "prompt": "Hi", "max_tokens": 3,
+                                                "stream": True}).status_code == 200
+    assert asked == [False, True, False, True]
