@@ -54,10 +54,11 @@ def passages(tails: list[tuple[str, np.ndarray]], length: int, per_book: int | N
 
 
 @torch.no_grad()
-def nll_bits_of_last(lm: ReformerLM, ids: np.ndarray, last: int) -> float:
-    """Total bits the model spends on the last `last` tokens of `ids`, given everything before them."""
+def nll_bits_of_last(lm: ReformerLM, ids: np.ndarray, last: int, position_offset: int = 0) -> float:
+    """Total bits the model spends on the last `last` tokens of `ids`, given everything before them, with
+    the first token at position `position_offset`."""
     x = torch.from_numpy(ids).unsqueeze(0)  # (1, L)
-    logits = lm(x[:, :-1]).logits[:, -last:]  # (1, last, vocab)
+    logits = lm(x[:, :-1], position_offset=position_offset).logits[:, -last:]  # (1, last, vocab)
     nll = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), x[:, -last:].reshape(-1), reduction="sum")
     return float(nll) / math.log(2)
 

@@ -51,12 +51,16 @@ def test_long_context_scores_the_same_bytes_both_ways(tiny: tuple[Path, Path], t
     assert total["book"] == "all" and total["passages"] == 9 and total["bytes_scored"] == 9 * 64
     assert {r["book"] for r in res["rows"][:-1]} == {"aaa.txt", "bbb.txt", "ccc.txt"}
     assert 0 < total["bpb_full_context"] < 16 and total["bpb_full_context"] != total["bpb_short_context"]
+    # the control gives the short context at the passage's positions: other position embeddings, other bits
+    control = total["bpb_short_context_same_positions"]
+    assert control not in (total["bpb_full_context"], total["bpb_short_context"])
     # with no more context than the short case, both figures are the same computation
     same = tmp_path / "same.json"
     long_context.main([str(ckpt), "--data", str(data), "--val-fraction", "0.5", "--passage", "128", "--tail", "64",
                        "--context", "64", "--threads", "1", "--out", str(same)])
     row = json.loads(same.read_text())["rows"][-1]
     assert row["bpb_full_context"] == pytest.approx(row["bpb_short_context"], abs=1e-4)
+    assert row["bpb_short_context_same_positions"] == row["bpb_short_context"]  # offset 0: the same input
 
 
 def test_embed_quality_reports_every_pooling_against_bag_of_bytes(tiny: tuple[Path, Path], tmp_path: Path) -> None:
