@@ -11,17 +11,20 @@ torch raises. Verification compares every real token of every row with the eager
 hidden states, at lengths below, at and above one chunk, at 4,096 tokens and in left-, right- and
 both-side-padded batches, and refuses a graph that differs by more than PARITY_TOLERANCE.
 
-Longer inputs (16,384 tokens with `long=True`, which export uses) are checked by what they compute, not
-logit by logit. An LSH bucket is an argmax over rotated projections; over 16K positions x heads x rounds x
-layers some position's two best projections lie within ~1e-7 (relative) of each other, below the float
-rounding by which any two implementations differ (torch's own static-shape path and its eager path flip
-such buckets too). A flipped bucket moves the sorted order by one slot between the two buckets, so chunk
-windows gain or lose one key for every position in between: many logits move, a few by tenths. What a
-flip does not move is what the model says about the input as a whole, which a length-specific error in
-the graph (positions, bucket offsets, chunk arithmetic) does: so a long case must give the input's mean
-next-token log-likelihood within LONG_NLL_TOLERANCE (relative) and its mean-pooled hidden state (what
-embeddings pool) within LONG_POOLED_TOLERANCE (relative L2) of torch's; its largest logit difference and
-the share of positions within PARITY_TOLERANCE are recorded beside them.
+Inputs that LSH-hash cannot always be held to that. An LSH bucket is an argmax over rotated projections;
+over many positions x heads x rounds x layers some position's two best projections lie within ~1e-7
+(relative) of each other, below the float rounding by which any two implementations differ (torch's own
+static-shape path and its eager path flip such buckets too). A flipped bucket moves the sorted order by
+one slot between the two buckets, so chunk windows gain or lose one key for every position in between:
+many logits move, a few by tenths. At 16,384 tokens (`long=True`, which export uses) a near-tie is all
+but certain; at 4,096 it happens for some models and seeds. What a flip does not move is what the model
+says about the input as a whole, which a length-specific error in the graph (positions, bucket offsets,
+chunk arithmetic) does: so a case longer than LONG_LENGTH, or a case that hashes and misses
+PARITY_TOLERANCE, must give the input's mean next-token log-likelihood within LONG_NLL_TOLERANCE
+(relative) and its mean-pooled hidden state (what embeddings pool) within LONG_POOLED_TOLERANCE (relative
+L2) of torch's; its largest logit difference and the share of positions within PARITY_TOLERANCE are
+recorded beside them. Cases that do not hash (up to one LSH chunk, or no LSH layer) are always held to
+PARITY_TOLERANCE, so an error common to every path still fails the export.
 """
 
 from __future__ import annotations
@@ -230,35 +233,48 @@ def long_case_parity(ids: Tensor, mask: Tensor, ref_logits: np.ndarray, ref_hidd
             "share_within_tolerance": float((gap <= PARITY_TOLERANCE).mean())}
 
 
+def _hashes(model: ReformerLM, mask: Tensor) -> bool:
+    """Whether some row of the case runs LSH hashing (an LSH layer and a row longer than one LSH chunk)."""
+    cfg = model.config
+    return "lsh" in cfg.attn_layers and int(mask.sum(dim=1).max()) > cfg.lsh_attn_chunk_length
+
+
 def verify_onnx(model: ReformerLM, path: Path, seed: int = 0, long: bool = False) -> dict[str, Any]:
-    """Torch (the eager model) against onnxruntime over the verification cases: up to LONG_LENGTH tokens the
-    max abs difference on every real token, logits and hidden states (what the onnxruntime backend pools
-    into embeddings), must be within PARITY_TOLERANCE; longer cases (long=True) are held to the
-    long-input criterion of the module docstring. Raises ExportError naming the first failure."""
+    """Torch (the eager model) against onnxruntime over the verification cases. A case is held to
+    PARITY_TOLERANCE on every real token, logits and hidden states (what the onnxruntime backend pools into
+    embeddings), except where LSH bucket near-ties make that unattainable (module docstring): a case longer
+    than LONG_LENGTH (long=True), or a case that hashes and misses the tolerance, is held to the whole-input
+    criterion instead (`long_case_parity`: LONG_NLL_TOLERANCE, LONG_POOLED_TOLERANCE) and recorded in
+    `whole_input_cases`. A case that does not hash is always held to PARITY_TOLERANCE. Raises ExportError
+    naming the first failure."""
     session = ort_session(path)
     worst_logits = worst_hidden = 0.0
-    shapes, long_cases = [], []
+    shapes, whole_input = [], []
     for ids, mask in verification_cases(model, seed, long):
         with torch.no_grad():
             ref = model(ids, mask)
         logits, hidden = run_ort(session, ids, mask)
         shapes.append([int(v) for v in mask.sum(dim=1)])
-        if ids.shape[1] > LONG_LENGTH:
+        real = mask.bool().numpy()
+        gap_logits = float(np.abs(logits - ref.logits.numpy())[real].max())
+        gap_hidden = float(np.abs(hidden - ref.hidden_states.numpy())[real].max())
+        strict = gap_logits <= PARITY_TOLERANCE and gap_hidden <= PARITY_TOLERANCE
+        if _hashes(model, mask) and (ids.shape[1] > LONG_LENGTH or not strict):
             case = long_case_parity(ids, mask, ref.logits.numpy(), ref.hidden_states.numpy(), logits, hidden)
-            long_cases.append(case)
+            case["why"] = f"longer than {LONG_LENGTH} tokens" if ids.shape[1] > LONG_LENGTH else \
+                f"hashes, and differs by more than {PARITY_TOLERANCE}"
+            whole_input.append(case)
             for key, limit in (("nll_relative_diff", LONG_NLL_TOLERANCE),
                                ("pooled_relative_diff", LONG_POOLED_TOLERANCE)):
                 if not case[key] <= limit:  # also catches NaN
                     raise ExportError(f"{path.name}: at {case['length']} tokens onnxruntime's {key} against torch "
                                       f"is {case[key]:.3g} (> {limit}); refusing to write the artifact")
             continue
-        real = mask.bool().numpy()
-        worst_logits = max(worst_logits, float(np.abs(logits - ref.logits.numpy())[real].max()))
-        worst_hidden = max(worst_hidden, float(np.abs(hidden - ref.hidden_states.numpy())[real].max()))
+        worst_logits, worst_hidden = max(worst_logits, gap_logits), max(worst_hidden, gap_hidden)
     result = {"max_abs_diff_logits": worst_logits, "max_abs_diff_hidden_states": worst_hidden,
-              "tolerance": PARITY_TOLERANCE, "max_abs_checked_up_to": LONG_LENGTH, "cases": shapes, "seed": seed,
-              "long_cases": long_cases, "long_tolerance": {"nll_relative_diff": LONG_NLL_TOLERANCE,
-                                                           "pooled_relative_diff": LONG_POOLED_TOLERANCE}}
+              "tolerance": PARITY_TOLERANCE, "cases": shapes, "seed": seed, "whole_input_cases": whole_input,
+              "whole_input_tolerance": {"nll_relative_diff": LONG_NLL_TOLERANCE,
+                                        "pooled_relative_diff": LONG_POOLED_TOLERANCE}}
     for name, worst in (("logits", worst_logits), ("hidden_states", worst_hidden)):
         if not worst <= PARITY_TOLERANCE:  # also catches NaN
             raise ExportError(f"{path.name}: onnxruntime {name} differ from torch by {worst:.3g} "

@@ -173,6 +173,47 @@ def test_long_case_parity_flags_what_a_length_specific_error_moves() -> None:
         ox.LONG_POOLED_TOLERANCE
 
 
+def _shifted_ort(monkeypatch: pytest.MonkeyPatch, hashing: bool, vocab: slice) -> None:
+    """onnxruntime's logits moved by 0.3 (the vocabulary entries `vocab`) in the cases that hash, or in those
+    that do not."""
+    real = ox.run_ort
+
+    def run_ort(session: object, ids: torch.Tensor, mask: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        logits, hidden = real(session, ids, mask)
+        if (int(mask.sum(dim=1).max()) > 8) == hashing:  # tiny_model: LSH chunks of 8
+            logits = logits.copy()
+            logits[..., vocab] += 0.3
+        return logits, hidden
+
+    monkeypatch.setattr(ox, "run_ort", run_ort)
+
+
+def test_a_hashing_case_beyond_the_tolerance_is_held_to_the_whole_input(onnx_artifact: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    art = load_artifact(onnx_artifact)
+    assert art.model.config.lsh_attn_chunk_length == 8 and art.onnx_path is not None
+    # a shift of whole logit rows (what a bucket flip cannot be told from by the likelihood) where the case
+    # hashes: those cases fall back to the whole-input criterion, and pass it
+    _shifted_ort(monkeypatch, hashing=True, vocab=slice(None))
+    result = ox.verify_onnx(art.model, art.onnx_path, seed=2)
+    assert result["whole_input_cases"] and all(c["why"] == "hashes, and differs by more than 0.0001"
+                                               for c in result["whole_input_cases"])
+    assert result["max_abs_diff_logits"] <= ox.PARITY_TOLERANCE  # over the cases still held to it
+    # the same shift where nothing hashes is refused: those cases are always held to the tolerance
+    _shifted_ort(monkeypatch, hashing=False, vocab=slice(None))
+    with pytest.raises(ox.ExportError, match="onnxruntime logits differ from torch by 0.3"):
+        ox.verify_onnx(art.model, art.onnx_path, seed=2)
+
+
+def test_a_hashing_case_that_moves_the_likelihood_is_refused(onnx_artifact: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    art = load_artifact(onnx_artifact)
+    assert art.onnx_path is not None
+    _shifted_ort(monkeypatch, hashing=True, vocab=slice(0, 100))  # some tokens' probabilities move
+    with pytest.raises(ox.ExportError, match="nll_relative_diff against torch"):
+        ox.verify_onnx(art.model, art.onnx_path, seed=2)
+
+
 def test_export_needs_a_fixed_bucket_count() -> None:
     with pytest.raises(ox.ExportError, match="fixed num_buckets"):
         ox.OnnxForward(tiny_model(num_buckets=None))
