@@ -2,10 +2,12 @@
 one line per run, from each run's curve.csv (written by the trainer at every validation).
 
     python bench/plot_training.py RUN_DIR [RUN_DIR ...] [--out bench/results/training_curves.png]
-                                  [--labels NAME,...] [--target 2.2]
+                                  [--labels NAME,...] [--target 2.2] [--chain]
 
 The last point of a run is its final validation (all held-out tails); the others use the periodic
-subset (`--val-windows`), so the last point can sit a little off the line."""
+subset (`--val-windows`), so the last point can sit a little off the line. `--chain`: each run continued
+the one before it (`reformer train --init-from`), so its tokens and wall time are counted on from where
+that run ended."""
 
 from __future__ import annotations
 
@@ -23,6 +25,17 @@ def read_curve(run: Path) -> list[dict[str, float]]:
         raise FileNotFoundError(f"{path}: no curve.csv (is {run} a `reformer train --out` directory?)")
     with open(path, newline="") as f:
         return [{k: float(v) for k, v in row.items() if v not in ("", None)} for row in csv.DictReader(f)]
+
+
+def chained(runs: list[tuple[str, list[dict[str, float]]]]) -> list[tuple[str, list[dict[str, float]]]]:
+    """Each run's tokens seen and wall time counted on from the end of the run before it."""
+    out, tokens, wall = [], 0.0, 0.0
+    for label, rows in runs:
+        out.append((label, [{**r, "tokens_seen": r["tokens_seen"] + tokens, "wall_time_s": r["wall_time_s"] + wall}
+                            for r in rows]))
+        if rows:
+            tokens, wall = out[-1][1][-1]["tokens_seen"], out[-1][1][-1]["wall_time_s"]
+    return out
 
 
 def plot(runs: list[tuple[str, list[dict[str, float]]]], out: Path, target: float | None) -> None:
@@ -62,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--labels", help="comma-separated names, one per run (default: directory names)")
     p.add_argument("--target", type=float, default=2.2, help="horizontal target line (bits per byte)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "training_curves.png")
+    p.add_argument("--chain", action="store_true", help="each run fine-tunes the one before: count on from its end")
     args = p.parse_args(argv)
     labels = args.labels.split(",") if args.labels else [r.name if r.is_dir() else r.parent.name for r in args.runs]
     if len(labels) != len(args.runs):
@@ -72,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as e:
         print(f"plot_training: {e}", file=sys.stderr)
         return 2
+    if args.chain:
+        runs = chained(runs)
     plot(runs, args.out, args.target)
     for label, rows in runs:
         last = rows[-1] if rows else {}

@@ -118,3 +118,19 @@ def test_plot_training_draws_a_curve_file(tmp_path: Path) -> None:
     assert plot_training.main([str(run), "--out", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert plot_training.main([str(tmp_path / "missing"), "--out", str(out)]) == 2
+
+
+def test_plot_training_chains_fine_tunes_from_where_the_run_before_ended(tmp_path: Path) -> None:
+    import plot_training
+
+    first = [{"tokens_seen": 100.0, "wall_time_s": 10.0, "val_bpb": 3.0},
+             {"tokens_seen": 200.0, "wall_time_s": 30.0, "val_bpb": 2.5}]
+    second = [{"tokens_seen": 50.0, "wall_time_s": 5.0, "val_bpb": 2.4}]
+    (a, rows_a), (b, rows_b) = plot_training.chained([("a", first), ("b", second)])
+    assert rows_a == first and (a, b) == ("a", "b")
+    assert rows_b == [{"tokens_seen": 250.0, "wall_time_s": 35.0, "val_bpb": 2.4}]
+    run = tmp_path / "run.csv"
+    run.write_text("step,phase,tokens_seen,wall_time_s,val_bpb,val_bytes,train_loss\n10,0,81920,60.0,3.9,16000,2.7\n")
+    out = tmp_path / "chain.png"
+    assert plot_training.main([str(run), str(run), "--chain", "--out", str(out)]) == 0
+    assert out.exists()
