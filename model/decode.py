@@ -57,20 +57,18 @@ INVARIANT_ROWS = 16
 # threads that must wait for a busy core at every op barrier lose more than they gain. Measured with the
 # engine and the shipped model, 2 cores, 128-token generations of 256-token prompts (a hand measurement):
 # 8 streams, model step 7.5 ms on 2 threads against 3.6 ms on 1; 32 streams, 12.1 against 9.5 ms.
-# When no row streams, nothing is delivered between steps (non-streaming callers get their tokens at the
-# end), so the core is not needed and a large step takes every thread.
 SINGLE_THREAD_ROWS = 4
 
 
 @contextmanager
-def step_threads(rows: int, device: torch.device | None = None, streaming: bool = True) -> Iterator[None]:
-    """Run what the block holds on one intra-op thread when a CPU step has at most SINGLE_THREAD_ROWS rows;
-    otherwise on all but one of the threads when `streaming` (some row's tokens are delivered after every
-    step), on all of them when not; restore the previous count after (a GPU step is left alone: intra-op
-    threads are a CPU matter). torch.set_num_threads is process-wide: only the decode callers (the
-    service's model runner, bench/generate.py) use this, from the one thread that runs model calls."""
+def step_threads(rows: int, device: torch.device | None = None) -> Iterator[None]:
+    """Run what the block holds on one intra-op thread when a CPU step has at most SINGLE_THREAD_ROWS rows,
+    on all but one of the threads otherwise, and restore the previous count after (a GPU step is left
+    alone: intra-op threads are a CPU matter). torch.set_num_threads is process-wide: only the decode
+    callers (the service's model runner, bench/generate.py) use this, from the one thread that runs model
+    calls."""
     before = torch.get_num_threads()
-    want = 1 if rows <= SINGLE_THREAD_ROWS else (max(before - 1, 1) if streaming else before)
+    want = 1 if rows <= SINGLE_THREAD_ROWS else max(before - 1, 1)
     if want == before or (device is not None and device.type != "cpu"):
         yield
         return

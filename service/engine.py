@@ -375,8 +375,7 @@ class Engine:
         if not jobs:
             return
         try:
-            logits = self.runner.decode([j.pending_token for j in jobs], [j.cache for j in jobs],  # type: ignore[misc]
-                                        streaming=any(j.stream for j in jobs))
+            logits = self.runner.decode([j.pending_token for j in jobs], [j.cache for j in jobs])  # type: ignore[misc]
         except Exception:
             log.exception("decode step over %d generations failed", len(jobs))
             self._fail_jobs(jobs)

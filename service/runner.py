@@ -84,12 +84,10 @@ class ModelRunner:
                 raise
 
     @torch.inference_mode()
-    def decode(self, tokens: Sequence[int], states: Sequence[DecodeState], streaming: bool = True) -> torch.Tensor:
-        """One step's logits (B, vocab) float32 on the CPU. `streaming`: some row's tokens go to its client
-        after this step, so a large CPU step leaves a core to the event loop (model.decode.step_threads)."""
+    def decode(self, tokens: Sequence[int], states: Sequence[DecodeState]) -> torch.Tensor:
         ids = torch.tensor(list(tokens), dtype=torch.long).to(self.device)
         # small steps on one intra-op thread (process-wide, restored after: model.decode.step_threads)
-        with step_threads(len(states), self.device, streaming):
+        with step_threads(len(states), self.device):
             return decode_step(self.model, ids, self.cache, states, self.invariant).float().cpu()
 
     def can_step(self, state: DecodeState) -> bool:

@@ -99,9 +99,9 @@ def test_admission_by_decode_cache_bytes(artifact: Any) -> None:
     steps: list[int] = []
     real = engine.runner.decode
 
-    def decode(tokens: Any, states: Any, streaming: bool = True) -> Any:
+    def decode(tokens: Any, states: Any) -> Any:
         steps.append(len(states))
-        return real(tokens, states, streaming)
+        return real(tokens, states)
 
     engine.runner.decode = decode  # type: ignore[method-assign]
     engine.start()
@@ -136,11 +136,11 @@ def _record_slices(engine: Engine, monkeypatch: pytest.MonkeyPatch, budget_s: fl
 
     stream: list[Any] = []
 
-    def decode(tokens: Any, states: Any, streaming: bool = True) -> Any:
+    def decode(tokens: Any, states: Any) -> Any:
         if not calls:
             stream[:] = [states[0]]
         calls.append("d" if any(s is stream[0] for s in states) else "x")
-        return real_decode(tokens, states, streaming)
+        return real_decode(tokens, states)
 
     def prefill_slices(prompts: Any, reserve: Any) -> Any:
         inner = real_slices(prompts, reserve)
@@ -203,9 +203,9 @@ def test_batch_size_counts_rows_per_model_call(artifact: Any) -> None:
     rows: list[int] = []
     real = engine.runner.decode
 
-    def decode(tokens: Any, states: Any, streaming: bool = True) -> Any:
+    def decode(tokens: Any, states: Any) -> Any:
         rows.append(len(states))
-        return real(tokens, states, streaming)
+        return real(tokens, states)
 
     engine.runner.decode = decode  # type: ignore[method-assign]
 
@@ -223,42 +223,6 @@ def test_batch_size_counts_rows_per_model_call(artifact: Any) -> None:
     assert _histogram(engine, "prefill") == (1.0, 3.0)  # the three prompts were prefilled in one call
     assert rows and max(rows) == 3  # and decoded together
     assert _histogram(engine, "decode") == (float(len(rows)), float(sum(rows)))
-
-
-def test_a_step_is_marked_streaming_only_when_a_row_streams(artifact: Any) -> None:
-    engine = _engine(artifact)
-    flags: list[tuple[int, bool]] = []
-    real = engine.runner.decode
-
-    def decode(tokens: Any, states: Any, streaming: bool = True) -> Any:
-        flags.append((len(states), streaming))
-        return real(tokens, states, streaming)
-
-    engine.runner.decode = decode  # type: ignore[method-assign]
-
-    async def held(spec: GenerationSpec) -> int:
-        stream = engine.generate(spec, stream=False)
-        while (await stream.next_event()).finish is None:
-            pass
-        return 1
-
-    async def scenario(streaming: bool) -> None:
-        specs = [_spec([5, 6, 7], 6), _spec([8, 9], 6)]
-        if streaming:
-            await asyncio.gather(held(specs[0]), _collect(engine, specs[1]))
-        else:
-            await asyncio.gather(*(held(s) for s in specs))
-
-    engine.start()
-    try:
-        asyncio.run(scenario(streaming=False))
-        assert flags and not any(f for _, f in flags)  # nobody waits between steps: the step may take every core
-        flags.clear()
-        asyncio.run(scenario(streaming=True))
-        assert any(rows == 2 and f for rows, f in flags)  # a streaming row in the step leaves a core free
-        assert all(f for rows, f in flags if rows == 2)
-    finally:
-        engine.stop()
 
 
 @pytest.mark.parametrize("invariant", [True, False], ids=["invariant", "bucketed"])
