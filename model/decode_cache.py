@@ -5,6 +5,11 @@ Each layer's keys and values live in one pool of `blocks` blocks of `block_size`
 a list of blocks (its row of `block_table`). A request reserves, when it is admitted, the blocks for its
 prompt plus its `max_new_tokens`, so joining or leaving copies nobody's cache and growing never copies.
 Block 0 and the last slot are scratch: padding rows of a bucketed step read and write there.
+
+With an automatic bucket count (num_buckets=None) an index grows, for every slot at once, when a request
+reaches a length with more buckets. The budget therefore reserves, per slot, the index of the longest
+request the cache is built for (`max_tokens`), and refuses longer ones, so growth never takes memory the
+capacity does not count.
 """
 
 from __future__ import annotations
@@ -57,8 +62,12 @@ def _flat(nb: int | list[int]) -> int:
 
 
 class DecodeCache:
-    def __init__(self, lm: ReformerLM, capacity_bytes: int, max_slots: int, block_size: int = 16) -> None:
+    def __init__(self, lm: ReformerLM, capacity_bytes: int, max_slots: int, block_size: int = 16,
+                 max_tokens: int | None = None) -> None:
         cfg = lm.config
+        # the longest request (prompt plus new tokens) served: what an automatic bucket count is reserved for
+        self.max_tokens = min(max_tokens or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        reserve: list[int] = []  # per LSH layer: the most buckets its index can need
         param = next(lm.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.block_size = block_size
@@ -69,6 +78,8 @@ class DecodeCache:
             att = layer.attention.self_attention  # type: ignore[union-attr]
             if isinstance(att, LSHSelfAttention):
                 nb = _flat(att.config.num_buckets) if att.config.num_buckets is not None else 2
+                reserve.append(nb if att.config.num_buckets is not None
+                               else _flat(att.num_buckets_for(cfg.padded_length(self.max_tokens))))
                 self.indexes.append(LSHIndex(max_slots + 1, att.heads, att.rounds, nb,
                                              (att.after + 1) * att.chunk, (att.before + 1) * att.chunk, self.device,
                                              cfg.max_position_embeddings))
@@ -78,7 +89,9 @@ class DecodeCache:
         lsh = sum(ix is not None for ix in self.indexes)
         self.bytes_per_token = (2 * len(self.indexes) * self.head_size + lsh) * self.heads * elt
         self.bytes_per_block = self.bytes_per_token * block_size
-        usable = capacity_bytes - self.bytes_per_slot * (max_slots + 1)
+        self.reserved_bytes_per_slot = sum(ix.nbytes_per_slot(nb) for ix, nb in
+                                           zip([ix for ix in self.indexes if ix is not None], reserve, strict=True))
+        usable = capacity_bytes - self.reserved_bytes_per_slot * (max_slots + 1)
         self.blocks = max(usable // self.bytes_per_block, 0) + 1  # + the scratch block 0
         rows = self.blocks * block_size
         # empty, not zeros: pages are touched only when written (only the scratch block is cleared); a read
@@ -100,21 +113,22 @@ class DecodeCache:
 
     @property
     def bytes_per_slot(self) -> int:
-        """LSH bookkeeping of one request slot. With an automatic bucket count it grows (for every slot) when a
-        request reaches a length with more buckets; the figures here follow it, the capacity check does not."""
+        """LSH bookkeeping one request slot holds now. With an automatic bucket count it grows (for every
+        slot) up to `reserved_bytes_per_slot`, which the capacity counts."""
         return sum(ix.nbytes_per_slot() for ix in self.indexes if ix is not None)
 
     @classmethod
     def for_tokens(cls, lm: ReformerLM, tokens: int, slots: int = 1, block_size: int = 16) -> DecodeCache:
         """A cache just large enough for `slots` requests of `tokens` positions each."""
-        probe = cls(lm, 0, slots, block_size)
-        need = slots * (-(-tokens // block_size) * probe.bytes_per_block + probe.bytes_per_slot) + probe.bytes_per_slot
-        return cls(lm, need, slots, block_size)
+        probe = cls(lm, 0, slots, block_size, max_tokens=tokens)
+        need = (slots * (-(-tokens // block_size) * probe.bytes_per_block + probe.reserved_bytes_per_slot)
+                + probe.reserved_bytes_per_slot)
+        return cls(lm, need, slots, block_size, max_tokens=tokens)
 
     # ---- accounting --------------------------------------------------------------------------------------
     @property
     def capacity_bytes(self) -> int:
-        return (self.blocks - 1) * self.bytes_per_block + self.max_slots * self.bytes_per_slot
+        return (self.blocks - 1) * self.bytes_per_block + self.max_slots * self.reserved_bytes_per_slot
 
     @property
     def allocated_bytes(self) -> int:
@@ -130,10 +144,11 @@ class DecodeCache:
         return len(self._free_slots)
 
     def bytes_for(self, tokens: int) -> int:
-        return -(-tokens // self.block_size) * self.bytes_per_block + self.bytes_per_slot
+        return -(-tokens // self.block_size) * self.bytes_per_block + self.reserved_bytes_per_slot
 
     def fits_ever(self, tokens: int) -> bool:
-        return -(-tokens // self.block_size) <= self.blocks - 1 and self.max_slots > 0
+        return (-(-tokens // self.block_size) <= self.blocks - 1 and self.max_slots > 0
+                and tokens <= self.max_tokens)
 
     def fits_now(self, tokens: int) -> bool:
         return -(-tokens // self.block_size) <= len(self._free_blocks) and bool(self._free_slots)
@@ -143,8 +158,11 @@ class DecodeCache:
         """A slot and the blocks for `tokens` positions (prompt plus new tokens), or CacheFull."""
         need = -(-tokens // self.block_size)
         if not self.fits_ever(tokens):
-            raise CacheFull(f"{tokens} tokens need {need * self.bytes_per_block + self.bytes_per_slot} bytes of "
-                            f"decode cache; its capacity is {self.capacity_bytes} bytes", never=True)
+            if tokens > self.max_tokens:
+                raise CacheFull(f"{tokens} tokens are more than the {self.max_tokens} this decode cache was built "
+                                "for", never=True)
+            raise CacheFull(f"{tokens} tokens need {self.bytes_for(tokens)} bytes of decode cache; its capacity "
+                            f"is {self.capacity_bytes} bytes", never=True)
         if not self.fits_now(tokens):
             raise CacheFull(f"decode cache full: {tokens} tokens do not fit now")
         blocks = [self._free_blocks.pop() for _ in range(need)]

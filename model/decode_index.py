@@ -46,8 +46,11 @@ class LSHIndex:
     def width(self) -> int:
         return self.head_len + self.tail_len
 
-    def nbytes_per_slot(self) -> int:
-        return self.counts[0].numel() * self.counts.element_size() + self.items[0].numel() * self.items.element_size()
+    def nbytes_per_slot(self, buckets: int | None = None) -> int:
+        """Bytes one slot's index holds now, or would hold with `buckets` buckets."""
+        cells = self.counts[0, ..., 0].numel()  # heads x rounds
+        per_bucket = cells * (self.counts.element_size() + self.width * self.items.element_size())
+        return per_bucket * (self.buckets if buckets is None else max(buckets, self.buckets))
 
     def grow_buckets(self, buckets: int) -> None:
         """Room for more buckets (an automatic bucket count grew): the new buckets start empty."""

@@ -70,6 +70,7 @@ class EngineConfig:
     warmup: bool = True
     cache_bytes: int | None = None  # decode-cache capacity; None: service/runner.py's default share
     batch_invariant: bool = False  # decode steps in fixed row blocks: bit-identical to a request alone
+    max_request_tokens: int | None = None  # longest prompt plus max_new_tokens admitted; None: max positions
 
 
 class Engine:
@@ -93,7 +94,8 @@ class Engine:
         # long prompts being prefilled slice by slice between decode steps: (jobs, their prefill in progress,
         # the durations of its last few slices)
         self._prefilling: list[tuple[list[GenerationJob], Generator[None, None, Any], deque[float]]] = []
-        self.runner = ModelRunner(model, device, config.max_batch_size, config.cache_bytes, config.batch_invariant)
+        self.runner = ModelRunner(model, device, config.max_batch_size, config.cache_bytes, config.batch_invariant,
+                                  config.max_request_tokens)
         self._stopping = False
         self._dead = False
         self.ready = threading.Event()

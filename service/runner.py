@@ -30,16 +30,18 @@ def default_cache_bytes(device: torch.device) -> int:
 
 class ModelRunner:
     def __init__(self, model: Any, device: torch.device | None, max_slots: int, cache_bytes: int | None = None,
-                 invariant: bool = False) -> None:
+                 invariant: bool = False, max_tokens: int | None = None) -> None:
+        """`max_tokens`: the longest prompt plus max_new_tokens the service admits (default: the model's
+        positions); an automatic bucket count's index is reserved for it (model/decode_cache.py)."""
         self.model = model
         self.device = device if device is not None else next(model.parameters()).device
         self.invariant = invariant
-        probe = DecodeCache(model, 0, max_slots)
-        # enough for every slot to hold a full-length request; more could never be used
-        most = probe.bytes_per_slot * (max_slots + 1) + max_slots * (
-            probe.max_blocks * probe.bytes_per_block)
+        probe = DecodeCache(model, 0, max_slots, max_tokens=max_tokens)
+        # enough for every slot to hold a longest request; more could never be used
+        most = probe.reserved_bytes_per_slot * (max_slots + 1) + max_slots * (
+            -(-probe.max_tokens // probe.block_size) * probe.bytes_per_block)
         wanted = default_cache_bytes(self.device) if cache_bytes is None else cache_bytes
-        self.cache = DecodeCache(model, min(wanted, most), max_slots)
+        self.cache = DecodeCache(model, min(wanted, most), max_slots, max_tokens=max_tokens)
         self.max_positions: int = model.config.max_position_embeddings
 
     # ---- accounting --------------------------------------------------------------------------------------

@@ -69,8 +69,9 @@ class Settings(BaseSettings):
         description="Decode-cache capacity in bytes (keys, values and LSH bookkeeping of running generations, in "
         "preallocated blocks). A generation starts when its prompt plus max_new_tokens fits, waits in the queue "
         "while it does not, and gets 422 if it never could. Default: half the free GPU memory after the model "
-        "is loaded (CUDA) or a quarter of the available RAM (CPU), capped at what max_batch_size full-length "
-        "generations could use.",
+        "is loaded (CUDA) or a quarter of the available RAM (CPU), capped at what max_batch_size generations of "
+        "max_input_tokens + max_new_tokens could use. For a model with an automatic bucket count the LSH index "
+        "of that longest generation is reserved for every slot (it grows for all slots at once).",
     )
     batch_invariant: bool = Field(
         False,

@@ -124,6 +124,7 @@ class ServiceState:
             max_batch_size=s.max_batch_size, max_batch_tokens=s.max_batch_tokens, max_wait_ms=s.max_wait_ms,
             max_queue_size=s.max_queue_size, request_timeout_s=s.request_timeout_s, warmup=s.warmup,
             cache_bytes=s.cache_bytes, batch_invariant=s.batch_invariant,
+            max_request_tokens=min(self.limits.max_input_tokens + self.limits.max_new_tokens, positions),
         )
         self.engine = Engine(model, artifact.tokenizer, backend, device, config, self.metrics,
                              on_fatal=lambda exc: self.on_fatal(exc))

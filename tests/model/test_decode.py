@@ -163,6 +163,31 @@ def test_cache_blocks_are_reserved_and_returned() -> None:
     assert cache.allocated_bytes == 0
 
 
+def test_an_automatic_bucket_count_is_reserved_for_the_longest_request() -> None:
+    from model.decode_cache import CacheFull
+
+    torch.manual_seed(0)
+    lm = ReformerLM(tiny_config(vocab_size=258, num_buckets=None)).eval()
+    cache = DecodeCache(lm, 2_000_000, max_slots=2, max_tokens=200)
+    assert cache.reserved_bytes_per_slot > cache.bytes_per_slot  # the index starts with 2 buckets
+    # a 190-token request grows every slot's index: the capacity counted that growth in advance
+    _, (state,) = prefill(lm, cache, [torch.randint(3, 258, (150,))], [190])
+    for _ in range(39):
+        decode_step(lm, torch.tensor([5]), cache, [state])
+    assert cache.bytes_per_slot == cache.reserved_bytes_per_slot
+    index_bytes = sum(ix.counts.numel() * ix.counts.element_size() + ix.items.numel() * ix.items.element_size()
+                      for ix in cache.indexes if ix is not None)
+    held = (*cache.keys, *cache.values, *(n for n in cache.norms if n is not None))
+    pools = sum(t.numel() * t.element_size() for t in held)
+    assert index_bytes + pools <= 2_000_000 + cache.bytes_per_block  # + the scratch block the budget leaves out
+    assert cache.allocated_bytes <= cache.capacity_bytes
+    # longer than it was built for: refused for good, whatever is free
+    assert not cache.fits_ever(201)
+    with pytest.raises(CacheFull, match="more than the 200 this decode cache was built for") as refused:
+        cache.allocate(201)
+    assert refused.value.never
+
+
 def test_batch_buckets() -> None:
     assert [batch_bucket(n) for n in (1, 2, 3, 5, 9, 33, 64, 65)] == [1, 2, 4, 8, 16, 64, 64, 128]
 
