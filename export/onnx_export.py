@@ -20,8 +20,8 @@ many logits move, a few by tenths. At 16,384 tokens (`long=True`, which export u
 but certain; at 4,096 it happens for some models and seeds. What a flip does not move is what the model
 says about the input as a whole, which a length-specific error in the graph (positions, bucket offsets,
 chunk arithmetic) does: so a case longer than LONG_LENGTH, or a case that hashes and misses
-PARITY_TOLERANCE, must give the input's mean next-token log-likelihood within LONG_NLL_TOLERANCE
-(relative) and its mean-pooled hidden state (what embeddings pool) within LONG_POOLED_TOLERANCE (relative
+PARITY_TOLERANCE, must give the input's mean next-token log-likelihood within WHOLE_INPUT_NLL_TOLERANCE
+(relative) and its mean-pooled hidden state (what embeddings pool) within WHOLE_INPUT_POOLED_TOLERANCE (relative
 L2) of torch's; its largest logit difference and the share of positions within PARITY_TOLERANCE are
 recorded beside them. Cases that do not hash (up to one LSH chunk, or no LSH layer) are always held to
 PARITY_TOLERANCE, so an error common to every path still fails the export.
@@ -42,12 +42,15 @@ from torch import Tensor, nn
 
 from model import ReformerLM
 from model.batch import check_attention_mask
+from model.pooling import pool_hidden
 from model.static_attention import static_forward
 
 OPSET = 20
 PARITY_TOLERANCE = 1e-4
-LONG_NLL_TOLERANCE = 1e-4  # relative, inputs longer than LONG_LENGTH
-LONG_POOLED_TOLERANCE = 1e-3  # relative L2 of the mean-pooled hidden state (cosine >= 1 - 5e-7)
+# the whole-input criterion (module docstring): relative difference of the mean next-token log-likelihood,
+# relative L2 difference of the mean-pooled hidden state (cosine >= 1 - 5e-7)
+WHOLE_INPUT_NLL_TOLERANCE = 1e-4
+WHOLE_INPUT_POOLED_TOLERANCE = 1e-3
 RANDOM_OPS = {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli"}
 INPUT_NAMES = ["input_ids", "attention_mask"]
 OUTPUT_NAMES = ["logits", "hidden_states"]
@@ -210,11 +213,12 @@ def verification_cases(model: ReformerLM, seed: int = 0, long: bool = False) -> 
     return cases
 
 
-def long_case_parity(ids: Tensor, mask: Tensor, ref_logits: np.ndarray, ref_hidden: np.ndarray,
+def whole_input_parity(ids: Tensor, mask: Tensor, ref_logits: np.ndarray, ref_hidden: np.ndarray,
                      logits: np.ndarray, hidden: np.ndarray) -> dict[str, Any]:
-    """The long-input comparison (module docstring) of one case, all rows: relative differences of the mean
+    """The whole-input comparison (module docstring) of one case, all rows: relative differences of the mean
     next-token negative log-likelihood of the real tokens and of each row's mean-pooled hidden state
-    (the worst row), the largest logit difference and the share of real positions within PARITY_TOLERANCE."""
+    (model/pooling.py pool_hidden, as the service pools; the worst row), the largest logit difference and
+    the share of real positions within PARITY_TOLERANCE."""
     real = mask.bool().numpy()
     gap = np.abs(logits - ref_logits).max(axis=-1)[real]  # (real positions,)
     nll = []
@@ -223,13 +227,10 @@ def long_case_parity(ids: Tensor, mask: Tensor, ref_logits: np.ndarray, ref_hidd
         target = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)  # (B, L-1)
         scored = torch.from_numpy(real[:, 1:] & real[:, :-1])
         nll.append(float(-target[scored].mean()))
-    pooled = []
-    for row in range(ids.shape[0]):
-        a = torch.from_numpy(ref_hidden[row][real[row]]).double().mean(0)  # (2*hidden,)
-        b = torch.from_numpy(hidden[row][real[row]]).double().mean(0)
-        pooled.append(float((a - b).norm() / a.norm().clamp_min(1e-30)))
+    a, b = (pool_hidden(torch.from_numpy(h).double(), mask, "mean") for h in (ref_hidden, hidden))  # (B, 2*hidden)
+    pooled = (a - b).norm(dim=-1) / a.norm(dim=-1).clamp_min(1e-30)  # (B,)
     return {"length": int(ids.shape[1]), "nll_relative_diff": abs(nll[1] - nll[0]) / max(abs(nll[0]), 1e-30),
-            "pooled_relative_diff": max(pooled), "max_abs_diff_logits": float(gap.max()),
+            "pooled_relative_diff": float(pooled.max()), "max_abs_diff_logits": float(gap.max()),
             "share_within_tolerance": float((gap <= PARITY_TOLERANCE).mean())}
 
 
@@ -244,7 +245,7 @@ def verify_onnx(model: ReformerLM, path: Path, seed: int = 0, long: bool = False
     PARITY_TOLERANCE on every real token, logits and hidden states (what the onnxruntime backend pools into
     embeddings), except where LSH bucket near-ties make that unattainable (module docstring): a case longer
     than LONG_LENGTH (long=True), or a case that hashes and misses the tolerance, is held to the whole-input
-    criterion instead (`long_case_parity`: LONG_NLL_TOLERANCE, LONG_POOLED_TOLERANCE) and recorded in
+    criterion instead (`whole_input_parity`: WHOLE_INPUT_NLL_TOLERANCE, WHOLE_INPUT_POOLED_TOLERANCE) and recorded in
     `whole_input_cases`. A case that does not hash is always held to PARITY_TOLERANCE. Raises ExportError
     naming the first failure."""
     session = ort_session(path)
@@ -260,12 +261,12 @@ def verify_onnx(model: ReformerLM, path: Path, seed: int = 0, long: bool = False
         gap_hidden = float(np.abs(hidden - ref.hidden_states.numpy())[real].max())
         strict = gap_logits <= PARITY_TOLERANCE and gap_hidden <= PARITY_TOLERANCE
         if _hashes(model, mask) and (ids.shape[1] > LONG_LENGTH or not strict):
-            case = long_case_parity(ids, mask, ref.logits.numpy(), ref.hidden_states.numpy(), logits, hidden)
+            case = whole_input_parity(ids, mask, ref.logits.numpy(), ref.hidden_states.numpy(), logits, hidden)
             case["why"] = f"longer than {LONG_LENGTH} tokens" if ids.shape[1] > LONG_LENGTH else \
                 f"hashes, and differs by more than {PARITY_TOLERANCE}"
             whole_input.append(case)
-            for key, limit in (("nll_relative_diff", LONG_NLL_TOLERANCE),
-                               ("pooled_relative_diff", LONG_POOLED_TOLERANCE)):
+            for key, limit in (("nll_relative_diff", WHOLE_INPUT_NLL_TOLERANCE),
+                               ("pooled_relative_diff", WHOLE_INPUT_POOLED_TOLERANCE)):
                 if not case[key] <= limit:  # also catches NaN
                     raise ExportError(f"{path.name}: at {case['length']} tokens onnxruntime's {key} against torch "
                                       f"is {case[key]:.3g} (> {limit}); refusing to write the artifact")
@@ -273,8 +274,8 @@ def verify_onnx(model: ReformerLM, path: Path, seed: int = 0, long: bool = False
         worst_logits, worst_hidden = max(worst_logits, gap_logits), max(worst_hidden, gap_hidden)
     result = {"max_abs_diff_logits": worst_logits, "max_abs_diff_hidden_states": worst_hidden,
               "tolerance": PARITY_TOLERANCE, "cases": shapes, "seed": seed, "whole_input_cases": whole_input,
-              "whole_input_tolerance": {"nll_relative_diff": LONG_NLL_TOLERANCE,
-                                        "pooled_relative_diff": LONG_POOLED_TOLERANCE}}
+              "whole_input_tolerance": {"nll_relative_diff": WHOLE_INPUT_NLL_TOLERANCE,
+                                        "pooled_relative_diff": WHOLE_INPUT_POOLED_TOLERANCE}}
     for name, worst in (("logits", worst_logits), ("hidden_states", worst_hidden)):
         if not worst <= PARITY_TOLERANCE:  # also catches NaN
             raise ExportError(f"{path.name}: onnxruntime {name} differ from torch by {worst:.3g} "

@@ -54,6 +54,9 @@ class ModelRunner:
         return blocks <= self.cache.free_blocks and len(token_counts) <= self.cache.free_slots
 
     def limit_message(self, tokens: int) -> str:
+        if min(tokens, self.max_positions) > self.cache.max_tokens:
+            return (f"prompt plus max_new_tokens ({tokens} tokens) is more than the {self.cache.max_tokens} tokens "
+                    "the decode cache was built for (max_input_tokens + max_new_tokens)")
         return (f"prompt plus max_new_tokens ({tokens} tokens) needs {self.cache.bytes_for(tokens)} bytes of decode "
                 f"cache, more than its capacity of {self.cache.capacity_bytes} bytes (REFORMER_CACHE_BYTES)")
 

@@ -141,36 +141,36 @@ def _long_outputs(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, np.ndarray
     return ids, mask, logits, hidden
 
 
-def test_long_case_parity_measures_likelihood_and_pooled_state_not_single_logits() -> None:
+def test_whole_input_parity_measures_likelihood_and_pooled_state_not_single_logits() -> None:
     ids, mask, logits, hidden = _long_outputs()
-    same = ox.long_case_parity(ids, mask, logits, hidden, logits.copy(), hidden.copy())
+    same = ox.whole_input_parity(ids, mask, logits, hidden, logits.copy(), hidden.copy())
     assert same == {"length": 300, "nll_relative_diff": 0.0, "pooled_relative_diff": 0.0,
                     "max_abs_diff_logits": 0.0, "share_within_tolerance": 1.0}
     # a shift of every logit of some positions leaves their probabilities (and the likelihood) as they were
     shifted = logits.copy()
     shifted[0, 100:130] += 0.3
-    case = ox.long_case_parity(ids, mask, logits, hidden, shifted, hidden)
+    case = ox.whole_input_parity(ids, mask, logits, hidden, shifted, hidden)
     assert case["nll_relative_diff"] < 1e-7 and case["max_abs_diff_logits"] == pytest.approx(0.3, abs=1e-5)
     assert case["share_within_tolerance"] == pytest.approx(1 - 30 / 500)  # 500 real positions
     # padding is not compared: garbage there changes nothing
     padded = logits.copy()
     padded[1, 200:] = 1e6
-    assert ox.long_case_parity(ids, mask, logits, hidden, padded, hidden)["max_abs_diff_logits"] == 0.0
+    assert ox.whole_input_parity(ids, mask, logits, hidden, padded, hidden)["max_abs_diff_logits"] == 0.0
 
 
-def test_long_case_parity_flags_what_a_length_specific_error_moves() -> None:
+def test_whole_input_parity_flags_what_a_length_specific_error_moves() -> None:
     ids, mask, logits, hidden = _long_outputs()
     # every real next token a little less likely: the likelihood moves past its tolerance
     less_likely = logits.copy()
     for row in range(2):
         less_likely[row, np.arange(299), ids[row, 1:].numpy()] -= 0.01
-    assert ox.long_case_parity(ids, mask, logits, hidden, less_likely, hidden)["nll_relative_diff"] > \
-        ox.LONG_NLL_TOLERANCE
+    assert ox.whole_input_parity(ids, mask, logits, hidden, less_likely, hidden)["nll_relative_diff"] > \
+        ox.WHOLE_INPUT_NLL_TOLERANCE
     # hidden states of the later positions scaled by 1%: the pooled state moves past its tolerance
     scaled = hidden.copy()
     scaled[:, 150:] *= 1.01
-    assert ox.long_case_parity(ids, mask, logits, hidden, logits, scaled)["pooled_relative_diff"] > \
-        ox.LONG_POOLED_TOLERANCE
+    assert ox.whole_input_parity(ids, mask, logits, hidden, logits, scaled)["pooled_relative_diff"] > \
+        ox.WHOLE_INPUT_POOLED_TOLERANCE
 
 
 def _shifted_ort(monkeypatch: pytest.MonkeyPatch, hashing: bool, vocab: slice) -> None:

@@ -116,6 +116,14 @@ def test_admission_by_decode_cache_bytes(artifact: Any) -> None:
         engine.stop()
 
 
+def test_a_request_longer_than_the_cache_was_built_for_is_refused_naming_that_limit(artifact: Any) -> None:
+    engine = _engine(artifact, max_request_tokens=40)
+    assert engine.runner.cache.max_tokens == 40
+    with pytest.raises(InputTooLong, match=r"\(45 tokens\) is more than the 40 tokens the decode cache was built"):
+        _run_raising(engine, _spec(list(range(5, 25)), 25))
+    engine.stop()
+
+
 def _run_raising(engine: Engine, spec: GenerationSpec) -> None:
     async def go() -> None:
         engine.generate(spec)
