@@ -5,13 +5,14 @@ against a bag-of-bytes baseline (each passage's normalised byte histogram) measu
 Every pooling is also measured standardised per dimension ((v - mean) / std, the mean and std of that
 pooling over `--stats-passages` passages of the files' TRAINING heads, picked as `reformer export` picks
 them: export/embedding_stats.py); the final mean also whitened ((v - mean) @ W, W the shrinkage-whitening
-matrix of the same passages, `--shrinkage`, default export's 0.1, which was picked among 0, 0.1 and 0.3 on
-these validation passages: a mild selection on the evaluation set); and, when MODEL is an artifact that ships
+matrix of the same passages, its shrinkage chosen as `reformer export` chooses it, on those training
+passages alone (export/embedding_stats.py select_shrinkage), unless `--shrinkage` gives one); and, when MODEL
+is an artifact that ships
 embedding_stats.safetensors, "served (artifact stats)": the final mean transformed with the artifact's
 statistics as the service does (whitened when the file holds the matrix, else standardised per dimension).
 
     python bench/embed_quality.py MODEL [--data ../shared/data] [--passage 2048] [--per-book 40]
-                                  [--stats-passages 300] [--shrinkage 0.1] [--threads 2] [--out FILE.json]
+                                  [--stats-passages 3000] [--shrinkage S] [--threads 2] [--out FILE.json]
 
 MODEL is an artifact directory or a training checkpoint. Passages are cut, without overlap, from the
 held-out tail of every file, at most `--per-book` per book so that no book dominates the accuracy."""
@@ -28,25 +29,21 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from export.embedding_stats import DEFAULT_PASSAGES, STATS_FILE, WHITENING_SHRINKAGE, training_passages  # noqa: E402
+from export.embedding_stats import (  # noqa: E402
+    DEFAULT_PASSAGES,
+    STATS_FILE,
+    nn_accuracy,
+    select_shrinkage,
+    training_passages,
+)
 from model import ByteTokenizer, ReformerLM  # noqa: E402
 from model.pooling import EmbeddingStats, pool_hidden, standardize, standardize_pooled  # noqa: E402
 from train.evaluation import add_passage_args, load_lm, passages, validation_tails  # noqa: E402
-
-
-def nn_accuracy(vectors: Tensor, labels: list[str]) -> float:
-    """Leave-one-out 1-nearest-neighbour accuracy under cosine similarity."""
-    v = F.normalize(vectors.float(), dim=-1)
-    sim = v @ v.T  # (N, N)
-    sim.fill_diagonal_(-float("inf"))
-    nearest = sim.argmax(dim=1).tolist()
-    return sum(labels[i] == labels[j] for i, j in enumerate(nearest)) / len(labels)
 
 
 def bag_of_bytes(ids: np.ndarray, vocab: int) -> Tensor:
@@ -91,7 +88,7 @@ def pooled(lm: ReformerLM, cut: list[tuple[str, np.ndarray]]) -> dict[str, Tenso
 
 
 def measure(model_path: Path, data: list[str], passage: int, per_book: int, val_fraction: float,
-            stats_passages: int = DEFAULT_PASSAGES, shrinkage: float = WHITENING_SHRINKAGE) -> dict[str, Any]:
+            stats_passages: int = DEFAULT_PASSAGES, shrinkage: float | None = None) -> dict[str, Any]:
     lm, tok, served_stats = load(model_path)
     cut = passages(validation_tails(data, val_fraction, tok), passage, per_book)
     labels = [name for name, _ in cut]
@@ -110,7 +107,11 @@ def measure(model_path: Path, data: list[str], passage: int, per_book: int, val_
         if name in train_pool:
             z = standardize(vecs, EmbeddingStats.from_vectors(train_pool[name]))
             rows.append({"pooling": f"{name} standardised", "accuracy": round(nn_accuracy(z, labels), 4)})
+    selection: dict[str, Any] = {"rule": f"given ({shrinkage:g})"} if shrinkage is not None else {}
     if "final-mean" in train_pool:  # what `reformer export` now ships for the served pooling
+        if shrinkage is None:
+            choice = select_shrinkage(train_pool["final-mean"], [name for name, _ in train_cut])
+            shrinkage, selection = choice.shrinkage, choice.record
         w = standardize(per_pool["final-mean"], EmbeddingStats.from_vectors(train_pool["final-mean"], shrinkage))
         rows.append({"pooling": "final-mean whitened", "accuracy": round(nn_accuracy(w, labels), 4)})
     if served_stats is not None:  # what the service returns for pooling "mean" (before L2, which cosine ignores)
@@ -124,6 +125,7 @@ def measure(model_path: Path, data: list[str], passage: int, per_book: int, val_
     stats_books = [name for name, _ in train_cut]
     return {"benchmark": "embed_quality", "model": str(model_path), "passage_bytes": passage, "passages": len(cut),
             "per_book": books, "stats_passages": len(train_cut), "whitening_shrinkage": shrinkage,
+            "shrinkage_selection": selection,
             "served_method": served_stats.method if served_stats is not None else None,
             "stats_per_book": {b: stats_books.count(b) for b in dict.fromkeys(stats_books)},
             "artifact_stats": served_stats is not None, "chance": round(max(books.values()) / len(cut), 4),
@@ -145,9 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--per-book", type=int, default=40)
     p.add_argument("--stats-passages", type=int, default=DEFAULT_PASSAGES,
                    help="training-head passages the standardised and whitened rows estimate their statistics on")
-    p.add_argument("--shrinkage", type=float, default=WHITENING_SHRINKAGE,
-                   help="covariance shrinkage of the whitened row (export's default; 0.1 was picked among 0, "
-                        "0.1 and 0.3 on this benchmark's validation passages)")
+    p.add_argument("--shrinkage", type=float,
+                   help="covariance shrinkage of the whitened row (default: chosen on the training passages as "
+                        "`reformer export` chooses it)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     result = measure(args.model, args.data, args.passage, args.per_book, args.val_fraction, args.stats_passages,

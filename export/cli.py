@@ -27,8 +27,8 @@ from .checkpoint import CheckpointError, checkpoint_weights_path, read_checkpoin
 from .embedding_stats import (
     DEFAULT_PASSAGE_BYTES,
     DEFAULT_PASSAGES,
+    SHRINKAGE_GRID,
     STATS_FILE,
-    WHITENING_SHRINKAGE,
     stats_for_export,
 )
 from .onnx_export import ExportError
@@ -50,7 +50,17 @@ def _stats_line(stats: dict[str, Any]) -> str:
         return f"  embedding stats skipped: {stats['skipped']}"
     shrinkage = stats.get("whitening_shrinkage")
     what = f"mean, std and whitening matrix (shrinkage {shrinkage})" if shrinkage is not None else "mean and std"
-    return f"  embedding stats: {what} from {stats['passages']} training passages of {stats['passage_bytes']} bytes"
+    line = f"  embedding stats: {what} from {stats['passages']} training passages of {stats['passage_bytes']} bytes"
+    scores = (stats.get("shrinkage_selection") or {}).get("held_out_accuracy")
+    if isinstance(scores, dict):
+        line += ("; held-out training-passage accuracy by shrinkage: "
+                 + ", ".join(f"{s} {a}" for s, a in scores.items()))
+    return line
+
+
+_SHRINKAGE_HELP = ("covariance shrinkage of the whitening matrix, in [0, 1]; default: chosen among "
+                   f"{', '.join(f'{s:g}' for s in SHRINKAGE_GRID)} on the training passages alone (the last fifth of "
+                   "each document's held out, nearest-neighbour document accuracy; export/embedding_stats.py)")
 
 
 def whole_input_lines(parity: dict[str, Any]) -> list[str]:
@@ -97,9 +107,9 @@ def export_main(argv: list[str]) -> int:
     p.add_argument("--eval-bytes", type=int, default=32768, help="bytes taken from the end of each eval file")
     p.add_argument("--embed-stats-passages", type=int, default=DEFAULT_PASSAGES,
                    help="passages of the --eval-data files' training heads (before their validation tails) whose "
-                        "mean-pooled embeddings give the mean, std and shrinkage-whitening matrix (shrinkage "
-                        f"{WHITENING_SHRINKAGE}) the service whitens with (embedding_stats.safetensors); 0 skips "
-                        "them")
+                        "mean-pooled embeddings give the mean, std and shrinkage-whitening matrix the service "
+                        "whitens with (embedding_stats.safetensors); 0 skips them")
+    p.add_argument("--embed-stats-shrinkage", type=float, help=_SHRINKAGE_HELP)
     p.add_argument("--embed-stats-bytes", type=int, default=DEFAULT_PASSAGE_BYTES,
                    help="length of each of those passages in bytes")
     args = p.parse_args(argv)
@@ -130,7 +140,8 @@ def export_main(argv: list[str]) -> int:
         # the training run's own split, so that no validation byte is among the statistics' passages
         val_fraction = float(provenance.get("val_fraction", 0.05))
         stats = stats_for_export(model, tokenizer, [args.eval_data] if args.eval_data is not None else None,
-                                 val_fraction, args.embed_stats_bytes, args.embed_stats_passages)
+                                 val_fraction, args.embed_stats_bytes, args.embed_stats_passages,
+                                 args.embed_stats_shrinkage)
         out = save_artifact(model, args.out_dir, tokenizer=tokenizer, provenance=provenance, evaluation=evaluation,
                             onnx=not args.no_onnx, quantize=args.quantize, eval_text=eval_text,
                             overwrite=args.force, embedding_stats=stats)
@@ -143,8 +154,7 @@ def export_main(argv: list[str]) -> int:
 def export_stats_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="reformer export-stats", description=(
         "Recompute an existing artifact's embedding statistics (embedding_stats.safetensors: mean, std and the "
-        f"shrinkage-whitening matrix, shrinkage {WHITENING_SHRINKAGE}, picked among 0, 0.1 and 0.3 on "
-        "bench/embed_quality.py's validation passages, a mild selection on that evaluation set) from the "
+        "shrinkage-whitening matrix, its shrinkage chosen on training passages alone unless given) from the "
         "artifact's own model, without its training checkpoint, exactly as `reformer export` computes them; the "
         "manifest's file hash and export.embedding_stats record are updated, everything else is kept."))
     p.add_argument("artifact", type=Path, help="artifact directory to update in place")
@@ -153,6 +163,7 @@ def export_stats_main(argv: list[str]) -> int:
                         "document's training head, split with the artifact's recorded val_fraction")
     p.add_argument("--passages", type=int, default=DEFAULT_PASSAGES, help="training passages to estimate on")
     p.add_argument("--passage-bytes", type=int, default=DEFAULT_PASSAGE_BYTES, help="length of each passage")
+    p.add_argument("--shrinkage", type=float, help=_SHRINKAGE_HELP)
     args = p.parse_args(argv)
     if args.passages < 2:
         return _fail(p.prog, f"--passages must be at least 2, got {args.passages}")
@@ -161,7 +172,7 @@ def export_stats_main(argv: list[str]) -> int:
         # the training run's own split, as export uses it, so no validation byte is among the passages
         val_fraction = float(art.manifest.get("provenance", {}).get("val_fraction", 0.05))
         stats, record = stats_for_export(art.model, art.tokenizer, list(args.data), val_fraction,
-                                         args.passage_bytes, args.passages)
+                                         args.passage_bytes, args.passages, args.shrinkage)
         if stats is None:
             return _fail(p.prog, record.get("skipped", "no statistics computed"))
         record["refreshed"] = {"command": _command("reformer export-stats", argv), "code_version": code_version()}

@@ -112,8 +112,8 @@ class Settings(BaseSettings):
         description="Transform mean-pooled embeddings with the statistics the artifact ships "
         "(embedding_stats.safetensors, estimated on training passages) before any L2 normalisation: when the file "
         "holds a whitening matrix W, shrinkage-whitening (v - mean) @ W (BERT-whitening of the training "
-        "covariance shrunk toward a scaled identity; shrinkage 0.1, picked on bench/embed_quality.py's validation "
-        "passages, recorded in manifest.json); for an older file without W, per-dimension standardisation "
+        "covariance shrunk toward a scaled identity, its shrinkage chosen by the export on training passages and "
+        "recorded in manifest.json); for an older file without W, per-dimension standardisation "
         "(v - mean) / std. It makes nearest neighbours follow content rather than a few dominant directions. No "
         "effect on pooling last or on an artifact without the file. Off: raw mean-pooled states. /info's "
         "embedding_standardization says which is applied.",

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from export.embedding_stats import SHRINKAGE_GRID
 from model import ReformerConfig, ReformerLM
 from train.checkpoint import TrainerState, save_checkpoint
 
@@ -73,11 +74,12 @@ def test_embed_quality_reports_every_pooling_against_bag_of_bytes(tiny: tuple[Pa
     pools = [r["pooling"] for r in res["rows"]]
     raw = ["final-mean", "final-last", "layer0-mean", "layer1-mean"]
     assert pools == ["bag-of-bytes (baseline)", *raw, *(f"{p} standardised" for p in raw), "final-mean whitened"]
-    # standardised and whitened with training-head passages: the default 300 capped at the 10 non-overlapping
+    # standardised and whitened with training-head passages: the default 3000 capped at the 10 non-overlapping
     # passages of 100 bytes a 1,000-byte head holds
     assert res["stats_passages"] == 30 and res["stats_per_book"] == {"aaa.txt": 10, "bbb.txt": 10, "ccc.txt": 10}
     assert res["artifact_stats"] is False and res["served_method"] is None  # a checkpoint ships none: no "served" row
-    assert res["whitening_shrinkage"] == 0.1
+    # the shrinkage chosen on those training passages, as `reformer export` chooses it
+    assert res["whitening_shrinkage"] in SHRINKAGE_GRID and res["shrinkage_selection"]["held_out_passages"] == 6
     # the three books use disjoint letters: counting bytes identifies every passage
     assert res["rows"][0]["accuracy"] == 1.0
     assert res["best_pooling"] in pools[1:]

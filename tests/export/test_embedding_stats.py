@@ -17,14 +17,18 @@ from export import ArtifactError, load_artifact
 from export.artifact import file_sha256
 from export.cli import export_main, verify_main
 from export.embedding_stats import (
+    FALLBACK_SHRINKAGE,
+    SHRINKAGE_GRID,
     STATS_FILE,
-    WHITENING_SHRINKAGE,
     compute_embedding_stats,
+    nn_accuracy,
+    select_shrinkage,
+    selection_split,
     training_passages,
     write_embedding_stats,
 )
 from model import ByteTokenizer
-from model.pooling import EmbeddingStats, whitening_matrix
+from model.pooling import EmbeddingStats, standardize, whitening_matrix
 from tests.conftest import tiny_model
 from tests.export.helpers import write_checkpoint
 
@@ -72,10 +76,16 @@ def test_export_ships_the_stats_hashed_and_described(exported: tuple[Path, Path]
     record = manifest["export"]["embedding_stats"]
     assert record["passages"] == 8 and record["passage_bytes"] == PASSAGE and record["bytes"] == 8 * PASSAGE
     assert record["source_files"] == ["a.txt", "b.txt"] and record["val_fraction"] == 0.05
-    assert record["whitening_shrinkage"] == WHITENING_SHRINKAGE == 0.1 and "whitening matrix" in record["what"]
+    # chosen on the training passages: the last of each book's four held out, the other six fitted
+    shrinkage = record["whitening_shrinkage"]
+    selection = record["shrinkage_selection"]
+    assert shrinkage in SHRINKAGE_GRID and selection["fit_passages"] == 6 and selection["held_out_passages"] == 2
+    assert set(selection["held_out_accuracy"]) == {f"{s:g}" for s in SHRINKAGE_GRID}
+    assert f"{1 - shrinkage:g} C + {shrinkage:g} mean(diag C) I" in record["what"]
     art = load_artifact(out)
     assert art.embedding_stats is not None and art.embedding_stats.method == "whitening"
-    expected = compute_embedding_stats(tiny_model(seed=2), training_passages([data], ByteTokenizer(), 0.05, PASSAGE, 8))
+    expected = compute_embedding_stats(tiny_model(seed=2), training_passages([data], ByteTokenizer(), 0.05, PASSAGE, 8),
+                                       shrinkage)
     assert torch.allclose(art.embedding_stats.mean, expected.mean, atol=1e-6)
     assert torch.allclose(art.embedding_stats.std, expected.std, atol=1e-6)
     dim = 2 * art.config.hidden_size
@@ -181,3 +191,64 @@ def test_stats_that_do_not_fit_the_model_are_refused(exported: tuple[Path, Path]
     _rehash(art)
     with pytest.raises(ArtifactError, match=r"embedding_stats\.safetensors: cannot be read"):
         load_artifact(art)
+
+
+def test_the_selection_holds_out_the_last_fifth_of_each_document() -> None:
+    names = ["a"] * 5 + ["b"] + ["c"] * 10
+    held = selection_split(names)
+    assert [i for i, h in enumerate(held) if h] == [4, 14, 15]  # a: its last one; b: none (one passage); c: two
+
+
+def _nuisance_vectors(n: int, seed: int) -> tuple[torch.Tensor, list[str]]:
+    """Two labels told apart by a small offset along dimension 0, and a large shared random component along
+    dimensions 1-3 that dominates raw cosine similarity: whitening (small shrinkage) separates them, the
+    centring alone (shrinkage 1) does not."""
+    g = torch.Generator().manual_seed(seed)
+    labels = ["x" if i % 2 == 0 else "y" for i in range(n)]
+    v = torch.randn(n, 8, generator=g) * 0.01
+    v[:, 0] += torch.tensor([0.05 if name == "x" else -0.05 for name in labels])
+    v[:, 1:4] += torch.randn(n, 3, generator=g) * 10.0
+    return v, labels
+
+
+def test_the_shrinkage_that_identifies_held_out_passages_best_is_chosen() -> None:
+    v, labels = _nuisance_vectors(200, seed=0)
+    choice = select_shrinkage(v, labels)
+    scores = choice.record["held_out_accuracy"]
+    assert choice.shrinkage < 1.0 and scores[f"{choice.shrinkage:g}"] == max(a for a in scores.values() if a)
+    assert scores["1"] < 0.8 < scores[f"{choice.shrinkage:g}"]
+    # the same figures as whitening by hand with the fitting passages' statistics
+    held = selection_split(labels)
+    fit, test = v[[not h for h in held]], v[held]
+    by_hand = nn_accuracy(standardize(test, EmbeddingStats.from_vectors(fit, choice.shrinkage)),
+                          [n for n, h in zip(labels, held) if h])
+    assert round(by_hand, 4) == scores[f"{choice.shrinkage:g}"]
+    assert choice.record["fit_passages"] == 160 and choice.record["held_out_passages"] == 40
+
+
+def test_ties_go_to_the_larger_shrinkage_and_too_few_passages_fall_back() -> None:
+    g = torch.Generator().manual_seed(1)
+    labels = ["x" if i % 2 == 0 else "y" for i in range(40)]
+    # far-apart labels: the larger shrinkages identify every held-out passage (the smallest also blow up the
+    # noise dimensions)
+    v = torch.randn(40, 4, generator=g) * 0.01 + torch.tensor([[5.0, 0, 0, 0] if n == "x" else [0, 5.0, 0, 0]
+                                                                for n in labels])
+    choice = select_shrinkage(v, labels)
+    scores = choice.record["held_out_accuracy"]
+    winners = [s for s in SHRINKAGE_GRID if scores[f"{s:g}"] == 1.0]
+    assert len(winners) >= 2 and choice.shrinkage == max(winners) == max(SHRINKAGE_GRID)
+    one_book = select_shrinkage(v, ["x"] * 40)
+    assert one_book.shrinkage == FALLBACK_SHRINKAGE and "too few" in one_book.record["rule"]
+
+
+def test_a_given_shrinkage_is_used_and_recorded_and_a_bad_one_refused(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    data = _books(tmp_path / "data")
+    ckpt = write_checkpoint(tmp_path / "ckpt", seed=2)
+    base = [str(ckpt), "--no-onnx", "--eval-data", str(data), "--embed-stats-passages", "8",
+            "--embed-stats-bytes", str(PASSAGE)]
+    assert export_main([base[0], str(tmp_path / "art"), *base[1:], "--embed-stats-shrinkage", "0.3"]) == 0
+    record = load_artifact(tmp_path / "art").manifest["export"]["embedding_stats"]
+    assert record["whitening_shrinkage"] == 0.3 and record["shrinkage_selection"] == {"rule": "given (0.3)"}
+    assert export_main([base[0], str(tmp_path / "bad"), *base[1:], "--embed-stats-shrinkage", "1.5"]) == 1
+    assert "shrinkage must be in [0, 1], got 1.5" in capsys.readouterr().err
