@@ -1,7 +1,8 @@
 """The GPU check (DESIGN.md section 8; run by bench/gpu_check.sh): the service on CUDA in bf16 and fp32,
 /generate, /generate_stream and /embed at 1K, 16K and 64K tokens, decode tokens/s at concurrency 1, 8 and
 32, every GPU series present and non-zero, the served model's forward tokens/s at 4K/16K/64K against a
-full-attention transformer of the same size (scaled_dot_product_attention) on the same GPU, peak memory.
+full-attention transformer of the same size (scaled_dot_product_attention) on the same GPU, peak memory,
+and decode steps replayed as CUDA graphs against eager ones (same logits within 1e-4, time per step).
 Writes one JSON file and exits non-zero on any failure or when the time budget runs out.
 
 `--dry-run` runs the same steps on the CPU at tiny sizes, in float32, with the GPU series reported as
@@ -303,6 +304,54 @@ def forward_rates(args: argparse.Namespace, sizes: Sizes, check: Check) -> dict[
     return {"dtype": sizes.dtypes[0], "device": str(device), "layers": layers, "rows": rows}
 
 
+def graph_decode(args: argparse.Namespace, sizes: Sizes, check: Check) -> dict[str, Any]:
+    """Decode steps of the served model replayed as CUDA graphs (model/step_graphs.py, REFORMER_CUDA_GRAPHS)
+    against the same steps run eagerly: the logits of every step within 1e-4 (float32), greedy tokens equal,
+    graphs actually replayed, and the time per step both ways. The dry run replays by calling the step again
+    (the CPU has no graphs), which checks the plumbing only."""
+    import torch
+
+    from export import load_artifact
+    from model.step_graphs import StepGraphs
+    from service.runner import ModelRunner
+
+    device = torch.device(sizes.device)
+    artifact = load_artifact(args.artifact) if args.artifact else load_artifact()
+    lm = artifact.model.to(device=device, dtype=torch.float32).eval()
+    batch, steps = max(sizes.concurrency), sizes.new_tokens * 4
+    prompts = [[2 + (7 * i + j) % (lm.config.vocab_size - 2) for j in range(sizes.decode_prompt + 5 * i)]
+               for i in range(batch)]
+    runs: dict[str, Any] = {}
+    for mode in ("eager", "graphs"):
+        check.timeout(60)
+        graphs = None if mode == "eager" else (StepGraphs() if device.type == "cuda"
+                                               else StepGraphs(capture=lambda fn: fn))
+        runner = ModelRunner(lm, device, batch, None, graphs=graphs)
+        logits, states = runner.prefill(prompts, [len(p) + steps + 1 for p in prompts])
+        seen, times = [], []
+        for _ in range(steps):
+            tokens = logits.argmax(-1).tolist()
+            start = time.perf_counter()
+            logits = runner.decode(tokens, states)  # .cpu() inside: the step has finished
+            times.append(time.perf_counter() - start)
+            seen.append(logits)
+        runs[mode] = {"logits": seen, "ms_per_step": round(1000 * sorted(times[2:])[len(times[2:]) // 2], 3),
+                      "replays": graphs.replays if graphs else 0, "captures": graphs.captures if graphs else 0}
+    diff = max(float((a - b).abs().max()) for a, b in zip(runs["eager"]["logits"], runs["graphs"]["logits"]))
+    same_tokens = all(torch.equal(a.argmax(-1), b.argmax(-1))
+                      for a, b in zip(runs["eager"]["logits"], runs["graphs"]["logits"]))
+    out = {"batch": batch, "steps": steps, "prompt_tokens": sizes.decode_prompt, "max_abs_diff": diff,
+           "same_greedy_tokens": same_tokens,
+           **{f"{mode}_{k}": v for mode, run in runs.items() for k, v in run.items() if k != "logits"}}
+    print(f"  decode graphs: {out['graphs_replays']} of {steps} steps replayed, max abs diff {diff:.3g}, "
+          f"median step {out['eager_ms_per_step']} ms eager, {out['graphs_ms_per_step']} ms graphs", flush=True)
+    if diff > 1e-4 or not same_tokens:
+        check.fail(f"decode graphs: logits differ from eager steps by {diff:.3g} (same tokens: {same_tokens})")
+    if out["graphs_replays"] == 0:
+        check.fail("decode graphs: no step was replayed from a graph")
+    return out
+
+
 def environment(sizes: Sizes) -> dict[str, Any]:
     import torch
 
@@ -343,6 +392,10 @@ def main(argv: list[str] | None = None) -> int:
             report["forward"] = forward_rates(args, sizes, check)
         except (RuntimeError, TimeoutError) as error:
             check.fail(f"forward: {type(error).__name__}: {error}")
+        try:
+            report["decode_graphs"] = graph_decode(args, sizes, check)
+        except (RuntimeError, TimeoutError) as error:
+            check.fail(f"decode graphs: {type(error).__name__}: {error}")
     forward_peaks = [r["reformer_peak_mib"] for r in report.get("forward", {}).get("rows", [])
                      if r["reformer_peak_mib"] is not None]
     served_peaks = [s["gpu_series"]["reformer_gpu_memory_peak_allocated_bytes"] / 2**20

@@ -42,6 +42,7 @@ from .decode_cache import CacheFull, DecodeCache, DecodeState, _flat
 from .decode_index import LSHIndex, WindowGeometry, floor_div, floor_mod
 from .feedforward import EVAL_CHUNK
 from .prefill_slices import DEFAULT_SLICE_CHUNKS, layer_f_slices
+from .step_graphs import StepGraphs
 
 if TYPE_CHECKING:
     from .reformer import ReformerLM
@@ -238,8 +239,9 @@ def _rehash_if_needed(lm: ReformerLM, cache: DecodeCache, states: Sequence[Decod
 
 @torch.no_grad()
 def decode_step(lm: ReformerLM, tokens: Tensor, cache: DecodeCache, states: Sequence[DecodeState],
-                invariant: bool = False) -> Tensor:
-    """Append tokens (B,) to the B requests; returns the logits (B, vocab) for the position after each."""
+                invariant: bool = False, graphs: StepGraphs | None = None) -> Tensor:
+    """Append tokens (B,) to the B requests; returns the logits (B, vocab) for the position after each. With
+    `graphs` (CUDA), steps it can capture replay CUDA graphs, with the same results (model/step_graphs.py)."""
     b = len(states)
     if tokens.numel() != b:
         raise ValueError(f"{tokens.numel()} tokens for {b} decoding states")
@@ -256,17 +258,17 @@ def decode_step(lm: ReformerLM, tokens: Tensor, cache: DecodeCache, states: Sequ
     out = []
     for start in range(0, b, size):
         part = list(states[start : start + size])
-        out.append(_step_rows(lm, cache, tokens[start : start + size], part, size)[: len(part)])
+        out.append(_step_rows(lm, cache, tokens[start : start + size], part, size, graphs)[: len(part)])
     for state in states:
         state.length += 1
     return torch.cat(out) if len(out) > 1 else out[0]
 
 
-def _step_rows(lm: ReformerLM, cache: DecodeCache, tokens: Tensor, states: list[DecodeState], rows: int
-               ) -> Tensor:
-    """One step over `rows` rows: the states' rows, then padding rows on the scratch slot."""
+def _step_rows(lm: ReformerLM, cache: DecodeCache, tokens: Tensor, states: list[DecodeState], rows: int,
+               graphs: StepGraphs | None = None) -> Tensor:
+    """One step over `rows` rows: the states' rows, then padding rows on the scratch slot. With `graphs`, a
+    step whose structure it can capture replays a CUDA graph (model/step_graphs.py); others run eagerly."""
     pad = rows - len(states)
-    device = cache.device
     cfg = lm.config
     # host-known per-row facts (every LSH layer shares its chunk and bucket-count rule, every local layer its
     # chunk), sent to the device in one copy: slot, position, LSH hashed, LSH chunks, local dense, and the
@@ -282,15 +284,34 @@ def _step_rows(lm: ReformerLM, cache: DecodeCache, tokens: Tensor, states: list[
     # padding rows count as hashed (their results are dropped), so a batch of long rows skips the dense path
     rows_meta += [[cache.scratch_slot, 0, 1, 1, 1, cache.scratch_slot, 0]] * pad
     all_hashed = all(m[2] for m in rows_meta)
-    meta = torch.tensor(rows_meta, dtype=torch.long).to(device)
+    meta = torch.tensor(rows_meta, dtype=torch.long)
+    tokens = F.pad(tokens, (0, pad), value=cfg.pad_token_id)
+    groups = _bucket_groups(nbs)
+    if graphs is not None:
+        out = graphs.run(lambda t, m: _step_compute(lm, cache, t, m, all_hashed, groups), tokens, meta,
+                         (rows, all_hashed, tuple(str(nb) for nb, _ in groups)), cache, single_group=len(groups) <= 1
+                         and all(sel is None for _, sel in groups))
+        if out is not None:
+            return out
+    return _step_compute(lm, cache, tokens, meta.to(cache.device), all_hashed, groups)
+
+
+def _step_compute(lm: ReformerLM, cache: DecodeCache, tokens: Tensor, meta: Tensor, all_hashed: bool,
+                  groups: list[tuple[int | list[int], list[int] | None]]) -> Tensor:
+    """The step's device work from its device inputs: tokens (B,) and the rows' facts meta (B, 7); no host
+    sync, shapes fixed by B and the cache, so a CUDA graph can capture it."""
+    device = cache.device
+    cfg = lm.config
+    rows = tokens.shape[0]
+    first_lsh = next((i for i, k in enumerate(cfg.attn_layers) if k == "lsh"), None)
     slots, t = meta[:, 0], meta[:, 1]
     table = cache.block_table.index_select(0, slots)  # (B, max blocks): each row's blocks
-    step = _Step(t=t, table=table, groups=_bucket_groups(nbs, device))
+    step = _Step(t=t, table=table, groups=[(nb, None if sel is None else torch.tensor(sel).to(device))
+                                           for nb, sel in groups])
     if first_lsh is not None:
         att0 = _layers(lm)[first_lsh].attention.self_attention
         assert isinstance(att0, LSHSelfAttention)
         _lsh_geometry(cache, step, att0, meta, all_hashed, cache.indexes[first_lsh])
-    tokens = F.pad(tokens, (0, pad), value=cfg.pad_token_id)
     x = lm.embeddings.word_embeddings(tokens) + lm.embeddings.position_embeddings(t)  # (B, hidden)
     x1 = x2 = x
     new_rows = _rows(cache, table, t.view(-1, 1)).view(-1)  # (B,): where the new keys go
@@ -380,14 +401,17 @@ def _lsh_geometry(cache: DecodeCache, step: _Step, att: LSHSelfAttention, meta: 
                       round0)
 
 
-def _bucket_groups(nbs: list[int | list[int] | None], device: torch.device
-                   ) -> list[tuple[int | list[int], Tensor | None]]:
+def _bucket_groups(nbs: list[int | list[int] | None]) -> list[tuple[int | list[int], list[int] | None]]:
+    """The step's rows by the bucket count they hash with: (count, the rows; None: every row). Rows that keep
+    no index (padding, or not hashing yet) take any count: their buckets are never read, so when the others
+    share one count every row hashes with it, in one call over a fixed number of rows."""
     groups: dict[str, tuple[int | list[int], list[int]]] = {}
     for i, nb in enumerate(nbs):
         if nb is not None:
             groups.setdefault(str(nb), (nb, []))[1].append(i)
-    return [(nb, None if len(members) == len(nbs) else torch.tensor(members).to(device))
-            for nb, members in groups.values()]
+    if len(groups) == 1:
+        return [(nb, None) for nb, _ in groups.values()]
+    return [(nb, members) for nb, members in groups.values()]
 
 
 def _lsh_attend(cache: DecodeCache, li: int, att: LSHSelfAttention, qk: Tensor, step: _Step) -> Tensor:

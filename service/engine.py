@@ -71,6 +71,7 @@ class EngineConfig:
     cache_bytes: int | None = None  # decode-cache capacity; None: service/runner.py's default share
     batch_invariant: bool = False  # decode steps in fixed row blocks: bit-identical to a request alone
     max_request_tokens: int | None = None  # longest prompt plus max_new_tokens admitted; None: max positions
+    cuda_graphs: bool = False  # on CUDA, decode steps replay captured graphs (model/step_graphs.py)
 
 
 class Engine:
@@ -95,7 +96,7 @@ class Engine:
         # the durations of its last few slices)
         self._prefilling: list[tuple[list[GenerationJob], Generator[None, None, Any], deque[float]]] = []
         self.runner = ModelRunner(model, device, config.max_batch_size, config.cache_bytes, config.batch_invariant,
-                                  config.max_request_tokens)
+                                  config.max_request_tokens, config.cuda_graphs)
         self._stopping = False
         self._dead = False
         self.ready = threading.Event()

@@ -11,6 +11,7 @@ import psutil
 import torch
 
 from model.decode import DecodeCache, DecodeState, decode_step, prefill, prefill_steps, step_threads
+from model.step_graphs import StepGraphs
 
 log = logging.getLogger("service.engine")
 
@@ -30,9 +31,12 @@ def default_cache_bytes(device: torch.device) -> int:
 
 class ModelRunner:
     def __init__(self, model: Any, device: torch.device | None, max_slots: int, cache_bytes: int | None = None,
-                 invariant: bool = False, max_tokens: int | None = None) -> None:
+                 invariant: bool = False, max_tokens: int | None = None, cuda_graphs: bool = False,
+                 graphs: StepGraphs | None = None) -> None:
         """`max_tokens`: the longest prompt plus max_new_tokens the service admits (default: the model's
-        positions); an automatic bucket count's index is reserved for it (model/decode_cache.py)."""
+        positions); an automatic bucket count's index is reserved for it (model/decode_cache.py).
+        `cuda_graphs`: on CUDA, decode steps replay captured graphs (model/step_graphs.py); `graphs` gives the
+        StepGraphs to use instead, on any device (tests)."""
         self.model = model
         self.device = device if device is not None else next(model.parameters()).device
         self.invariant = invariant
@@ -43,6 +47,8 @@ class ModelRunner:
         wanted = default_cache_bytes(self.device) if cache_bytes is None else cache_bytes
         self.cache = DecodeCache(model, min(wanted, most), max_slots, max_tokens=max_tokens)
         self.max_positions: int = model.config.max_position_embeddings
+        self.graphs = graphs if graphs is not None else (
+            StepGraphs() if cuda_graphs and self.device.type == "cuda" else None)
 
     # ---- accounting --------------------------------------------------------------------------------------
     def fits_ever(self, tokens: int) -> bool:
@@ -93,7 +99,7 @@ class ModelRunner:
         ids = torch.tensor(list(tokens), dtype=torch.long).to(self.device)
         # small steps on one intra-op thread (process-wide, restored after: model.decode.step_threads)
         with step_threads(len(states), self.device):
-            return decode_step(self.model, ids, self.cache, states, self.invariant).float().cpu()
+            return decode_step(self.model, ids, self.cache, states, self.invariant, self.graphs).float().cpu()
 
     def can_step(self, state: DecodeState) -> bool:
         return 0 <= state.slot and state.length < min(state.capacity * self.cache.block_size, self.max_positions)

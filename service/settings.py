@@ -79,6 +79,14 @@ class Settings(BaseSettings):
         "whatever it is batched with (and prefill each prompt alone). Off: steps are padded to a power-of-two "
         "batch and results match a request alone within 1e-4, with the same greedy tokens.",
     )
+    cuda_graphs: bool = Field(
+        False,
+        description="On CUDA, replay each decode step shape as a captured CUDA graph (one launch instead of "
+        "hundreds of small kernels; model/step_graphs.py): a shape runs eagerly once, is captured the next time "
+        "and replayed after; steps whose rows hash with different bucket counts, and any shape whose capture "
+        "fails, run eagerly. Off by default: it has not yet run on a GPU (the GPU check, bench/gpu_check.py, "
+        "compares its logits with eager steps). No effect on CPU.",
+    )
     max_queue_size: int = Field(
         64, ge=1, description="Requests allowed to wait for the model; beyond it requests get 429 at once."
     )

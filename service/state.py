@@ -123,7 +123,7 @@ class ServiceState:
         config = EngineConfig(
             max_batch_size=s.max_batch_size, max_batch_tokens=s.max_batch_tokens, max_wait_ms=s.max_wait_ms,
             max_queue_size=s.max_queue_size, request_timeout_s=s.request_timeout_s, warmup=s.warmup,
-            cache_bytes=s.cache_bytes, batch_invariant=s.batch_invariant,
+            cache_bytes=s.cache_bytes, batch_invariant=s.batch_invariant, cuda_graphs=s.cuda_graphs,
             max_request_tokens=min(self.limits.max_input_tokens + self.limits.max_new_tokens, positions),
         )
         self.engine = Engine(model, artifact.tokenizer, backend, device, config, self.metrics,
@@ -165,6 +165,8 @@ class ServiceState:
                 "request_timeout_s": s.request_timeout_s,
                 # bit-identical to a request alone (fixed row blocks), or the same greedy tokens within 1e-4
                 "batch_invariant": s.batch_invariant,
+                # whether decode steps replay CUDA graphs (only ever on CUDA)
+                "cuda_graphs": self.engine.runner.graphs is not None if self.engine else False,
                 "decode_cache_bytes": self.engine.runner.cache.capacity_bytes if self.engine else None,
             },
             "version": package_version(),

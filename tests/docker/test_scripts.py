@@ -75,6 +75,9 @@ def test_gpu_check_dry_run_runs_every_step_on_the_cpu(tmp_path: Path, tiny_artif
     rows = report["forward"]["rows"]
     assert [row["tokens"] for row in rows] == [128, 256]
     assert all(row["reformer_tokens_per_s"] > 0 and row["sdpa_full_tokens_per_s"] > 0 for row in rows)
+    graphs = report["decode_graphs"]  # on the CPU the "graph" replays by calling the step: plumbing only
+    assert graphs["max_abs_diff"] == 0.0 and graphs["same_greedy_tokens"] and graphs["graphs_replays"] > 0
+    assert graphs["graphs_captures"] >= 1 and graphs["eager_replays"] == 0
 
 
 def test_gpu_check_fails_when_its_time_runs_out(tmp_path: Path, tiny_artifact: Path) -> None:
