@@ -9,7 +9,7 @@ et al. 2021). Two forms:
     eigendecomposition V diag(e) V^T of the shrunk covariance (1 - s) C + s mean(diag C) I;
   * per-dimension standardisation (older artifacts, without the matrix): (v - mean) / std.
 On the default model, statistics from the same 2,055 training passages, nearest-neighbour book
-identification of validation passages is 0.874 raw, 0.926 standardised and 0.990 whitened with s = 0.3
+identification of validation passages is 0.884 raw, 0.916 standardised and 0.990 whitened with s = 0.3
 (chosen on training passages: export/embedding_stats.py; bench/results/embed_quality.json)."""
 
 from __future__ import annotations
