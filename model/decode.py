@@ -403,8 +403,9 @@ def _lsh_geometry(cache: DecodeCache, step: _Step, att: LSHSelfAttention, meta: 
 
 def _bucket_groups(nbs: list[int | list[int] | None]) -> list[tuple[int | list[int], list[int] | None]]:
     """The step's rows by the bucket count they hash with: (count, the rows; None: every row). Rows that keep
-    no index (padding, or not hashing yet) take any count: their buckets are never read, so when the others
-    share one count every row hashes with it, in one call over a fixed number of rows."""
+    no index (padding, or not hashing yet) may take any count: they append with weight 0 to the scratch
+    slot and their window results are dropped or replaced by the dense path, so when the others share one
+    count every row hashes with it, in one call over a fixed number of rows."""
     groups: dict[str, tuple[int | list[int], list[int]]] = {}
     for i, nb in enumerate(nbs):
         if nb is not None:
