@@ -54,7 +54,7 @@ def _stats_line(stats: dict[str, Any]) -> str:
     scores = (stats.get("shrinkage_selection") or {}).get("held_out_accuracy")
     if isinstance(scores, dict):
         line += ("; held-out training-passage accuracy by shrinkage: "
-                 + ", ".join(f"{s} {a}" for s, a in scores.items()))
+                 + ", ".join(f"{s} {'singular' if a is None else a}" for s, a in scores.items()))
     return line
 
 

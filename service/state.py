@@ -165,7 +165,7 @@ class ServiceState:
                 "request_timeout_s": s.request_timeout_s,
                 # bit-identical to a request alone (fixed row blocks), or the same greedy tokens within 1e-4
                 "batch_invariant": s.batch_invariant,
-                # whether decode steps replay CUDA graphs (only ever on CUDA)
+                # whether CUDA graphs are on (only ever on CUDA; a shape whose capture fails still runs eagerly)
                 "cuda_graphs": self.engine.runner.graphs is not None if self.engine else False,
                 "decode_cache_bytes": self.engine.runner.cache.capacity_bytes if self.engine else None,
             },
