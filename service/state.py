@@ -126,9 +126,12 @@ class ServiceState:
             cache_bytes=s.cache_bytes, batch_invariant=s.batch_invariant, cuda_graphs=s.cuda_graphs,
             max_request_tokens=min(self.limits.max_input_tokens + self.limits.max_new_tokens, positions),
         )
-        self.engine = Engine(model, artifact.tokenizer, backend, device, config, self.metrics,
-                             on_fatal=lambda exc: self.on_fatal(exc))
-        self.engine.start()
+        engine = Engine(model, artifact.tokenizer, backend, device, config, self.metrics,
+                        on_fatal=lambda exc: self.on_fatal(exc))
+        engine.start()
+        # published only once its worker runs: between construction and start `alive` is False, and /health
+        # would call a loading service dead
+        self.engine = engine
 
     def info(self) -> dict[str, Any]:
         art = self.artifact

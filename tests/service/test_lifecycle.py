@@ -51,6 +51,28 @@ def test_not_ready_until_warm_up_is_done(artifact: Any, monkeypatch: pytest.Monk
         assert client.post("/generate", json={"inputs": "a"}).status_code == 200
 
 
+def test_liveness_holds_while_the_worker_is_being_started(artifact: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine is published to the probes only once its worker runs: a slow start is still "loading"."""
+    started = threading.Event()
+    original = Engine.start
+
+    def slow_start(self: Engine) -> None:
+        started.set()
+        time.sleep(1.0)
+        original(self)
+
+    monkeypatch.setattr(Engine, "start", slow_start)
+    app = create_app(Settings(), artifact)
+    with TestClient(app) as client:
+        assert started.wait(30)
+        assert client.get("/health").status_code == 200  # inside the slow start
+        assert client.get("/ready").status_code == 503
+        deadline = time.monotonic() + 30
+        while client.get("/ready").status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.get("/ready").status_code == 200 and client.get("/health").status_code == 200
+
+
 def test_unexpected_errors_are_a_generic_500_with_the_trace_only_in_the_log(
     artifact: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
