@@ -39,7 +39,7 @@ from .attention import LocalSelfAttention, LSHSelfAttention, split_heads
 from .batch import prepare_batch
 from .chunking import mask_value, round_weights, self_mask_value
 from .decode_cache import CacheFull, DecodeCache, DecodeState, _flat
-from .decode_index import LSHIndex, WindowGeometry, floor_div, floor_mod
+from .decode_index import BlockLookup, LSHIndex, WindowGeometry
 from .feedforward import EVAL_CHUNK
 from .prefill_slices import DEFAULT_SLICE_CHUNKS, layer_f_slices
 from .step_graphs import StepGraphs
@@ -202,12 +202,15 @@ def _build_index_steps(cache: DecodeCache, layer: int, att: LSHSelfAttention, st
     index = cache.indexes[layer]
     assert index is not None
     index.grow_buckets(_flat(nb))
+    length = keys.shape[1]
     buckets = att.hash(keys.unsqueeze(0), nb, None)[0]  # (H, R, L)
+    rows = _slot_rows(cache, state, length)
     yield
     for h in range(buckets.shape[0]):
-        index.build(state.slot, buckets[h : h + 1], heads=slice(h, h + 1))
+        index.build(state.slot, rows, buckets[h : h + 1], heads=slice(h, h + 1))
         yield
     state.num_buckets[layer] = nb
+    state.index_len[layer] = length
 
 
 def _build_index(cache: DecodeCache, layer: int, att: LSHSelfAttention, state: DecodeState, keys: Tensor,
@@ -217,24 +220,33 @@ def _build_index(cache: DecodeCache, layer: int, att: LSHSelfAttention, state: D
         pass
 
 
-def _rehash_if_needed(lm: ReformerLM, cache: DecodeCache, states: Sequence[DecodeState]) -> None:
-    """An automatic bucket count changes with the length (or a row starts hashing): rebuild that row's
-    index from its cached keys before the step (rare, host-known, O(L) once). Every LSH layer shares the
-    bucket-count rule, so the count is worked out once per row, not once per row and layer."""
-    auto = [(li, att) for li, layer in enumerate(_layers(lm))
-            if isinstance(att := layer.attention.self_attention, LSHSelfAttention) and att.config.num_buckets is None]
-    if not auto:
+def _slot_rows(cache: DecodeCache, state: DecodeState, length: int) -> Tensor:
+    """Pool rows (length,) of a request's positions 0..length-1."""
+    slots = torch.full((length,), state.slot, dtype=torch.long, device=cache.device)
+    return cache.rows(slots, torch.arange(length, device=cache.device))
+
+
+def _maintain_indexes(lm: ReformerLM, cache: DecodeCache, states: Sequence[DecodeState]) -> None:
+    """Before a step, per row (host-known, rare): an automatic bucket count that changes with the length (or
+    a row that starts hashing) rebuilds that row's index from its cached keys, O(L) once; a recent order that
+    is full is merged into the main order (model/decode_index.py), O(L) every RECENT steps. Every LSH layer
+    shares the bucket-count rule, so the count is worked out once per row, not once per row and layer."""
+    lsh = [(li, att) for li, layer in enumerate(_layers(lm))
+           if isinstance(att := layer.attention.self_attention, LSHSelfAttention)]
+    if not lsh:
         return
     for state in states:
-        nb = _index_buckets(auto[0][1], lm.config.padded_length(state.length + 1))
-        if nb is None:
-            continue
-        for li, att in auto:
-            if nb != state.num_buckets[li]:
-                slots = torch.full((state.length,), state.slot, dtype=torch.long, device=cache.device)
-                rows = cache.rows(slots, torch.arange(state.length, device=cache.device))
-                keys = cache.keys[li].index_select(0, rows).transpose(0, 1)  # (H, L, D)
-                _build_index(cache, li, att, state, keys, nb)
+        nb = _index_buckets(lsh[0][1], lm.config.padded_length(state.length + 1))
+        for li, att in lsh:
+            index = cache.indexes[li]
+            assert index is not None
+            if att.config.num_buckets is None and nb is not None and nb != state.num_buckets[li]:
+                keys = cache.keys[li].index_select(0, _slot_rows(cache, state, state.length)).transpose(0, 1)
+                _build_index(cache, li, att, state, keys, nb)  # keys (H, L, D)
+            elif state.num_buckets[li] is not None and state.length - state.index_len[li] >= index.recent_size:
+                index.merge(state.slot, _slot_rows(cache, state, state.length), state.index_len[li],
+                            state.length - state.index_len[li])
+                state.index_len[li] = state.length
 
 
 @torch.no_grad()
@@ -252,7 +264,7 @@ def decode_step(lm: ReformerLM, tokens: Tensor, cache: DecodeCache, states: Sequ
             raise ValueError(f"decoding past max_position_embeddings {lm.config.max_position_embeddings}")
         if state.length >= state.capacity * cache.block_size:
             raise ValueError(f"decoding past the {state.capacity * cache.block_size} positions reserved")
-    _rehash_if_needed(lm, cache, states)
+    _maintain_indexes(lm, cache, states)
     tokens = tokens.reshape(-1).to(cache.device)
     size = INVARIANT_ROWS if invariant else batch_bucket(b)
     out = []
@@ -305,16 +317,16 @@ def _step_compute(lm: ReformerLM, cache: DecodeCache, tokens: Tensor, meta: Tens
     rows = tokens.shape[0]
     first_lsh = next((i for i, k in enumerate(cfg.attn_layers) if k == "lsh"), None)
     slots, t = meta[:, 0], meta[:, 1]
-    table = cache.block_table.index_select(0, slots)  # (B, max blocks): each row's blocks
-    step = _Step(t=t, table=table, groups=[(nb, None if sel is None else torch.tensor(sel).to(device))
-                                           for nb, sel in groups])
+    step = _Step(t=t, blocks=BlockLookup(cache.block_table, slots, cache.block_size),
+                 groups=[(nb, None if sel is None else torch.tensor(sel).to(device))
+                         for nb, sel in groups])
     if first_lsh is not None:
         att0 = _layers(lm)[first_lsh].attention.self_attention
         assert isinstance(att0, LSHSelfAttention)
         _lsh_geometry(cache, step, att0, meta, all_hashed, cache.indexes[first_lsh])
     x = lm.embeddings.word_embeddings(tokens) + lm.embeddings.position_embeddings(t)  # (B, hidden)
     x1 = x2 = x
-    new_rows = _rows(cache, table, t.view(-1, 1)).view(-1)  # (B,): where the new keys go
+    new_rows = step.blocks.rows(t.view(-1, 1)).view(-1)  # (B,): where the new keys go
     local: tuple[Tensor, Tensor] | None = None
     for li, layer in enumerate(_layers(lm)):
         att = layer.attention.self_attention
@@ -338,12 +350,6 @@ def _step_compute(lm: ReformerLM, cache: DecodeCache, tokens: Tensor, meta: Tens
     return lm.lm_head(lm.final_layer_norm(torch.cat([x1, x2], dim=-1)))  # (B, vocab)
 
 
-def _rows(cache: DecodeCache, table: Tensor, positions: Tensor) -> Tensor:
-    """Pool row of each position (B, N) of the step's rows, from their block table rows (B, max blocks)."""
-    bs = cache.block_size
-    return table.gather(1, floor_div(positions, bs)) * bs + floor_mod(positions, bs)
-
-
 def _local_window(cache: DecodeCache, att: LocalSelfAttention, step: _Step, dense: Tensor) -> tuple[Tensor, Tensor]:
     """Flat (row, head) indices (B, H, W) into the pools of the new position's local window, and which
     window slots are padding (B, 1, W)."""
@@ -354,7 +360,7 @@ def _local_window(cache: DecodeCache, att: LocalSelfAttention, step: _Step, dens
     pos = start.view(b, 1) + torch.arange(width, device=t.device)  # (B, W)
     absent = pos > t.view(b, 1)
     pos = pos.masked_fill(absent, 0)
-    rows = _rows(cache, step.table, pos)
+    rows = step.blocks.rows(pos)
     flat = rows.unsqueeze(1) * cache.heads + torch.arange(cache.heads, device=t.device).view(1, -1, 1)
     return flat, absent.unsqueeze(1)
 
@@ -371,7 +377,7 @@ def _local_attend(cache: DecodeCache, li: int, q: Tensor, window: tuple[Tensor, 
 @dataclass
 class _Step:
     t: Tensor  # (B,) the new position of each row
-    table: Tensor  # (B, max blocks) each row's block table row
+    blocks: BlockLookup  # the pool rows of each row's positions
     groups: list[tuple[int | list[int], Tensor | None]]  # bucket count -> rows (None: every row)
     # LSH layers (built once per step by _lsh_geometry)
     geo: WindowGeometry | None = None
@@ -428,14 +434,14 @@ def _lsh_attend(cache: DecodeCache, li: int, att: LSHSelfAttention, qk: Tensor, 
         buckets = torch.zeros(b, heads, rounds, dtype=torch.long, device=qk.device)
         for nb, sel in step.groups:
             buckets[sel] = att.hash(qk[sel].unsqueeze(2), nb, None)[..., 0]
-    counts = index.append(step.base, buckets, step.value, step.weight)
-    pos, absent = index.window(step.base, counts, buckets, step.geo)  # (B, H, R, W)
+    main, recent = index.append(step.base, buckets, step.value, step.weight)
+    pos, absent = index.window(step.base, main, recent, buckets, step.geo, step.blocks)  # (B, H, R, W)
     w = pos.shape[-1]
     if step.dense is not None:
         hashed, dense_pos, dense_absent, _ = step.dense
         pos = torch.where(hashed, pos, dense_pos)
         absent = torch.where(hashed, absent, dense_absent)
-    flat = _rows(cache, step.table, pos.view(b, -1)).view(b, heads, rounds * w)
+    flat = step.blocks.rows(pos.view(b, -1)).view(b, heads, rounds * w)
     flat = (flat * heads + torch.arange(heads, device=qk.device).view(1, heads, 1)).view(b, heads, rounds, w)
     keys, norms = cache.gather_keys(li, flat)  # (B, H, R, W, D), (B, H, R, W)
     assert norms is not None

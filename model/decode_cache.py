@@ -1,15 +1,17 @@
 """The decode cache: keys and values of every running request in preallocated blocks (a paged KV cache, as
-vLLM's), plus a fixed-size LSH index per request slot.
+vLLM's), plus each LSH layer's bucket order (model/decode_index.py): its main part in the same blocks, a
+small fixed part per request slot.
 
-Each layer's keys and values live in one pool of `blocks` blocks of `block_size` positions; a request owns
-a list of blocks (its row of `block_table`). A request reserves, when it is admitted, the blocks for its
-prompt plus its `max_new_tokens`, so joining or leaving copies nobody's cache and growing never copies.
+Each layer's keys and values (and an LSH layer's key factors and main bucket order) live in one pool of
+`blocks` blocks of `block_size` positions; a request owns a list of blocks (its row of `block_table`). A
+request reserves, when it is admitted, the blocks for its prompt plus its `max_new_tokens`, so joining or
+leaving copies nobody's cache and growing never copies.
 Block 0 and the last slot are scratch: padding rows of a bucketed step read and write there.
 
-With an automatic bucket count (num_buckets=None) an index grows, for every slot at once, when a request
-reaches a length with more buckets. The budget therefore reserves, per slot, the index of the longest
-request the cache is built for (`max_tokens`), and refuses longer ones, so growth never takes memory the
-capacity does not count.
+With an automatic bucket count (num_buckets=None) the bucket counts grow, for every slot at once, when a
+request reaches a length with more buckets. The budget therefore reserves, per slot, the counts of the
+longest request the cache is built for (`max_tokens`), and refuses longer ones, so growth never takes memory
+the capacity does not count.
 """
 
 from __future__ import annotations
@@ -22,10 +24,16 @@ import torch
 from torch import Tensor
 
 from .attention import LSHSelfAttention
-from .decode_index import LSHIndex
+from .decode_index import RECENT, LSHIndex
 
 if TYPE_CHECKING:
     from .reformer import ReformerLM
+
+
+# positions per block: a request wastes under one block of its reservation (on average half); 8 keeps that
+# under 1% of a 1K-token request's bytes. A step reads blocks through a flat lookup, so smaller blocks cost it
+# nothing but a wider block table (8 bytes per block of the longest request, per slot)
+BLOCK_SIZE = 8
 
 
 class CacheFull(Exception):
@@ -44,6 +52,7 @@ class DecodeState:
     blocks: list[int]
     length: int = 0
     num_buckets: list[int | list[int] | None] = field(default_factory=list)  # per layer: what its index holds
+    index_len: list[int] = field(default_factory=list)  # per layer: positions in its index's main order
 
     @property
     def capacity(self) -> int:
@@ -62,38 +71,44 @@ def _flat(nb: int | list[int]) -> int:
 
 
 class DecodeCache:
-    def __init__(self, lm: ReformerLM, capacity_bytes: int, max_slots: int, block_size: int = 16,
-                 max_tokens: int | None = None) -> None:
+    def __init__(self, lm: ReformerLM, capacity_bytes: int, max_slots: int, block_size: int = BLOCK_SIZE,
+                 max_tokens: int | None = None, recent: int = RECENT) -> None:
+        """`recent`: the size of each LSH index's recent order (model/decode_index.py; small in tests, so
+        merges happen within a few steps)."""
         cfg = lm.config
         # the longest request (prompt plus new tokens) served: what an automatic bucket count is reserved for
         self.max_tokens = min(max_tokens or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        reserve: list[int] = []  # per LSH layer: the most buckets its index can need
         param = next(lm.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.block_size = block_size
         self.max_slots = max_slots
         self.heads, self.head_size = cfg.num_attention_heads, cfg.attention_head_size
-        self.indexes: list[LSHIndex | None] = []
+        # per LSH layer (None for local ones): heads, rounds, the buckets its index starts with and the most it
+        # can need
+        specs: list[tuple[int, int, int, int] | None] = []
         for layer in lm.layers:
             att = layer.attention.self_attention  # type: ignore[union-attr]
             if isinstance(att, LSHSelfAttention):
-                nb = _flat(att.config.num_buckets) if att.config.num_buckets is not None else 2
-                reserve.append(nb if att.config.num_buckets is not None
-                               else _flat(att.num_buckets_for(cfg.padded_length(self.max_tokens))))
-                self.indexes.append(LSHIndex(max_slots + 1, att.heads, att.rounds, nb,
-                                             (att.after + 1) * att.chunk, (att.before + 1) * att.chunk, self.device,
-                                             cfg.max_position_embeddings))
+                fixed = att.config.num_buckets
+                most = _flat(fixed if fixed is not None else att.num_buckets_for(cfg.padded_length(self.max_tokens)))
+                specs.append((att.heads, att.rounds, _flat(fixed) if fixed is not None else 2, most))
             else:
-                self.indexes.append(None)
+                specs.append(None)
         elt = torch.finfo(self.dtype).bits // 8
-        lsh = sum(ix is not None for ix in self.indexes)
-        self.bytes_per_token = (2 * len(self.indexes) * self.head_size + lsh) * self.heads * elt
+        positions = cfg.max_position_embeddings
+        lsh = [spec for spec in specs if spec is not None]
+        # keys and values of every layer, LSH layers' key factors and main bucket order (decode_index.py)
+        self.bytes_per_token = ((2 * len(specs) * self.head_size + len(lsh)) * self.heads * elt
+                                + sum(LSHIndex.token_bytes(h, r, positions) for h, r, _, _ in lsh))
         self.bytes_per_block = self.bytes_per_token * block_size
-        self.reserved_bytes_per_slot = sum(ix.nbytes_per_slot(nb) for ix, nb in
-                                           zip([ix for ix in self.indexes if ix is not None], reserve, strict=True))
+        self.reserved_bytes_per_slot = sum(LSHIndex.slot_bytes(h, r, most, positions, recent) for h, r, _, most in lsh)
         usable = capacity_bytes - self.reserved_bytes_per_slot * (max_slots + 1)
         self.blocks = max(usable // self.bytes_per_block, 0) + 1  # + the scratch block 0
         rows = self.blocks * block_size
+        self.indexes: list[LSHIndex | None] = [
+            None if spec is None else LSHIndex(max_slots + 1, spec[0], spec[1], spec[2], rows, self.device, positions,
+                                               recent)
+            for spec in specs]
         # empty, not zeros: pages are touched only when written (only the scratch block is cleared); a read
         # never reaches a position that was not written (windows point masked slots at position 0)
         self.keys = [torch.empty(rows, self.heads, self.head_size, dtype=self.dtype, device=self.device)
@@ -105,6 +120,9 @@ class DecodeCache:
                       else None for ix in self.indexes]
         for pool in (*self.keys, *self.values, *(n for n in self.norms if n is not None)):
             pool[:block_size].zero_()
+        for ix in self.indexes:
+            if ix is not None:
+                ix.order[:block_size].fill_(ix.shift)  # position 0
         self.max_blocks = -(-cfg.max_position_embeddings // block_size)
         self.block_table = torch.zeros(max_slots + 1, self.max_blocks, dtype=torch.long, device=self.device)
         self.scratch_slot = max_slots
@@ -118,12 +136,13 @@ class DecodeCache:
         return sum(ix.nbytes_per_slot() for ix in self.indexes if ix is not None)
 
     @classmethod
-    def for_tokens(cls, lm: ReformerLM, tokens: int, slots: int = 1, block_size: int = 16) -> DecodeCache:
+    def for_tokens(cls, lm: ReformerLM, tokens: int, slots: int = 1, block_size: int = BLOCK_SIZE,
+                   recent: int = RECENT) -> DecodeCache:
         """A cache just large enough for `slots` requests of `tokens` positions each."""
-        probe = cls(lm, 0, slots, block_size, max_tokens=tokens)
+        probe = cls(lm, 0, slots, block_size, max_tokens=tokens, recent=recent)
         need = (slots * (-(-tokens // block_size) * probe.bytes_per_block + probe.reserved_bytes_per_slot)
                 + probe.reserved_bytes_per_slot)
-        return cls(lm, need, slots, block_size, max_tokens=tokens)
+        return cls(lm, need, slots, block_size, max_tokens=tokens, recent=recent)
 
     # ---- accounting --------------------------------------------------------------------------------------
     @property
@@ -168,7 +187,8 @@ class DecodeCache:
         blocks = [self._free_blocks.pop() for _ in range(need)]
         slot = self._free_slots.pop()
         self.block_table[slot, :need] = torch.tensor(blocks, dtype=torch.long).to(self.device)
-        return DecodeState(slot=slot, blocks=blocks, num_buckets=[None] * len(self.indexes))
+        return DecodeState(slot=slot, blocks=blocks, num_buckets=[None] * len(self.indexes),
+                           index_len=[0] * len(self.indexes))
 
     def free(self, state: DecodeState) -> None:
         if state.slot < 0:

@@ -1,23 +1,25 @@
 """Bucket-sorted order of every LSH (layer, head, hash round), kept as device tensors for batched decoding.
 
-Decoding appends the newest position, which is always the *last* item of its bucket in the stable
-(bucket, position) order (/work/shared/notes/batched-lsh-decode.md). A chunk window around it therefore
-holds only tail segments of buckets up to its own (at most (before+1)*c items), head segments of the
-buckets after it (at most (after+1)*c items) and, where it wraps into a neighbouring round, tails (or
-heads) of that round's extreme buckets. Per (slot, head, round) this keeps:
+A full forward sorts a request's positions by (bucket, position) in every head and hash round and attends
+over chunk windows of that order. Decoding appends the newest position, which is always the *last* item of
+its bucket (/work/shared/notes/batched-lsh-decode.md), so the order is kept in two parts:
 
-- `counts` (NB,): positions per bucket;
-- `items` (NB, A + T): the first A = (after+1)*c positions of each bucket (fixed once filled), then the
-  last T = (before+1)*c as a ring: the item at offset `o` of a bucket sits at `A + o % T` while
-  `o >= count - T`. One array, so a window slot is one flat gather whichever part it reads.
+- the **main order**: every position up to the request's last build or merge, in sorted order, stored in
+  the decode cache's blocks beside its keys (sorted index j of (slot, head, round) lives at the pool row
+  of (slot, j), column head * rounds + round): 2 bytes per position, head and round (int16 while every
+  position fits, else 4), paid for by the blocks the request reserves; and its bucket counts
+  `main_counts`;
+- the **recent order**: the positions appended since, sorted by (bucket, position), in a fixed array of
+  `RECENT` items per (slot, head, round), with their bucket counts `recent_counts`.
 
-Positions are stored as int16 (offset by -32768) when every position fits, else int32: the index is a
-sizeable share of the cache bytes per token.
-
-A step is one index_add into the counts, two index_copy into the items, a prefix sum, one `searchsorted`
-over all rounds' bucket starts per window slot and one gather, all batched over rows, heads and rounds on
-flat views: no Python loop, no multi-tensor advanced indexing. What grows with the length is the bucket
-count (2*L/chunk by default): a prefix sum and a binary search over it.
+Every recent position is later than every main one, so the merged order is, bucket by bucket, the bucket's
+main items then its recent items. A step is: one insert into the recent array (every row's array shifted
+past the new item's place in one `where`: RECENT items, whatever the prompt length), a prefix sum over the
+merged bucket counts, one `searchsorted` over all rounds' merged bucket starts per window slot, and one
+gather from each part, batched over rows, heads and rounds on flat views: no Python loop, no host sync.
+When a request's recent array is full (host-known: RECENT steps after its last build or merge) it is merged
+into the main order before the next step: one scatter of the request's L items per layer, every RECENT
+steps, the one cost that grows with the length.
 """
 
 from __future__ import annotations
@@ -25,90 +27,144 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+RECENT = 64  # recent items per (slot, head, round): a merge every RECENT steps; RECENT items per step to shift
+
+
+def position_storage(max_positions: int) -> tuple[torch.dtype, int]:
+    """The dtype positions are stored as and the shift applied first: below 2**16 positions fit int16 once
+    shifted by -32768, half the bytes of int32."""
+    return (torch.int16, -32768) if max_positions <= 2**16 else (torch.int32, 0)
+
 
 class LSHIndex:
-    def __init__(self, slots: int, heads: int, rounds: int, buckets: int, head_len: int, tail_len: int,
-                 device: torch.device, max_positions: int = 2**31 - 1) -> None:
+    def __init__(self, slots: int, heads: int, rounds: int, buckets: int, rows: int, device: torch.device,
+                 max_positions: int = 2**31 - 1, recent: int = RECENT) -> None:
+        """`slots` request slots (the last one scratch), `rows` the decode cache's pool rows (the main order
+        lives there, addressed through the request's blocks)."""
         self.shape = (slots, heads, rounds)
-        self.head_len, self.tail_len = head_len, tail_len
-        # positions below 2**16 fit int16 once shifted by -32768: half the bytes of int32
-        self.dtype, self.shift = (torch.int16, -32768) if max_positions <= 2**16 else (torch.int32, 0)
-        self.counts = torch.zeros(slots, heads, rounds, buckets, dtype=torch.int32, device=device)
+        self.recent_size, self.max_positions = recent, max_positions
+        self.dtype, self.shift = position_storage(max_positions)
+        self.main_counts = torch.zeros(slots, heads, rounds, buckets, dtype=torch.int32, device=device)
+        # at most RECENT items: int16 counts (a sizeable share of a short request's bytes per token)
+        self.recent_counts = torch.zeros_like(self.main_counts, dtype=torch.int16)
         # every item holds a valid position (0 until written): a masked window slot still reads one
-        self.items = torch.full((slots, heads, rounds, buckets, head_len + tail_len), self.shift, dtype=self.dtype,
-                                device=device)
+        self.recent = torch.full((slots, heads, rounds, recent), self.shift, dtype=self.dtype, device=device)
+        # empty, as the key pools: a step reads only sorted indices below the main length, all written by a
+        # build or merge (the scratch block, which padding rows read, is filled by the cache)
+        self.order = torch.empty(rows, heads * rounds, dtype=self.dtype, device=device)
 
     @property
     def buckets(self) -> int:
-        return self.counts.shape[-1]
+        return self.main_counts.shape[-1]
 
-    @property
-    def width(self) -> int:
-        return self.head_len + self.tail_len
+    @staticmethod
+    def token_bytes(heads: int, rounds: int, max_positions: int) -> int:
+        """Bytes of the main order per cached position (held in the cache's blocks)."""
+        return heads * rounds * position_storage(max_positions)[0].itemsize
+
+    @staticmethod
+    def slot_bytes(heads: int, rounds: int, buckets: int, max_positions: int, recent: int = RECENT) -> int:
+        """Bytes one request slot holds outside the blocks: two counts per bucket (int32 main, int16 recent)
+        and the recent array."""
+        return heads * rounds * ((4 + 2) * buckets + recent * position_storage(max_positions)[0].itemsize)
 
     def nbytes_per_slot(self, buckets: int | None = None) -> int:
         """Bytes one slot's index holds now, or would hold with `buckets` buckets."""
-        cells = self.counts[0, ..., 0].numel()  # heads x rounds
-        per_bucket = cells * (self.counts.element_size() + self.width * self.items.element_size())
-        return per_bucket * (self.buckets if buckets is None else max(buckets, self.buckets))
+        _, heads, rounds = self.shape
+        nb = self.buckets if buckets is None else max(buckets, self.buckets)
+        return self.slot_bytes(heads, rounds, nb, self.max_positions, self.recent_size)
 
     def grow_buckets(self, buckets: int) -> None:
         """Room for more buckets (an automatic bucket count grew): the new buckets start empty."""
         extra = buckets - self.buckets
         if extra <= 0:
             return
-        self.counts = torch.nn.functional.pad(self.counts, (0, extra))
-        self.items = torch.nn.functional.pad(self.items, (0, 0, 0, extra), value=self.shift)
+        self.main_counts = torch.nn.functional.pad(self.main_counts, (0, extra))
+        self.recent_counts = torch.nn.functional.pad(self.recent_counts, (0, extra))
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        """What a step reads and writes (a captured CUDA graph holds their addresses)."""
+        return self.main_counts, self.recent_counts, self.recent, self.order
 
     def store(self, positions: Tensor) -> Tensor:
-        """Positions as the items array holds them."""
+        """Positions as the index holds them."""
         return (positions + self.shift).to(self.dtype)
 
-    def build(self, slot: int, buckets: Tensor, heads: slice = slice(None)) -> None:
-        """Fill `slot` from the buckets (H, R, L) of positions 0..L-1 (one full sort, as the prefill does);
-        `heads` names which of the slot's heads `buckets` holds (all by default), so a long prompt's index
-        can be built one head at a time."""
+    def build(self, slot: int, rows: Tensor, buckets: Tensor, heads: slice = slice(None)) -> None:
+        """Fill `slot`'s main order from the buckets (H, R, L) of positions 0..L-1 (one full sort, as the
+        prefill does) and empty its recent order; `rows` (L,) are the slot's pool rows of positions 0..L-1,
+        `heads` which of its heads `buckets` holds (all by default), so a long prompt's index can be built
+        one head at a time."""
         h, r, length = buckets.shape
-        nb, a, t, w = self.buckets, self.head_len, self.tail_len, self.width
         device = buckets.device
-        pos = torch.arange(length, device=device)
-        counts = torch.zeros(h, r, nb, dtype=torch.long, device=device).scatter_add_(
+        counts = torch.zeros(h, r, self.buckets, dtype=torch.long, device=device).scatter_add_(
             -1, buckets, torch.ones_like(buckets))
-        order = torch.argsort(buckets * length + pos, dim=-1)  # (H, R, L): stable (bucket, position) order
-        sb = buckets.gather(-1, order)  # bucket of each sorted slot
-        start = counts.cumsum(-1) - counts  # (H, R, NB)
-        offset = pos - start.gather(-1, sb)  # (H, R, L): offset of each sorted slot inside its bucket
-        items = torch.zeros(h, r, nb * w + 1, dtype=torch.long, device=device)  # last entry: discard
-        items.scatter_(-1, torch.where(offset < a, sb * w + offset, nb * w), order)
-        keep = offset >= counts.gather(-1, sb) - t
-        items.scatter_(-1, torch.where(keep, sb * w + a + offset % t, nb * w), order)
-        self.counts[slot, heads] = counts.int()
-        self.items[slot, heads] = self.store(items[..., :-1].view(h, r, nb, w))
+        pos = torch.arange(length, device=device)
+        order = torch.argsort(buckets * length + pos, dim=-1)  # (H, R, L): the (bucket, position) order
+        columns = torch.arange(self.shape[1] * r, device=device).view(-1, r)[heads].reshape(-1)  # (H*R,)
+        self.order[rows.view(-1, 1), columns.view(1, -1)] = self.store(order.reshape(h * r, length).t())
+        self.main_counts[slot, heads] = counts.int()
+        self.recent_counts[slot, heads] = 0
 
-    def append(self, base: Tensor, buckets: Tensor, value: Tensor, weight: Tensor) -> Tensor:
-        """Add a position to bucket `buckets` (B, H, R) of the (slot, head, round) rows `base` (B, H, R, flat
-        indices into counts' first three dims); `value` (B*H*R,) is the position as `store` gives it and
-        `weight` (B*H*R,) int32 is 1 where the row writes. Rows that must not write point `base` at the
-        scratch slot with weight 0 (whatever they write there is never read as a real position). Returns
-        the counts (B, H, R, NB) after it."""
-        nb, a, t, w = self.buckets, self.head_len, self.tail_len, self.width
-        cell = (base * nb + buckets).view(-1)  # (B*H*R,)
-        counts = self.counts.view(-1)
-        counts.index_add_(0, cell, weight)
-        offset = (counts.index_select(0, cell).long() - 1).clamp(min=0)  # the new position's offset in its bucket
-        items = self.items.view(-1)
-        # past the head segment the head write goes to the scratch slot's first item instead
-        junk = (self.shape[0] - 1) * self.shape[1] * self.shape[2] * nb * w
-        items.index_copy_(0, torch.where(offset < a, cell * w + offset, junk), value)
-        items.index_copy_(0, cell * w + a + floor_mod(offset, t), value)
-        return self.counts.view(-1, nb).index_select(0, base.view(-1)).view(*buckets.shape, nb)
+    def merge(self, slot: int, rows: Tensor, main_len: int, recent_len: int) -> None:
+        """Move `slot`'s recent items into its main order; `rows` (main_len + recent_len,) are its pool rows
+        of sorted indices 0.. . In the merged order a main item moves up by the recent items of the buckets
+        before its own, a recent item by the main items of its bucket and those before it: two prefix sums of
+        counts scattered at the bucket boundaries, then one scatter of every item."""
+        _, heads, rounds = self.shape
+        hr, nb, device = heads * rounds, self.buckets, rows.device
+        main = self.main_counts[slot].view(hr, nb).long()
+        recent = self.recent_counts[slot].view(hr, nb).long()  # (HR, NB)
+        old = self.order.index_select(0, rows[:main_len]).t()  # (HR, Lm)
+        new = self.recent[slot].view(hr, -1)[:, :recent_len]  # (HR, N)
+        # a bucket's items end at its inclusive prefix: the recent items of the buckets ending at or before a
+        # main index are those of the buckets before its own
+        up_main = torch.zeros(hr, main_len + 1, dtype=torch.long, device=device).scatter_add_(
+            1, main.cumsum(-1), recent).cumsum(-1)[:, :main_len]
+        # a bucket's recent items start at its exclusive prefix: every bucket starting at or before a recent
+        # index is its own or an earlier one
+        up_new = torch.zeros(hr, recent_len + 1, dtype=torch.long, device=device).scatter_add_(
+            1, recent.cumsum(-1) - recent, main).cumsum(-1)[:, :recent_len]
+        merged = torch.empty(hr, main_len + recent_len, dtype=self.dtype, device=device)
+        merged.scatter_(1, torch.arange(main_len, device=device) + up_main, old)
+        merged.scatter_(1, torch.arange(recent_len, device=device) + up_new, new)
+        self.order.index_copy_(0, rows, merged.t().contiguous())
+        self.main_counts[slot] += self.recent_counts[slot]
+        self.recent_counts[slot] = 0
 
-    def window(self, base: Tensor, counts: Tensor, buckets: Tensor, geo: WindowGeometry) -> tuple[Tensor, Tensor]:
+    def append(self, base: Tensor, buckets: Tensor, value: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
+        """Insert a position into bucket `buckets` (B, H, R) of the recent order of the (slot, head, round)
+        rows `base` (B, H, R, flat indices into the counts' first three dims); `value` (B*H*R,) is the
+        position as `store` gives it and `weight` (B*H*R,) int32 is 1 where the row writes. Rows that must
+        not write point `base` at the scratch slot with weight 0 (what lands there is never read as a real
+        position). The caller keeps every real row's recent array below RECENT items (merging first).
+        Returns the main and recent counts (B, H, R, NB) after it."""
+        nb, size = self.buckets, self.recent_size
+        flat = base.reshape(-1)
+        bucket = buckets.reshape(-1, 1)
+        main = self.main_counts.view(-1, nb).index_select(0, flat)  # (N, NB)
+        recent = self.recent_counts.view(-1, nb).index_select(0, flat)
+        at = recent.cumsum(-1).gather(-1, bucket)  # (N, 1): the new item goes after every bucket <= its own
+        old = self.recent.view(-1, size).index_select(0, flat)  # (N, RECENT)
+        k = torch.arange(size, device=flat.device)
+        shifted = torch.cat([old[:, :1], old[:, :-1]], dim=-1)  # each item moved one place up
+        items = torch.where(k < at, old, torch.where(k == at, value.view(-1, 1), shifted))
+        self.recent.view(-1, size).index_copy_(0, flat, items)
+        weight = weight.to(self.recent_counts.dtype)
+        self.recent_counts.view(-1).index_add_(0, flat * nb + bucket.view(-1), weight)
+        recent = recent.scatter_add(-1, bucket, weight.view(-1, 1))
+        return main.view(*buckets.shape, nb), recent.view(*buckets.shape, nb)
+
+    def window(self, base: Tensor, main: Tensor, recent: Tensor, buckets: Tensor, geo: WindowGeometry,
+               blocks: BlockLookup) -> tuple[Tensor, Tensor]:
         """Positions (B, H, R, W) in the chunk window of the newest position of every round, W =
-        (before+1+after)*chunk, wrapping through the rounds in the row's own layout (`geo`); and whether each
-        slot is padding (past the row's length: its position reads 0)."""
-        b, h, r, nb = counts.shape
-        prefix = counts.cumsum(-1, dtype=torch.long)  # (B, H, R, NB)
+        (before+1+after)*chunk, wrapping through the rounds in the row's own layout (`geo`), from the counts
+        `append` returned and the rows' blocks; and whether each slot is padding (past the row's length:
+        its position reads 0)."""
+        b, h, r, nb = main.shape
+        size = self.recent_size
+        total = main + recent
+        prefix = total.cumsum(-1, dtype=torch.long)  # (B, H, R, NB): merged bucket ends
         s = prefix.gather(-1, buckets.unsqueeze(-1)) - 1  # (B, H, R, 1): slot of the newest position
         g = torch.remainder(geo.round_start + floor_div(s, geo.chunk) + geo.offsets,
                             geo.total)  # (B, H, R, Wc): chunk index over all rounds, wrapped
@@ -116,17 +172,45 @@ class LSHIndex:
         slot_pos = ((g - r2 * geo.n_chunks) * geo.chunk).unsqueeze(-1) + geo.in_chunk  # (B, H, R, Wc, C)
         absent = slot_pos > geo.t
         # every round's bucket starts in one sorted row per (row, head), round r keyed by r * 2**32, so one
-        # searchsorted finds round r2's bucket of each slot and its flat (round, bucket) index at once
-        keyed = (prefix - counts + geo.round_key).view(b, h, r * nb)
-        query = (slot_pos + (r2 * _ROUND_KEY).unsqueeze(-1)).view(b, h, -1)  # (B, H, R*Wc*C)
+        # searchsorted finds round r2's bucket of each slot (its flat (round, bucket) index) at once
+        keyed = (prefix - total + geo.round_key).view(b, h, r * nb)
+        query = (slot_pos + (r2 * _ROUND_KEY).unsqueeze(-1)).view(b, h, -1)  # (B, H, Q = R*Wc*C)
         rb = torch.searchsorted(keyed, query, right=True) - 1  # round r2's first key is <= the query
-        offset = query - keyed.gather(-1, rb)  # >= 0: the slot's offset inside its bucket
-        cell = base[:, :, :1] * nb + rb  # base[..., 0] is (slot, head, round 0)
-        a = self.head_len
-        at = cell * self.width + torch.where(offset < a, offset, a + floor_mod(offset, self.tail_len))
-        pos = self.items.view(-1).index_select(0, at.view(-1)).view(absent.shape).long() - self.shift
-        pos = pos.masked_fill(absent, 0)
+        # a merged bucket starts at main_start + recent_start and holds its main items, then its recent
+        # ones: slot p reads main index p - recent_start while that is below the bucket's main end, else
+        # recent index p - main_end
+        recent_start = (recent.cumsum(-1) - recent).view(b, h, r * nb).gather(-1, rb).view(slot_pos.shape)
+        main_end = main.cumsum(-1).view(b, h, r * nb).gather(-1, rb).view(slot_pos.shape)
+        j = slot_pos - recent_start  # sorted index in the main order
+        from_main = j < main_end
+        k = (slot_pos - main_end).clamp_(0, size - 1)  # sorted index in the recent order
+        column = (torch.arange(h, device=rb.device).view(1, h, 1, 1, 1) * r + r2.unsqueeze(-1))  # head, round
+        main_at = blocks.rows(j.view(b, -1)).view(slot_pos.shape) * (h * r) + column
+        recent_at = ((base[:, :, :1, None] + r2) * size).unsqueeze(-1) + k  # base[..., 0]: (slot, head, round 0)
+        pos = torch.where(from_main, self.order.view(-1).index_select(0, main_at.view(-1)).view(slot_pos.shape),
+                          self.recent.view(-1).index_select(0, recent_at.view(-1)).view(slot_pos.shape))
+        pos = (pos.long() - self.shift).masked_fill_(absent, 0)
         return pos.view(b, h, r, -1), absent.view(b, h, r, -1)
+
+
+class BlockLookup:
+    """Pool rows of positions of a step's rows, from their block table rows: read in place from the cache's
+    block table (a flat gather per lookup, no per-step copy of each row's table)."""
+
+    def __init__(self, block_table: Tensor, slots: Tensor, block_size: int) -> None:
+        self.flat = block_table.view(-1)
+        self.width = block_table.shape[1]
+        self.base = (slots * self.width).view(-1, 1)  # (B, 1)
+        self.block_size = block_size
+        self.last = self.width * block_size - 1
+
+    def rows(self, positions: Tensor) -> Tensor:
+        """positions (B, N), each below the table's width in positions (larger ones are clamped to it:
+        padding slots past a row's length read a real row and are masked) -> pool rows (B, N)."""
+        bs = self.block_size
+        p = positions.clamp(max=self.last)
+        blocks = self.flat.index_select(0, (self.base + floor_div(p, bs)).view(-1)).view(p.shape)
+        return blocks * bs + floor_mod(p, bs)
 
 
 _ROUND_KEY = 2**32  # above any position count

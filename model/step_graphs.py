@@ -76,7 +76,7 @@ class StepGraphs:
         of the key, an uncapturable structure, a failed capture)."""
         if not single_group:
             return None
-        pointers = tuple((ix.counts.data_ptr(), ix.items.data_ptr()) for ix in cache.indexes if ix is not None)
+        pointers = tuple(tuple(t.data_ptr() for t in ix.tensors()) for ix in cache.indexes if ix is not None)
         full_key = (key, pointers)
         entry = self.entries.get(full_key)
         if entry is None:
@@ -103,7 +103,7 @@ class StepGraphs:
         # for several row blocks of the same step)
         return entry.replay().clone()
 
-    def _drop_stale(self, pointers: tuple[tuple[int, int], ...]) -> None:
+    def _drop_stale(self, pointers: tuple[tuple[int, ...], ...]) -> None:
         stale = [k for k in self.entries if k[1] != pointers]  # type: ignore[index]
         for k in stale:
             del self.entries[k]

@@ -9,14 +9,15 @@ import torch
 
 from model import ReformerLM
 from model.decode import DecodeCache, batch_bucket, decode_step, prefill
+from model.decode_index import RECENT
 
 from .helpers import tiny_config
 
 
-def _max_step_difference(lm: ReformerLM, prompt_len: int, steps: int) -> float:
+def _max_step_difference(lm: ReformerLM, prompt_len: int, steps: int, recent: int = RECENT) -> float:
     g = torch.Generator().manual_seed(prompt_len)
     prompt = torch.randint(3, lm.config.vocab_size, (prompt_len,), generator=g)
-    cache = DecodeCache.for_tokens(lm, prompt_len + steps + 1)
+    cache = DecodeCache.for_tokens(lm, prompt_len + steps + 1, recent=recent)
     first, states = prefill(lm, cache, [prompt], [prompt_len + steps + 1])
     logits = first[0]
     seq = prompt.tolist()
@@ -45,19 +46,22 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("recent", [RECENT, 3], ids=["recent-default", "merge-every-3"])
 @pytest.mark.parametrize("layers,hashes,prompt_len", CASES, ids=[f"{'-'.join(c[0])}-h{c[1]}-L{c[2]}" for c in CASES])
-def test_cached_decoding_equals_full_recompute(layers: list[str], hashes: int, prompt_len: int) -> None:
+def test_cached_decoding_equals_full_recompute(layers: list[str], hashes: int, prompt_len: int, recent: int) -> None:
+    """`recent` 3: the LSH index's recent order is merged into its main order every 3 steps."""
     torch.manual_seed(0)
     lm = ReformerLM(tiny_config(attn_layers=layers, num_hashes=hashes, vocab_size=258,
                                 initializer_range=0.3)).eval()
-    assert _max_step_difference(lm, prompt_len, steps=20) <= 1e-5
+    assert _max_step_difference(lm, prompt_len, steps=20, recent=recent) <= 1e-5
 
 
-def test_automatic_bucket_count_is_rehashed_as_the_length_grows() -> None:
+@pytest.mark.parametrize("recent", [RECENT, 5])
+def test_automatic_bucket_count_is_rehashed_as_the_length_grows(recent: int) -> None:
     torch.manual_seed(0)
     lm = ReformerLM(tiny_config(attn_layers=["local", "lsh"], num_buckets=None, vocab_size=258,
                                 initializer_range=0.3)).eval()
-    assert _max_step_difference(lm, 14, steps=40) <= 1e-5  # 2*L/chunk doubles on the way
+    assert _max_step_difference(lm, 14, steps=40, recent=recent) <= 1e-5  # 2*L/chunk doubles on the way
 
 
 def test_factorised_automatic_bucket_counts() -> None:
@@ -175,8 +179,7 @@ def test_an_automatic_bucket_count_is_reserved_for_the_longest_request() -> None
     for _ in range(39):
         decode_step(lm, torch.tensor([5]), cache, [state])
     assert cache.bytes_per_slot == cache.reserved_bytes_per_slot
-    index_bytes = sum(ix.counts.numel() * ix.counts.element_size() + ix.items.numel() * ix.items.element_size()
-                      for ix in cache.indexes if ix is not None)
+    index_bytes = sum(t.numel() * t.element_size() for ix in cache.indexes if ix is not None for t in ix.tensors())
     held = (*cache.keys, *cache.values, *(n for n in cache.norms if n is not None))
     pools = sum(t.numel() * t.element_size() for t in held)
     assert index_bytes + pools <= 2_000_000 + cache.bytes_per_block  # + the scratch block the budget leaves out
@@ -258,7 +261,7 @@ def test_index_positions_round_trip_through_their_storage_type() -> None:
 
     positions = torch.tensor([0, 1, 32767, 32768, 65535])
     for max_positions, dtype in ((65536, torch.int16), (70000, torch.int32)):
-        index = LSHIndex(2, 1, 1, 2, 4, 8, torch.device("cpu"), max_positions)
+        index = LSHIndex(2, 1, 1, 2, 16, torch.device("cpu"), max_positions)
         stored = index.store(positions)
         assert stored.dtype == dtype
         assert torch.equal(stored.long() - index.shift, positions)
@@ -271,3 +274,30 @@ def test_floor_div_and_mod_equal_torch_for_every_sign(n: int) -> None:
     x = torch.arange(-70_000, 70_000, 7)
     assert torch.equal(floor_div(x, n), torch.div(x, n, rounding_mode="floor"))
     assert torch.equal(floor_mod(x, n), torch.remainder(x, n))
+
+
+def test_index_merges_and_appends_keep_the_full_sort() -> None:
+    """After a build, appends into the recent order and merges into the main one, the main order holds what
+    one full (bucket, position) sort of every position gives, and the counts add up."""
+    from model.decode_index import LSHIndex
+
+    g = torch.Generator().manual_seed(0)
+    heads, rounds, nb, length, first = 2, 3, 5, 40, 11
+    buckets = torch.randint(0, nb, (heads, rounds, length), generator=g)
+    index = LSHIndex(2, heads, rounds, nb, 64, torch.device("cpu"), recent=8)
+    rows = torch.arange(length) + 16  # slot 0's positions live in pool rows 16..55
+    index.build(0, rows[:first], buckets[..., :first])
+    main_len = first
+    base = (torch.arange(heads).view(heads, 1) * rounds + torch.arange(rounds)).view(1, heads, rounds)
+    for t in range(first, length):
+        if t - main_len == index.recent_size:
+            index.merge(0, rows[:t], main_len, t - main_len)
+            main_len = t
+        weight = torch.ones(heads * rounds, dtype=torch.int32)
+        main, recent = index.append(base, buckets[None, ..., t], index.store(torch.tensor([t])).expand(heads * rounds),
+                                    weight)
+        assert torch.equal(main + recent, torch.nn.functional.one_hot(buckets[..., : t + 1], nb).sum(-2)[None])
+    index.merge(0, rows, main_len, length - main_len)
+    want = torch.argsort(buckets * length + torch.arange(length), dim=-1).reshape(heads * rounds, length)
+    assert torch.equal(index.order[rows].long().t() - index.shift, want)
+    assert int(index.recent_counts.sum()) == 0 and int(index.main_counts[0].sum()) == heads * rounds * length
