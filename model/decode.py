@@ -383,7 +383,7 @@ class _Step:
     geo: WindowGeometry | None = None
     base: Tensor | None = None  # (B, H, R) flat (slot, head, round) of the index each row appends to
     value: Tensor | None = None  # (B*H*R,) the new position as the index stores it
-    weight: Tensor | None = None  # (B*H*R,) int32: 1 where the row appends
+    weight: Tensor | None = None  # (B*H*R,) int16: 1 where the row appends
     dense: tuple[Tensor, Tensor, Tensor, Tensor] | None = None  # hashed (B,1,1,1), positions, absent, round 0
 
 
@@ -396,7 +396,7 @@ def _lsh_geometry(cache: DecodeCache, step: _Step, att: LSHSelfAttention, meta: 
     step.base = ((meta[:, 5].view(b, 1) * heads + torch.arange(heads, device=device)).view(b, heads, 1) * rounds
                  + torch.arange(rounds, device=device))
     step.value = index.store(t).view(b, 1).expand(b, heads * rounds).reshape(-1)
-    step.weight = meta[:, 6].int().view(b, 1).expand(b, heads * rounds).reshape(-1)
+    step.weight = meta[:, 6].to(torch.int16).view(b, 1).expand(b, heads * rounds).reshape(-1)
     if not all_hashed:
         # rows still shorter than a chunk attend densely over every position, in round 0 of the same layout
         w = (att.before + 1 + att.after) * att.chunk
@@ -442,7 +442,7 @@ def _lsh_attend(cache: DecodeCache, li: int, att: LSHSelfAttention, qk: Tensor, 
         pos = torch.where(hashed, pos, dense_pos)
         absent = torch.where(hashed, absent, dense_absent)
     flat = step.blocks.rows(pos.view(b, -1)).view(b, heads, rounds * w)
-    flat = (flat * heads + torch.arange(heads, device=qk.device).view(1, heads, 1)).view(b, heads, rounds, w)
+    flat = (flat * heads + index.head_offsets).view(b, heads, rounds, w)
     keys, norms = cache.gather_keys(li, flat)  # (B, H, R, W, D), (B, H, R, W)
     assert norms is not None
     # q . length_normalize(k) / sqrt(D), as (q . k) times the key's cached factor; in float32 whatever the

@@ -52,6 +52,10 @@ class LSHIndex:
         # empty, as the key pools: a step reads only sorted indices below the main length, all written by a
         # build or merge (the scratch block, which padding rows read, is filled by the cache)
         self.order = torch.empty(rows, heads * rounds, dtype=self.dtype, device=device)
+        # constants a step uses (made once: an arange per layer and step is a measurable share of a small step)
+        self._recent_slots = torch.arange(recent, device=device)
+        self._head_columns = torch.arange(heads, device=device).view(1, heads, 1, 1, 1) * rounds
+        self.head_offsets = torch.arange(heads, device=device).view(1, heads, 1)  # (1, H, 1)
 
     @property
     def buckets(self) -> int:
@@ -135,7 +139,7 @@ class LSHIndex:
     def append(self, base: Tensor, buckets: Tensor, value: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
         """Insert a position into bucket `buckets` (B, H, R) of the recent order of the (slot, head, round)
         rows `base` (B, H, R, flat indices into the counts' first three dims); `value` (B*H*R,) is the
-        position as `store` gives it and `weight` (B*H*R,) int32 is 1 where the row writes. Rows that must
+        position as `store` gives it and `weight` (B*H*R,) int16 is 1 where the row writes. Rows that must
         not write point `base` at the scratch slot with weight 0 (what lands there is never read as a real
         position). The caller keeps every real row's recent array below RECENT items (merging first).
         Returns the main and recent counts (B, H, R, NB) after it."""
@@ -146,11 +150,10 @@ class LSHIndex:
         recent = self.recent_counts.view(-1, nb).index_select(0, flat)
         at = recent.cumsum(-1).gather(-1, bucket)  # (N, 1): the new item goes after every bucket <= its own
         old = self.recent.view(-1, size).index_select(0, flat)  # (N, RECENT)
-        k = torch.arange(size, device=flat.device)
+        k = self._recent_slots
         shifted = torch.cat([old[:, :1], old[:, :-1]], dim=-1)  # each item moved one place up
         items = torch.where(k < at, old, torch.where(k == at, value.view(-1, 1), shifted))
         self.recent.view(-1, size).index_copy_(0, flat, items)
-        weight = weight.to(self.recent_counts.dtype)
         self.recent_counts.view(-1).index_add_(0, flat * nb + bucket.view(-1), weight)
         recent = recent.scatter_add(-1, bucket, weight.view(-1, 1))
         return main.view(*buckets.shape, nb), recent.view(*buckets.shape, nb)
@@ -184,7 +187,7 @@ class LSHIndex:
         j = slot_pos - recent_start  # sorted index in the main order
         from_main = j < main_end
         k = (slot_pos - main_end).clamp_(0, size - 1)  # sorted index in the recent order
-        column = (torch.arange(h, device=rb.device).view(1, h, 1, 1, 1) * r + r2.unsqueeze(-1))  # head, round
+        column = self._head_columns + r2.unsqueeze(-1)  # (B, H, R, Wc, 1): the (head, round) column
         main_at = blocks.rows(j.view(b, -1)).view(slot_pos.shape) * (h * r) + column
         recent_at = ((base[:, :, :1, None] + r2) * size).unsqueeze(-1) + k  # base[..., 0]: (slot, head, round 0)
         pos = torch.where(from_main, self.order.view(-1).index_select(0, main_at.view(-1)).view(slot_pos.shape),

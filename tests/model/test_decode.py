@@ -293,7 +293,7 @@ def test_index_merges_and_appends_keep_the_full_sort() -> None:
         if t - main_len == index.recent_size:
             index.merge(0, rows[:t], main_len, t - main_len)
             main_len = t
-        weight = torch.ones(heads * rounds, dtype=torch.int32)
+        weight = torch.ones(heads * rounds, dtype=torch.int16)
         main, recent = index.append(base, buckets[None, ..., t], index.store(torch.tensor([t])).expand(heads * rounds),
                                     weight)
         assert torch.equal(main + recent, torch.nn.functional.one_hot(buckets[..., : t + 1], nb).sum(-2)[None])
