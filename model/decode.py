@@ -434,8 +434,8 @@ def _lsh_attend(cache: DecodeCache, li: int, att: LSHSelfAttention, qk: Tensor, 
         buckets = torch.zeros(b, heads, rounds, dtype=torch.long, device=qk.device)
         for nb, sel in step.groups:
             buckets[sel] = att.hash(qk[sel].unsqueeze(2), nb, None)[..., 0]
-    main, recent = index.append(step.base, buckets, step.value, step.weight)
-    pos, absent = index.window(step.base, main, recent, buckets, step.geo, step.blocks)  # (B, H, R, W)
+    counts = index.append(step.base, buckets, step.value, step.weight)
+    pos, absent = index.window(step.base, counts, buckets, step.geo, step.blocks)  # (B, H, R, W)
     w = pos.shape[-1]
     if step.dense is not None:
         hashed, dense_pos, dense_absent, _ = step.dense

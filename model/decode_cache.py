@@ -123,7 +123,9 @@ class DecodeCache:
         for ix in self.indexes:
             if ix is not None:
                 ix.order[:block_size].fill_(ix.shift)  # position 0
-        self.max_blocks = -(-cfg.max_position_embeddings // block_size)
+        # a window's padding slots reach the padded length of the longest row, past max_position_embeddings
+        # when that is not a multiple of the chunks' common length
+        self.max_blocks = -(-cfg.padded_length(cfg.max_position_embeddings) // block_size)
         self.block_table = torch.zeros(max_slots + 1, self.max_blocks, dtype=torch.long, device=self.device)
         self.scratch_slot = max_slots
         self._free_blocks = list(range(self.blocks - 1, 0, -1))

@@ -24,6 +24,8 @@ steps, the one cost that grows with the length.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -34,6 +36,15 @@ def position_storage(max_positions: int) -> tuple[torch.dtype, int]:
     """The dtype positions are stored as and the shift applied first: below 2**16 positions fit int16 once
     shifted by -32768, half the bytes of int32."""
     return (torch.int16, -32768) if max_positions <= 2**16 else (torch.int32, 0)
+
+
+class StepCounts(NamedTuple):
+    """A step's rows' bucket counts (B, H, R, NB) after its insert, and their inclusive prefix sums."""
+
+    main: Tensor
+    recent: Tensor
+    main_end: Tensor
+    recent_end: Tensor
 
 
 class LSHIndex:
@@ -47,11 +58,15 @@ class LSHIndex:
         self.main_counts = torch.zeros(slots, heads, rounds, buckets, dtype=torch.int32, device=device)
         # at most RECENT items: int16 counts (a sizeable share of a short request's bytes per token)
         self.recent_counts = torch.zeros_like(self.main_counts, dtype=torch.int16)
-        # every item holds a valid position (0 until written): a masked window slot still reads one
-        self.recent = torch.full((slots, heads, rounds, recent), self.shift, dtype=self.dtype, device=device)
-        # empty, as the key pools: a step reads only sorted indices below the main length, all written by a
-        # build or merge (the scratch block, which padding rows read, is filled by the cache)
-        self.order = torch.empty(rows, heads * rounds, dtype=self.dtype, device=device)
+        # both orders in one buffer, so a window reads each slot's position with one gather from either part.
+        # The main order is empty, as the key pools: a step reads only sorted indices below the main length,
+        # all written by a build or merge (the scratch block, which padding rows read, is filled by the
+        # cache); every recent item holds a valid position (0 until written): a masked slot still reads one
+        self.recent_offset = rows * heads * rounds
+        self._items = torch.empty(self.recent_offset + slots * heads * rounds * recent, dtype=self.dtype, device=device)
+        self.order = self._items[: self.recent_offset].view(rows, heads * rounds)
+        self.recent = self._items[self.recent_offset :].view(slots, heads, rounds, recent)
+        self.recent.fill_(self.shift)
         # constants a step uses (made once: an arange per layer and step is a measurable share of a small step)
         self._recent_slots = torch.arange(recent, device=device)
         self._head_columns = torch.arange(heads, device=device).view(1, heads, 1, 1, 1) * rounds
@@ -88,7 +103,7 @@ class LSHIndex:
 
     def tensors(self) -> tuple[Tensor, ...]:
         """What a step reads and writes (a captured CUDA graph holds their addresses)."""
-        return self.main_counts, self.recent_counts, self.recent, self.order
+        return self.main_counts, self.recent_counts, self._items
 
     def store(self, positions: Tensor) -> Tensor:
         """Positions as the index holds them."""
@@ -136,38 +151,40 @@ class LSHIndex:
         self.main_counts[slot] += self.recent_counts[slot]
         self.recent_counts[slot] = 0
 
-    def append(self, base: Tensor, buckets: Tensor, value: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
+    def append(self, base: Tensor, buckets: Tensor, value: Tensor, weight: Tensor) -> StepCounts:
         """Insert a position into bucket `buckets` (B, H, R) of the recent order of the (slot, head, round)
         rows `base` (B, H, R, flat indices into the counts' first three dims); `value` (B*H*R,) is the
         position as `store` gives it and `weight` (B*H*R,) int16 is 1 where the row writes. Rows that must
         not write point `base` at the scratch slot with weight 0 (what lands there is never read as a real
         position). The caller keeps every real row's recent array below RECENT items (merging first).
-        Returns the main and recent counts (B, H, R, NB) after it."""
+        Returns the rows' counts after it, for `window`."""
         nb, size = self.buckets, self.recent_size
         flat = base.reshape(-1)
         bucket = buckets.reshape(-1, 1)
         main = self.main_counts.view(-1, nb).index_select(0, flat)  # (N, NB)
-        recent = self.recent_counts.view(-1, nb).index_select(0, flat)
-        at = recent.cumsum(-1).gather(-1, bucket)  # (N, 1): the new item goes after every bucket <= its own
+        recent = self.recent_counts.view(-1, nb).index_select(0, flat).scatter_add_(-1, bucket, weight.view(-1, 1))
+        recent_end = recent.cumsum(-1)  # (N, NB): after the insert
+        # the new item goes after the recent items of every bucket <= its own
+        at = recent_end.gather(-1, bucket) - weight.view(-1, 1)  # (N, 1)
         old = self.recent.view(-1, size).index_select(0, flat)  # (N, RECENT)
-        k = self._recent_slots
         shifted = torch.cat([old[:, :1], old[:, :-1]], dim=-1)  # each item moved one place up
-        items = torch.where(k < at, old, torch.where(k == at, value.view(-1, 1), shifted))
+        items = torch.where(self._recent_slots < at, old, shifted).scatter_(-1, at, value.view(-1, 1))
         self.recent.view(-1, size).index_copy_(0, flat, items)
         self.recent_counts.view(-1).index_add_(0, flat * nb + bucket.view(-1), weight)
-        recent = recent.scatter_add(-1, bucket, weight.view(-1, 1))
-        return main.view(*buckets.shape, nb), recent.view(*buckets.shape, nb)
+        shape = (*buckets.shape, nb)
+        return StepCounts(main.view(shape), recent.view(shape), main.cumsum(-1).view(shape), recent_end.view(shape))
 
-    def window(self, base: Tensor, main: Tensor, recent: Tensor, buckets: Tensor, geo: WindowGeometry,
+    def window(self, base: Tensor, counts: StepCounts, buckets: Tensor, geo: WindowGeometry,
                blocks: BlockLookup) -> tuple[Tensor, Tensor]:
         """Positions (B, H, R, W) in the chunk window of the newest position of every round, W =
         (before+1+after)*chunk, wrapping through the rounds in the row's own layout (`geo`), from the counts
         `append` returned and the rows' blocks; and whether each slot is padding (past the row's length:
         its position reads 0)."""
+        main, recent, main_end, recent_end = counts
         b, h, r, nb = main.shape
         size = self.recent_size
         total = main + recent
-        prefix = total.cumsum(-1, dtype=torch.long)  # (B, H, R, NB): merged bucket ends
+        prefix = main_end + recent_end  # (B, H, R, NB): merged bucket ends
         s = prefix.gather(-1, buckets.unsqueeze(-1)) - 1  # (B, H, R, 1): slot of the newest position
         g = torch.remainder(geo.round_start + floor_div(s, geo.chunk) + geo.offsets,
                             geo.total)  # (B, H, R, Wc): chunk index over all rounds, wrapped
@@ -182,16 +199,17 @@ class LSHIndex:
         # a merged bucket starts at main_start + recent_start and holds its main items, then its recent
         # ones: slot p reads main index p - recent_start while that is below the bucket's main end, else
         # recent index p - main_end
-        recent_start = (recent.cumsum(-1) - recent).view(b, h, r * nb).gather(-1, rb).view(slot_pos.shape)
-        main_end = main.cumsum(-1).view(b, h, r * nb).gather(-1, rb).view(slot_pos.shape)
+        recent_start = (recent_end - recent).view(b, h, r * nb).gather(-1, rb).view(slot_pos.shape)
+        slot_main_end = main_end.view(b, h, r * nb).gather(-1, rb).view(slot_pos.shape)
         j = slot_pos - recent_start  # sorted index in the main order
-        from_main = j < main_end
-        k = (slot_pos - main_end).clamp_(0, size - 1)  # sorted index in the recent order
+        from_main = j < slot_main_end
+        k = (slot_pos - slot_main_end).clamp_(0, size - 1)  # sorted index in the recent order
         column = self._head_columns + r2.unsqueeze(-1)  # (B, H, R, Wc, 1): the (head, round) column
         main_at = blocks.rows(j.view(b, -1)).view(slot_pos.shape) * (h * r) + column
-        recent_at = ((base[:, :, :1, None] + r2) * size).unsqueeze(-1) + k  # base[..., 0]: (slot, head, round 0)
-        pos = torch.where(from_main, self.order.view(-1).index_select(0, main_at.view(-1)).view(slot_pos.shape),
-                          self.recent.view(-1).index_select(0, recent_at.view(-1)).view(slot_pos.shape))
+        # base[..., 0] is (slot, head, round 0)
+        recent_at = ((base[:, :, :1, None] + r2) * size + self.recent_offset).unsqueeze(-1) + k
+        at = torch.where(from_main, main_at, recent_at)  # into the buffer holding both orders
+        pos = self._items.index_select(0, at.view(-1)).view(slot_pos.shape)
         pos = (pos.long() - self.shift).masked_fill_(absent, 0)
         return pos.view(b, h, r, -1), absent.view(b, h, r, -1)
 
@@ -205,15 +223,13 @@ class BlockLookup:
         self.width = block_table.shape[1]
         self.base = (slots * self.width).view(-1, 1)  # (B, 1)
         self.block_size = block_size
-        self.last = self.width * block_size - 1
 
     def rows(self, positions: Tensor) -> Tensor:
-        """positions (B, N), each below the table's width in positions (larger ones are clamped to it:
-        padding slots past a row's length read a real row and are masked) -> pool rows (B, N)."""
+        """positions (B, N), each below the table's width in positions (the cache's table covers the padded
+        length of its longest row, which a window's padding slots can reach) -> pool rows (B, N)."""
         bs = self.block_size
-        p = positions.clamp(max=self.last)
-        blocks = self.flat.index_select(0, (self.base + floor_div(p, bs)).view(-1)).view(p.shape)
-        return blocks * bs + floor_mod(p, bs)
+        blocks = self.flat.index_select(0, (self.base + floor_div(positions, bs)).view(-1)).view(positions.shape)
+        return blocks * bs + floor_mod(positions, bs)
 
 
 _ROUND_KEY = 2**32  # above any position count

@@ -294,9 +294,11 @@ def test_index_merges_and_appends_keep_the_full_sort() -> None:
             index.merge(0, rows[:t], main_len, t - main_len)
             main_len = t
         weight = torch.ones(heads * rounds, dtype=torch.int16)
-        main, recent = index.append(base, buckets[None, ..., t], index.store(torch.tensor([t])).expand(heads * rounds),
-                                    weight)
-        assert torch.equal(main + recent, torch.nn.functional.one_hot(buckets[..., : t + 1], nb).sum(-2)[None])
+        counts = index.append(base, buckets[None, ..., t], index.store(torch.tensor([t])).expand(heads * rounds),
+                              weight)
+        assert torch.equal(counts.main + counts.recent,
+                           torch.nn.functional.one_hot(buckets[..., : t + 1], nb).sum(-2)[None])
+        assert torch.equal(counts.main_end + counts.recent_end, (counts.main + counts.recent).cumsum(-1))
     index.merge(0, rows, main_len, length - main_len)
     want = torch.argsort(buckets * length + torch.arange(length), dim=-1).reshape(heads * rounds, length)
     assert torch.equal(index.order[rows].long().t() - index.shift, want)
