@@ -14,12 +14,13 @@ its bucket (/work/shared/notes/batched-lsh-decode.md), so the order is kept in t
 
 Every recent position is later than every main one, so the merged order is, bucket by bucket, the bucket's
 main items then its recent items. A step is: one insert into the recent array (every row's array shifted
-past the new item's place in one `where`: RECENT items, whatever the prompt length), a prefix sum over the
-merged bucket counts, one `searchsorted` over all rounds' merged bucket starts per window slot, and one
-gather from each part, batched over rows, heads and rounds on flat views: no Python loop, no host sync.
-When a request's recent array is full (host-known: RECENT steps after its last build or merge) it is merged
-into the main order before the next step: one scatter of the request's L items per layer, every RECENT
-steps, the one cost that grows with the length.
+past the new item's place in one `where`: RECENT items, whatever the prompt length), prefix sums of both
+parts' bucket counts, one `searchsorted` over all rounds' merged bucket starts per window slot, and one
+gather of every slot's position from the buffer that holds both parts, batched over rows, heads and rounds
+on flat views: no Python loop, no host sync. When a request's recent array is full (host-known: RECENT
+steps after its last build or merge) it is merged into the main order before the next step: one scatter of
+the request's L items per layer, every RECENT steps. What grows with the length is that merge and the
+bucket count (2*L/chunk by default: a prefix sum and a binary search over it).
 """
 
 from __future__ import annotations
