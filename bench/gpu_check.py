@@ -326,7 +326,8 @@ def graph_decode(args: argparse.Namespace, sizes: Sizes, check: Check) -> dict[s
         check.timeout(60)
         graphs = None if mode == "eager" else (StepGraphs() if device.type == "cuda"
                                                else StepGraphs(capture=lambda fn: fn))
-        runner = ModelRunner(lm, device, batch, 1 << 30, graphs=graphs)  # capped at what `batch` requests can use
+        runner = ModelRunner(lm, device, batch, 1 << 30)  # capped at what `batch` requests can use
+        runner.graphs = graphs
         logits, states = runner.prefill(prompts, [len(p) + steps + 1 for p in prompts])
         seen, times = [], []
         for _ in range(steps):

@@ -222,8 +222,8 @@ def _build_index(cache: DecodeCache, layer: int, att: LSHSelfAttention, state: D
 
 def _slot_rows(cache: DecodeCache, state: DecodeState, length: int) -> Tensor:
     """Pool rows (length,) of a request's positions 0..length-1."""
-    slots = torch.full((length,), state.slot, dtype=torch.long, device=cache.device)
-    return cache.rows(slots, torch.arange(length, device=cache.device))
+    slot = torch.tensor([state.slot], device=cache.device)
+    return cache.rows(slot, torch.arange(length, device=cache.device).view(1, -1)).view(-1)
 
 
 def _maintain_indexes(lm: ReformerLM, cache: DecodeCache, states: Sequence[DecodeState]) -> None:
@@ -237,15 +237,21 @@ def _maintain_indexes(lm: ReformerLM, cache: DecodeCache, states: Sequence[Decod
         return
     for state in states:
         nb = _index_buckets(lsh[0][1], lm.config.padded_length(state.length + 1))
+        rows: Tensor | None = None  # the row's pool rows, looked up once for all its layers
         for li, att in lsh:
             index = cache.indexes[li]
             assert index is not None
-            if att.config.num_buckets is None and nb is not None and nb != state.num_buckets[li]:
-                keys = cache.keys[li].index_select(0, _slot_rows(cache, state, state.length)).transpose(0, 1)
-                _build_index(cache, li, att, state, keys, nb)  # keys (H, L, D)
-            elif state.num_buckets[li] is not None and state.length - state.index_len[li] >= index.recent_size:
-                index.merge(state.slot, _slot_rows(cache, state, state.length), state.index_len[li],
-                            state.length - state.index_len[li])
+            rebuild = att.config.num_buckets is None and nb is not None and nb != state.num_buckets[li]
+            merge = state.num_buckets[li] is not None and state.length - state.index_len[li] >= index.recent_size
+            if not (rebuild or merge):
+                continue
+            rows = _slot_rows(cache, state, state.length) if rows is None else rows
+            if rebuild:
+                assert nb is not None
+                keys = cache.keys[li].index_select(0, rows).transpose(0, 1)  # (H, L, D)
+                _build_index(cache, li, att, state, keys, nb)
+            else:
+                index.merge(state.slot, rows, state.index_len[li], state.length - state.index_len[li])
                 state.index_len[li] = state.length
 
 
@@ -300,22 +306,21 @@ def _step_rows(lm: ReformerLM, cache: DecodeCache, tokens: Tensor, states: list[
     tokens = F.pad(tokens, (0, pad), value=cfg.pad_token_id)
     groups = _bucket_groups(nbs)
     if graphs is not None:
-        out = graphs.run(lambda t, m: _step_compute(lm, cache, t, m, all_hashed, groups), tokens, meta,
+        out = graphs.run(lambda t, m: _step_compute(lm, cache, t, m, all_hashed, groups, first_lsh), tokens, meta,
                          (rows, all_hashed, tuple(str(nb) for nb, _ in groups)), cache, single_group=len(groups) <= 1
                          and all(sel is None for _, sel in groups))
         if out is not None:
             return out
-    return _step_compute(lm, cache, tokens, meta.to(cache.device), all_hashed, groups)
+    return _step_compute(lm, cache, tokens, meta.to(cache.device), all_hashed, groups, first_lsh)
 
 
 def _step_compute(lm: ReformerLM, cache: DecodeCache, tokens: Tensor, meta: Tensor, all_hashed: bool,
-                  groups: list[tuple[int | list[int], list[int] | None]]) -> Tensor:
+                  groups: list[tuple[int | list[int], list[int] | None]], first_lsh: int | None) -> Tensor:
     """The step's device work from its device inputs: tokens (B,) and the rows' facts meta (B, 7); no host
-    sync, shapes fixed by B and the cache, so a CUDA graph can capture it."""
+    sync, shapes fixed by B and the cache, so a CUDA graph can capture it. `first_lsh`: the first LSH
+    layer's index (its attention sets the window geometry every LSH layer shares), None without one."""
     device = cache.device
-    cfg = lm.config
     rows = tokens.shape[0]
-    first_lsh = next((i for i, k in enumerate(cfg.attn_layers) if k == "lsh"), None)
     slots, t = meta[:, 0], meta[:, 1]
     step = _Step(t=t, blocks=BlockLookup(cache.block_table, slots, cache.block_size),
                  groups=[(nb, None if sel is None else torch.tensor(sel).to(device))

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from .attention import LSHSelfAttention
-from .decode_index import RECENT, LSHIndex
+from .decode_index import RECENT, BlockLookup, LSHIndex
 
 if TYPE_CHECKING:
     from .reformer import ReformerLM
@@ -202,9 +202,8 @@ class DecodeCache:
     # ---- tensors -----------------------------------------------------------------------------------------
     def rows(self, slots: Tensor, positions: Tensor) -> Tensor:
         """Row of each (slot, position) in the flattened pools; positions (B, ...) with slots (B,)."""
-        view = slots.view(-1, *([1] * (positions.dim() - 1)))
-        block = self.block_table[view, torch.div(positions, self.block_size, rounding_mode="floor")]
-        return block * self.block_size + positions % self.block_size
+        lookup = BlockLookup(self.block_table, slots, self.block_size)
+        return lookup.rows(positions.reshape(slots.shape[0], -1)).view(positions.shape)
 
     def write(self, layer: int, rows: Tensor, key: Tensor, value: Tensor) -> None:
         """rows (B,), key/value (B, H, D)."""

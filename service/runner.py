@@ -29,14 +29,18 @@ def default_cache_bytes(device: torch.device) -> int:
     return int(psutil.virtual_memory().available * CPU_CACHE_FRACTION)
 
 
+def step_graphs_for(device: torch.device, enabled: bool) -> StepGraphs | None:
+    """The decode step's CUDA graphs when `enabled` (REFORMER_CUDA_GRAPHS) and the device is CUDA, else None."""
+    return StepGraphs() if enabled and device.type == "cuda" else None
+
+
 class ModelRunner:
     def __init__(self, model: Any, device: torch.device | None, max_slots: int, cache_bytes: int | None = None,
-                 invariant: bool = False, max_tokens: int | None = None, cuda_graphs: bool = False,
-                 graphs: StepGraphs | None = None) -> None:
+                 invariant: bool = False, max_tokens: int | None = None, cuda_graphs: bool = False) -> None:
         """`max_tokens`: the longest prompt plus max_new_tokens the service admits (default: the model's
-        positions); an automatic bucket count's index is reserved for it (model/decode_cache.py).
-        `cuda_graphs`: on CUDA, decode steps replay captured graphs (model/step_graphs.py); `graphs` gives the
-        StepGraphs to use instead, on any device (tests)."""
+        positions); an automatic bucket count's LSH bucket counts are reserved for it (model/decode_cache.py).
+        `cuda_graphs`: on CUDA, decode steps replay captured graphs (`graphs`, model/step_graphs.py; tests set
+        their own)."""
         self.model = model
         self.device = device if device is not None else next(model.parameters()).device
         self.invariant = invariant
@@ -47,8 +51,7 @@ class ModelRunner:
         wanted = default_cache_bytes(self.device) if cache_bytes is None else cache_bytes
         self.cache = DecodeCache(model, min(wanted, most), max_slots, max_tokens=max_tokens)
         self.max_positions: int = model.config.max_position_embeddings
-        self.graphs = graphs if graphs is not None else (
-            StepGraphs() if cuda_graphs and self.device.type == "cuda" else None)
+        self.graphs = step_graphs_for(self.device, cuda_graphs)
 
     # ---- accounting --------------------------------------------------------------------------------------
     def fits_ever(self, tokens: int) -> bool:

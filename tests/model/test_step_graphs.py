@@ -14,7 +14,7 @@ import torch
 from model import ReformerLM
 from model.decode import DecodeCache, decode_step, prefill
 from model.step_graphs import StepGraphs
-from service.runner import ModelRunner
+from service.runner import ModelRunner, step_graphs_for
 
 from .helpers import tiny_config
 
@@ -91,8 +91,11 @@ def test_a_failed_capture_is_logged_and_its_steps_run_eagerly(caplog: pytest.Log
 def test_the_runner_uses_graphs_only_on_cuda() -> None:
     lm = ReformerLM(tiny_config(vocab_size=258)).eval()
     assert ModelRunner(lm, torch.device("cpu"), 4, 1 << 20, cuda_graphs=True).graphs is None
+    assert isinstance(step_graphs_for(torch.device("cuda"), True), StepGraphs)  # builds no CUDA state
+    assert step_graphs_for(torch.device("cuda"), False) is None
     given = StepGraphs(capture=_replay_by_calling)
-    runner = ModelRunner(lm, torch.device("cpu"), 4, 1 << 20, graphs=given)
+    runner = ModelRunner(lm, torch.device("cpu"), 4, 1 << 20)
+    runner.graphs = given
     logits, states = runner.prefill([[5, 6, 7, 8, 9, 10, 11, 12, 13]], [20])
     for _ in range(3):
         logits = runner.decode([int(logits[0].argmax())], states)
