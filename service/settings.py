@@ -70,8 +70,9 @@ class Settings(BaseSettings):
         "preallocated blocks). A generation starts when its prompt plus max_new_tokens fits, waits in the queue "
         "while it does not, and gets 422 if it never could. Default: half the free GPU memory after the model "
         "is loaded (CUDA) or a quarter of the available RAM (CPU), capped at what max_batch_size generations of "
-        "max_input_tokens + max_new_tokens could use. For a model with an automatic bucket count the LSH index "
-        "of that longest generation is reserved for every slot (it grows for all slots at once).",
+        "max_input_tokens + max_new_tokens could use. Each LSH layer's bucket order is held in the generation's "
+        "own blocks; with an automatic bucket count, the bucket counts of that longest generation are reserved "
+        "for every slot (they grow for all slots at once).",
     )
     batch_invariant: bool = Field(
         False,
