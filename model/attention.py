@@ -165,7 +165,10 @@ class LSHSelfAttention(nn.Module):
             return self.hash(qk, self.config.num_buckets, ctx.valid)
         # automatic bucket counts depend on each row's own length; rows sharing a count hash together
         lengths = [int(n) for n in ctx.own_length.tolist()]
-        counts = [self.num_buckets_for(n) for n in lengths]
+        # a row no longer than a chunk attends densely (split_short_rows) and its buckets are never read; its
+        # own count would be a fraction, so it hashes with a hashing row's count
+        stand_in = next((n for n in lengths if n > self.chunk), 2 * self.chunk)
+        counts = [self.num_buckets_for(n if n > self.chunk else stand_in) for n in lengths]
         out = torch.empty(qk.shape[0], self.heads, self.rounds, qk.shape[2], dtype=torch.long, device=qk.device)
         for nb in {str(c): c for c in counts}.values():
             rows = torch.tensor([i for i, c in enumerate(counts) if c == nb], device=qk.device)

@@ -138,9 +138,11 @@ def test_batched_decoding_equals_single_requests(invariant: bool) -> None:
                 assert (x - y).abs().max().item() <= 1e-4
 
 
-def test_batched_prefill_equals_single_prefills() -> None:
+@pytest.mark.parametrize("buckets", [4, None], ids=["fixed-buckets", "automatic-buckets"])
+def test_batched_prefill_equals_single_prefills(buckets: int | None) -> None:
+    # automatic: the 5-token prompt is shorter than a chunk (it attends densely) beside prompts that hash
     torch.manual_seed(0)
-    lm = ReformerLM(tiny_config(vocab_size=258, initializer_range=0.3)).eval()
+    lm = ReformerLM(tiny_config(vocab_size=258, initializer_range=0.3, num_buckets=buckets)).eval()
     prompts = [torch.randint(3, 258, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 40, 17)]
     cache = DecodeCache.for_tokens(lm, 64, slots=6)
     together, states = prefill(lm, cache, prompts, [60] * 3)
