@@ -324,7 +324,7 @@ def _step_compute(lm: ReformerLM, cache: DecodeCache, tokens: Tensor, meta: Tens
     slots, t = meta[:, 0], meta[:, 1]
     step = _Step(t=t, blocks=BlockLookup(cache.block_table, slots, cache.block_size),
                  groups=[(nb, None if sel is None else torch.tensor(sel).to(device))
-                         for nb, sel in groups])
+                         for nb, sel in groups], meta=meta)
     if first_lsh is not None:
         att0 = _layers(lm)[first_lsh].attention.self_attention
         assert isinstance(att0, LSHSelfAttention)
@@ -372,6 +372,11 @@ def _local_window(cache: DecodeCache, att: LocalSelfAttention, step: _Step, dens
 
 def _local_attend(cache: DecodeCache, li: int, q: Tensor, window: tuple[Tensor, Tensor]) -> Tensor:
     flat, absent = window
+    if cache.window_kernel is not None:
+        b, heads, w = flat.shape
+        return cache.window_kernel.attend(q.contiguous(), cache.keys[li].view(-1, cache.head_size), None,
+                                          cache.values[li].view(-1, cache.head_size), flat.view(b, heads, 1, w),
+                                          absent.view(b, 1, 1, w), None, None, None, 0.0, mask_value(torch.float32))
     keys, _ = cache.gather_keys(li, flat)  # (B, H, W, D)
     dots = torch.matmul(q.unsqueeze(-2), keys.to(q.dtype).transpose(-1, -2)).squeeze(-2)  # (B, H, W), as in _lsh_attend
     dots = dots.masked_fill(absent, mask_value(dots.dtype))
@@ -390,6 +395,7 @@ class _Step:
     value: Tensor | None = None  # (B*H*R,) the new position as the index stores it
     weight: Tensor | None = None  # (B*H*R,) int16: 1 where the row appends
     dense: tuple[Tensor, Tensor, Tensor, Tensor] | None = None  # hashed (B,1,1,1), positions, absent, round 0
+    meta: Tensor | None = None  # (B, 7) the rows' facts (the C kernel reads them)
 
 
 def _lsh_geometry(cache: DecodeCache, step: _Step, att: LSHSelfAttention, meta: Tensor, all_hashed: bool,
@@ -439,7 +445,17 @@ def _lsh_attend(cache: DecodeCache, li: int, att: LSHSelfAttention, qk: Tensor, 
         buckets = torch.zeros(b, heads, rounds, dtype=torch.long, device=qk.device)
         for nb, sel in step.groups:
             buckets[sel] = att.hash(qk[sel].unsqueeze(2), nb, None)[..., 0]
-    counts = index.append(step.base, buckets, step.value, step.weight)
+    kernel = cache.window_kernel
+    counts = index.append(step.base, buckets, step.value, step.weight, counts=kernel is None)
+    if kernel is not None:
+        # one C call: the windows' positions from the index, the attention over them (model/cpu_kernels.py)
+        norms_pool = cache.norms[li]
+        assert norms_pool is not None and step.meta is not None
+        return kernel.lsh_attend(
+            qk.contiguous(), cache.keys[li].view(-1, d), norms_pool.view(-1), cache.values[li].view(-1, d),
+            step.meta, buckets.contiguous(), index, cache.block_table, cache.block_size, att.chunk, att.before,
+            att.after, self_mask_value(torch.float32), mask_value(torch.float32))
+    assert counts is not None
     pos, absent = index.window(step.base, counts, buckets, step.geo, step.blocks)  # (B, H, R, W)
     w = pos.shape[-1]
     if step.dense is not None:
@@ -448,6 +464,16 @@ def _lsh_attend(cache: DecodeCache, li: int, att: LSHSelfAttention, qk: Tensor, 
         absent = torch.where(hashed, absent, dense_absent)
     flat = step.blocks.rows(pos.view(b, -1)).view(b, heads, rounds * w)
     flat = (flat * heads + index.head_offsets).view(b, heads, rounds, w)
+    if cache.window_kernel is not None:
+        norms_pool = cache.norms[li]
+        assert norms_pool is not None
+        dead = None
+        if step.dense is not None:  # a dense row's other rounds see nothing: their weight is exactly 0
+            hashed, _, _, round0 = step.dense
+            dead = ~(hashed.view(b, 1) | round0.view(1, rounds))  # (B, R)
+        return cache.window_kernel.attend(
+            qk.contiguous(), cache.keys[li].view(-1, d), norms_pool.view(-1), cache.values[li].view(-1, d), flat,
+            absent, pos, step.t, dead, self_mask_value(torch.float32), mask_value(torch.float32))
     keys, norms = cache.gather_keys(li, flat)  # (B, H, R, W, D), (B, H, R, W)
     assert norms is not None
     # q . length_normalize(k) / sqrt(D), as (q . k) times the key's cached factor; in float32 whatever the

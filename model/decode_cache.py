@@ -24,6 +24,8 @@ import torch
 from torch import Tensor
 
 from .attention import LSHSelfAttention
+from .cpu_kernels import WindowKernel
+from .cpu_kernels import load as load_window_kernel
 from .decode_index import RECENT, BlockLookup, LSHIndex
 
 if TYPE_CHECKING:
@@ -72,14 +74,17 @@ def _flat(nb: int | list[int]) -> int:
 
 class DecodeCache:
     def __init__(self, lm: ReformerLM, capacity_bytes: int, max_slots: int, block_size: int = BLOCK_SIZE,
-                 max_tokens: int | None = None, recent: int = RECENT) -> None:
+                 max_tokens: int | None = None, recent: int = RECENT, cpu_kernel: bool = True) -> None:
         """`recent`: the size of each LSH index's recent order (model/decode_index.py; small in tests, so
-        merges happen within a few steps)."""
+        merges happen within a few steps). `cpu_kernel`: a float32 CPU cache's steps attend through the C
+        window kernel (model/cpu_kernels.py) when it can be built; False keeps the PyTorch path."""
         cfg = lm.config
         # the longest request (prompt plus new tokens) served: what an automatic bucket count is reserved for
         self.max_tokens = min(max_tokens or cfg.max_position_embeddings, cfg.max_position_embeddings)
         param = next(lm.parameters())
         self.device, self.dtype = param.device, param.dtype
+        self.window_kernel: WindowKernel | None = (
+            load_window_kernel() if cpu_kernel and self.device.type == "cpu" and self.dtype == torch.float32 else None)
         self.block_size = block_size
         self.max_slots = max_slots
         self.heads, self.head_size = cfg.num_attention_heads, cfg.attention_head_size
@@ -139,12 +144,12 @@ class DecodeCache:
 
     @classmethod
     def for_tokens(cls, lm: ReformerLM, tokens: int, slots: int = 1, block_size: int = BLOCK_SIZE,
-                   recent: int = RECENT) -> DecodeCache:
+                   recent: int = RECENT, cpu_kernel: bool = True) -> DecodeCache:
         """A cache just large enough for `slots` requests of `tokens` positions each."""
-        probe = cls(lm, 0, slots, block_size, max_tokens=tokens, recent=recent)
+        probe = cls(lm, 0, slots, block_size, max_tokens=tokens, recent=recent, cpu_kernel=False)
         need = (slots * (-(-tokens // block_size) * probe.bytes_per_block + probe.reserved_bytes_per_slot)
                 + probe.reserved_bytes_per_slot)
-        return cls(lm, need, slots, block_size, max_tokens=tokens, recent=recent)
+        return cls(lm, need, slots, block_size, max_tokens=tokens, recent=recent, cpu_kernel=cpu_kernel)
 
     # ---- accounting --------------------------------------------------------------------------------------
     @property

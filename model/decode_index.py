@@ -102,6 +102,11 @@ class LSHIndex:
         self.main_counts = torch.nn.functional.pad(self.main_counts, (0, extra))
         self.recent_counts = torch.nn.functional.pad(self.recent_counts, (0, extra))
 
+    @property
+    def items(self) -> Tensor:
+        """The buffer holding both orders (what `window` gathers from)."""
+        return self._items
+
     def tensors(self) -> tuple[Tensor, ...]:
         """What a step reads and writes (a captured CUDA graph holds their addresses)."""
         return self.main_counts, self.recent_counts, self._items
@@ -152,17 +157,18 @@ class LSHIndex:
         self.main_counts[slot] += self.recent_counts[slot]
         self.recent_counts[slot] = 0
 
-    def append(self, base: Tensor, buckets: Tensor, value: Tensor, weight: Tensor) -> StepCounts:
+    def append(self, base: Tensor, buckets: Tensor, value: Tensor, weight: Tensor, counts: bool = True
+               ) -> StepCounts | None:
         """Insert a position into bucket `buckets` (B, H, R) of the recent order of the (slot, head, round)
         rows `base` (B, H, R, flat indices into the counts' first three dims); `value` (B*H*R,) is the
         position as `store` gives it and `weight` (B*H*R,) int16 is 1 where the row writes. Rows that must
         not write point `base` at the scratch slot with weight 0 (what lands there is never read as a real
         position). The caller keeps every real row's recent array below RECENT items (merging first).
-        Returns the rows' counts after it, for `window`."""
+        Returns the rows' counts after it, for `window` (None with counts=False: a caller that reads the
+        counts tensors themselves, as the CPU kernel does)."""
         nb, size = self.buckets, self.recent_size
         flat = base.reshape(-1)
         bucket = buckets.reshape(-1, 1)
-        main = self.main_counts.view(-1, nb).index_select(0, flat)  # (N, NB)
         recent = self.recent_counts.view(-1, nb).index_select(0, flat).scatter_add_(-1, bucket, weight.view(-1, 1))
         recent_end = recent.cumsum(-1)  # (N, NB): after the insert
         # the new item goes after the recent items of every bucket <= its own
@@ -172,6 +178,9 @@ class LSHIndex:
         items = torch.where(self._recent_slots < at, old, shifted).scatter_(-1, at, value.view(-1, 1))
         self.recent.view(-1, size).index_copy_(0, flat, items)
         self.recent_counts.view(-1).index_add_(0, flat * nb + bucket.view(-1), weight)
+        if not counts:
+            return None
+        main = self.main_counts.view(-1, nb).index_select(0, flat)  # (N, NB)
         shape = (*buckets.shape, nb)
         return StepCounts(main.view(shape), recent.view(shape), main.cumsum(-1).view(shape), recent_end.view(shape))
 

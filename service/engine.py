@@ -72,6 +72,7 @@ class EngineConfig:
     batch_invariant: bool = False  # decode steps in fixed row blocks: bit-identical to a request alone
     max_request_tokens: int | None = None  # longest prompt plus max_new_tokens admitted; None: max positions
     cuda_graphs: bool = False  # on CUDA, decode steps replay captured graphs (model/step_graphs.py)
+    cpu_kernels: bool = True  # on CPU, decode steps attend through the C window kernel (model/cpu_kernels.py)
 
 
 class Engine:
@@ -96,7 +97,7 @@ class Engine:
         # the durations of its last few slices)
         self._prefilling: list[tuple[list[GenerationJob], Generator[None, None, Any], deque[float]]] = []
         self.runner = ModelRunner(model, device, config.max_batch_size, config.cache_bytes, config.batch_invariant,
-                                  config.max_request_tokens, config.cuda_graphs)
+                                  config.max_request_tokens, config.cuda_graphs, config.cpu_kernels)
         self._stopping = False
         self._dead = False
         self.ready = threading.Event()

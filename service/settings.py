@@ -88,6 +88,14 @@ class Settings(BaseSettings):
         "fails, run eagerly. Off by default: it has not yet run on a GPU (the GPU check, bench/gpu_check.py, "
         "compares its logits with eager steps). No effect on CPU.",
     )
+    cpu_kernels: bool = Field(
+        True,
+        description="On CPU (float32 models), decode steps attend through a C kernel (model/kernels/"
+        "window_attend.c, built on first use with the machine's C compiler into ~/.cache/reformer-serve, or "
+        "REFORMER_KERNEL_DIR) that reads each attention window's keys and values once, prefetching them, instead "
+        "of gathering them with PyTorch ops; same results within 1e-5 (tests/model/test_cpu_kernels.py). "
+        "Without a C compiler it falls back to the PyTorch ops, with a warning. No effect on GPU.",
+    )
     max_queue_size: int = Field(
         64, ge=1, description="Requests allowed to wait for the model; beyond it requests get 429 at once."
     )

@@ -124,6 +124,7 @@ class ServiceState:
             max_batch_size=s.max_batch_size, max_batch_tokens=s.max_batch_tokens, max_wait_ms=s.max_wait_ms,
             max_queue_size=s.max_queue_size, request_timeout_s=s.request_timeout_s, warmup=s.warmup,
             cache_bytes=s.cache_bytes, batch_invariant=s.batch_invariant, cuda_graphs=s.cuda_graphs,
+            cpu_kernels=s.cpu_kernels,
             max_request_tokens=min(self.limits.max_input_tokens + self.limits.max_new_tokens, positions),
         )
         engine = Engine(model, artifact.tokenizer, backend, device, config, self.metrics,
@@ -171,6 +172,8 @@ class ServiceState:
                 # whether CUDA graphs are on (only ever on CUDA; a shape whose capture fails still runs eagerly)
                 "cuda_graphs": self.engine.runner.graphs is not None if self.engine else False,
                 "decode_cache_bytes": self.engine.runner.cache.capacity_bytes if self.engine else None,
+                # whether decode steps attend through the C window kernel (False: PyTorch ops; on GPU always)
+                "cpu_window_kernel": self.engine.runner.cache.window_kernel is not None if self.engine else False,
             },
             "version": package_version(),
             "settings": public_settings(s),

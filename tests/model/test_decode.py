@@ -14,10 +14,12 @@ from model.decode_index import RECENT
 from .helpers import tiny_config
 
 
-def _max_step_difference(lm: ReformerLM, prompt_len: int, steps: int, recent: int = RECENT) -> float:
+def _max_step_difference(lm: ReformerLM, prompt_len: int, steps: int, recent: int = RECENT,
+                         cpu_kernel: bool = True) -> float:
     g = torch.Generator().manual_seed(prompt_len)
     prompt = torch.randint(3, lm.config.vocab_size, (prompt_len,), generator=g)
-    cache = DecodeCache.for_tokens(lm, prompt_len + steps + 1, recent=recent)
+    cache = DecodeCache.for_tokens(lm, prompt_len + steps + 1, recent=recent, cpu_kernel=cpu_kernel)
+    assert (cache.window_kernel is not None) == cpu_kernel
     first, states = prefill(lm, cache, [prompt], [prompt_len + steps + 1])
     logits = first[0]
     seq = prompt.tolist()
@@ -46,14 +48,18 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("recent", [RECENT, 3], ids=["recent-default", "merge-every-3"])
+@pytest.mark.parametrize("recent,cpu_kernel", [(RECENT, True), (3, True), (RECENT, False)],
+                         ids=["recent-default", "merge-every-3", "pytorch-path"])
 @pytest.mark.parametrize("layers,hashes,prompt_len", CASES, ids=[f"{'-'.join(c[0])}-h{c[1]}-L{c[2]}" for c in CASES])
-def test_cached_decoding_equals_full_recompute(layers: list[str], hashes: int, prompt_len: int, recent: int) -> None:
-    """`recent` 3: the LSH index's recent order is merged into its main order every 3 steps."""
+def test_cached_decoding_equals_full_recompute(layers: list[str], hashes: int, prompt_len: int, recent: int,
+                                               cpu_kernel: bool) -> None:
+    """`recent` 3: the LSH index's recent order is merged into its main order every 3 steps. `cpu_kernel`
+    False: the steps attend through PyTorch ops, as on a GPU (tests/model/test_cpu_kernels.py compares the
+    two paths on more cases)."""
     torch.manual_seed(0)
     lm = ReformerLM(tiny_config(attn_layers=layers, num_hashes=hashes, vocab_size=258,
                                 initializer_range=0.3)).eval()
-    assert _max_step_difference(lm, prompt_len, steps=20, recent=recent) <= 1e-5
+    assert _max_step_difference(lm, prompt_len, steps=20, recent=recent, cpu_kernel=cpu_kernel) <= 1e-5
 
 
 @pytest.mark.parametrize("recent", [RECENT, 5])

@@ -1,0 +1,193 @@
+"""The C kernel of cached decoding's window attention on the CPU (model/kernels/window_attend.c), built on
+first use with the machine's C compiler and called through ctypes.
+
+It computes what the PyTorch path of `model/decode.py` computes for a step's attention windows (the key
+gather, the dot products and the masks, each round's log-sum-exp, the rounds' weights and the weighted
+sum of values) in one pass per (row, head) that prefetches the pool rows it is about to read. The library
+is compiled with `-O3 -march=native` into a cache folder, under a name made from a hash of the source, the
+flags, the compiler and the CPU's feature flags, so a copy built for another CPU is never loaded. Without a
+compiler (or with REFORMER_CPU_KERNELS=0) `load()` returns None and decoding keeps the PyTorch path; the
+reason is logged once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from .decode_index import LSHIndex
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("kernels") / "window_attend.c"
+FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-pthread")
+ENV_SWITCH = "REFORMER_CPU_KERNELS"  # "0" turns the kernel off (the service's setting of the same name sets it)
+MAX_ROUNDS = 64  # the C side's bound on hash rounds
+ENV_DIR = "REFORMER_KERNEL_DIR"  # where built libraries are kept (default: the user's cache folder)
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _cache_dir() -> Path:
+    if os.environ.get(ENV_DIR):
+        return Path(os.environ[ENV_DIR])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "reformer-serve" / "kernels"
+
+
+def _build(compiler: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # build beside the target and rename: a concurrent process never loads a half-written library
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True,
+                       text=True, timeout=120)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+_NO_MEMORY, _BAD_INDEX = 1, 2  # window_attend.c's statuses
+
+
+def _check(status: int, what: str) -> None:
+    if status & _BAD_INDEX:
+        raise IndexError(f"{what}: a window reached outside the decode cache (a corrupt index or block table)")
+    if status & _NO_MEMORY:
+        raise MemoryError(f"{what}: could not allocate its buffers")
+
+
+class WindowKernel:
+    """The loaded library's `window_attend`, with its argument types declared once."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        lib = ctypes.CDLL(str(path))
+        fn = lib.window_attend
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        fn.argtypes = [i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, ptr, ptr, ptr,
+                       ctypes.c_float, ctypes.c_float, ptr, i64]
+        fn.restype = ctypes.c_int
+        self._fn = fn
+        lsh = lib.lsh_attend
+        lsh.argtypes = ([i64] * 9 + [ptr] * 4 + [i64] + [ptr] * 5 + [i64] * 4 + [ptr, i64, i64]
+                        + [ctypes.c_float, ctypes.c_float, ptr, i64])
+        lsh.restype = ctypes.c_int
+        self._lsh = lsh
+
+    def attend(self, q: Tensor, keys: Tensor, norms: Tensor | None, values: Tensor, flat: Tensor, absent: Tensor,
+               pos: Tensor | None, t: Tensor | None, dead: Tensor | None, self_mask: float, mask: float) -> Tensor:
+        """q (B, H, D) float32; keys, values (N, D) and norms (N,) float32 pools; flat (B, H, R, W) int64
+        indices into them; absent (B, H or 1, R, W) bool; pos (B, H, R, W) int64 and t (B,) int64, or None
+        (no self mask); dead (B, R) bool rounds of weight 0, or None. Returns (B, H, D) float32."""
+        b, h, r, w = flat.shape
+        d = q.shape[-1]
+        if q.shape != (b, h, d) or keys.shape[-1] != d or values.shape[-1] != d:
+            raise ValueError(f"window kernel: q {tuple(q.shape)}, keys {tuple(keys.shape)}, flat {tuple(flat.shape)}")
+        if absent.shape not in ((b, h, r, w), (b, 1, r, w)):
+            raise ValueError(f"window kernel: absent {tuple(absent.shape)} for windows {tuple(flat.shape)}")
+        for x in (q, keys, values, *(() if norms is None else (norms,))):
+            if x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous():
+                raise ValueError("window kernel: q and the pools must be contiguous float32 CPU tensors")
+        flat = flat.contiguous()
+        absent = absent.contiguous()
+        head_stride = 0 if absent.shape[1] == 1 and h > 1 else r * w
+        if pos is not None:
+            pos = pos.contiguous()
+            assert t is not None and pos.shape == flat.shape and t.shape == (b,)
+            t = t.contiguous()
+        if dead is not None:
+            dead = dead.contiguous()
+            assert dead.shape == (b, r)
+        out = torch.empty(b, h, d, dtype=torch.float32)
+        if norms is not None and norms.shape != keys.shape[:1] or values.shape != keys.shape:
+            raise ValueError(f"window kernel: pools {tuple(keys.shape)} and {tuple(values.shape)}")
+        status = self._fn(b, h, r, w, d, q.data_ptr(), keys.data_ptr(), 0 if norms is None else norms.data_ptr(),
+                          values.data_ptr(), keys.shape[0], flat.data_ptr(), absent.data_ptr(),
+                          absent.shape[1] * r * w, head_stride,
+                          0 if pos is None else pos.data_ptr(), 0 if t is None else t.data_ptr(),
+                          0 if dead is None else dead.data_ptr(), self_mask, mask, out.data_ptr(),
+                          torch.get_num_threads())
+        _check(status, "window kernel")
+        return out
+
+
+    def lsh_attend(self, q: Tensor, keys: Tensor, norms: Tensor, values: Tensor, meta: Tensor, buckets: Tensor,
+                   index: LSHIndex, block_table: Tensor, block_size: int, chunk: int, before: int, after: int,
+                   self_mask: float, mask: float) -> Tensor:
+        """One LSH layer's decode attention: q (B, H, D) float32, the layer's key, factor and value pools, the
+        step's row facts meta (B, 7) int64 (model/decode.py), the new position's buckets (B, H, R) int64,
+        the layer's index after the step's insert and the cache's block table. Returns (B, H, D) float32."""
+        b, h, d = q.shape
+        rounds = buckets.shape[-1]
+        if rounds > MAX_ROUNDS or buckets.shape != (b, h, rounds) or meta.shape != (b, 7):
+            raise ValueError(f"lsh kernel: q {tuple(q.shape)}, buckets {tuple(buckets.shape)}, "
+                             f"meta {tuple(meta.shape)}")
+        main, recent, items = index.main_counts, index.recent_counts, index.items
+        wants = ((q, torch.float32), (keys, torch.float32), (norms, torch.float32), (values, torch.float32),
+                 (meta, torch.int64), (buckets, torch.int64), (main, torch.int32), (recent, torch.int16),
+                 (block_table, torch.int64))
+        for x, dtype in wants:
+            if x.dtype != dtype or x.device.type != "cpu" or not x.is_contiguous():
+                raise ValueError(f"lsh kernel: expected a contiguous {dtype} CPU tensor, got {x.dtype} "
+                                 f"{tuple(x.shape)}")
+        if items.dtype not in (torch.int16, torch.int32) or not items.is_contiguous():
+            raise ValueError(f"lsh kernel: index items of dtype {items.dtype}")
+        out = torch.empty(b, h, d, dtype=torch.float32)
+        if keys.shape != values.shape or keys.shape[0] % h or norms.shape != keys.shape[:1]:
+            raise ValueError(f"lsh kernel: pools {tuple(keys.shape)}, {tuple(values.shape)}, {tuple(norms.shape)}")
+        status = self._lsh(b, h, rounds, main.shape[-1], chunk, before, after, d, index.recent_size, q.data_ptr(),
+                           keys.data_ptr(), norms.data_ptr(), values.data_ptr(), keys.shape[0] // h, meta.data_ptr(),
+                           buckets.data_ptr(), main.data_ptr(), recent.data_ptr(), items.data_ptr(), items.numel(),
+                           items.element_size(), index.shift,
+                           index.recent_offset, block_table.data_ptr(), block_table.shape[1], block_size, self_mask,
+                           mask, out.data_ptr(), torch.get_num_threads())
+        _check(status, "lsh kernel")
+        return out
+
+
+@functools.lru_cache(maxsize=1)
+def load() -> WindowKernel | None:
+    """The kernel, built if needed; None when REFORMER_CPU_KERNELS=0, when no C compiler is found, or when
+    the build fails (logged once; decoding then runs its PyTorch path)."""
+    if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
+        log.info("cpu window kernel off (%s=0): decoding uses PyTorch ops", ENV_SWITCH)
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.warning("no C compiler found: decoding on the CPU uses PyTorch ops for its attention windows")
+        return None
+    try:
+        digest = hashlib.sha256()
+        for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), compiler.encode(), platform.machine().encode(),
+                     _cpu_flags().encode()):
+            digest.update(part)
+        target = _cache_dir() / f"window_attend-{digest.hexdigest()[:16]}.so"
+        if not target.exists():
+            _build(compiler, target)
+        return WindowKernel(target)
+    except (OSError, subprocess.SubprocessError, AttributeError) as exc:
+        detail = getattr(exc, "stderr", "") or exc
+        log.warning("cpu window kernel unavailable (%s): decoding uses PyTorch ops", detail)
+        return None

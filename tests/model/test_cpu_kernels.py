@@ -1,0 +1,161 @@
+"""The C window kernel (model/cpu_kernels.py) computes what the PyTorch path of a decode step computes: its
+attention against the plain formula, whole decode runs against the PyTorch path (mixed lengths joining,
+rows still attending densely, merges of the recent order, automatic bucket counts that rebuild the index),
+a row's result whatever it is batched with or however many threads run it, and the ways it is turned off."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from model import ReformerLM, cpu_kernels
+from model.chunking import mask_value, self_mask_value
+from model.decode import DecodeCache, decode_step, prefill
+
+from .helpers import tiny_config
+
+
+@pytest.fixture(scope="module")
+def kernel() -> cpu_kernels.WindowKernel:
+    k = cpu_kernels.load()
+    assert k is not None, "the C window kernel did not build (is a C compiler installed?)"
+    return k
+
+
+def _plain_attention(q: torch.Tensor, keys: torch.Tensor, norms: torch.Tensor | None, values: torch.Tensor,
+                     flat: torch.Tensor, absent: torch.Tensor, pos: torch.Tensor | None, t: torch.Tensor | None,
+                     dead: torch.Tensor | None) -> torch.Tensor:
+    b, h, r, w = flat.shape
+    # in float32, as the PyTorch path and the reference: a round that sees only its own position has a
+    # log-sum-exp near -1e5, where float32 steps are 0.008, which its weight inherits
+    dots = torch.einsum("bhd,bhrwd->bhrw", q, keys[flat])
+    if norms is not None:
+        dots = dots * norms[flat]
+    if pos is not None:
+        assert t is not None
+        dots = dots.masked_fill(pos == t.view(b, 1, 1, 1), self_mask_value(torch.float32))
+    dots = dots.masked_fill(absent.expand(b, h, r, w), mask_value(torch.float32))
+    lse = torch.logsumexp(dots, dim=-1, keepdim=True)  # (B, H, R, 1)
+    if dead is not None:
+        lse = lse.masked_fill(dead.view(b, 1, r, 1), -torch.inf)
+    weights = torch.exp(lse - torch.logsumexp(lse, dim=2, keepdim=True))
+    probs = torch.exp(dots - torch.logsumexp(dots, dim=-1, keepdim=True)) * weights
+    return torch.einsum("bhrw,bhrwd->bhd", probs, values[flat])
+
+
+def _inputs(b: int = 5, h: int = 3, r: int = 4, w: int = 24, d: int = 20, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    n = 300
+    t = torch.randint(0, 50, (b,), generator=g)
+    pos = torch.randint(0, 50, (b, h, r, w), generator=g)
+    pos[:, :, :, 0] = t.view(b, 1, 1)  # every window holds the row's own position somewhere
+    absent = torch.rand(b, h, r, w, generator=g) < 0.3
+    absent[0, 0, r - 1, 1:] = True  # a round that sees only its own position (the self mask decides its weight)
+    absent[1, 0, :, 1:] = True  # a head whose every round sees only itself
+    absent[:, :, :, 0] = False
+    return dict(q=torch.randn(b, h, d, generator=g) * 3, keys=torch.randn(n, d, generator=g),
+                norms=torch.rand(n, generator=g) + 0.5, values=torch.randn(n, d, generator=g),
+                flat=torch.randint(0, n, (b, h, r, w), generator=g), absent=absent,
+                pos=pos, t=t, dead=None)
+
+
+def test_window_attention_equals_the_plain_formula(kernel: cpu_kernels.WindowKernel) -> None:
+    x = _inputs()
+    got = kernel.attend(**x, self_mask=self_mask_value(torch.float32), mask=mask_value(torch.float32))
+    torch.testing.assert_close(got, _plain_attention(**x), atol=1e-5, rtol=1e-5)
+    # local layers: no key factors, no self mask, padding shared by the heads, one round
+    y = _inputs(r=1)
+    y.update(norms=None, pos=None, t=None, absent=y["absent"][:, :1].clone())
+    got = kernel.attend(**y, self_mask=0.0, mask=mask_value(torch.float32))
+    torch.testing.assert_close(got, _plain_attention(**y), atol=1e-5, rtol=1e-5)
+    # dead rounds weigh exactly nothing
+    z = _inputs(seed=3)
+    z["dead"] = torch.tensor([[False, True, True, True]] * 5)
+    got = kernel.attend(**z, self_mask=self_mask_value(torch.float32), mask=mask_value(torch.float32))
+    alive = dict(z, flat=z["flat"][:, :, :1], absent=z["absent"][:, :, :1], pos=z["pos"][:, :, :1], dead=None)
+    torch.testing.assert_close(got, _plain_attention(**alive), atol=1e-5, rtol=1e-5)
+
+
+def test_a_row_gets_the_same_bits_whatever_its_batch_and_threads(kernel: cpu_kernels.WindowKernel) -> None:
+    x = _inputs(b=8)
+    masks = dict(self_mask=self_mask_value(torch.float32), mask=mask_value(torch.float32))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        batched = kernel.attend(**x, **masks)
+        torch.set_num_threads(2)
+        threaded = kernel.attend(**x, **masks)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(batched, threaded)
+    for i in (0, 5):
+        alone = dict(x, q=x["q"][i : i + 1], flat=x["flat"][i : i + 1], absent=x["absent"][i : i + 1],
+                     pos=x["pos"][i : i + 1], t=x["t"][i : i + 1])
+        assert torch.equal(kernel.attend(**alone, **masks)[0], batched[i])
+
+
+def _decode_run(lm: ReformerLM, lengths: list[int], steps: int, cpu_kernel: bool, recent: int) -> torch.Tensor:
+    cache = DecodeCache.for_tokens(lm, max(lengths) + steps + 1, slots=len(lengths), recent=recent,
+                                   cpu_kernel=cpu_kernel)
+    assert (cache.window_kernel is not None) == cpu_kernel
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, lm.config.vocab_size, (n,), generator=g) for n in lengths]
+    with torch.no_grad():
+        first, states = prefill(lm, cache, prompts, [n + steps + 1 for n in lengths])
+        token, out = first.argmax(-1), []
+        for _ in range(steps):
+            logits = decode_step(lm, token, cache, states)
+            out.append(logits)
+            token = logits.argmax(-1)
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("buckets", [4, None], ids=["fixed-buckets", "automatic-buckets"])
+@pytest.mark.parametrize("layers", [["local", "lsh", "local", "lsh"], ["lsh", "lsh"]], ids=["mix", "lsh2"])
+def test_decoding_through_the_kernel_equals_the_pytorch_path(layers: list[str], buckets: int | None) -> None:
+    torch.manual_seed(0)
+    lm = ReformerLM(tiny_config(vocab_size=258, attn_layers=layers, num_buckets=buckets, initializer_range=0.3,
+                                num_hashes=4)).eval()
+    # 3 and 6 tokens start shorter than a chunk (dense), 8 crosses it while decoding; merges every 4 steps
+    lengths = [3, 6, 8, 29, 70]
+    fused = _decode_run(lm, lengths, 20, cpu_kernel=True, recent=4)
+    plain = _decode_run(lm, lengths, 20, cpu_kernel=False, recent=4)
+    assert torch.equal(fused.argmax(-1), plain.argmax(-1))
+    assert (fused - plain).abs().max().item() <= 1e-5
+
+
+def test_the_kernel_can_be_turned_off_or_be_missing(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    lm = ReformerLM(tiny_config()).eval()
+    try:
+        cpu_kernels.load.cache_clear()
+        monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "0")
+        assert cpu_kernels.load() is None
+        assert DecodeCache.for_tokens(lm, 32).window_kernel is None
+        cpu_kernels.load.cache_clear()
+        monkeypatch.setenv(cpu_kernels.ENV_SWITCH, "1")
+        monkeypatch.setenv(cpu_kernels.ENV_DIR, str(tmp_path))
+        monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+        assert cpu_kernels.load() is None  # a failed build falls back, it does not raise
+        monkeypatch.delenv("CC")
+        cpu_kernels.load.cache_clear()
+        built = cpu_kernels.load()
+        assert built is not None and built.path.parent == tmp_path
+        assert DecodeCache.for_tokens(lm, 32).window_kernel is not None
+        assert DecodeCache.for_tokens(lm, 32, cpu_kernel=False).window_kernel is None
+    finally:
+        cpu_kernels.load.cache_clear()
+
+
+def test_a_corrupt_index_raises_instead_of_reading_outside_the_cache(kernel: cpu_kernels.WindowKernel) -> None:
+    x = _inputs()
+    x["flat"][2, 1, 0, 0] = x["keys"].shape[0]  # one row past the pools, in a slot that is not padding
+    with pytest.raises(IndexError, match="outside the decode cache"):
+        kernel.attend(**x, self_mask=self_mask_value(torch.float32), mask=mask_value(torch.float32))
+    lm = ReformerLM(tiny_config(vocab_size=258)).eval()
+    cache = DecodeCache.for_tokens(lm, 40)
+    _, states = prefill(lm, cache, [torch.arange(3, 33)], [40])
+    cache.block_table[states[0].slot, 1] = cache.blocks + 5  # a block past the pools
+    with pytest.raises(IndexError, match="outside the decode cache"):
+        decode_step(lm, torch.tensor([5]), cache, states)
