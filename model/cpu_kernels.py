@@ -91,7 +91,7 @@ class WindowKernel:
         fn.restype = ctypes.c_int
         self._fn = fn
         lsh = lib.lsh_attend
-        lsh.argtypes = ([i64] * 9 + [ptr] * 4 + [i64] + [ptr] * 5 + [i64] * 4 + [ptr, i64, i64]
+        lsh.argtypes = ([i64] * 9 + [ptr] * 4 + [i64] + [ptr] * 5 + [i64] * 4 + [ptr, i64, i64, i64]
                         + [ctypes.c_float, ctypes.c_float, ptr, i64])
         lsh.restype = ctypes.c_int
         self._lsh = lsh
@@ -134,11 +134,12 @@ class WindowKernel:
 
 
     def lsh_attend(self, q: Tensor, keys: Tensor, norms: Tensor, values: Tensor, meta: Tensor, buckets: Tensor,
-                   index: LSHIndex, block_table: Tensor, block_size: int, chunk: int, before: int, after: int,
-                   self_mask: float, mask: float) -> Tensor:
+                   index: LSHIndex, block_table: Tensor, block_size: int, scratch_slot: int, chunk: int, before: int,
+                   after: int, self_mask: float, mask: float) -> Tensor:
         """One LSH layer's decode attention: q (B, H, D) float32, the layer's key, factor and value pools, the
         step's row facts meta (B, 7) int64 (model/decode.py), the new position's buckets (B, H, R) int64,
-        the layer's index after the step's insert and the cache's block table. Returns (B, H, D) float32."""
+        the layer's index after the step's insert and the cache's block table. Returns (B, H, D) float32;
+        rows on `scratch_slot` (padding) get zeros."""
         b, h, d = q.shape
         rounds = buckets.shape[-1]
         if rounds > MAX_ROUNDS or buckets.shape != (b, h, rounds) or meta.shape != (b, 7):
@@ -161,7 +162,8 @@ class WindowKernel:
                            keys.data_ptr(), norms.data_ptr(), values.data_ptr(), keys.shape[0] // h, meta.data_ptr(),
                            buckets.data_ptr(), main.data_ptr(), recent.data_ptr(), items.data_ptr(), items.numel(),
                            items.element_size(), index.shift,
-                           index.recent_offset, block_table.data_ptr(), block_table.shape[1], block_size, self_mask,
+                           index.recent_offset, block_table.data_ptr(), block_table.shape[1], block_size, scratch_slot,
+                           self_mask,
                            mask, out.data_ptr(), torch.get_num_threads())
         _check(status, "lsh kernel")
         return out

@@ -453,8 +453,8 @@ def _lsh_attend(cache: DecodeCache, li: int, att: LSHSelfAttention, qk: Tensor, 
         assert norms_pool is not None and step.meta is not None
         return kernel.lsh_attend(
             qk.contiguous(), cache.keys[li].view(-1, d), norms_pool.view(-1), cache.values[li].view(-1, d),
-            step.meta, buckets.contiguous(), index, cache.block_table, cache.block_size, att.chunk, att.before,
-            att.after, self_mask_value(torch.float32), mask_value(torch.float32))
+            step.meta, buckets.contiguous(), index, cache.block_table, cache.block_size, cache.scratch_slot, att.chunk,
+            att.before, att.after, self_mask_value(torch.float32), mask_value(torch.float32))
     assert counts is not None
     pos, absent = index.window(step.base, counts, buckets, step.geo, step.blocks)  # (B, H, R, W)
     w = pos.shape[-1]

@@ -198,6 +198,7 @@ typedef struct {
     int64_t items_len, item_bytes, shift, recent_offset;
     const int64_t *block_table;
     int64_t table_width, block_size;
+    int64_t skip_slot; /* rows on this slot (the scratch slot: padding) are not computed */
     float self_mask, mask;
     float *out;
     int64_t begin, end;
@@ -219,9 +220,44 @@ static inline int64_t read_item(const LshJob *job, int64_t at) {
     return v - job->shift;
 }
 
+/* A place in one round's bucket order: bucket bb and the main and recent items of the buckets before it,
+ * so the bucket's merged items start at pm + pr. */
+typedef struct {
+    int64_t bb, pm, pr;
+} Cursor;
+
+static inline int64_t sum_i32(const int32_t *x, int64_t n) {
+    int64_t s = 0;
+    for (int64_t k = 0; k < n; k++) s += x[k];
+    return s;
+}
+
+static inline int64_t sum_i16(const int16_t *x, int64_t n) {
+    int64_t s = 0;
+    for (int64_t k = 0; k < n; k++) s += x[k];
+    return s;
+}
+
+/* Moves c to the last bucket starting at or before p (what searchsorted(right=True) - 1 finds over the
+ * bucket starts), walking from wherever it is: a window covers a few chunks, so from a cursor near it the
+ * walk is a few buckets, where prefix sums over every bucket would cost the bucket count (2 * L / chunk
+ * with an automatic count) per head, round and layer at every step. */
+static inline void seek(Cursor *c, int64_t p, const int32_t *mc, const int16_t *rc, int64_t nb) {
+    while (c->bb > 0 && c->pm + c->pr > p) {
+        c->bb--;
+        c->pm -= mc[c->bb];
+        c->pr -= rc[c->bb];
+    }
+    while (c->bb + 1 < nb && c->pm + mc[c->bb] + c->pr + rc[c->bb] <= p) {
+        c->pm += mc[c->bb];
+        c->pr += rc[c->bb];
+        c->bb++;
+    }
+}
+
 /* positions (and pool indices) of one (row, head)'s windows, as LSHIndex.window computes them */
 static int lsh_slots(const LshJob *job, int64_t b, int64_t h, int64_t *flat, int64_t *pos, uint8_t *absent,
-                      uint8_t *dead, int64_t *start, int64_t *main_end, int64_t *recent_start) {
+                     uint8_t *dead) {
     const int64_t H = job->heads, R = job->rounds, NB = job->buckets, C = job->chunk;
     const int64_t wc = job->before + 1 + job->after, W = wc * C;
     const int64_t *m = job->meta + b * 7;
@@ -241,57 +277,51 @@ static int lsh_slots(const LshJob *job, int64_t b, int64_t h, int64_t *flat, int
         }
         return 0;
     }
-    for (int64_t r = 0; r < R; r++) {
-        dead[r] = 0;
-        const int64_t base = ((islot * H + h) * R + r) * NB;
-        int64_t me = 0, re = 0;
-        for (int64_t k = 0; k < NB; k++) {
-            start[r * NB + k] = me + re;
-            recent_start[r * NB + k] = re;
-            me += job->main_counts[base + k];
-            re += job->recent_counts[base + k];
-            main_end[r * NB + k] = me;
-        }
-    }
     const int64_t total = nch * R;
     for (int64_t r = 0; r < R; r++) {
+        dead[r] = 0;
+        const int64_t row_base = (islot * H + h) * R;
+        const int32_t *mc_r = job->main_counts + (row_base + r) * NB;
+        const int16_t *rc_r = job->recent_counts + (row_base + r) * NB;
         const int64_t bk = job->bucket_of[(b * H + h) * R + r];
         if (bk < 0 || bk >= NB) return BAD_INDEX;
-        const int64_t end = main_end[r * NB + bk] + recent_start[r * NB + bk] +
-                            job->recent_counts[((islot * H + h) * R + r) * NB + bk];
-        const int64_t s = end - 1; /* the newest position's slot in round r's sorted order */
+        /* the newest position is the last item of its bucket: its slot in round r's sorted order */
+        const Cursor at_new = {bk, sum_i32(mc_r, bk), sum_i16(rc_r, bk)};
+        const int64_t s = at_new.pm + mc_r[bk] + at_new.pr + rc_r[bk] - 1;
         const int64_t s_chunk = s >= 0 ? s / C : -((-s + C - 1) / C);
         for (int64_t o = 0; o < wc; o++) {
             int64_t g = (r * nch + s_chunk + o - job->before) % total;
             if (g < 0) g += total;
             const int64_t r2 = g / nch, first = (g - r2 * nch) * C;
-            const int64_t *st = start + r2 * NB;
-            int64_t lo = 0, hi = NB - 1; /* the last bucket starting at or before `first` */
-            while (lo < hi) {
-                const int64_t mid = (lo + hi + 1) / 2;
-                if (st[mid] <= first) lo = mid;
-                else hi = mid - 1;
+            const int32_t *mc = job->main_counts + (row_base + r2) * NB;
+            const int16_t *rc = job->recent_counts + (row_base + r2) * NB;
+            Cursor c = at_new;
+            if (r2 != r) { /* a window wrapping into another round: from that round's nearer end */
+                if (2 * first < nch * C) {
+                    c = (Cursor){0, 0, 0};
+                } else {
+                    c = (Cursor){NB - 1, sum_i32(mc, NB - 1), sum_i16(rc, NB - 1)};
+                }
             }
-            int64_t bb = lo;
-            for (int64_t c = 0; c < C; c++) {
-                const int64_t p = first + c, i = r * W + o * C + c;
+            for (int64_t k = 0; k < C; k++) {
+                const int64_t p = first + k, i = r * W + o * C + k;
                 if (p > t) {
                     absent[i] = 1;
                     pos[i] = 0;
                     flat[i] = 0;
                     continue;
                 }
-                while (bb + 1 < NB && st[bb + 1] <= p) bb++;
-                const int64_t j = p - recent_start[r2 * NB + bb], mend = main_end[r2 * NB + bb];
+                seek(&c, p, mc, rc, NB);
+                const int64_t j = p - c.pr, mend = c.pm + mc[c.bb];
                 int64_t at;
                 if (j < mend) {
                     const int64_t row = pool_row(job, slot, j);
                     if (row < 0) return BAD_INDEX;
                     at = row * (H * R) + h * R + r2;
                 } else {
-                    int64_t k = p - mend;
-                    k = k < 0 ? 0 : (k >= job->recent_size ? job->recent_size - 1 : k);
-                    at = job->recent_offset + ((islot * H + h) * R + r2) * job->recent_size + k;
+                    int64_t q = p - mend;
+                    q = q < 0 ? 0 : (q >= job->recent_size ? job->recent_size - 1 : q);
+                    at = job->recent_offset + (row_base + r2) * job->recent_size + q;
                 }
                 const int64_t position = read_item(job, at);
                 const int64_t row = position < 0 ? -1 : pool_row(job, slot, position);
@@ -307,25 +337,28 @@ static int lsh_slots(const LshJob *job, int64_t b, int64_t h, int64_t *flat, int
 
 static void *run_lsh_job(void *arg) {
     LshJob *job = (LshJob *)arg;
-    const int64_t R = job->rounds, W = (job->before + 1 + job->after) * job->chunk, n = R * W, NB = job->buckets;
-    char *buffer = malloc((size_t)n * (2 * sizeof(int64_t) + sizeof(float) + 1) + (size_t)R * 2 * sizeof(float) +
-                          (size_t)(3 * R * NB) * sizeof(int64_t) + 64);
+    const int64_t R = job->rounds, W = (job->before + 1 + job->after) * job->chunk, n = R * W;
+    char *buffer = malloc((size_t)n * (2 * sizeof(int64_t) + sizeof(float) + 1) + (size_t)R * 2 * sizeof(float) + 64);
     if (!buffer) {
         job->status = NO_MEMORY;
         return NULL;
     }
-    int64_t *flat = (int64_t *)buffer, *pos = flat + n, *start = pos + n, *main_end = start + R * NB;
-    int64_t *recent_start = main_end + R * NB;
-    float *score = (float *)(recent_start + R * NB), *lse = score + n;
+    int64_t *flat = (int64_t *)buffer, *pos = flat + n;
+    float *score = (float *)(pos + n), *lse = score + n;
     uint8_t *absent = (uint8_t *)(lse + 2 * R), dead[MAX_ROUNDS];
     job->status = 0;
     for (int64_t item = job->begin; item < job->end && !job->status; item++) {
         const int64_t b = item / job->heads, h = item % job->heads;
-        job->status = lsh_slots(job, b, h, flat, pos, absent, dead, start, main_end, recent_start);
+        float *out = job->out + item * job->dim;
+        if (job->meta[b * 7] == job->skip_slot) { /* a padding row: its result is dropped */
+            memset(out, 0, (size_t)job->dim * sizeof(float));
+            continue;
+        }
+        job->status = lsh_slots(job, b, h, flat, pos, absent, dead);
         if (!job->status)
             job->status = attend_slots(job->q + item * job->dim, job->dim, R, W, flat, pos, job->meta[b * 7 + 1],
                                        absent, dead, job->keys, job->norms, job->values, job->pool_rows * job->heads,
-                                       job->self_mask, job->mask, job->out + item * job->dim, score, lse);
+                                       job->self_mask, job->mask, out, score, lse);
     }
     free(buffer);
     return NULL;
@@ -340,7 +373,7 @@ int lsh_attend(int64_t rows, int64_t heads, int64_t rounds, int64_t buckets, int
                const int64_t *bucket_of, const int32_t *main_counts, const int16_t *recent_counts,
                const void *items, int64_t items_len, int64_t item_bytes,
                int64_t shift, int64_t recent_offset, const int64_t *block_table, int64_t table_width,
-               int64_t block_size, float self_mask, float mask, float *out, int64_t threads) {
+               int64_t block_size, int64_t skip_slot, float self_mask, float mask, float *out, int64_t threads) {
     const int64_t items_n = rows * heads;
     threads = clamp_threads(threads, items_n);
     LshJob jobs[MAX_THREADS];
@@ -348,7 +381,7 @@ int lsh_attend(int64_t rows, int64_t heads, int64_t rounds, int64_t buckets, int
         jobs[k] = (LshJob){heads, rounds, buckets, chunk, before, after, dim, recent_size, q, keys, norms, values,
                            pool_rows, meta, bucket_of, main_counts, recent_counts, items, items_len, item_bytes,
                            shift, recent_offset,
-                           block_table, table_width, block_size, self_mask, mask, out,
+                           block_table, table_width, block_size, skip_slot, self_mask, mask, out,
                            items_n * k / threads, items_n * (k + 1) / threads, 1};
     }
     run_parallel(run_lsh_job, (char *)jobs, sizeof(LshJob), threads);
