@@ -79,7 +79,7 @@ def test_window_attention_equals_the_plain_formula(kernel: cpu_kernels.WindowKer
 
 
 def test_a_row_gets_the_same_bits_whatever_its_batch_and_threads(kernel: cpu_kernels.WindowKernel) -> None:
-    x = _inputs(b=8)
+    x = _inputs(b=24)  # 72 (row, head) items: two threads take 36 each (a thread per 32 items at most)
     masks = dict(self_mask=self_mask_value(torch.float32), mask=mask_value(torch.float32))
     before = torch.get_num_threads()
     try:
