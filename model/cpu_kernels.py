@@ -1,5 +1,6 @@
-"""The C kernel of cached decoding's window attention on the CPU (model/kernels/window_attend.c), built on
-first use with the machine's C compiler and called through ctypes.
+"""The C kernels of cached decoding on the CPU (model/kernels/window_attend.c), built on first use with the
+machine's C compiler and called through ctypes: the attention windows of a step, and the merge of an LSH
+index's recent order into its main order.
 
 It computes what the PyTorch path of `model/decode.py` computes for a step's attention windows (the key
 gather, the dot products and the masks, each round's log-sum-exp, the rounds' weights and the weighted
@@ -95,6 +96,10 @@ class WindowKernel:
                         + [ctypes.c_float, ctypes.c_float, ptr, i64])
         lsh.restype = ctypes.c_int
         self._lsh = lsh
+        merge = lib.lsh_merge
+        merge.argtypes = [i64] * 5 + [ptr, i64, i64] + [ptr] * 4
+        merge.restype = ctypes.c_int
+        self._merge = merge
 
     def attend(self, q: Tensor, keys: Tensor, norms: Tensor | None, values: Tensor, flat: Tensor, absent: Tensor,
                pos: Tensor | None, t: Tensor | None, dead: Tensor | None, self_mask: float, mask: float) -> Tensor:
@@ -167,6 +172,21 @@ class WindowKernel:
                            mask, out.data_ptr(), torch.get_num_threads())
         _check(status, "lsh kernel")
         return out
+
+
+    def merge(self, index: LSHIndex, slot: int, rows: Tensor, main_len: int, recent_len: int) -> None:
+        """`LSHIndex.merge`'s item moves in place, in one pass per (head, round) from the last bucket down;
+        the counts are left to the caller."""
+        _, heads, rounds = index.shape
+        items = index.items
+        main, recent = index.main_counts[slot], index.recent_counts[slot]
+        rows = rows.contiguous()
+        if rows.dtype != torch.int64 or rows.shape != (main_len + recent_len,) or rows.device.type != "cpu":
+            raise ValueError(f"merge kernel: rows {rows.dtype} {tuple(rows.shape)} for {main_len} + {recent_len}")
+        status = self._merge(heads * rounds, index.buckets, main_len, recent_len, index.recent_size, items.data_ptr(),
+                             items.element_size(), index.order.shape[0], rows.data_ptr(), main.data_ptr(),
+                             recent.data_ptr(), index.recent[slot].data_ptr())
+        _check(status, "merge kernel")
 
 
 @functools.lru_cache(maxsize=1)

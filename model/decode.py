@@ -251,7 +251,8 @@ def _maintain_indexes(lm: ReformerLM, cache: DecodeCache, states: Sequence[Decod
                 keys = cache.keys[li].index_select(0, rows).transpose(0, 1)  # (H, L, D)
                 _build_index(cache, li, att, state, keys, nb)
             else:
-                index.merge(state.slot, rows, state.index_len[li], state.length - state.index_len[li])
+                index.merge(state.slot, rows, state.index_len[li], state.length - state.index_len[li],
+                            cache.window_kernel)
                 state.index_len[li] = state.length
 
 

@@ -25,10 +25,13 @@ bucket count (2*L/chunk by default: a prefix sum and a binary search over it).
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from .cpu_kernels import WindowKernel
 
 RECENT = 64  # recent items per (slot, head, round): a merge every RECENT steps; RECENT items per step to shift
 
@@ -131,11 +134,18 @@ class LSHIndex:
         self.main_counts[slot, heads] = counts.int()
         self.recent_counts[slot, heads] = 0
 
-    def merge(self, slot: int, rows: Tensor, main_len: int, recent_len: int) -> None:
+    def merge(self, slot: int, rows: Tensor, main_len: int, recent_len: int, kernel: WindowKernel | None = None
+              ) -> None:
         """Move `slot`'s recent items into its main order; `rows` (main_len + recent_len,) are its pool rows
         of sorted indices 0.. . In the merged order a main item moves up by the recent items of the buckets
         before its own, a recent item by the main items of its bucket and those before it: two prefix sums of
-        counts scattered at the bucket boundaries, then one scatter of every item."""
+        counts scattered at the bucket boundaries, then one scatter of every item. With the CPU `kernel`
+        the items move in place in one C pass instead (model/cpu_kernels.py)."""
+        if kernel is not None:
+            kernel.merge(self, slot, rows, main_len, recent_len)
+            self.main_counts[slot] += self.recent_counts[slot]
+            self.recent_counts[slot] = 0
+            return
         _, heads, rounds = self.shape
         hr, nb, device = heads * rounds, self.buckets, rows.device
         main = self.main_counts[slot].view(hr, nb).long()

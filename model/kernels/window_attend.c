@@ -395,3 +395,59 @@ int lsh_attend(int64_t rows, int64_t heads, int64_t rounds, int64_t buckets, int
     for (int64_t k = 0; k < threads; k++) status |= jobs[k].status;
     return status;
 }
+
+/* ---- merging a slot's recent order into its main order ------------------------------------------------ */
+
+static inline int64_t load_item(const void *items, int64_t item_bytes, int64_t at) {
+    return item_bytes == 2 ? ((const int16_t *)items)[at] : ((const int32_t *)items)[at];
+}
+
+static inline void store_item(void *items, int64_t item_bytes, int64_t at, int64_t v) {
+    if (item_bytes == 2) ((int16_t *)items)[at] = (int16_t)v;
+    else ((int32_t *)items)[at] = (int32_t)v;
+}
+
+/* For each of `columns` (head, round) columns of one slot: the main order (sorted index j at items[rows[j]
+ * * columns + c], j < main_len) and the recent order (recent[c * recent_size + k], k < recent_len), both
+ * sorted by (bucket, position) with bucket counts main_counts and recent_counts (columns, buckets), become
+ * one main order of main_len + recent_len items: bucket by bucket, the bucket's main items then its recent
+ * ones (every recent position is later than every main one). In place, from the last bucket down: an item
+ * only ever moves to a later sorted index, so none is overwritten before it is read. rows holds the pool
+ * rows of sorted indices 0 .. main_len + recent_len - 1. Returns 0, or BAD_INDEX when a row is outside the
+ * pool or the counts do not add up to the lengths (the order is then undefined). */
+int lsh_merge(int64_t columns, int64_t buckets, int64_t main_len, int64_t recent_len, int64_t recent_size,
+              void *items, int64_t item_bytes, int64_t pool_rows, const int64_t *rows, const int32_t *main_counts,
+              const int16_t *recent_counts, const void *recent) {
+    const int64_t n = main_len + recent_len;
+    if (recent_len > recent_size) return BAD_INDEX;
+    for (int64_t j = 0; j < n; j++)
+        if (rows[j] < 0 || rows[j] >= pool_rows) return BAD_INDEX;
+    for (int64_t c = 0; c < columns; c++) {
+        const int32_t *mc = main_counts + c * buckets;
+        const int16_t *rc = recent_counts + c * buckets;
+        int64_t total_main = 0, total_recent = 0;
+        for (int64_t bb = 0; bb < buckets; bb++) {
+            total_main += mc[bb];
+            total_recent += rc[bb];
+        }
+        if (total_main != main_len || total_recent != recent_len) return BAD_INDEX;
+        int64_t dst = n, src_main = main_len, src_recent = recent_len;
+        for (int64_t bb = buckets - 1; bb >= 0; bb--) {
+            for (int64_t k = 0; k < rc[bb]; k++) {
+                dst--;
+                src_recent--;
+                store_item(items, item_bytes, rows[dst] * columns + c,
+                           load_item(recent, item_bytes, c * recent_size + src_recent));
+            }
+            for (int64_t k = 0; k < mc[bb]; k++) {
+                dst--;
+                src_main--;
+                if (dst != src_main) /* a bucket before which no recent item lands stays where it is */
+                    store_item(items, item_bytes, rows[dst] * columns + c,
+                               load_item(items, item_bytes, rows[src_main] * columns + c));
+            }
+            if (dst == src_main) break; /* every earlier item is already in place */
+        }
+    }
+    return 0;
+}

@@ -284,10 +284,16 @@ def test_floor_div_and_mod_equal_torch_for_every_sign(n: int) -> None:
     assert torch.equal(floor_mod(x, n), torch.remainder(x, n))
 
 
-def test_index_merges_and_appends_keep_the_full_sort() -> None:
+@pytest.mark.parametrize("merge", ["pytorch", "cpu-kernel"])
+def test_index_merges_and_appends_keep_the_full_sort(merge: str) -> None:
     """After a build, appends into the recent order and merges into the main one, the main order holds what
-    one full (bucket, position) sort of every position gives, and the counts add up."""
+    one full (bucket, position) sort of every position gives, and the counts add up; merged with PyTorch ops
+    or the C kernel."""
+    from model import cpu_kernels
     from model.decode_index import LSHIndex
+
+    kernel = cpu_kernels.load() if merge == "cpu-kernel" else None
+    assert (kernel is None) == (merge == "pytorch")
 
     g = torch.Generator().manual_seed(0)
     heads, rounds, nb, length, first = 2, 3, 5, 40, 11
@@ -299,7 +305,7 @@ def test_index_merges_and_appends_keep_the_full_sort() -> None:
     base = (torch.arange(heads).view(heads, 1) * rounds + torch.arange(rounds)).view(1, heads, rounds)
     for t in range(first, length):
         if t - main_len == index.recent_size:
-            index.merge(0, rows[:t], main_len, t - main_len)
+            index.merge(0, rows[:t], main_len, t - main_len, kernel)
             main_len = t
         weight = torch.ones(heads * rounds, dtype=torch.int16)
         counts = index.append(base, buckets[None, ..., t], index.store(torch.tensor([t])).expand(heads * rounds),
@@ -307,7 +313,7 @@ def test_index_merges_and_appends_keep_the_full_sort() -> None:
         assert torch.equal(counts.main + counts.recent,
                            torch.nn.functional.one_hot(buckets[..., : t + 1], nb).sum(-2)[None])
         assert torch.equal(counts.main_end + counts.recent_end, (counts.main + counts.recent).cumsum(-1))
-    index.merge(0, rows, main_len, length - main_len)
+    index.merge(0, rows, main_len, length - main_len, kernel)
     want = torch.argsort(buckets * length + torch.arange(length), dim=-1).reshape(heads * rounds, length)
     assert torch.equal(index.order[rows].long().t() - index.shift, want)
     assert int(index.recent_counts.sum()) == 0 and int(index.main_counts[0].sum()) == heads * rounds * length
