@@ -97,7 +97,7 @@ class WindowKernel:
         lsh.restype = ctypes.c_int
         self._lsh = lsh
         merge = lib.lsh_merge
-        merge.argtypes = [i64] * 5 + [ptr, i64, i64] + [ptr] * 4
+        merge.argtypes = [i64, i64, i64, i64, i64, ptr, i64, i64, ptr, ptr, ptr, ptr]
         merge.restype = ctypes.c_int
         self._merge = merge
 
