@@ -6,6 +6,7 @@ a row's result whatever it is batched with or however many threads run it, and t
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -80,7 +81,7 @@ def test_window_attention_equals_the_plain_formula(kernel: cpu_kernels.WindowKer
 
 def test_a_row_gets_the_same_bits_whatever_its_batch_and_threads(kernel: cpu_kernels.WindowKernel) -> None:
     x = _inputs(b=24)  # 72 (row, head) items: two threads take 36 each (a thread per 32 items at most)
-    masks = dict(self_mask=self_mask_value(torch.float32), mask=mask_value(torch.float32))
+    masks: dict[str, Any] = dict(self_mask=self_mask_value(torch.float32), mask=mask_value(torch.float32))
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -113,15 +114,21 @@ def _decode_run(lm: ReformerLM, lengths: list[int], steps: int, cpu_kernel: bool
 
 
 @pytest.mark.parametrize("buckets", [4, None], ids=["fixed-buckets", "automatic-buckets"])
-@pytest.mark.parametrize("layers", [["local", "lsh", "local", "lsh"], ["lsh", "lsh"]], ids=["mix", "lsh2"])
-def test_decoding_through_the_kernel_equals_the_pytorch_path(layers: list[str], buckets: int | None) -> None:
+@pytest.mark.parametrize("layers,positions", [(["local", "lsh", "local", "lsh"], 4096), (["lsh", "lsh"], 4096),
+                                              (["lsh", "lsh"], 2**17)], ids=["mix", "lsh2", "lsh2-int32-index"])
+def test_decoding_through_the_kernel_equals_the_pytorch_path(layers: list[str], positions: int,
+                                                             buckets: int | None) -> None:
+    # past 2**16 positions the index stores positions as int32, not int16
     torch.manual_seed(0)
+    axial = (64, 64) if positions == 4096 else (256, 512)
     lm = ReformerLM(tiny_config(vocab_size=258, attn_layers=layers, num_buckets=buckets, initializer_range=0.3,
-                                num_hashes=4)).eval()
+                                num_hashes=4, max_position_embeddings=positions, axial_pos_shape=axial)).eval()
     # 3 and 6 tokens start shorter than a chunk (dense), 8 crosses it while decoding; merges every 4 steps
     lengths = [3, 6, 8, 29, 70]
     fused = _decode_run(lm, lengths, 20, cpu_kernel=True, recent=4)
     plain = _decode_run(lm, lengths, 20, cpu_kernel=False, recent=4)
+    if positions > 2**16:
+        assert DecodeCache.for_tokens(lm, 8).indexes[0].items.dtype == torch.int32  # type: ignore[union-attr]
     assert torch.equal(fused.argmax(-1), plain.argmax(-1))
     assert (fused - plain).abs().max().item() <= 1e-5
 
