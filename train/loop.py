@@ -454,7 +454,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"model: {trainer.lm.num_parameters():,} parameters; data: {corpus.train.num_tokens:,} "
                   f"training / {corpus.val.num_tokens:,} validation bytes from {len(corpus.files)} files; "
                   f"device {device}, {info.world_size} process(es)", file=sys.stderr)
-        return trainer.run()
+        code = trainer.run()
+        if info.enabled:
+            # leave together: once, under a loaded CI machine, rank 1 aborted ("terminate called without an
+            # active exception") tearing down its process group while rank 0 was still writing the checkpoint
+            torch.distributed.barrier()
+        return code
     except (DataError, ValueError) as e:
         print(f"reformer train: error: {e}", file=sys.stderr)
         return EXIT_USAGE
