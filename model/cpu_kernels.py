@@ -17,6 +17,7 @@ import ctypes
 import functools
 import hashlib
 import logging
+import math
 import os
 import platform
 import shutil
@@ -100,6 +101,14 @@ class WindowKernel:
         merge.argtypes = [i64, i64, i64, i64, i64, ptr, i64, i64, ptr, ptr, ptr, ptr]
         merge.restype = ctypes.c_int
         self._merge = merge
+        write = lib.decode_write
+        write.argtypes = [i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_float, ctypes.c_float]
+        write.restype = ctypes.c_int
+        self._write = write
+        append = lib.lsh_append
+        append.argtypes = [i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64]
+        append.restype = ctypes.c_int
+        self._append = append
 
     def attend(self, q: Tensor, keys: Tensor, norms: Tensor | None, values: Tensor, flat: Tensor, absent: Tensor,
                pos: Tensor | None, t: Tensor | None, dead: Tensor | None, self_mask: float, mask: float) -> Tensor:
@@ -173,6 +182,40 @@ class WindowKernel:
         _check(status, "lsh kernel")
         return out
 
+
+    def write(self, rows: Tensor, key: Tensor, value: Tensor, keys: Tensor, values: Tensor, norms: Tensor | None,
+              eps: float = 1e-6) -> None:
+        """A step's new keys and values (B, H, D) float32 into pool rows `rows` (B,) of the pools (N, H, D),
+        and for LSH layers each key's factor into `norms` (N, H), as `DecodeCache.write` does."""
+        b, h, d = key.shape
+        for x in (key, value, keys, values, *(() if norms is None else (norms,))):
+            if x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous():
+                raise ValueError("write kernel: keys, values and pools must be contiguous float32 CPU tensors")
+        if value.shape != key.shape or keys.shape[1:] != (h, d) or values.shape != keys.shape:
+            raise ValueError(f"write kernel: key {tuple(key.shape)} into pools {tuple(keys.shape)}")
+        if norms is not None and norms.shape != keys.shape[:2]:
+            raise ValueError(f"write kernel: norms {tuple(norms.shape)} for pools {tuple(keys.shape)}")
+        rows = rows.contiguous()
+        if rows.dtype != torch.int64 or rows.shape != (b,):
+            raise ValueError(f"write kernel: rows {rows.dtype} {tuple(rows.shape)} for {b} keys")
+        status = self._write(b, h, d, keys.shape[0], rows.data_ptr(), key.data_ptr(), value.data_ptr(),
+                             keys.data_ptr(), values.data_ptr(), 0 if norms is None else norms.data_ptr(), eps,
+                             math.sqrt(d))
+        _check(status, "write kernel")
+
+    def append(self, index: LSHIndex, meta: Tensor, buckets: Tensor) -> None:
+        """`LSHIndex.append` for a step's rows that append (meta (B, 7) int64 as model/decode.py builds it;
+        buckets (B, H, R) int64), in place."""
+        b, h, rounds = buckets.shape
+        recent, items = index.recent_counts, index.items
+        if buckets.dtype != torch.int64 or not buckets.is_contiguous() or meta.shape != (b, 7):
+            raise ValueError(f"append kernel: buckets {buckets.dtype} {tuple(buckets.shape)}, meta {tuple(meta.shape)}")
+        if meta.dtype != torch.int64 or not meta.is_contiguous() or recent.dtype != torch.int16:
+            raise ValueError("append kernel: meta must be contiguous int64 and the recent counts int16")
+        status = self._append(b, h, rounds, index.buckets, index.recent_size, meta.data_ptr(), buckets.data_ptr(),
+                              recent.data_ptr(), items.data_ptr(), items.element_size(), index.shift,
+                              index.recent_offset)
+        _check(status, "append kernel")
 
     def merge(self, index: LSHIndex, slot: int, rows: Tensor, main_len: int, recent_len: int) -> None:
         """`LSHIndex.merge`'s item moves in place, in one pass per (head, round) from the last bucket down;

@@ -340,14 +340,14 @@ def _step_compute(lm: ReformerLM, cache: DecodeCache, tokens: Tensor, meta: Tens
         if isinstance(att, LSHSelfAttention):
             qk = att.query_key(h).view(rows, att.heads, att.head_size)  # (B, H, D)
             v = att.value(h).view(rows, att.heads, att.head_size)
-            cache.write(li, new_rows, qk, v)
+            cache.write_step(li, new_rows, qk, v)
             out = _lsh_attend(cache, li, att, qk, step)
         else:
             assert isinstance(att, LocalSelfAttention)
             q = att.query(h).view(rows, att.heads, att.head_size)
             k = att.key(h).view(rows, att.heads, att.head_size) / math.sqrt(att.head_size)
             v = att.value(h).view(rows, att.heads, att.head_size)
-            cache.write(li, new_rows, k, v)
+            cache.write_step(li, new_rows, k, v)
             if local is None:  # every local layer has the same window: built once per step
                 local = _local_window(cache, att, step, meta[:, 4].bool())
             out = _local_attend(cache, li, q, local)
@@ -447,16 +447,18 @@ def _lsh_attend(cache: DecodeCache, li: int, att: LSHSelfAttention, qk: Tensor, 
         for nb, sel in step.groups:
             buckets[sel] = att.hash(qk[sel].unsqueeze(2), nb, None)[..., 0]
     kernel = cache.window_kernel
-    counts = index.append(step.base, buckets, step.value, step.weight, counts=kernel is None)
     if kernel is not None:
-        # one C call: the windows' positions from the index, the attention over them (model/cpu_kernels.py)
+        # two C calls: the insert into the recent order; the windows' positions from the index and the
+        # attention over them (model/cpu_kernels.py)
         norms_pool = cache.norms[li]
         assert norms_pool is not None and step.meta is not None
+        buckets = buckets.contiguous()
+        kernel.append(index, step.meta, buckets)
         return kernel.lsh_attend(
             qk.contiguous(), cache.keys[li].view(-1, d), norms_pool.view(-1), cache.values[li].view(-1, d),
-            step.meta, buckets.contiguous(), index, cache.block_table, cache.block_size, cache.scratch_slot, att.chunk,
+            step.meta, buckets, index, cache.block_table, cache.block_size, cache.scratch_slot, att.chunk,
             att.before, att.after, self_mask_value(torch.float32), mask_value(torch.float32))
-    assert counts is not None
+    counts = index.append(step.base, buckets, step.value, step.weight)
     pos, absent = index.window(step.base, counts, buckets, step.geo, step.blocks)  # (B, H, R, W)
     w = pos.shape[-1]
     if step.dense is not None:

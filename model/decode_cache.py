@@ -218,6 +218,15 @@ class DecodeCache:
         if norms is not None:
             norms.index_copy_(0, rows, key_norm(key).to(self.dtype))
 
+    def write_step(self, layer: int, rows: Tensor, key: Tensor, value: Tensor) -> None:
+        """A decode step's `write`: through the C kernel when the cache has it (one call instead of six
+        index copies and the key factor's five ops)."""
+        if self.window_kernel is None:
+            self.write(layer, rows, key, value)
+            return
+        self.window_kernel.write(rows, key.contiguous(), value.contiguous(), self.keys[layer], self.values[layer],
+                                 self.norms[layer])
+
     def gather_keys(self, layer: int, flat: Tensor) -> tuple[Tensor, Tensor | None]:
         """flat (row * heads + head) indices (...) -> keys (..., D) and, for LSH layers, the key factors (...)."""
         d = self.head_size

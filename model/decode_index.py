@@ -167,15 +167,14 @@ class LSHIndex:
         self.main_counts[slot] += self.recent_counts[slot]
         self.recent_counts[slot] = 0
 
-    def append(self, base: Tensor, buckets: Tensor, value: Tensor, weight: Tensor, counts: bool = True
-               ) -> StepCounts | None:
+    def append(self, base: Tensor, buckets: Tensor, value: Tensor, weight: Tensor) -> StepCounts:
         """Insert a position into bucket `buckets` (B, H, R) of the recent order of the (slot, head, round)
         rows `base` (B, H, R, flat indices into the counts' first three dims); `value` (B*H*R,) is the
         position as `store` gives it and `weight` (B*H*R,) int16 is 1 where the row writes. Rows that must
         not write point `base` at the scratch slot with weight 0 (what lands there is never read as a real
         position). The caller keeps every real row's recent array below RECENT items (merging first).
-        Returns the rows' counts after it, for `window` (None with counts=False: a caller that reads the
-        counts tensors themselves, as the CPU kernel does)."""
+        Returns the rows' counts after it, for `window`. (The CPU kernel's `append` does the same insert
+        in C, model/cpu_kernels.py.)"""
         nb, size = self.buckets, self.recent_size
         flat = base.reshape(-1)
         bucket = buckets.reshape(-1, 1)
@@ -188,8 +187,6 @@ class LSHIndex:
         items = torch.where(self._recent_slots < at, old, shifted).scatter_(-1, at, value.view(-1, 1))
         self.recent.view(-1, size).index_copy_(0, flat, items)
         self.recent_counts.view(-1).index_add_(0, flat * nb + bucket.view(-1), weight)
-        if not counts:
-            return None
         main = self.main_counts.view(-1, nb).index_select(0, flat)  # (N, NB)
         shape = (*buckets.shape, nb)
         return StepCounts(main.view(shape), recent.view(shape), main.cumsum(-1).view(shape), recent_end.view(shape))

@@ -451,3 +451,54 @@ int lsh_merge(int64_t columns, int64_t buckets, int64_t main_len, int64_t recent
     }
     return 0;
 }
+
+/* ---- a decode step's writes: the new keys and values, and each LSH index's recent order --------------- */
+
+/* rows (B,) pool rows; key and value (B, heads, dim); norms (pool, heads) or NULL: the key's length-
+ * normalisation factor rsqrt(mean(k * k) + eps) / sqrt(dim), as model/decode_cache.py key_norm computes it.
+ * Returns 0, or BAD_INDEX for a row outside the pool. */
+int decode_write(int64_t rows, int64_t heads, int64_t dim, int64_t pool_rows, const int64_t *at, const float *key,
+                 const float *value, float *keys, float *values, float *norms, float eps, float sqrt_dim) {
+    for (int64_t b = 0; b < rows; b++)
+        if (at[b] < 0 || at[b] >= pool_rows) return BAD_INDEX;
+    const int64_t row = heads * dim;
+    for (int64_t b = 0; b < rows; b++) {
+        memcpy(keys + at[b] * row, key + b * row, (size_t)row * sizeof(float));
+        memcpy(values + at[b] * row, value + b * row, (size_t)row * sizeof(float));
+        if (!norms) continue;
+        for (int64_t h = 0; h < heads; h++) {
+            const float *k = key + b * row + h * dim;
+            norms[at[b] * heads + h] = (1.0f / sqrtf(dot(k, k, dim) / (float)dim + eps)) / sqrt_dim;
+        }
+    }
+    return 0;
+}
+
+/* LSHIndex.append for the rows that append (meta[b, 6]): position t = meta[b, 1] goes after the recent items
+ * of every bucket up to its own in the recent order of (slot meta[b, 5], head, round); later items move one
+ * place up and the bucket's count grows by one. Rows that do not append touch nothing. Returns 0, or
+ * BAD_INDEX for a bucket outside the counts or a recent order already full (the caller merges first). */
+int lsh_append(int64_t rows, int64_t heads, int64_t rounds, int64_t buckets, int64_t recent_size,
+               const int64_t *meta, const int64_t *bucket_of, int16_t *recent_counts, void *items,
+               int64_t item_bytes, int64_t shift, int64_t recent_offset) {
+    for (int64_t b = 0; b < rows; b++) {
+        const int64_t *m = meta + b * 7;
+        if (!m[6]) continue;
+        for (int64_t h = 0; h < heads; h++) {
+            for (int64_t r = 0; r < rounds; r++) {
+                const int64_t column = (m[5] * heads + h) * rounds + r;
+                const int64_t bk = bucket_of[(b * heads + h) * rounds + r];
+                if (bk < 0 || bk >= buckets) return BAD_INDEX;
+                int16_t *rc = recent_counts + column * buckets;
+                const int64_t at = sum_i16(rc, bk + 1), n = at + sum_i16(rc + bk + 1, buckets - bk - 1);
+                if (n >= recent_size) return BAD_INDEX;
+                const int64_t base = recent_offset + column * recent_size;
+                for (int64_t j = n; j > at; j--)
+                    store_item(items, item_bytes, base + j, load_item(items, item_bytes, base + j - 1));
+                store_item(items, item_bytes, base + at, m[1] + shift);
+                rc[bk]++;
+            }
+        }
+    }
+    return 0;
+}

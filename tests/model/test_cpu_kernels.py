@@ -166,3 +166,20 @@ def test_a_corrupt_index_raises_instead_of_reading_outside_the_cache(kernel: cpu
     cache.block_table[states[0].slot, 1] = cache.blocks + 5  # a block past the pools
     with pytest.raises(IndexError, match="outside the decode cache"):
         decode_step(lm, torch.tensor([5]), cache, states)
+
+
+def test_a_step_writes_what_the_pytorch_write_writes(kernel: cpu_kernels.WindowKernel) -> None:
+    lm = ReformerLM(tiny_config()).eval()
+    plain, fused = DecodeCache.for_tokens(lm, 40, cpu_kernel=False), DecodeCache.for_tokens(lm, 40)
+    g = torch.Generator().manual_seed(0)
+    rows = torch.tensor([9, 30, 17])
+    key, value = torch.randn(3, plain.heads, plain.head_size, generator=g) * 4, torch.randn(3, 2, 16, generator=g)
+    for layer in (0, 1):  # local (no key factors), then LSH
+        plain.write(layer, rows, key, value)
+        fused.write_step(layer, rows, key, value)
+        assert torch.equal(plain.keys[layer][rows], fused.keys[layer][rows])
+        assert torch.equal(plain.values[layer][rows], fused.values[layer][rows])
+        if plain.norms[layer] is not None:
+            torch.testing.assert_close(fused.norms[layer][rows], plain.norms[layer][rows], atol=0, rtol=1e-6)
+    with pytest.raises(IndexError, match="outside the decode cache"):
+        fused.write_step(0, torch.tensor([fused.keys[0].shape[0]]), key[:1], value[:1])

@@ -287,8 +287,8 @@ def test_floor_div_and_mod_equal_torch_for_every_sign(n: int) -> None:
 @pytest.mark.parametrize("merge", ["pytorch", "cpu-kernel"])
 def test_index_merges_and_appends_keep_the_full_sort(merge: str) -> None:
     """After a build, appends into the recent order and merges into the main one, the main order holds what
-    one full (bucket, position) sort of every position gives, and the counts add up; merged with PyTorch ops
-    or the C kernel."""
+    one full (bucket, position) sort of every position gives, and the counts add up; appended and merged
+    with PyTorch ops or the C kernel."""
     from model import cpu_kernels
     from model.decode_index import LSHIndex
 
@@ -308,10 +308,14 @@ def test_index_merges_and_appends_keep_the_full_sort(merge: str) -> None:
             index.merge(0, rows[:t], main_len, t - main_len, kernel)
             main_len = t
         weight = torch.ones(heads * rounds, dtype=torch.int16)
+        want_counts = torch.nn.functional.one_hot(buckets[..., : t + 1], nb).sum(-2)
+        if kernel is not None:  # the C insert: row facts as model/decode.py builds them (slot 0 appends t)
+            kernel.append(index, torch.tensor([[0, t, 1, 1, 0, 0, 1]]), buckets[None, ..., t].contiguous())
+            assert torch.equal(index.main_counts[0] + index.recent_counts[0], want_counts)
+            continue
         counts = index.append(base, buckets[None, ..., t], index.store(torch.tensor([t])).expand(heads * rounds),
                               weight)
-        assert torch.equal(counts.main + counts.recent,
-                           torch.nn.functional.one_hot(buckets[..., : t + 1], nb).sum(-2)[None])
+        assert torch.equal(counts.main + counts.recent, want_counts[None])
         assert torch.equal(counts.main_end + counts.recent_end, (counts.main + counts.recent).cumsum(-1))
     index.merge(0, rows, main_len, length - main_len, kernel)
     want = torch.argsort(buckets * length + torch.arange(length), dim=-1).reshape(heads * rounds, length)
