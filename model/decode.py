@@ -326,7 +326,7 @@ def _step_compute(lm: ReformerLM, cache: DecodeCache, tokens: Tensor, meta: Tens
     step = _Step(t=t, blocks=BlockLookup(cache.block_table, slots, cache.block_size),
                  groups=[(nb, None if sel is None else torch.tensor(sel).to(device))
                          for nb, sel in groups], meta=meta)
-    if first_lsh is not None:
+    if first_lsh is not None and cache.window_kernel is None:  # the C kernel works the windows out itself
         att0 = _layers(lm)[first_lsh].attention.self_attention
         assert isinstance(att0, LSHSelfAttention)
         _lsh_geometry(cache, step, att0, meta, all_hashed, cache.indexes[first_lsh])
@@ -390,7 +390,7 @@ class _Step:
     t: Tensor  # (B,) the new position of each row
     blocks: BlockLookup  # the pool rows of each row's positions
     groups: list[tuple[int | list[int], Tensor | None]]  # bucket count -> rows (None: every row)
-    # LSH layers (built once per step by _lsh_geometry)
+    # LSH layers on the PyTorch path (built once per step by _lsh_geometry; the C kernel needs none of them)
     geo: WindowGeometry | None = None
     base: Tensor | None = None  # (B, H, R) flat (slot, head, round) of the index each row appends to
     value: Tensor | None = None  # (B*H*R,) the new position as the index stores it
@@ -437,8 +437,7 @@ def _lsh_attend(cache: DecodeCache, li: int, att: LSHSelfAttention, qk: Tensor, 
     b, heads, d = qk.shape
     rounds = att.rounds
     index = cache.indexes[li]
-    assert index is not None and step.geo is not None and step.base is not None
-    assert step.value is not None and step.weight is not None
+    assert index is not None
     # hash the new query of every row that keeps an index, one call per bucket count in the batch
     if len(step.groups) == 1 and step.groups[0][1] is None:  # every row hashes with one bucket count
         buckets = att.hash(qk.unsqueeze(2), step.groups[0][0], None)[..., 0]  # (B, H, R)
@@ -458,6 +457,7 @@ def _lsh_attend(cache: DecodeCache, li: int, att: LSHSelfAttention, qk: Tensor, 
             qk.contiguous(), cache.keys[li].view(-1, d), norms_pool.view(-1), cache.values[li].view(-1, d),
             step.meta, buckets, index, cache.block_table, cache.block_size, cache.scratch_slot, att.chunk,
             att.before, att.after, self_mask_value(torch.float32), mask_value(torch.float32))
+    assert step.geo is not None and step.base is not None and step.value is not None and step.weight is not None
     counts = index.append(step.base, buckets, step.value, step.weight)
     pos, absent = index.window(step.base, counts, buckets, step.geo, step.blocks)  # (B, H, R, W)
     w = pos.shape[-1]
