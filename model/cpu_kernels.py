@@ -23,7 +23,9 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -86,29 +88,20 @@ class WindowKernel:
     def __init__(self, path: Path) -> None:
         self.path = path
         lib = ctypes.CDLL(str(path))
-        fn = lib.window_attend
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        fn.argtypes = [i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, ptr, ptr, ptr,
-                       ctypes.c_float, ctypes.c_float, ptr, i64]
-        fn.restype = ctypes.c_int
-        self._fn = fn
-        lsh = lib.lsh_attend
-        lsh.argtypes = ([i64] * 9 + [ptr] * 4 + [i64] + [ptr] * 5 + [i64] * 4 + [ptr, i64, i64, i64]
-                        + [ctypes.c_float, ctypes.c_float, ptr, i64])
-        lsh.restype = ctypes.c_int
-        self._lsh = lsh
-        merge = lib.lsh_merge
-        merge.argtypes = [i64, i64, i64, i64, i64, ptr, i64, i64, ptr, ptr, ptr, ptr]
-        merge.restype = ctypes.c_int
-        self._merge = merge
-        write = lib.decode_write
-        write.argtypes = [i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_float, ctypes.c_float]
-        write.restype = ctypes.c_int
-        self._write = write
-        append = lib.lsh_append
-        append.argtypes = [i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64]
-        append.restype = ctypes.c_int
-        self._append = append
+        i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+
+        def declare(name: str, argtypes: Sequence[type]) -> Any:  # a C function returning its int status
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, ctypes.c_int
+            return fn
+
+        self._fn = declare("window_attend", [i64] * 5 + [ptr] * 4 + [i64, ptr, ptr, i64, i64, ptr, ptr, ptr, f32, f32,
+                                                                   ptr, i64])
+        self._lsh = declare("lsh_attend", [i64] * 9 + [ptr] * 4 + [i64] + [ptr] * 5 + [i64] * 4
+                            + [ptr, i64, i64, i64, f32, f32, ptr, i64])
+        self._merge = declare("lsh_merge", [i64] * 5 + [ptr, i64, i64] + [ptr] * 4)
+        self._write = declare("decode_write", [i64] * 4 + [ptr] * 6 + [f32, f32])
+        self._append = declare("lsh_append", [i64] * 5 + [ptr] * 4 + [i64] * 3)
 
     def attend(self, q: Tensor, keys: Tensor, norms: Tensor | None, values: Tensor, flat: Tensor, absent: Tensor,
                pos: Tensor | None, t: Tensor | None, dead: Tensor | None, self_mask: float, mask: float) -> Tensor:
