@@ -62,8 +62,10 @@ def hash_rotations(seed: int, heads: int, head_size: int, rounds: int, rotation_
 
 def auto_num_buckets(length: int, chunk: int, max_positions: int) -> int | list[int]:
     """The reference's choice when num_buckets is unset: 2*length/chunk rounded down to a power of two,
-    factorised in two when it grows past 2*max(sqrt(max_positions/chunk), chunk)."""
-    power = (2 * (length // chunk)).bit_length() - 1
+    factorised in two when it grows past 2*max(sqrt(max_positions/chunk), chunk). At least 2: a row no
+    longer than a chunk attends densely and never hashes, and the formula would give it the fraction 1/2 (a
+    batch mixing such a row with longer ones, or a cache built for so few tokens, then failed)."""
+    power = max((2 * (length // chunk)).bit_length() - 1, 1)
     buckets = 2**power
     limit = 2 * max(int((max_positions // chunk) ** 0.5), chunk)
     if buckets > limit:
@@ -172,10 +174,7 @@ class LSHSelfAttention(nn.Module):
             return self.hash(qk, self.config.num_buckets, ctx.valid)
         # automatic bucket counts depend on each row's own length; rows sharing a count hash together
         lengths = [int(n) for n in ctx.own_length.tolist()]
-        # a row no longer than a chunk attends densely (split_short_rows) and its buckets are never read; its
-        # own count would be a fraction, so it hashes with a hashing row's count
-        stand_in = next((n for n in lengths if n > self.chunk), 2 * self.chunk)
-        counts = [self.num_buckets_for(n if n > self.chunk else stand_in) for n in lengths]
+        counts = [self.num_buckets_for(n) for n in lengths]
         out = torch.empty(qk.shape[0], self.heads, self.rounds, qk.shape[2], dtype=torch.long, device=qk.device)
         for nb in {str(c): c for c in counts}.values():
             rows = torch.tensor([i for i, c in enumerate(counts) if c == nb], device=qk.device)
