@@ -467,16 +467,6 @@ def _lsh_attend(cache: DecodeCache, li: int, att: LSHSelfAttention, qk: Tensor, 
         absent = torch.where(hashed, absent, dense_absent)
     flat = step.blocks.rows(pos.view(b, -1)).view(b, heads, rounds * w)
     flat = (flat * heads + index.head_offsets).view(b, heads, rounds, w)
-    if cache.window_kernel is not None:
-        norms_pool = cache.norms[li]
-        assert norms_pool is not None
-        dead = None
-        if step.dense is not None:  # a dense row's other rounds see nothing: their weight is exactly 0
-            hashed, _, _, round0 = step.dense
-            dead = ~(hashed.view(b, 1) | round0.view(1, rounds))  # (B, R)
-        return cache.window_kernel.attend(
-            qk.contiguous(), cache.keys[li].view(-1, d), norms_pool.view(-1), cache.values[li].view(-1, d), flat,
-            absent, pos, step.t, dead, self_mask_value(torch.float32), mask_value(torch.float32))
     keys, norms = cache.gather_keys(li, flat)  # (B, H, R, W, D), (B, H, R, W)
     assert norms is not None
     # q . length_normalize(k) / sqrt(D), as (q . k) times the key's cached factor; in float32 whatever the

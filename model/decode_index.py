@@ -143,9 +143,12 @@ class LSHIndex:
         the items move in place in one C pass instead (model/cpu_kernels.py)."""
         if kernel is not None:
             kernel.merge(self, slot, rows, main_len, recent_len)
-            self.main_counts[slot] += self.recent_counts[slot]
-            self.recent_counts[slot] = 0
-            return
+        else:
+            self._merge_items(slot, rows, main_len, recent_len)
+        self.main_counts[slot] += self.recent_counts[slot]
+        self.recent_counts[slot] = 0
+
+    def _merge_items(self, slot: int, rows: Tensor, main_len: int, recent_len: int) -> None:
         _, heads, rounds = self.shape
         hr, nb, device = heads * rounds, self.buckets, rows.device
         main = self.main_counts[slot].view(hr, nb).long()
@@ -164,8 +167,6 @@ class LSHIndex:
         merged.scatter_(1, torch.arange(main_len, device=device) + up_main, old)
         merged.scatter_(1, torch.arange(recent_len, device=device) + up_new, new)
         self.order.index_copy_(0, rows, merged.t().contiguous())
-        self.main_counts[slot] += self.recent_counts[slot]
-        self.recent_counts[slot] = 0
 
     def append(self, base: Tensor, buckets: Tensor, value: Tensor, weight: Tensor) -> StepCounts:
         """Insert a position into bucket `buckets` (B, H, R) of the recent order of the (slot, head, round)
