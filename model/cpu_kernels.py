@@ -1,8 +1,9 @@
 """The C kernels of cached decoding on the CPU (model/kernels/window_attend.c), built on first use with the
-machine's C compiler and called through ctypes: the attention windows of a step, and the merge of an LSH
-index's recent order into its main order.
+machine's C compiler and called through ctypes: a step's cache writes, each LSH layer's insert into its
+recent order, its window positions and attention (`lsh_attend`), local layers' attention (`attend`), and the
+merge of an LSH index's recent order into its main order.
 
-It computes what the PyTorch path of `model/decode.py` computes for a step's attention windows (the key
+The attention computes what the PyTorch path of `model/decode.py` computes for a step's windows (the key
 gather, the dot products and the masks, each round's log-sum-exp, the rounds' weights and the weighted
 sum of values) in one pass per (row, head) that prefetches the pool rows it is about to read. The library
 is compiled with `-O3 -march=native` into a cache folder, under a name made from a hash of the source, the
@@ -75,6 +76,15 @@ def _build(compiler: str, target: Path) -> None:
 _NO_MEMORY, _BAD_INDEX = 1, 2  # window_attend.c's statuses
 
 
+def _require(what: str, *wants: tuple[Tensor, torch.dtype | tuple[torch.dtype, ...]]) -> None:
+    """Each tensor a contiguous CPU tensor of its dtype(s): the C side reads raw pointers."""
+    for x, dtype in wants:
+        ok = x.dtype in dtype if isinstance(dtype, tuple) else x.dtype == dtype
+        if not ok or x.device.type != "cpu" or not x.is_contiguous():
+            raise ValueError(f"{what}: expected a contiguous {dtype} CPU tensor, got {x.dtype} {tuple(x.shape)} on "
+                             f"{x.device}{'' if x.is_contiguous() else ', not contiguous'}")
+
+
 def _check(status: int, what: str) -> None:
     if status & _BAD_INDEX:
         raise IndexError(f"{what}: a window reached outside the decode cache (a corrupt index or block table)")
@@ -83,7 +93,8 @@ def _check(status: int, what: str) -> None:
 
 
 class WindowKernel:
-    """The loaded library's `window_attend`, with its argument types declared once."""
+    """The loaded library's functions, with their argument types declared once. Each method checks what it
+    hands the C side (dtypes, contiguity, shapes); the C side checks every index against the pools."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -114,9 +125,8 @@ class WindowKernel:
             raise ValueError(f"window kernel: q {tuple(q.shape)}, keys {tuple(keys.shape)}, flat {tuple(flat.shape)}")
         if absent.shape not in ((b, h, r, w), (b, 1, r, w)):
             raise ValueError(f"window kernel: absent {tuple(absent.shape)} for windows {tuple(flat.shape)}")
-        for x in (q, keys, values, *(() if norms is None else (norms,))):
-            if x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous():
-                raise ValueError("window kernel: q and the pools must be contiguous float32 CPU tensors")
+        pools = (keys, values) if norms is None else (keys, values, norms)
+        _require("window kernel", *((x, torch.float32) for x in (q, *pools)))
         flat = flat.contiguous()
         absent = absent.contiguous()
         head_stride = 0 if absent.shape[1] == 1 and h > 1 else r * w
@@ -127,9 +137,9 @@ class WindowKernel:
         if dead is not None:
             dead = dead.contiguous()
             assert dead.shape == (b, r)
-        out = torch.empty(b, h, d, dtype=torch.float32)
         if norms is not None and norms.shape != keys.shape[:1] or values.shape != keys.shape:
             raise ValueError(f"window kernel: pools {tuple(keys.shape)} and {tuple(values.shape)}")
+        out = torch.empty(b, h, d, dtype=torch.float32)
         status = self._fn(b, h, r, w, d, q.data_ptr(), keys.data_ptr(), 0 if norms is None else norms.data_ptr(),
                           values.data_ptr(), keys.shape[0], flat.data_ptr(), absent.data_ptr(),
                           absent.shape[1] * r * w, head_stride,
@@ -138,7 +148,6 @@ class WindowKernel:
                           torch.get_num_threads())
         _check(status, "window kernel")
         return out
-
 
     def lsh_attend(self, q: Tensor, keys: Tensor, norms: Tensor, values: Tensor, meta: Tensor, buckets: Tensor,
                    index: LSHIndex, block_table: Tensor, block_size: int, scratch_slot: int, chunk: int, before: int,
@@ -153,18 +162,12 @@ class WindowKernel:
             raise ValueError(f"lsh kernel: q {tuple(q.shape)}, buckets {tuple(buckets.shape)}, "
                              f"meta {tuple(meta.shape)}")
         main, recent, items = index.main_counts, index.recent_counts, index.items
-        wants = ((q, torch.float32), (keys, torch.float32), (norms, torch.float32), (values, torch.float32),
-                 (meta, torch.int64), (buckets, torch.int64), (main, torch.int32), (recent, torch.int16),
-                 (block_table, torch.int64))
-        for x, dtype in wants:
-            if x.dtype != dtype or x.device.type != "cpu" or not x.is_contiguous():
-                raise ValueError(f"lsh kernel: expected a contiguous {dtype} CPU tensor, got {x.dtype} "
-                                 f"{tuple(x.shape)}")
-        if items.dtype not in (torch.int16, torch.int32) or not items.is_contiguous():
-            raise ValueError(f"lsh kernel: index items of dtype {items.dtype}")
-        out = torch.empty(b, h, d, dtype=torch.float32)
+        _require("lsh kernel", (q, torch.float32), (keys, torch.float32), (norms, torch.float32),
+                 (values, torch.float32), (meta, torch.int64), (buckets, torch.int64), (main, torch.int32),
+                 (recent, torch.int16), (block_table, torch.int64), (items, (torch.int16, torch.int32)))
         if keys.shape != values.shape or keys.shape[0] % h or norms.shape != keys.shape[:1]:
             raise ValueError(f"lsh kernel: pools {tuple(keys.shape)}, {tuple(values.shape)}, {tuple(norms.shape)}")
+        out = torch.empty(b, h, d, dtype=torch.float32)
         status = self._lsh(b, h, rounds, main.shape[-1], chunk, before, after, d, index.recent_size, q.data_ptr(),
                            keys.data_ptr(), norms.data_ptr(), values.data_ptr(), keys.shape[0] // h, meta.data_ptr(),
                            buckets.data_ptr(), main.data_ptr(), recent.data_ptr(), items.data_ptr(), items.numel(),
@@ -175,22 +178,20 @@ class WindowKernel:
         _check(status, "lsh kernel")
         return out
 
-
     def write(self, rows: Tensor, key: Tensor, value: Tensor, keys: Tensor, values: Tensor, norms: Tensor | None,
               eps: float = 1e-6) -> None:
         """A step's new keys and values (B, H, D) float32 into pool rows `rows` (B,) of the pools (N, H, D),
         and for LSH layers each key's factor into `norms` (N, H), as `DecodeCache.write` does."""
         b, h, d = key.shape
-        for x in (key, value, keys, values, *(() if norms is None else (norms,))):
-            if x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous():
-                raise ValueError("write kernel: keys, values and pools must be contiguous float32 CPU tensors")
+        rows = rows.contiguous()
+        _require("write kernel", (rows, torch.int64),
+                 *((x, torch.float32) for x in (key, value, keys, values, *(() if norms is None else (norms,)))))
         if value.shape != key.shape or keys.shape[1:] != (h, d) or values.shape != keys.shape:
             raise ValueError(f"write kernel: key {tuple(key.shape)} into pools {tuple(keys.shape)}")
         if norms is not None and norms.shape != keys.shape[:2]:
             raise ValueError(f"write kernel: norms {tuple(norms.shape)} for pools {tuple(keys.shape)}")
-        rows = rows.contiguous()
-        if rows.dtype != torch.int64 or rows.shape != (b,):
-            raise ValueError(f"write kernel: rows {rows.dtype} {tuple(rows.shape)} for {b} keys")
+        if rows.shape != (b,):
+            raise ValueError(f"write kernel: rows {tuple(rows.shape)} for {b} keys")
         status = self._write(b, h, d, keys.shape[0], rows.data_ptr(), key.data_ptr(), value.data_ptr(),
                              keys.data_ptr(), values.data_ptr(), 0 if norms is None else norms.data_ptr(), eps,
                              math.sqrt(d))
@@ -201,10 +202,10 @@ class WindowKernel:
         buckets (B, H, R) int64), in place."""
         b, h, rounds = buckets.shape
         recent, items = index.recent_counts, index.items
-        if buckets.dtype != torch.int64 or not buckets.is_contiguous() or meta.shape != (b, 7):
-            raise ValueError(f"append kernel: buckets {buckets.dtype} {tuple(buckets.shape)}, meta {tuple(meta.shape)}")
-        if meta.dtype != torch.int64 or not meta.is_contiguous() or recent.dtype != torch.int16:
-            raise ValueError("append kernel: meta must be contiguous int64 and the recent counts int16")
+        _require("append kernel", (buckets, torch.int64), (meta, torch.int64), (recent, torch.int16),
+                 (items, (torch.int16, torch.int32)))
+        if meta.shape != (b, 7):
+            raise ValueError(f"append kernel: meta {tuple(meta.shape)} for buckets {tuple(buckets.shape)}")
         status = self._append(b, h, rounds, index.buckets, index.recent_size, meta.data_ptr(), buckets.data_ptr(),
                               recent.data_ptr(), items.data_ptr(), items.element_size(), index.shift,
                               index.recent_offset)
@@ -217,8 +218,10 @@ class WindowKernel:
         items = index.items
         main, recent = index.main_counts[slot], index.recent_counts[slot]
         rows = rows.contiguous()
-        if rows.dtype != torch.int64 or rows.shape != (main_len + recent_len,) or rows.device.type != "cpu":
-            raise ValueError(f"merge kernel: rows {rows.dtype} {tuple(rows.shape)} for {main_len} + {recent_len}")
+        _require("merge kernel", (rows, torch.int64), (main, torch.int32), (recent, torch.int16),
+                 (items, (torch.int16, torch.int32)))
+        if rows.shape != (main_len + recent_len,):
+            raise ValueError(f"merge kernel: rows {tuple(rows.shape)} for {main_len} + {recent_len}")
         status = self._merge(heads * rounds, index.buckets, main_len, recent_len, index.recent_size, items.data_ptr(),
                              items.element_size(), index.order.shape[0], rows.data_ptr(), main.data_ptr(),
                              recent.data_ptr(), index.recent[slot].data_ptr())

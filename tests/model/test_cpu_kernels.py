@@ -183,3 +183,12 @@ def test_a_step_writes_what_the_pytorch_write_writes(kernel: cpu_kernels.WindowK
             torch.testing.assert_close(fused.norms[layer][rows], plain.norms[layer][rows], atol=0, rtol=1e-6)
     with pytest.raises(IndexError, match="outside the decode cache"):
         fused.write_step(0, torch.tensor([fused.keys[0].shape[0]]), key[:1], value[:1])
+
+
+def test_tensors_the_c_side_cannot_read_are_refused(kernel: cpu_kernels.WindowKernel) -> None:
+    x = _inputs()
+    masks: dict[str, Any] = dict(self_mask=self_mask_value(torch.float32), mask=mask_value(torch.float32))
+    with pytest.raises(ValueError, match="contiguous torch.float32 CPU tensor, got torch.float64"):
+        kernel.attend(**dict(x, q=x["q"].double()), **masks)
+    with pytest.raises(ValueError, match="not contiguous"):
+        kernel.attend(**dict(x, keys=torch.randn(20, x["keys"].shape[0]).t()), **masks)
