@@ -1,7 +1,10 @@
-/* Cached decoding's window attention on the CPU, fused into one pass per (row, head).
+/* Cached decoding on the CPU: a step's attention windows, fused into one pass per (row, head)
+ * (window_attend, and lsh_attend which first works out an LSH layer's window positions from its index), the
+ * step's cache writes (decode_write), the insert into and the merge of an LSH index's recent order
+ * (lsh_append, lsh_merge). model/cpu_kernels.py builds and calls them.
  *
- * What model/decode.py's PyTorch path computes for a decode step's windows, without materialising the
- * gathered keys: for every (row b, head h), over R rounds of W window slots each (flat indices into the
+ * The attention is what model/decode.py's PyTorch path computes for a decode step's windows, without
+ * materialising the gathered keys: for every (row b, head h), over R rounds of W window slots each (flat indices into the
  * pools, one pool row per (position, head)),
  *   score = q . keys[flat] (times norms[flat] when given); the row's own position (pos == t[b]) gets
  *   self_mask and a padding slot (absent) gets mask, padding winning, as masked_fill does in that order;
@@ -23,7 +26,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define AHEAD 16 /* rows prefetched ahead: 8 and 16 timed the same by hand, 4 and 32 slower */
+/* rows prefetched ahead: in this kernel 8 and 16 timed the same by hand and 32 slower; in a plain gather
+ * loop 4 was slower than 8 */
+#define AHEAD 16
 #define LANES 16
 #define MAX_THREADS 64
 #define NO_MEMORY 1
@@ -160,8 +165,8 @@ static void run_parallel(void *(*fn)(void *), char *jobs, size_t job_size, int64
 
 /* A thread per ITEMS_PER_THREAD (row, head) items at most: a step of a few rows is over in a few hundred
  * microseconds, less than starting threads costs when PyTorch's own intra-op threads are spinning on the
- * other cores (bench/generate.py, batch 1 on two threads: 11.5 ms a step with a thread per item, against
- * 5.8 ms on one thread). */
+ * other cores (bench/generate.py --batch-all-threads, batch 1 on two threads: 11.46 ms a step with a thread
+ * per item, 5.25 ms with this rule, in two runs of that benchmark). */
 #define ITEMS_PER_THREAD 32
 
 static int64_t clamp_threads(int64_t threads, int64_t items) {
