@@ -91,10 +91,12 @@ class Settings(BaseSettings):
     cpu_kernels: bool = Field(
         True,
         description="On CPU (float32 models), decode steps attend through a C kernel (model/kernels/"
-        "window_attend.c, built on first use with the machine's C compiler into ~/.cache/reformer-serve, or "
-        "REFORMER_KERNEL_DIR) that reads each attention window's keys and values once, prefetching them, instead "
-        "of gathering them with PyTorch ops; same results within 1e-5 (tests/model/test_cpu_kernels.py). "
-        "Without a C compiler it falls back to the PyTorch ops, with a warning. No effect on GPU.",
+        "window_attend.c, built on first use with the C compiler named by CC, or cc, into "
+        "$XDG_CACHE_HOME or ~/.cache, under reformer-serve/kernels, or into REFORMER_KERNEL_DIR) that reads "
+        "each window slot's key and value rows once, prefetching them, instead of gathering them with PyTorch "
+        "ops; its cache writes and LSH index updates are C calls too. Same results within 1e-5 "
+        "(tests/model/test_cpu_kernels.py). When the build fails or no compiler is found it falls back to the "
+        "PyTorch ops, with a warning; /info's batching.cpu_window_kernel says which runs. No effect on GPU.",
     )
     max_queue_size: int = Field(
         64, ge=1, description="Requests allowed to wait for the model; beyond it requests get 429 at once."
