@@ -171,6 +171,7 @@ def test_a_corrupt_index_raises_instead_of_reading_outside_the_cache(kernel: cpu
 def test_a_step_writes_what_the_pytorch_write_writes(kernel: cpu_kernels.WindowKernel) -> None:
     lm = ReformerLM(tiny_config()).eval()
     plain, fused = DecodeCache.for_tokens(lm, 40, cpu_kernel=False), DecodeCache.for_tokens(lm, 40)
+    assert fused.window_kernel is not None and plain.window_kernel is None
     g = torch.Generator().manual_seed(0)
     rows = torch.tensor([9, 30, 17])
     key, value = torch.randn(3, plain.heads, plain.head_size, generator=g) * 4, torch.randn(3, 2, 16, generator=g)
