@@ -10,6 +10,9 @@ is compiled with `-O3 -march=native` into a cache folder, under a name made from
 flags, the compiler and the CPU's feature flags, so a copy built for another CPU is never loaded. Without a
 compiler (or with REFORMER_CPU_KERNELS=0) `load()` returns None and decoding keeps the PyTorch path; the
 reason is logged once.
+
+The key and value pools may hold float32, bfloat16 or float16 rows (a decode cache's `kv_dtype`); queries,
+scores and outputs are float32. float16 needs a build for a CPU with F16C (`WindowKernel.reads`).
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ SOURCE = Path(__file__).with_name("kernels") / "window_attend.c"
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-pthread")
 ENV_SWITCH = "REFORMER_CPU_KERNELS"  # "0" turns the kernel off (the service's setting of the same name sets it)
 MAX_ROUNDS = 64  # the C side's bound on hash rounds
+# window_attend.c's element kinds of the key and value pools
+KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 ENV_DIR = "REFORMER_KERNEL_DIR"  # where built libraries are kept (default: the user's cache folder)
 
 
@@ -73,7 +78,7 @@ def _build(compiler: str, target: Path) -> None:
             os.unlink(tmp)
 
 
-_NO_MEMORY, _BAD_INDEX = 1, 2  # window_attend.c's statuses
+_NO_MEMORY, _BAD_INDEX, _BAD_KIND = 1, 2, 4  # window_attend.c's statuses
 
 
 def _require(what: str, *wants: tuple[Tensor, torch.dtype | tuple[torch.dtype, ...]]) -> None:
@@ -86,6 +91,8 @@ def _require(what: str, *wants: tuple[Tensor, torch.dtype | tuple[torch.dtype, .
 
 
 def _check(status: int, what: str) -> None:
+    if status & _BAD_KIND:
+        raise ValueError(f"{what}: this build of the kernel does not read pools of that dtype")
     if status & _BAD_INDEX:
         raise IndexError(f"{what}: a window reached outside the decode cache (a corrupt index or block table)")
     if status & _NO_MEMORY:
@@ -106,27 +113,39 @@ class WindowKernel:
             fn.argtypes, fn.restype = argtypes, ctypes.c_int
             return fn
 
-        self._fn = declare("window_attend", [i64] * 5 + [ptr] * 4 + [i64, ptr, ptr, i64, i64, ptr, ptr, ptr, f32, f32,
+        self._fn = declare("window_attend", [i64] * 6 + [ptr] * 4 + [i64, ptr, ptr, i64, i64, ptr, ptr, ptr, f32, f32,
                                                                    ptr, i64])
-        self._lsh = declare("lsh_attend", [i64] * 9 + [ptr] * 4 + [i64] + [ptr] * 5 + [i64] * 4
+        self._lsh = declare("lsh_attend", [i64] * 10 + [ptr] * 4 + [i64] + [ptr] * 5 + [i64] * 4
                             + [ptr, i64, i64, i64, f32, f32, ptr, i64])
         self._merge = declare("lsh_merge", [i64] * 5 + [ptr, i64, i64] + [ptr] * 4)
-        self._write = declare("decode_write", [i64] * 4 + [ptr] * 6 + [f32, f32])
+        self._write = declare("decode_write", [i64] * 5 + [ptr] * 6 + [f32, f32])
         self._append = declare("lsh_append", [i64] * 5 + [ptr] * 4 + [i64] * 3)
+        kinds = lib.window_kinds
+        kinds.argtypes, kinds.restype = [], ctypes.c_int64
+        # the pool dtypes this build reads and writes
+        self.reads = frozenset(dtype for dtype, kind in KIND.items() if kinds() >> kind & 1)
+
+    def _kind(self, what: str, keys: Tensor, values: Tensor) -> int:
+        if keys.dtype != values.dtype or keys.dtype not in self.reads:
+            raise ValueError(f"{what}: key and value pools of {keys.dtype} and {values.dtype}; this build reads "
+                             f"{sorted(str(d) for d in self.reads)}")
+        return KIND[keys.dtype]
 
     def attend(self, q: Tensor, keys: Tensor, norms: Tensor | None, values: Tensor, flat: Tensor, absent: Tensor,
                pos: Tensor | None, t: Tensor | None, dead: Tensor | None, self_mask: float, mask: float) -> Tensor:
-        """q (B, H, D) float32; keys, values (N, D) and norms (N,) float32 pools; flat (B, H, R, W) int64
-        indices into them; absent (B, H or 1, R, W) bool; pos (B, H, R, W) int64 and t (B,) int64, or None
-        (no self mask); dead (B, R) bool rounds of weight 0, or None. Returns (B, H, D) float32."""
+        """q (B, H, D) float32; keys, values (N, D) pools of one dtype of `reads`; norms (N,) float32;
+        flat (B, H, R, W) int64 indices into them; absent (B, H or 1, R, W) bool; pos (B, H, R, W) int64 and
+        t (B,) int64, or None (no self mask); dead (B, R) bool rounds of weight 0, or None. Returns (B, H, D)
+        float32."""
         b, h, r, w = flat.shape
         d = q.shape[-1]
         if q.shape != (b, h, d) or keys.shape[-1] != d or values.shape[-1] != d:
             raise ValueError(f"window kernel: q {tuple(q.shape)}, keys {tuple(keys.shape)}, flat {tuple(flat.shape)}")
         if absent.shape not in ((b, h, r, w), (b, 1, r, w)):
             raise ValueError(f"window kernel: absent {tuple(absent.shape)} for windows {tuple(flat.shape)}")
-        pools = (keys, values) if norms is None else (keys, values, norms)
-        _require("window kernel", *((x, torch.float32) for x in (q, *pools)))
+        kind = self._kind("window kernel", keys, values)
+        _require("window kernel", (q, torch.float32), (keys, keys.dtype), (values, keys.dtype),
+                 *(() if norms is None else ((norms, torch.float32),)))
         flat = flat.contiguous()
         absent = absent.contiguous()
         head_stride = 0 if absent.shape[1] == 1 and h > 1 else r * w
@@ -140,7 +159,7 @@ class WindowKernel:
         if norms is not None and norms.shape != keys.shape[:1] or values.shape != keys.shape:
             raise ValueError(f"window kernel: pools {tuple(keys.shape)} and {tuple(values.shape)}")
         out = torch.empty(b, h, d, dtype=torch.float32)
-        status = self._fn(b, h, r, w, d, q.data_ptr(), keys.data_ptr(), 0 if norms is None else norms.data_ptr(),
+        status = self._fn(b, h, r, w, d, kind, q.data_ptr(), keys.data_ptr(), 0 if norms is None else norms.data_ptr(),
                           values.data_ptr(), keys.shape[0], flat.data_ptr(), absent.data_ptr(),
                           absent.shape[1] * r * w, head_stride,
                           0 if pos is None else pos.data_ptr(), 0 if t is None else t.data_ptr(),
@@ -152,7 +171,7 @@ class WindowKernel:
     def lsh_attend(self, q: Tensor, keys: Tensor, norms: Tensor, values: Tensor, meta: Tensor, buckets: Tensor,
                    index: LSHIndex, block_table: Tensor, block_size: int, scratch_slot: int, chunk: int, before: int,
                    after: int, self_mask: float, mask: float) -> Tensor:
-        """One LSH layer's decode attention: q (B, H, D) float32, the layer's key, factor and value pools, the
+        """One LSH layer's decode attention: q (B, H, D) float32, the layer's key, factor (float32) and value pools, the
         step's row facts meta (B, 7) int64 (model/decode.py), the new position's buckets (B, H, R) int64,
         the layer's index after the step's insert and the cache's block table. Returns (B, H, D) float32;
         rows on `scratch_slot` (padding) get zeros."""
@@ -162,13 +181,14 @@ class WindowKernel:
             raise ValueError(f"lsh kernel: q {tuple(q.shape)}, buckets {tuple(buckets.shape)}, "
                              f"meta {tuple(meta.shape)}")
         main, recent, items = index.main_counts, index.recent_counts, index.items
-        _require("lsh kernel", (q, torch.float32), (keys, torch.float32), (norms, torch.float32),
-                 (values, torch.float32), (meta, torch.int64), (buckets, torch.int64), (main, torch.int32),
+        kind = self._kind("lsh kernel", keys, values)
+        _require("lsh kernel", (q, torch.float32), (keys, keys.dtype), (norms, torch.float32),
+                 (values, keys.dtype), (meta, torch.int64), (buckets, torch.int64), (main, torch.int32),
                  (recent, torch.int16), (block_table, torch.int64), (items, (torch.int16, torch.int32)))
         if keys.shape != values.shape or keys.shape[0] % h or norms.shape != keys.shape[:1]:
             raise ValueError(f"lsh kernel: pools {tuple(keys.shape)}, {tuple(values.shape)}, {tuple(norms.shape)}")
         out = torch.empty(b, h, d, dtype=torch.float32)
-        status = self._lsh(b, h, rounds, main.shape[-1], chunk, before, after, d, index.recent_size, q.data_ptr(),
+        status = self._lsh(b, h, rounds, main.shape[-1], chunk, before, after, d, index.recent_size, kind, q.data_ptr(),
                            keys.data_ptr(), norms.data_ptr(), values.data_ptr(), keys.shape[0] // h, meta.data_ptr(),
                            buckets.data_ptr(), main.data_ptr(), recent.data_ptr(), items.data_ptr(), items.numel(),
                            items.element_size(), index.shift,
@@ -181,18 +201,20 @@ class WindowKernel:
     def write(self, rows: Tensor, key: Tensor, value: Tensor, keys: Tensor, values: Tensor, norms: Tensor | None,
               eps: float = 1e-6) -> None:
         """A step's new keys and values (B, H, D) float32 into pool rows `rows` (B,) of the pools (N, H, D),
-        and for LSH layers each key's factor into `norms` (N, H), as `DecodeCache.write` does."""
+        rounded to the pools' dtype as `Tensor.to` rounds, and for LSH layers each key's factor (from the
+        float32 key) into `norms` (N, H) float32, as `DecodeCache.write` does."""
         b, h, d = key.shape
         rows = rows.contiguous()
-        _require("write kernel", (rows, torch.int64),
-                 *((x, torch.float32) for x in (key, value, keys, values, *(() if norms is None else (norms,)))))
+        kind = self._kind("write kernel", keys, values)
+        _require("write kernel", (rows, torch.int64), (keys, keys.dtype), (values, keys.dtype),
+                 *((x, torch.float32) for x in (key, value, *(() if norms is None else (norms,)))))
         if value.shape != key.shape or keys.shape[1:] != (h, d) or values.shape != keys.shape:
             raise ValueError(f"write kernel: key {tuple(key.shape)} into pools {tuple(keys.shape)}")
         if norms is not None and norms.shape != keys.shape[:2]:
             raise ValueError(f"write kernel: norms {tuple(norms.shape)} for pools {tuple(keys.shape)}")
         if rows.shape != (b,):
             raise ValueError(f"write kernel: rows {tuple(rows.shape)} for {b} keys")
-        status = self._write(b, h, d, keys.shape[0], rows.data_ptr(), key.data_ptr(), value.data_ptr(),
+        status = self._write(b, h, d, kind, keys.shape[0], rows.data_ptr(), key.data_ptr(), value.data_ptr(),
                              keys.data_ptr(), values.data_ptr(), 0 if norms is None else norms.data_ptr(), eps,
                              math.sqrt(d))
         _check(status, "write kernel")

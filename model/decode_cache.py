@@ -8,6 +8,13 @@ request reserves, when it is admitted, the blocks for its prompt plus its `max_n
 leaving copies nobody's cache and growing never copies.
 Block 0 and the last slot are scratch: padding rows of a bucketed step read and write there.
 
+Keys and values are kept in the model's dtype by default (`kv_dtype=None`), which is what makes cached
+decoding compute the full forward's function. A float32 model may keep them in bfloat16 or float16 instead
+(as vLLM's kv_cache_dtype): half the bytes per token, so twice the tokens in the same capacity and half the
+memory a step's windows read, at the price of the rounding of every cached key and value (the key factors of
+LSH layers are still taken from the unrounded key). tests/model/test_decode.py bounds that difference on tiny
+models, and bench/decode_quality.py measures it on the shipped one.
+
 With an automatic bucket count (num_buckets=None) the bucket counts grow, for every slot at once, when a
 request reaches a length with more buckets. The budget therefore reserves, per slot, the counts of the
 longest request the cache is built for (`max_tokens`), and refuses longer ones, so growth never takes memory
@@ -36,6 +43,9 @@ if TYPE_CHECKING:
 # under 1% of a 1K-token request's bytes. A step reads blocks through a flat lookup, so smaller blocks cost it
 # nothing but a wider block table (8 bytes per block of the longest request, per slot)
 BLOCK_SIZE = 8
+
+# what cached keys and values may be kept in
+KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class CacheFull(Exception):
@@ -74,17 +84,27 @@ def _flat(nb: int | list[int]) -> int:
 
 class DecodeCache:
     def __init__(self, lm: ReformerLM, capacity_bytes: int, max_slots: int, block_size: int = BLOCK_SIZE,
-                 max_tokens: int | None = None, recent: int = RECENT, cpu_kernel: bool = True) -> None:
+                 max_tokens: int | None = None, recent: int = RECENT, cpu_kernel: bool = True,
+                 kv_dtype: torch.dtype | None = None) -> None:
         """`recent`: the size of each LSH index's recent order (model/decode_index.py; small in tests, so
-        merges happen within a few steps). `cpu_kernel`: a float32 CPU cache's steps attend through the C
-        window kernel (model/cpu_kernels.py) when it can be built; False keeps the PyTorch path."""
+        merges happen within a few steps). `cpu_kernel`: a float32 model's CPU steps attend through the C
+        window kernel (model/cpu_kernels.py) when it can be built and reads `kv_dtype`; False keeps the PyTorch
+        path. `kv_dtype`: the dtype of cached keys and values (None: the model's; see the module docstring)."""
         cfg = lm.config
         # the longest request (prompt plus new tokens) served: what an automatic bucket count is reserved for
         self.max_tokens = min(max_tokens or cfg.max_position_embeddings, cfg.max_position_embeddings)
         param = next(lm.parameters())
         self.device, self.dtype = param.device, param.dtype
-        self.window_kernel: WindowKernel | None = (
-            load_window_kernel() if cpu_kernel and self.device.type == "cpu" and self.dtype == torch.float32 else None)
+        self.kv_dtype = self.dtype if kv_dtype is None else kv_dtype
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {', '.join(str(d) for d in KV_DTYPES)}; got {self.kv_dtype}")
+        if self.kv_dtype != self.dtype and self.dtype != torch.float32:
+            raise ValueError(f"a {self.dtype} model keeps its cache in {self.dtype} (a separate kv_dtype needs a "
+                             "float32 model)")
+        kernel = load_window_kernel() if cpu_kernel and self.device.type == "cpu" and self.dtype == torch.float32 \
+            else None
+        self.window_kernel: WindowKernel | None = kernel if kernel is not None and self.kv_dtype in kernel.reads \
+            else None
         self.block_size = block_size
         self.max_slots = max_slots
         self.heads, self.head_size = cfg.num_attention_heads, cfg.attention_head_size
@@ -99,11 +119,11 @@ class DecodeCache:
                 specs.append((att.heads, att.rounds, _flat(fixed) if fixed is not None else 2, most))
             else:
                 specs.append(None)
-        elt = torch.finfo(self.dtype).bits // 8
+        kv_elt, elt = torch.finfo(self.kv_dtype).bits // 8, torch.finfo(self.dtype).bits // 8
         positions = cfg.max_position_embeddings
         lsh = [spec for spec in specs if spec is not None]
         # keys and values of every layer, LSH layers' key factors and main bucket order (decode_index.py)
-        self.bytes_per_token = ((2 * len(specs) * self.head_size + len(lsh)) * self.heads * elt
+        self.bytes_per_token = ((2 * len(specs) * self.head_size * kv_elt + len(lsh) * elt) * self.heads
                                 + sum(LSHIndex.token_bytes(h, r, positions) for h, r, _, _ in lsh))
         self.bytes_per_block = self.bytes_per_token * block_size
         self.reserved_bytes_per_slot = sum(LSHIndex.slot_bytes(h, r, most, positions, recent) for h, r, _, most in lsh)
@@ -116,7 +136,7 @@ class DecodeCache:
             for spec in specs]
         # empty, not zeros: pages are touched only when written (only the scratch block is cleared); a read
         # never reaches a position that was not written (windows point masked slots at position 0)
-        self.keys = [torch.empty(rows, self.heads, self.head_size, dtype=self.dtype, device=self.device)
+        self.keys = [torch.empty(rows, self.heads, self.head_size, dtype=self.kv_dtype, device=self.device)
                      for _ in self.indexes]
         self.values = [torch.empty_like(k) for k in self.keys]
         # LSH layers: each cached key's length-normalisation factor divided by sqrt(head size), so a step
@@ -144,12 +164,13 @@ class DecodeCache:
 
     @classmethod
     def for_tokens(cls, lm: ReformerLM, tokens: int, slots: int = 1, block_size: int = BLOCK_SIZE,
-                   recent: int = RECENT, cpu_kernel: bool = True) -> DecodeCache:
+                   recent: int = RECENT, cpu_kernel: bool = True, kv_dtype: torch.dtype | None = None) -> DecodeCache:
         """A cache just large enough for `slots` requests of `tokens` positions each."""
-        probe = cls(lm, 0, slots, block_size, max_tokens=tokens, recent=recent, cpu_kernel=False)
+        probe = cls(lm, 0, slots, block_size, max_tokens=tokens, recent=recent, cpu_kernel=False, kv_dtype=kv_dtype)
         need = (slots * (-(-tokens // block_size) * probe.bytes_per_block + probe.reserved_bytes_per_slot)
                 + probe.reserved_bytes_per_slot)
-        return cls(lm, need, slots, block_size, max_tokens=tokens, recent=recent, cpu_kernel=cpu_kernel)
+        return cls(lm, need, slots, block_size, max_tokens=tokens, recent=recent, cpu_kernel=cpu_kernel,
+                   kv_dtype=kv_dtype)
 
     # ---- accounting --------------------------------------------------------------------------------------
     @property
@@ -212,8 +233,8 @@ class DecodeCache:
 
     def write(self, layer: int, rows: Tensor, key: Tensor, value: Tensor) -> None:
         """rows (B,), key/value (B, H, D)."""
-        self.keys[layer].index_copy_(0, rows, key.to(self.dtype))
-        self.values[layer].index_copy_(0, rows, value.to(self.dtype))
+        self.keys[layer].index_copy_(0, rows, key.to(self.kv_dtype))
+        self.values[layer].index_copy_(0, rows, value.to(self.kv_dtype))
         norms = self.norms[layer]
         if norms is not None:
             norms.index_copy_(0, rows, key_norm(key).to(self.dtype))

@@ -36,6 +36,17 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype | None:
+    """The decode cache's key and value dtype for REFORMER_KV_CACHE_DTYPE: None (the model's) for auto or the
+    model's own dtype; a half dtype for a float32 model. Anything else is refused at start-up."""
+    if name == "auto" or DTYPES[name] == model_dtype:
+        return None
+    if model_dtype != torch.float32:
+        raise RuntimeError(f"kv_cache_dtype={name} needs a float32 model; this one is "
+                           f"{str(model_dtype).removeprefix('torch.')} (use auto)")
+    return DTYPES[name]
+
+
 def resolve_backend(name: str, device: torch.device, onnx_path: Path | None) -> str:
     """auto: torch. bench/backends.py (one thread each, so neither backend's threads stall the other's)
     measured onnxruntime fp32 level with eager torch at 1K-4K tokens and 1.6x slower at 16K, and the

@@ -73,6 +73,7 @@ class EngineConfig:
     max_request_tokens: int | None = None  # longest prompt plus max_new_tokens admitted; None: max positions
     cuda_graphs: bool = False  # on CUDA, decode steps replay captured graphs (model/step_graphs.py)
     cpu_kernels: bool = True  # on CPU, decode steps attend through the C window kernel (model/cpu_kernels.py)
+    kv_cache_dtype: torch.dtype | None = None  # the decode cache's keys and values; None: the model's dtype
 
 
 class Engine:
@@ -97,7 +98,8 @@ class Engine:
         # the durations of its last few slices)
         self._prefilling: list[tuple[list[GenerationJob], Generator[None, None, Any], deque[float]]] = []
         self.runner = ModelRunner(model, device, config.max_batch_size, config.cache_bytes, config.batch_invariant,
-                                  config.max_request_tokens, config.cuda_graphs, config.cpu_kernels)
+                                  config.max_request_tokens, config.cuda_graphs, config.cpu_kernels,
+                                  config.kv_cache_dtype)
         self._stopping = False
         self._dead = False
         self.ready = threading.Event()

@@ -37,21 +37,22 @@ def step_graphs_for(device: torch.device, enabled: bool) -> StepGraphs | None:
 class ModelRunner:
     def __init__(self, model: Any, device: torch.device | None, max_slots: int, cache_bytes: int | None = None,
                  invariant: bool = False, max_tokens: int | None = None, cuda_graphs: bool = False,
-                 cpu_kernel: bool = True) -> None:
+                 cpu_kernel: bool = True, kv_dtype: torch.dtype | None = None) -> None:
         """`max_tokens`: the longest prompt plus max_new_tokens the service admits (default: the model's
         positions); an automatic bucket count's LSH bucket counts are reserved for it (model/decode_cache.py).
         `cuda_graphs`: on CUDA, decode steps replay captured graphs (`graphs`, model/step_graphs.py; tests set
         their own). `cpu_kernel`: a float32 CPU cache attends through the C window kernel when it builds
-        (model/cpu_kernels.py)."""
+        (model/cpu_kernels.py). `kv_dtype`: the cache's keys and values (None: the model's dtype)."""
         self.model = model
         self.device = device if device is not None else next(model.parameters()).device
         self.invariant = invariant
-        probe = DecodeCache(model, 0, max_slots, max_tokens=max_tokens, cpu_kernel=False)
+        probe = DecodeCache(model, 0, max_slots, max_tokens=max_tokens, cpu_kernel=False, kv_dtype=kv_dtype)
         # enough for every slot to hold a longest request; more could never be used
         most = probe.reserved_bytes_per_slot * (max_slots + 1) + max_slots * (
             -(-probe.max_tokens // probe.block_size) * probe.bytes_per_block)
         wanted = default_cache_bytes(self.device) if cache_bytes is None else cache_bytes
-        self.cache = DecodeCache(model, min(wanted, most), max_slots, max_tokens=max_tokens, cpu_kernel=cpu_kernel)
+        self.cache = DecodeCache(model, min(wanted, most), max_slots, max_tokens=max_tokens, cpu_kernel=cpu_kernel,
+                                 kv_dtype=kv_dtype)
         self.max_positions: int = model.config.max_position_embeddings
         self.graphs = step_graphs_for(self.device, cuda_graphs)
 

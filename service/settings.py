@@ -74,6 +74,16 @@ class Settings(BaseSettings):
         "own blocks; with an automatic bucket count, the bucket counts of that longest generation are reserved "
         "for every slot (they grow for all slots at once).",
     )
+    kv_cache_dtype: DtypeName = Field(
+        "auto",
+        description="What the decode cache keeps keys and values in: auto is the model's dtype (cached decoding "
+        "then computes the full forward's function). A float32 model may keep them in bfloat16 or float16: half "
+        "the bytes per token, so about twice the tokens in the same cache_bytes and half the memory a decode "
+        "step reads, at the price of rounding every cached key and value (bench/decode_quality.py measures the "
+        "difference). A model of another dtype only takes auto or its own dtype. float16 keys overflow past "
+        "65504. On CPU the C kernel reads bfloat16 on any build and float16 where the compiler targets F16C; "
+        "otherwise those steps use PyTorch ops.",
+    )
     batch_invariant: bool = Field(
         False,
         description="Run decode steps in fixed blocks of 16 rows, so a generation's logits are bit-identical "

@@ -12,7 +12,14 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from model.pooling import STANDARDIZED_POOLINGS
-from service.backends import OnnxBackend, TorchBackend, resolve_backend, resolve_device, resolve_dtype
+from service.backends import (
+    OnnxBackend,
+    TorchBackend,
+    kv_cache_dtype,
+    resolve_backend,
+    resolve_device,
+    resolve_dtype,
+)
 from service.engine import Engine, EngineConfig
 from service.metrics import ServiceMetrics
 from service.protocol import Limits
@@ -124,7 +131,7 @@ class ServiceState:
             max_batch_size=s.max_batch_size, max_batch_tokens=s.max_batch_tokens, max_wait_ms=s.max_wait_ms,
             max_queue_size=s.max_queue_size, request_timeout_s=s.request_timeout_s, warmup=s.warmup,
             cache_bytes=s.cache_bytes, batch_invariant=s.batch_invariant, cuda_graphs=s.cuda_graphs,
-            cpu_kernels=s.cpu_kernels,
+            cpu_kernels=s.cpu_kernels, kv_cache_dtype=kv_cache_dtype(s.kv_cache_dtype, dtype),
             max_request_tokens=min(self.limits.max_input_tokens + self.limits.max_new_tokens, positions),
         )
         engine = Engine(model, artifact.tokenizer, backend, device, config, self.metrics,
@@ -174,6 +181,8 @@ class ServiceState:
                 "decode_cache_bytes": self.engine.runner.cache.capacity_bytes if self.engine else None,
                 # whether decode steps attend through the C window kernel (False: PyTorch ops; on GPU always)
                 "cpu_window_kernel": self.engine.runner.cache.window_kernel is not None if self.engine else False,
+                "kv_cache_dtype": str(self.engine.runner.cache.kv_dtype).removeprefix("torch.") if self.engine
+                else None,
             },
             "version": package_version(),
             "settings": public_settings(s),

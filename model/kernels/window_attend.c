@@ -12,6 +12,8 @@
  *   round); weight = exp(lse - logsumexp over rounds of lse);
  *   out = sum over every round's slots of e * (weight / total) * values[flat].
  * A slot whose probability is exactly 0 adds exactly nothing, so its value row is not read.
+ * The pools hold float32, bfloat16 or (where the compiler targets F16C) binary16 rows; q, the scores and out
+ * are float32, and a half-precision row is widened exactly as it is read.
  *
  * Why: on this project's CPU a gather of random 256-byte pool rows through PyTorch's index_select runs
  * at about 1.2 GB/s; a loop that prefetches a few rows ahead reads them at about 7.7 GB/s (timed by hand,
@@ -25,6 +27,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__F16C__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 /* rows prefetched ahead: in this kernel 8 and 16 timed the same by hand and 32 slower; in a plain gather
  * loop 4 was slower than 8 */
@@ -39,11 +44,76 @@
 #define MAX_THREADS 64
 #define NO_MEMORY 1
 #define BAD_INDEX 2
+#define BAD_KIND 4 /* pools of a kind this build does not read */
 #define MAX_ROUNDS 64 /* the Python side uses the PyTorch path past it */
+
+/* The element kinds of the key and value pools (model/cpu_kernels.py's KIND): a step's queries, scores and
+ * outputs are float32 whatever the pools hold; a half-precision row is widened to float32 as it is read. */
+#define KIND_F32 0
+#define KIND_F16 1  /* IEEE binary16: only where the compiler targets F16C (window_kinds says) */
+#define KIND_BF16 2
+
+static inline int64_t kind_bytes(int kind) { return kind == KIND_F32 ? 4 : 2; }
+
+/* Which kinds this build reads and writes: bit k for kind k. */
+int64_t window_kinds(void) {
+#ifdef __F16C__
+    return (1 << KIND_F32) | (1 << KIND_F16) | (1 << KIND_BF16);
+#else
+    return (1 << KIND_F32) | (1 << KIND_BF16);
+#endif
+}
+
+static inline int kind_ok(int64_t kind) { return kind >= 0 && kind < 3 && ((window_kinds() >> kind) & 1); }
+
+/* d elements of a pool row as float32: a float32 row is used in place, a half one is widened into buf
+ * (exactly: every binary16 and bfloat16 value is a float32 value) */
+static inline const float *row_f32(const void *pool, int kind, int64_t at, int64_t d, float *buf) {
+    if (kind == KIND_F32) return (const float *)pool + at * d;
+    const uint16_t *h = (const uint16_t *)pool + at * d;
+    if (kind == KIND_BF16) {
+        for (int64_t j = 0; j < d; j++) {
+            const uint32_t u = (uint32_t)h[j] << 16;
+            memcpy(buf + j, &u, sizeof u);
+        }
+        return buf;
+    }
+#ifdef __F16C__
+    int64_t j = 0;
+    for (; j + 8 <= d; j += 8) _mm256_storeu_ps(buf + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + j))));
+    for (; j < d; j++) buf[j] = _cvtsh_ss(h[j]);
+#endif
+    return buf;
+}
+
+/* float32 -> the pool's kind, rounding to nearest even as PyTorch's casts do (bfloat16: NaN stays a NaN) */
+static inline void store_row(void *pool, int kind, int64_t at, const float *x, int64_t d) {
+    if (kind == KIND_F32) {
+        memcpy((float *)pool + at * d, x, (size_t)d * sizeof(float));
+        return;
+    }
+    uint16_t *h = (uint16_t *)pool + at * d;
+    if (kind == KIND_BF16) {
+        for (int64_t j = 0; j < d; j++) {
+            uint32_t u;
+            memcpy(&u, x + j, sizeof u);
+            h[j] = isnan(x[j]) ? (uint16_t)0x7fc0 : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+        }
+        return;
+    }
+#ifdef __F16C__
+    int64_t j = 0;
+    for (; j + 8 <= d; j += 8)
+        _mm_storeu_si128((__m128i *)(h + j), _mm256_cvtps_ph(_mm256_loadu_ps(x + j), _MM_FROUND_TO_NEAREST_INT));
+    for (; j < d; j++) h[j] = _cvtss_sh(x[j], _MM_FROUND_TO_NEAREST_INT);
+#endif
+}
 
 typedef struct {
     int64_t heads, rounds, width, dim;
-    const float *q, *keys, *norms, *values;
+    int kind;
+    const float *q, *norms;
+    const void *keys, *values;
     int64_t pool_len; /* rows of dim floats in keys and values */
     const int64_t *flat, *pos, *t;
     const uint8_t *absent, *dead;
@@ -54,9 +124,9 @@ typedef struct {
     int status;
 } Job;
 
-static inline void prefetch_row(const float *row, int64_t dim) {
-    const char *p = (const char *)row;
-    for (int64_t c = 0; c < dim * (int64_t)sizeof(float); c += 64) __builtin_prefetch(p + c, 0, LOCALITY);
+static inline void prefetch_row(const void *pool, int64_t row_bytes, int64_t at) {
+    const char *p = (const char *)pool + at * row_bytes;
+    for (int64_t c = 0; c < row_bytes; c += 64) __builtin_prefetch(p + c, 0, LOCALITY);
 }
 
 /* independent lanes, so the compiler vectorises it without reassociating one sum; the lanes are added
@@ -74,20 +144,59 @@ static inline float dot(const float *a, const float *b, int64_t d) {
     return s;
 }
 
+/* q . row and out += p * row for a pool row of `kind` (buf: d floats of scratch). With AVX-512 a half row
+ * is widened 16 elements at a time in registers; elsewhere it is widened into buf first (the round trip
+ * through buf cost about 10 ns a slot with the pools in L2, timed by hand). */
+static inline float dot_row(const float *q, const void *pool, int kind, int64_t at, int64_t d, float *buf) {
+#ifdef __AVX512F__
+    if (kind != KIND_F32 && d % 16 == 0) {
+        const uint16_t *h = (const uint16_t *)pool + at * d;
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t j = 0; j < d; j += 16) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(h + j));
+            const __m512 x = kind == KIND_F16 ? _mm512_cvtph_ps(raw)
+                                              : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + j), x, acc);
+        }
+        return _mm512_reduce_add_ps(acc);
+    }
+#endif
+    return dot(q, row_f32(pool, kind, at, d, buf), d);
+}
+
+static inline void add_row(float *out, float p, const void *pool, int kind, int64_t at, int64_t d, float *buf) {
+#ifdef __AVX512F__
+    if (kind != KIND_F32 && d % 16 == 0) {
+        const uint16_t *h = (const uint16_t *)pool + at * d;
+        const __m512 pp = _mm512_set1_ps(p);
+        for (int64_t j = 0; j < d; j += 16) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(h + j));
+            const __m512 x = kind == KIND_F16 ? _mm512_cvtph_ps(raw)
+                                              : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+            _mm512_storeu_ps(out + j, _mm512_fmadd_ps(pp, x, _mm512_loadu_ps(out + j)));
+        }
+        return;
+    }
+#endif
+    const float *v = row_f32(pool, kind, at, d, buf);
+    for (int64_t j = 0; j < d; j++) out[j] += p * v[j];
+}
+
 /* The attention of one (row, head) over its n = R * W window slots: flat pool indices, positions (or NULL:
- * no self mask) and padding flags; score holds n floats, lse 2 * R. */
+ * no self mask) and padding flags; keys and values hold pool_len rows of dim elements of `kind`; score
+ * holds n floats, lse 2 * R, row dim. */
 static int attend_slots(const float *q, int64_t dim, int64_t rounds, int64_t width, const int64_t *flat,
                          const int64_t *pos, int64_t self, const uint8_t *absent, const uint8_t *dead,
-                         const float *keys, const float *norms, const float *values, int64_t pool_len,
-                         float self_mask, float mask, float *out, float *score, float *lse) {
-    const int64_t R = rounds, W = width, D = dim, n = R * W;
+                         const void *keys, const float *norms, const void *values, int kind, int64_t pool_len,
+                         float self_mask, float mask, float *out, float *score, float *lse, float *row) {
+    const int64_t R = rounds, W = width, D = dim, n = R * W, row_bytes = D * kind_bytes(kind);
     for (int64_t i = 0; i < n; i++)
         if (!absent[i] && (flat[i] < 0 || flat[i] >= pool_len)) return BAD_INDEX;
     for (int64_t i = 0; i < n; i++) {
         if (i + AHEAD < n && !absent[i + AHEAD]) {
             /* the value row too: by the weighted sum below it is in cache, fetched alongside the key */
-            prefetch_row(keys + flat[i + AHEAD] * D, D);
-            prefetch_row(values + flat[i + AHEAD] * D, D);
+            prefetch_row(keys, row_bytes, flat[i + AHEAD]);
+            prefetch_row(values, row_bytes, flat[i + AHEAD]);
             if (norms) __builtin_prefetch(norms + flat[i + AHEAD], 0, LOCALITY);
         }
         float s;
@@ -96,7 +205,7 @@ static int attend_slots(const float *q, int64_t dim, int64_t rounds, int64_t wid
         } else if (pos && pos[i] == self) {
             s = self_mask;
         } else {
-            s = dot(q, keys + flat[i] * D, D);
+            s = dot_row(q, keys, kind, flat[i], D, row);
             if (norms) s *= norms[flat[i]];
         }
         score[i] = s;
@@ -124,16 +233,15 @@ static int attend_slots(const float *q, int64_t dim, int64_t rounds, int64_t wid
     }
     memset(out, 0, (size_t)D * sizeof(float));
     for (int64_t i = 0; i < n; i++) {
-        if (i + AHEAD < n && score[i + AHEAD] != 0.0f) prefetch_row(values + flat[i + AHEAD] * D, D);
+        if (i + AHEAD < n && score[i + AHEAD] != 0.0f) prefetch_row(values, row_bytes, flat[i + AHEAD]);
         const float p = score[i];
         if (p == 0.0f) continue;
-        const float *v = values + flat[i] * D;
-        for (int64_t j = 0; j < D; j++) out[j] += p * v[j];
+        add_row(out, p, values, kind, flat[i], D, row);
     }
     return 0;
 }
 
-static int attend_item(const Job *job, int64_t item, float *score, float *lse) {
+static int attend_item(const Job *job, int64_t item, float *score, float *lse, float *row) {
     const int64_t H = job->heads, n = job->rounds * job->width, D = job->dim;
     const int64_t b = item / H, h = item % H;
     uint8_t dead[MAX_ROUNDS];
@@ -142,20 +250,21 @@ static int attend_item(const Job *job, int64_t item, float *score, float *lse) {
     return attend_slots(job->q + item * D, D, job->rounds, job->width, job->flat + item * n,
                  job->pos ? job->pos + item * n : NULL, job->t ? job->t[b] : -1,
                  job->absent + b * job->absent_row_stride + h * job->absent_head_stride, job->dead ? dead : NULL,
-                 job->keys, job->norms, job->values, job->pool_len, job->self_mask, job->mask, job->out + item * D,
-                 score, lse);
+                 job->keys, job->norms, job->values, job->kind, job->pool_len, job->self_mask, job->mask,
+                 job->out + item * D, score, lse, row);
 }
 
 static void *run_job(void *arg) {
     Job *job = (Job *)arg;
-    float *buffer = malloc((size_t)(job->rounds * job->width + 2 * job->rounds) * sizeof(float));
+    const int64_t n = job->rounds * job->width;
+    float *buffer = malloc((size_t)(n + 2 * job->rounds + job->dim) * sizeof(float));
     if (!buffer) {
         job->status = NO_MEMORY;
         return NULL;
     }
     job->status = 0;
     for (int64_t item = job->begin; item < job->end && !job->status; item++)
-        job->status = attend_item(job, item, buffer, buffer + job->rounds * job->width);
+        job->status = attend_item(job, item, buffer, buffer + n, buffer + n + 2 * job->rounds);
     free(buffer);
     return NULL;
 }
@@ -184,17 +293,20 @@ static int64_t clamp_threads(int64_t threads, int64_t items) {
     return threads < 1 ? 1 : threads;
 }
 
-/* Returns 0; NO_MEMORY or BAD_INDEX (a window index outside the pools) leave out undefined. */
-int window_attend(int64_t rows, int64_t heads, int64_t rounds, int64_t width, int64_t dim, const float *q,
-                  const float *keys, const float *norms, const float *values, int64_t pool_len, const int64_t *flat,
+/* Returns 0; NO_MEMORY, BAD_INDEX (a window index outside the pools) or BAD_KIND leave out undefined. */
+int window_attend(int64_t rows, int64_t heads, int64_t rounds, int64_t width, int64_t dim, int64_t kind,
+                  const float *q, const void *keys, const float *norms, const void *values, int64_t pool_len,
+                  const int64_t *flat,
                   const uint8_t *absent, int64_t absent_row_stride, int64_t absent_head_stride,
                   const int64_t *pos, const int64_t *t, const uint8_t *dead, float self_mask, float mask,
                   float *out, int64_t threads) {
+    if (!kind_ok(kind)) return BAD_KIND;
     const int64_t items = rows * heads;
     threads = clamp_threads(threads, items);
     Job jobs[MAX_THREADS];
     for (int64_t k = 0; k < threads; k++) {
-        jobs[k] = (Job){heads, rounds, width, dim, q, keys, norms, values, pool_len, flat, pos, t, absent, dead,
+        jobs[k] = (Job){heads, rounds, width, dim, (int)kind, q, norms, keys, values, pool_len, flat, pos, t,
+                        absent, dead,
                         absent_row_stride, absent_head_stride, self_mask, mask, out,
                         items * k / threads, items * (k + 1) / threads, 1};
     }
@@ -208,7 +320,9 @@ int window_attend(int64_t rows, int64_t heads, int64_t rounds, int64_t width, in
 
 typedef struct {
     int64_t heads, rounds, buckets, chunk, before, after, dim, recent_size;
-    const float *q, *keys, *norms, *values;
+    int kind;
+    const float *q, *norms;
+    const void *keys, *values;
     int64_t pool_rows;         /* positions in the pools (keys and values hold pool_rows * heads rows) */
     const int64_t *meta;       /* (B, 7): slot, t, hashed, chunks, local dense, index slot, appends */
     const int64_t *bucket_of;  /* (B, H, R): the new position's bucket in each round */
@@ -358,14 +472,15 @@ static int lsh_slots(const LshJob *job, int64_t b, int64_t h, int64_t *flat, int
 static void *run_lsh_job(void *arg) {
     LshJob *job = (LshJob *)arg;
     const int64_t R = job->rounds, W = (job->before + 1 + job->after) * job->chunk, n = R * W;
-    char *buffer = malloc((size_t)n * (2 * sizeof(int64_t) + sizeof(float) + 1) + (size_t)R * 2 * sizeof(float) + 64);
+    char *buffer = malloc((size_t)n * (2 * sizeof(int64_t) + sizeof(float) + 1)
+                          + (size_t)(R * 2 + job->dim) * sizeof(float) + 64);
     if (!buffer) {
         job->status = NO_MEMORY;
         return NULL;
     }
     int64_t *flat = (int64_t *)buffer, *pos = flat + n;
-    float *score = (float *)(pos + n), *lse = score + n;
-    uint8_t *absent = (uint8_t *)(lse + 2 * R), dead[MAX_ROUNDS];
+    float *score = (float *)(pos + n), *lse = score + n, *row = lse + 2 * R;
+    uint8_t *absent = (uint8_t *)(row + job->dim), dead[MAX_ROUNDS];
     job->status = 0;
     for (int64_t item = job->begin; item < job->end && !job->status; item++) {
         const int64_t b = item / job->heads, h = item % job->heads;
@@ -377,8 +492,8 @@ static void *run_lsh_job(void *arg) {
         job->status = lsh_slots(job, b, h, flat, pos, absent, dead);
         if (!job->status)
             job->status = attend_slots(job->q + item * job->dim, job->dim, R, W, flat, pos, job->meta[b * 7 + 1],
-                                       absent, dead, job->keys, job->norms, job->values, job->pool_rows * job->heads,
-                                       job->self_mask, job->mask, out, score, lse);
+                                       absent, dead, job->keys, job->norms, job->values, job->kind,
+                                       job->pool_rows * job->heads, job->self_mask, job->mask, out, score, lse, row);
     }
     free(buffer);
     return NULL;
@@ -388,17 +503,19 @@ static void *run_lsh_job(void *arg) {
  * main order in the pool rows of the row's blocks, the recent order per slot, the counts after the step's
  * insert), then attend_slots. Returns as window_attend does. */
 int lsh_attend(int64_t rows, int64_t heads, int64_t rounds, int64_t buckets, int64_t chunk, int64_t before,
-               int64_t after, int64_t dim, int64_t recent_size, const float *q, const float *keys,
-               const float *norms, const float *values, int64_t pool_rows, const int64_t *meta,
+               int64_t after, int64_t dim, int64_t recent_size, int64_t kind, const float *q, const void *keys,
+               const float *norms, const void *values, int64_t pool_rows, const int64_t *meta,
                const int64_t *bucket_of, const int32_t *main_counts, const int16_t *recent_counts,
                const void *items, int64_t items_len, int64_t item_bytes,
                int64_t shift, int64_t recent_offset, const int64_t *block_table, int64_t table_width,
                int64_t block_size, int64_t skip_slot, float self_mask, float mask, float *out, int64_t threads) {
+    if (!kind_ok(kind)) return BAD_KIND;
     const int64_t items_n = rows * heads;
     threads = clamp_threads(threads, items_n);
     LshJob jobs[MAX_THREADS];
     for (int64_t k = 0; k < threads; k++) {
-        jobs[k] = (LshJob){heads, rounds, buckets, chunk, before, after, dim, recent_size, q, keys, norms, values,
+        jobs[k] = (LshJob){heads, rounds, buckets, chunk, before, after, dim, recent_size, (int)kind, q, norms,
+                           keys, values,
                            pool_rows, meta, bucket_of, main_counts, recent_counts, items, items_len, item_bytes,
                            shift, recent_offset,
                            block_table, table_width, block_size, skip_slot, self_mask, mask, out,
@@ -468,17 +585,19 @@ int lsh_merge(int64_t columns, int64_t buckets, int64_t main_len, int64_t recent
 
 /* ---- a decode step's writes: the new keys and values, and each LSH index's recent order --------------- */
 
-/* rows (B,) pool rows; key and value (B, heads, dim); norms (pool, heads) or NULL: the key's length-
- * normalisation factor rsqrt(mean(k * k) + eps) / sqrt(dim), as model/decode_cache.py key_norm computes it.
- * Returns 0, or BAD_INDEX for a row outside the pool. */
-int decode_write(int64_t rows, int64_t heads, int64_t dim, int64_t pool_rows, const int64_t *at, const float *key,
-                 const float *value, float *keys, float *values, float *norms, float eps, float sqrt_dim) {
+/* rows (B,) pool rows; key and value (B, heads, dim) float32, stored as the pools' kind; norms (pool, heads)
+ * or NULL: the float32 key's length-normalisation factor rsqrt(mean(k * k) + eps) / sqrt(dim), as
+ * model/decode_cache.py key_norm computes it. Returns 0, or BAD_INDEX for a row outside the pool. */
+int decode_write(int64_t rows, int64_t heads, int64_t dim, int64_t kind, int64_t pool_rows, const int64_t *at,
+                 const float *key, const float *value, void *keys, void *values, float *norms, float eps,
+                 float sqrt_dim) {
+    if (!kind_ok(kind)) return BAD_KIND;
     for (int64_t b = 0; b < rows; b++)
         if (at[b] < 0 || at[b] >= pool_rows) return BAD_INDEX;
     const int64_t row = heads * dim;
     for (int64_t b = 0; b < rows; b++) {
-        memcpy(keys + at[b] * row, key + b * row, (size_t)row * sizeof(float));
-        memcpy(values + at[b] * row, value + b * row, (size_t)row * sizeof(float));
+        store_row(keys, (int)kind, at[b], key + b * row, row);
+        store_row(values, (int)kind, at[b], value + b * row, row);
         if (!norms) continue;
         for (int64_t h = 0; h < heads; h++) {
             const float *k = key + b * row + h * dim;

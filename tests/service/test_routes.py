@@ -165,3 +165,22 @@ def test_info_says_whether_decoding_attends_through_the_cpu_kernel(client: TestC
         assert plain.get("/info").json()["batching"]["cpu_window_kernel"] is False
         # greedy: the same tokens through either path
         assert plain.post("/generate", json=request).json()["generated_text"] == fused
+
+
+def test_a_float16_decode_cache_is_reported_and_decodes_near_float32(client: TestClient, artifact: Any) -> None:
+    request = {"inputs": "Once upon a time", "parameters": {"max_new_tokens": 12, "ignore_eos": True, "details": True}}
+    full = client.post("/generate", json=request).json()["details"]["tokens"]
+    assert client.get("/info").json()["batching"]["kv_cache_dtype"] == "float32"
+    with running_app(artifact, max_new_tokens=64, max_input_tokens=256, kv_cache_dtype="float16") as half:
+        batching = half.get("/info").json()["batching"]
+        assert batching["kv_cache_dtype"] == "float16" and batching["cpu_window_kernel"] is True
+        r = half.post("/generate", json=request)
+        assert r.status_code == 200, r.text
+        tokens = r.json()["details"]["tokens"]
+    assert len(tokens) == 12
+    # the first token comes from the prefill, which never reads the cache; the rest agree until a near tie
+    assert tokens[0] == full[0]
+    for a, b in zip(full, tokens, strict=True):
+        if a["id"] != b["id"]:
+            break
+        assert abs(a["logprob"] - b["logprob"]) <= 1e-2  # float16 keeps 11 significant bits

@@ -7,8 +7,10 @@ import sys
 from typing import Any
 
 import pytest
+import torch
 from pydantic import ValidationError
 
+from service.backends import kv_cache_dtype
 from service.protocol import CompletionRequest, EmbeddingsRequest, EmbedRequest, GenerateRequest
 from service.protocol.native import GenerateParameters
 from service.settings import Settings, settings_from_argv
@@ -44,6 +46,16 @@ def test_invalid_settings_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
         Settings()
     with pytest.raises(SystemExit):
         settings_from_argv(["--device", "tpu"])
+    with pytest.raises(ValidationError):
+        Settings(kv_cache_dtype="int8")
+
+
+def test_kv_cache_dtype_auto_is_the_models_and_half_needs_a_float32_model() -> None:
+    assert kv_cache_dtype("auto", torch.float32) is None and kv_cache_dtype("auto", torch.bfloat16) is None
+    assert kv_cache_dtype("bfloat16", torch.bfloat16) is None  # the model's own dtype
+    assert kv_cache_dtype("float16", torch.float32) == torch.float16
+    with pytest.raises(RuntimeError, match="kv_cache_dtype=float16 needs a float32 model; this one is bfloat16"):
+        kv_cache_dtype("float16", torch.bfloat16)
 
 
 def test_reformer_serve_help_lists_the_flags() -> None:
