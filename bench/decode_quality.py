@@ -9,7 +9,10 @@ held-out text (the tails the training split holds out):
   on the same prefix pick the same token (target: at least 98%).
 
     python bench/decode_quality.py [--artifact DIR] [--data DIR] [--prompt-len 1024] [--eval-len 256]
-                                   [--samples 3] [--continuation 256]
+                                   [--samples 3] [--continuation 256] [--kv-cache-dtype float16]
+
+`--kv-cache-dtype bfloat16|float16` keeps the cache's keys and values in that dtype (REFORMER_KV_CACHE_DTYPE):
+the cached path then also carries their rounding, and the same two measures say what it costs.
 """
 
 from __future__ import annotations
@@ -43,12 +46,13 @@ def held_out_windows(data: Path, tokenizer, length: int, samples: int) -> list[l
 
 
 @torch.no_grad()
-def teacher_forced(lm, window: list[int], prompt_len: int) -> tuple[float, float]:  # noqa: ANN001
+def teacher_forced(lm, window: list[int], prompt_len: int, kv_dtype: torch.dtype | None = None  # noqa: ANN001
+                   ) -> tuple[float, float]:
     """Bits per byte of window[prompt_len:] given everything before it: (full forward, cached path)."""
     ids = torch.tensor(window)
     targets = ids[prompt_len:]
     full = lm(ids[None, :-1]).logits[0, prompt_len - 1:]  # predicts window[prompt_len:]
-    cache = DecodeCache.for_tokens(lm, len(window))
+    cache = DecodeCache.for_tokens(lm, len(window), kv_dtype=kv_dtype)
     first, states = prefill(lm, cache, [ids[:prompt_len]], [len(window)])
     cached = [first[0]]
     for tok in ids[prompt_len:-1].tolist():
@@ -59,8 +63,9 @@ def teacher_forced(lm, window: list[int], prompt_len: int) -> tuple[float, float
 
 
 @torch.no_grad()
-def greedy_agreement(lm, prompt: list[int], steps: int) -> tuple[int, int]:  # noqa: ANN001
-    cache = DecodeCache.for_tokens(lm, len(prompt) + steps + 1)
+def greedy_agreement(lm, prompt: list[int], steps: int, kv_dtype: torch.dtype | None = None  # noqa: ANN001
+                     ) -> tuple[int, int]:
+    cache = DecodeCache.for_tokens(lm, len(prompt) + steps + 1, kv_dtype=kv_dtype)
     first, states = prefill(lm, cache, [torch.tensor(prompt)], [len(prompt) + steps + 1])
     logits = first[0]
     seq = list(prompt)
@@ -83,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples", type=int, default=3)
     p.add_argument("--continuation", type=int, default=256)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--kv-cache-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--out", type=Path, default=RESULTS / "decode_quality.json")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -91,17 +97,19 @@ def main(argv: list[str] | None = None) -> int:
     art = load_artifact(args.artifact) if args.artifact else load_artifact()
     lm = art.model
     windows = held_out_windows(args.data, art.tokenizer, args.prompt_len + args.eval_len, args.samples)
+    kv_dtype = getattr(torch, args.kv_cache_dtype)
     rows = []
     start = time.perf_counter()
     for i, w in enumerate(windows):
-        bpb_full, bpb_cached = teacher_forced(lm, w, args.prompt_len)
-        agree, total = greedy_agreement(lm, w[: args.prompt_len], args.continuation)
+        bpb_full, bpb_cached = teacher_forced(lm, w, args.prompt_len, kv_dtype)
+        agree, total = greedy_agreement(lm, w[: args.prompt_len], args.continuation, kv_dtype)
         rows.append({"sample": i, "bpb_full": bpb_full, "bpb_cached": bpb_cached,
                      "bpb_relative_change": bpb_cached / bpb_full - 1, "greedy_agree": agree, "greedy_total": total})
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     summary = {
         "artifact": str(art.path), "layers": art.config.attn_layers, "num_hashes": art.config.num_hashes,
         "prompt_len": args.prompt_len, "eval_len": args.eval_len, "continuation": args.continuation,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "bpb_full": sum(r["bpb_full"] for r in rows) / len(rows),
         "bpb_cached": sum(r["bpb_cached"] for r in rows) / len(rows),
         "greedy_agreement": sum(r["greedy_agree"] for r in rows) / sum(r["greedy_total"] for r in rows),
@@ -113,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"cached vs full decoding ({args.samples} held-out samples, prompt {args.prompt_len})")
+    table = Table(title=f"cached vs full decoding ({args.samples} held-out samples, prompt {args.prompt_len}, "
+                        f"cache in {args.kv_cache_dtype})")
     for col in ("measure", "full forward", "cached path", "difference", "target"):
         table.add_column(col)
     table.add_row("teacher-forced bits/byte", f"{summary['bpb_full']:.4f}", f"{summary['bpb_cached']:.4f}",

@@ -4,14 +4,15 @@ forward benchmark's config (6 LSH layers, hidden 256, 4 heads x 64, chunk 64, 4 
 
     python bench/generate.py [--lengths 1024,4096,16384,32768,65536] [--models ours,hf] [--new-tokens 16]
                              [--batch-sizes 1,8,32] [--batch-prompt 1024] [--batch-all-threads]
-                             [--batch-artifact DIR]
+                             [--batch-artifact DIR] [--kv-cache-dtype float32|bfloat16|float16]
 
 Each (model, length) runs in its own subprocess. Then, for this project only, one batched decode step over B
 running requests (each after a `--batch-prompt`-token prompt) for every B in `--batch-sizes`: time per step
 and total tokens/s, plotted against B, with the step's intra-op threads as the service's model runner sets
 them (`model.decode.step_threads`) and, with `--batch-all-threads`, again on every thread; with
-`--batch-artifact`, on that artifact's model instead of the config above. Writes
-bench/results/generate.json and generate_batch.png and prints two tables.
+`--batch-artifact`, on that artifact's model instead of the config above. `--kv-cache-dtype` keeps this
+project's cached keys and values in that dtype (REFORMER_KV_CACHE_DTYPE; default float32, the model's, which
+is the exact cache). Writes bench/results/generate.json and generate_batch.png and prints two tables.
 """
 
 from __future__ import annotations
@@ -38,7 +39,13 @@ def hf_config():  # noqa: ANN201
                           pad_token_id=0)
 
 
-def run_case(kind: str, length: int, new_tokens: int, threads: int) -> dict:
+def _kv_dtype(name: str):  # noqa: ANN202
+    import torch
+
+    return getattr(torch, name)
+
+
+def run_case(kind: str, length: int, new_tokens: int, threads: int, kv: str = "float32") -> dict:
     import torch
 
     torch.set_num_threads(threads)
@@ -54,7 +61,7 @@ def run_case(kind: str, length: int, new_tokens: int, threads: int) -> dict:
             from model.decode import DecodeCache, decode_step, prefill, step_threads
 
             lm = ReformerLM(ReformerConfig.from_hf(hf_config())).eval()
-            dc = DecodeCache.for_tokens(lm, prompt.shape[0] + new_tokens + 2)
+            dc = DecodeCache.for_tokens(lm, prompt.shape[0] + new_tokens + 2, kv_dtype=_kv_dtype(kv))
             start = time.perf_counter()
             first, states = prefill(lm, dc, [prompt], [prompt.shape[0] + new_tokens + 2])
             prefill_s = time.perf_counter() - start
@@ -67,7 +74,8 @@ def run_case(kind: str, length: int, new_tokens: int, threads: int) -> dict:
                     token = decode_step(lm, token, dc, states).argmax(-1)
             per_token = (time.perf_counter() - start) / new_tokens
             cpu_per_token = (time.process_time() - cpu_start) / new_tokens
-            cache = {"cache_bytes": dc.allocated_bytes, "cache_bytes_per_token": dc.allocated_bytes / states[0].length}
+            cache = {"cache_bytes": dc.allocated_bytes, "cache_bytes_per_token": dc.allocated_bytes / states[0].length,
+                     "kv_cache_dtype": kv}
         else:
             from transformers import ReformerModelWithLMHead
 
@@ -93,7 +101,7 @@ def run_case(kind: str, length: int, new_tokens: int, threads: int) -> dict:
 
 
 def run_batch_case(batch: int, length: int, steps: int, threads: int, all_threads: bool = False,
-                   artifact: str | None = None) -> dict:
+                   artifact: str | None = None, kv: str = "float32") -> dict:
     """One batched decode step over `batch` requests, each after its own `length`-token prompt; as the
     service's model runner runs it (`step_threads`), or with `all_threads` on every thread (as a process with
     nothing else to run would). `artifact`: that artifact's model instead of the benchmark's config."""
@@ -115,7 +123,7 @@ def run_batch_case(batch: int, length: int, steps: int, threads: int, all_thread
         lm = load_artifact(artifact).model.eval()
     else:
         lm = ReformerLM(ReformerConfig.from_hf(hf_config())).eval()
-    dc = DecodeCache.for_tokens(lm, length + steps + 2, slots=batch)
+    dc = DecodeCache.for_tokens(lm, length + steps + 2, slots=batch, kv_dtype=_kv_dtype(kv))
     states = []
     with torch.no_grad():
         for _ in range(batch):
@@ -132,7 +140,7 @@ def run_batch_case(batch: int, length: int, steps: int, threads: int, all_thread
         cpu_per_step = (time.process_time() - cpu_start) / steps
     return {"batch": batch, "length": length, "ms_per_step": 1000 * per_step, "tokens_per_s": batch / per_step,
             "cpu_ms_per_step": 1000 * cpu_per_step, "step_threads": step_threads_used,
-            "threads_rule": "all" if all_threads else "service"}
+            "threads_rule": "all" if all_threads else "service", "kv_cache_dtype": kv}
 
 
 def plot_batches(rows: list[dict], path: Path, artifact: str | None = None) -> None:
@@ -191,21 +199,24 @@ def main(argv: list[str] | None = None) -> int:
                         "to its event loop: model.decode.step_threads)")
     p.add_argument("--batch-artifact", help="run the batch cases on this artifact's model (e.g. "
                    "export/default_artifact) instead of the benchmark's config")
+    p.add_argument("--kv-cache-dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="what this project's decode cache keeps keys and values in (float32: exact)")
     p.add_argument("--batch-case", type=int, help=argparse.SUPPRESS)
     p.add_argument("--all-threads-case", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.case:
-        print(json.dumps(run_case(args.case[0], int(args.case[1]), args.new_tokens, args.threads)))
+        print(json.dumps(run_case(args.case[0], int(args.case[1]), args.new_tokens, args.threads,
+                                  args.kv_cache_dtype)))
         return 0
     if args.batch_case:
         print(json.dumps(run_batch_case(args.batch_case, args.batch_prompt, args.new_tokens, args.threads,
-                                        args.all_threads_case, args.batch_artifact)))
+                                        args.all_threads_case, args.batch_artifact, args.kv_cache_dtype)))
         return 0
     rows = []
     for length in [int(x) for x in args.lengths.split(",") if x]:
         for kind in args.models.split(","):
             cmd = [sys.executable, __file__, "--case", kind, str(length), "--new-tokens", str(args.new_tokens),
-                   "--threads", str(args.threads)]
+                   "--threads", str(args.threads), "--kv-cache-dtype", args.kv_cache_dtype]
             rows.append(_subprocess_row(cmd, args.timeout, {"model": kind, "length": length}))
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     batch_rows = []
@@ -213,19 +224,21 @@ def main(argv: list[str] | None = None) -> int:
         for batch in [int(x) for x in args.batch_sizes.split(",") if x]:
             cmd = [sys.executable, __file__, "--batch-case", str(batch), "--batch-prompt", str(args.batch_prompt),
                    "--new-tokens", str(args.new_tokens), "--threads", str(args.threads), *extra,
+                   "--kv-cache-dtype", args.kv_cache_dtype,
                    *(["--batch-artifact", args.batch_artifact] if args.batch_artifact else [])]
             batch_rows.append(_subprocess_row(cmd, args.timeout, {"batch": batch, "length": args.batch_prompt,
                                                                   "threads_rule": "all" if extra else "service"}))
             print(json.dumps(batch_rows[-1]), file=sys.stderr, flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"new_tokens": args.new_tokens, "threads": args.threads, "rows": rows,
+    args.out.write_text(json.dumps({"new_tokens": args.new_tokens, "threads": args.threads,
+                                    "kv_cache_dtype": args.kv_cache_dtype, "rows": rows,
                                     "batch_model": args.batch_artifact or "bench config",
                                     "batch_rows": batch_rows}, indent=2))
     plot_batches(batch_rows, args.out.with_name(args.out.stem + "_batch.png"), args.batch_artifact)
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="decode after a prompt (batch 1, greedy)")
+    table = Table(title=f"decode after a prompt (batch 1, greedy; our cache in {args.kv_cache_dtype})")
     for col in ("prompt", "model", "prefill s", "ms/token (wall)", "CPU ms/token", "vs transformers (CPU)",
                 "cache MB", "B/token"):
         table.add_column(col)
@@ -242,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r['cache_bytes_per_token']:.0f}" if "cache_bytes_per_token" in r else "")
     Console().print(table)
     if batch_rows:
-        bt = Table(title=f"batched decode steps ({args.batch_prompt}-token prompts)")
+        bt = Table(title=f"batched decode steps ({args.batch_prompt}-token prompts, cache in {args.kv_cache_dtype})")
         for col in ("batch", "step threads", "ms/step", "CPU ms/step", "tokens/s", "step vs batch 1",
                     "tokens/s vs batch 1"):
             bt.add_column(col)
