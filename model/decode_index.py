@@ -22,8 +22,8 @@ steps after its last build or merge) it is merged into the main order before the
 the request's L items per layer, every RECENT steps. What grows with the length is that merge and the
 bucket count (2*L/chunk by default: a prefix sum and a binary search over it).
 
-On a float32 CPU cache with the C kernel (model/cpu_kernels.py) the insert, the window and the merge run in
-C on these same tensors; the kernel finds a slot's bucket by walking the counts from the new position's
+On the CPU cache of a float32 model with the C kernel (model/cpu_kernels.py) the insert, the window and the
+merge run in C on these same tensors; the kernel finds a slot's bucket by walking the counts from the new position's
 bucket instead of prefix sums over every bucket. The methods here are the PyTorch path (GPUs, other
 dtypes, no compiler) and what the kernel is tested against.
 """

@@ -41,7 +41,7 @@ class ModelRunner:
         """`max_tokens`: the longest prompt plus max_new_tokens the service admits (default: the model's
         positions); an automatic bucket count's LSH bucket counts are reserved for it (model/decode_cache.py).
         `cuda_graphs`: on CUDA, decode steps replay captured graphs (`graphs`, model/step_graphs.py; tests set
-        their own). `cpu_kernel`: a float32 CPU cache attends through the C window kernel when it builds
+        their own). `cpu_kernel`: a float32 model's CPU cache attends through the C window kernel when it builds
         (model/cpu_kernels.py). `kv_dtype`: the cache's keys and values (None: the model's dtype)."""
         self.model = model
         self.device = device if device is not None else next(model.parameters()).device

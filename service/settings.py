@@ -76,13 +76,15 @@ class Settings(BaseSettings):
     )
     kv_cache_dtype: DtypeName = Field(
         "auto",
-        description="What the decode cache keeps keys and values in: auto is the model's dtype (cached decoding "
-        "then computes the full forward's function). A float32 model may keep them in bfloat16 or float16: half "
-        "the bytes per token, so about twice the tokens in the same cache_bytes and half the memory a decode "
-        "step reads, at the price of rounding every cached key and value (bench/decode_quality.py measures the "
-        "difference). A model of another dtype only takes auto or its own dtype. float16 keys overflow past "
-        "65504. On CPU the C kernel reads bfloat16 on any build and float16 where the compiler targets F16C; "
-        "otherwise those steps use PyTorch ops.",
+        description="What the decode cache keeps keys and values in: auto is the model's dtype (the cache holds "
+        "keys and values as the model computes them). A float32 model may keep them in bfloat16 or float16: half "
+        "the bytes of the keys and values, which are most of a token's cache (the LSH bookkeeping is not "
+        "halved: 12,690 -> 6,505 bytes per token after a 1K prompt at bench/generate.py's config, "
+        "bench/results/generate_kv_float16.json), so about twice the tokens in the same cache_bytes, at the "
+        "price of rounding every cached key and value (bench/decode_quality.py measures the difference). A "
+        "model of another dtype only takes auto or its own dtype. float16 keys overflow past 65504. On CPU "
+        "the C kernel reads bfloat16 on any build and float16 where the compiler targets F16C; otherwise "
+        "those steps use PyTorch ops.",
     )
     batch_invariant: bool = Field(
         False,
