@@ -22,6 +22,7 @@ from pydantic import ValidationError
 
 from model.cpu_runtime import tune_cpu_runtime
 from service.app import create_app
+from service.backends import kv_cache_dtype, resolve_device, resolve_dtype
 from service.logs import configure_logging
 from service.settings import settings_from_argv
 from service.state import ServiceState
@@ -86,6 +87,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"reformer serve: invalid settings:\n{err}", file=sys.stderr)
         return 2
     configure_logging(settings.log_level, settings.log_json)
+    try:  # settings that contradict each other only once the device and dtype are known
+        kv_cache_dtype(settings.kv_cache_dtype, resolve_dtype(settings.dtype, resolve_device(settings.device)))
+    except RuntimeError as err:
+        print(f"reformer serve: invalid settings: {err}", file=sys.stderr)
+        return 2
     from export import ArtifactError, load_artifact
 
     try:

@@ -201,3 +201,10 @@ def test_a_corrupt_or_missing_artifact_stops_start_up(tiny_artifact: Path, tmp_p
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert "model.safetensors" in result.stderr
+
+
+def test_a_half_cache_for_a_half_model_stops_start_up(tiny_artifact: Path) -> None:
+    result = subprocess.run([sys.executable, "-m", "service", str(tiny_artifact), "--port", "0", "--dtype", "bfloat16",
+                             "--kv-cache-dtype", "float16"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "kv_cache_dtype=float16 needs a float32 model; this one is bfloat16" in result.stderr
