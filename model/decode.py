@@ -35,13 +35,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .attention import LocalSelfAttention, LSHSelfAttention, split_heads
+from .attention import AttentionContext, LocalSelfAttention, LSHSelfAttention
 from .batch import prepare_batch
 from .chunking import mask_value, round_weights, self_mask_value
 from .decode_cache import CacheFull, DecodeCache, DecodeState, _flat
 from .decode_index import BlockLookup, LSHIndex, WindowGeometry
 from .feedforward import EVAL_CHUNK
-from .prefill_slices import DEFAULT_SLICE_CHUNKS, layer_f_slices
+from .prefill_slices import DEFAULT_SLICE_CHUNKS, layer_f_slices, projections
 from .step_graphs import StepGraphs
 
 if TYPE_CHECKING:
@@ -155,15 +155,12 @@ def _prefill_layers(lm: ReformerLM, cache: DecodeCache, prompts: Sequence[Tensor
     real = mask.bool()
     for li, layer in enumerate(_layers(lm)):
         att = layer.attention.self_attention
-        h = layer.attention.layer_norm(x2[:, :longest])  # (N, L, hidden)
-        if isinstance(att, LSHSelfAttention):
-            keys = split_heads(att.query_key(h), att.heads, att.head_size)  # (N, H, L, D)
-        else:
-            assert isinstance(att, LocalSelfAttention)
-            keys = split_heads(att.key(h), att.heads, att.head_size) / math.sqrt(att.head_size)
-        yield  # a long prompt's projections are large matmuls: one piece each
-        values = split_heads(att.value(h), att.heads, att.head_size)
-        yield
+        assert isinstance(att, LSHSelfAttention | LocalSelfAttention)
+        # the attention's projections (and an LSH layer's hashing) of the padded batch, computed once: the
+        # cache keeps what the attention below attends with (a 64K prompt's projections and hash are ~0.6 s
+        # a layer on this project's CPU)
+        given = yield from projections(att, layer.attention.layer_norm(x2), ctx)
+        keys, values = given.key[:, :, :longest], given.value[:, :, :longest]  # (N, H, L, D)
         # padding positions of the shorter prompts are written to the scratch block, never read
         at = torch.where(real, rows, 0).reshape(-1)
         cache.write(li, at, keys.transpose(1, 2).reshape(-1, att.heads, att.head_size),
@@ -173,9 +170,11 @@ def _prefill_layers(lm: ReformerLM, cache: DecodeCache, prompts: Sequence[Tensor
             for i, state in enumerate(states):
                 nb = _index_buckets(att, lm.config.padded_length(lengths[i]))
                 if nb is not None:
-                    yield from _build_index_steps(cache, li, att, state, keys[i, :, : lengths[i]], nb)
+                    hashed = _row_buckets(att, given.buckets, ctx, i, nb)
+                    yield from _build_index_steps(cache, li, att, state, keys[i, :, : lengths[i]], nb,
+                                                  None if hashed is None else hashed[:, :, : lengths[i]])
         # the layer as ReformerLayer.forward computes it (eval, no dropout), its attention in slices of chunks
-        f_out = yield from layer_f_slices(layer, x2, ctx, slice_chunks)
+        f_out = yield from layer_f_slices(layer, x2, ctx, slice_chunks, given)
         x1 = x1 + f_out
         yield
         ff = layer.feed_forward
@@ -195,15 +194,29 @@ def _prefill_layers(lm: ReformerLM, cache: DecodeCache, prompts: Sequence[Tensor
     return lm.lm_head(lm.final_layer_norm(hidden)), states
 
 
+def _row_buckets(att: LSHSelfAttention, buckets: Tensor | None, ctx: AttentionContext, row: int,
+                 nb: int | list[int]) -> Tensor | None:
+    """Row `row`'s buckets (H, R, L) from the prefill attention's hash of the batch, when that hash used the
+    count `nb` the row's index is built with (attention._hash_rows: the fixed count, or the row's own), else
+    None."""
+    if buckets is None:
+        return None
+    fixed = att.config.num_buckets
+    used = fixed if fixed is not None else att.num_buckets_for(int(ctx.own_length[row]))
+    return buckets[row] if str(used) == str(nb) else None
+
+
 def _build_index_steps(cache: DecodeCache, layer: int, att: LSHSelfAttention, state: DecodeState, keys: Tensor,
-                       nb: int | list[int]) -> Generator[None, None, None]:
-    """(Re)build a request's LSH index of one layer from its keys (H, L, D): one full hash, then one sort
-    per head, yielding after each (a 60K-token prompt's sort of every head at once is a ~200 ms piece)."""
+                       nb: int | list[int], buckets: Tensor | None = None) -> Generator[None, None, None]:
+    """(Re)build a request's LSH index of one layer from its keys (H, L, D): one full hash (or its `buckets`
+    (H, R, L) already hashed with `nb`), then one sort per head, yielding after each (a 60K-token prompt's
+    sort of every head at once is a ~200 ms piece)."""
     index = cache.indexes[layer]
     assert index is not None
     index.grow_buckets(_flat(nb))
     length = keys.shape[1]
-    buckets = att.hash(keys.unsqueeze(0), nb, None)[0]  # (H, R, L)
+    if buckets is None:
+        buckets = att.hash(keys.unsqueeze(0), nb, None)[0]  # (H, R, L)
     rows = _slot_rows(cache, state, length)
     yield
     for h in range(buckets.shape[0]):

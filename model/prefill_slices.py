@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Generator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -59,41 +60,83 @@ if TYPE_CHECKING:
     _Chunked = Callable[[Tensor | None, AttentionContext], Slices]
 
 
+@dataclass
+class Projections:
+    """What a layer's attention computes from its input before attending, (B, H, L, D) each: `key` is what the
+    decode cache keeps as keys (LSH: the shared query/key projection; local: the key divided by sqrt(head
+    size)), `query` the local layers' query, `buckets` (B, H, R, L) an LSH layer's hash of a batch longer than
+    a chunk (None otherwise: such a batch attends densely)."""
+
+    key: Tensor
+    value: Tensor
+    query: Tensor | None = None
+    buckets: Tensor | None = None
+
+
+def projections(att: LSHSelfAttention | LocalSelfAttention, x: Tensor, ctx: AttentionContext
+                ) -> Generator[None, None, Projections]:
+    """The projections (and an LSH layer's hashing) of `attention_slices`, with its yields: a prefill computes
+    them once for the cache and the attention (model/decode.py)."""
+    long = x.shape[1] > att.chunk  # else one dense piece: nothing to slice
+    if isinstance(att, LSHSelfAttention):
+        qk = split_heads(att.query_key(x), att.heads, att.head_size)  # (B, H, L, D)
+        if long:
+            yield  # each projection of a long prompt is a large matmul: one piece each
+        v = split_heads(att.value(x), att.heads, att.head_size)
+        if not long:
+            return Projections(qk, v)
+        yield
+        buckets = att._hash_rows(qk, ctx)  # the whole prompt's buckets, as the forward hashes them
+        yield
+        return Projections(qk, v, buckets=buckets)
+    if isinstance(att, LocalSelfAttention):
+        q = split_heads(att.query(x), att.heads, att.head_size)  # (B, H, L, D)
+        if long:
+            yield
+        k = split_heads(att.key(x), att.heads, att.head_size) / math.sqrt(att.head_size)
+        if long:
+            yield
+        v = split_heads(att.value(x), att.heads, att.head_size)
+        if long:
+            yield
+        return Projections(k, v, query=q)
+    raise TypeError(f"no sliced attention for {type(att).__name__}")
+
+
 def layer_f_slices(layer: ReformerLayer, x2: Tensor, ctx: AttentionContext,
-                   slice_chunks: int = DEFAULT_SLICE_CHUNKS) -> Slices:
+                   slice_chunks: int = DEFAULT_SLICE_CHUNKS, given: Projections | None = None) -> Slices:
     """`layer.f(x2, ctx, None)[0]` (eval) in slices: yields after each projection, the hashing and the sort,
-    each `slice_chunks` window attentions, and before the output projection. Returns (B, L, hidden)."""
+    each `slice_chunks` window attentions, and before the output projection. `given`: the attention's
+    `projections` of `layer.attention.layer_norm(x2)`, already computed. Returns (B, L, hidden)."""
     block = layer.attention
     if layer.training or torch.is_grad_enabled():
         return layer.f(x2, ctx, None)[0]  # dropout masks and autograd want the forward's own layout
-    h = yield from attention_slices(block.self_attention, block.layer_norm(x2), ctx, slice_chunks)
+    x = None if given is not None else block.layer_norm(x2)
+    h = yield from attention_slices(block.self_attention, x, ctx, slice_chunks, given)
     yield  # the output projection is a piece of its own: a (L, H*D) x (H*D, hidden) matmul
     return block.output(h)  # type: ignore[no-any-return]
 
 
-def attention_slices(att: torch.nn.Module, x: Tensor, ctx: AttentionContext,
-                     slice_chunks: int = DEFAULT_SLICE_CHUNKS) -> Slices:
-    """`att(x, ctx)[0]` for an eval LSHSelfAttention or LocalSelfAttention, in slices. Returns (B, L, H*D)."""
+def attention_slices(att: torch.nn.Module, x: Tensor | None, ctx: AttentionContext,
+                     slice_chunks: int = DEFAULT_SLICE_CHUNKS, given: Projections | None = None) -> Slices:
+    """`att(x, ctx)[0]` for an eval LSHSelfAttention or LocalSelfAttention, in slices, from `x` or from its
+    `projections` already computed (`given`). Returns (B, L, H*D)."""
     if slice_chunks < 1:
         raise ValueError("slice_chunks must be at least 1")
+    if not isinstance(att, LSHSelfAttention | LocalSelfAttention):
+        raise TypeError(f"no sliced attention for {type(att).__name__}")
+    if given is None:
+        assert x is not None
+        given = yield from projections(att, x, ctx)
     if isinstance(att, LSHSelfAttention):
-        return (yield from _lsh_slices(att, x, ctx, slice_chunks))
-    if isinstance(att, LocalSelfAttention):
-        return (yield from _local_slices(att, x, ctx, slice_chunks))
-    raise TypeError(f"no sliced attention for {type(att).__name__}")
+        return (yield from _lsh_slices(att, given, ctx, slice_chunks))
+    return (yield from _local_slices(att, given, ctx, slice_chunks))
 
 
-def _lsh_slices(att: LSHSelfAttention, x: Tensor, ctx: AttentionContext, slice_chunks: int) -> Slices:
-    long = x.shape[1] > att.chunk  # else one dense piece: nothing to slice
-    qk = split_heads(att.query_key(x), att.heads, att.head_size)  # (B, H, L, D)
-    if long:
-        yield  # each projection of a long prompt is a large matmul: one piece each
-    v = split_heads(att.value(x), att.heads, att.head_size)
-    if not long:
+def _lsh_slices(att: LSHSelfAttention, given: Projections, ctx: AttentionContext, slice_chunks: int) -> Slices:
+    qk, v, buckets = given.key, given.value, given.buckets
+    if buckets is None:  # no longer than a chunk: one dense piece
         return merge_heads(att._dense(qk, v, ctx))
-    yield
-    buckets = att._hash_rows(qk, ctx)  # the whole prompt's buckets, as the forward hashes them
-    yield
     c = att.chunk
 
     def dense(rows: Tensor, sub: AttentionContext) -> Tensor:
@@ -108,18 +151,11 @@ def _lsh_slices(att: LSHSelfAttention, x: Tensor, ctx: AttentionContext, slice_c
     return merge_heads(out)
 
 
-def _local_slices(att: LocalSelfAttention, x: Tensor, ctx: AttentionContext, slice_chunks: int) -> Slices:
-    long = x.shape[1] > att.chunk  # else one dense piece: nothing to slice
-    q = split_heads(att.query(x), att.heads, att.head_size)  # (B, H, L, D)
-    if long:
-        yield  # each projection of a long prompt is a large matmul: one piece each
-    k = split_heads(att.key(x), att.heads, att.head_size) / math.sqrt(att.head_size)
-    if long:
-        yield
-    v = split_heads(att.value(x), att.heads, att.head_size)
-    if not long:
+def _local_slices(att: LocalSelfAttention, given: Projections, ctx: AttentionContext, slice_chunks: int) -> Slices:
+    q, k, v = given.query, given.key, given.value
+    assert q is not None
+    if k.shape[2] <= att.chunk:  # one dense piece: nothing to slice
         return merge_heads(att._dense(q, k, v, ctx))
-    yield
     c = att.chunk
 
     def dense(rows: Tensor, sub: AttentionContext) -> Tensor:

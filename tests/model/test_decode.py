@@ -203,6 +203,37 @@ def test_batch_buckets() -> None:
     assert [batch_bucket(n) for n in (1, 2, 3, 5, 9, 33, 64, 65)] == [1, 2, 4, 8, 16, 64, 64, 128]
 
 
+@pytest.mark.parametrize("buckets", [4, None], ids=["fixed-buckets", "automatic-buckets"])
+def test_a_prefill_projects_and_hashes_each_layer_once(monkeypatch: pytest.MonkeyPatch, buckets: int | None) -> None:
+    from model.attention import LSHSelfAttention
+
+    torch.manual_seed(0)
+    lm = ReformerLM(tiny_config(vocab_size=258, num_buckets=buckets)).eval()
+    hashes, linears = [], []
+    real_hash = LSHSelfAttention.hash
+    monkeypatch.setattr(LSHSelfAttention, "hash", lambda self, *a, **k: hashes.append(1) or real_hash(self, *a, **k))
+    for layer in lm.layers:
+        att = layer.attention.self_attention  # type: ignore[union-attr]
+        for proj in [m for m in att.modules() if isinstance(m, torch.nn.Linear)]:
+            proj.register_forward_hook(lambda *_: linears.append(1))
+    lsh = sum(k == "lsh" for k in lm.config.attn_layers)
+    projections = sum(2 if k == "lsh" else 3 for k in lm.config.attn_layers)
+    # a long prompt and a mixed batch: the cache and the index take the attention's projections and buckets;
+    # prompts no longer than a chunk with a fixed count: the attention is dense, so only the index hashes
+    for prompts in ([40], [40, 5, 23], [5, 7]):
+        hashes.clear()
+        linears.clear()
+        cache = DecodeCache.for_tokens(lm, 48, slots=len(prompts))
+        prefill(lm, cache, [torch.randint(3, 258, (n,)) for n in prompts], [48] * len(prompts))
+        att = lm.layers[1].attention.self_attention  # type: ignore[union-attr]
+        if max(prompts) > lm.config.lsh_attn_chunk_length:  # the attention hashes once per bucket count
+            counts = {str(att.num_buckets_for(lm.config.padded_length(n))) for n in prompts}
+            assert len(hashes) == lsh * (1 if buckets is not None else len(counts)), prompts
+        else:  # only the index hashes, one call per prompt, with a fixed count (an automatic one waits)
+            assert len(hashes) == (lsh * len(prompts) if buckets is not None else 0), prompts
+        assert len(linears) == projections, prompts
+
+
 def test_sliced_prefill_yields_between_slices_and_computes_the_same() -> None:
     from model.decode import prefill_steps
 
@@ -220,11 +251,12 @@ def test_sliced_prefill_yields_between_slices_and_computes_the_same() -> None:
         except StopIteration as done:
             sliced, _ = done.value
             break
-    # the embeddings; per layer: the cache's 2 projections and writes, (LSH) the index build (its hashing,
-    # then one sort per head: 1 + 2), the attention's slices (model/prefill_slices.py; local: 3 projections,
-    # its windows in 1 slice; LSH: 2 projections, the hashing, the sort, 1 slice per head), the output
-    # projection, the residual, 3 feed-forward slices of 16
-    assert slices == 1 + 2 * ((3 + 3 + 1 + 1 + 1 + 3) + (3 + (1 + 2) + 3 + 1 + 2 + 1 + 1 + 3))
+    # the embeddings; per layer: the attention's projections, shared by the cache and the attention
+    # (model/prefill_slices.py `projections`; local: 3; LSH: 2 and the hashing), the cache write, (LSH) the
+    # index build from the attention's buckets (1, then one sort per head: 1 + 2), the attention's slices
+    # (local: its windows in 1 slice; LSH: the sort, 1 slice per head), the output projection, the residual,
+    # 3 feed-forward slices of 16
+    assert slices == 1 + 2 * ((3 + 1 + 1 + 1 + 1 + 3) + (3 + 1 + (1 + 2) + 1 + 2 + 1 + 1 + 3))
     assert torch.equal(sliced, whole)
     with torch.no_grad():
         assert (lm(prompt[None]).logits[0, -1] - whole[0]).abs().max().item() <= 1e-5
