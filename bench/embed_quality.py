@@ -98,7 +98,7 @@ def measure(model_path: Path, data: list[str], passage: int, per_book: int, val_
     per_pool = pooled(lm, cut)
     train_cut = training_passages(data, tok, val_fraction, passage, stats_passages)
     train_pool = pooled(lm, train_cut) if len(train_cut) >= 2 else {}
-    rows = [{"pooling": "bag-of-bytes (baseline)",
+    rows: list[dict[str, Any]] = [{"pooling": "bag-of-bytes (baseline)",
              "accuracy": round(nn_accuracy(torch.stack([bag_of_bytes(ids, lm.config.vocab_size) for _, ids in cut]),
                                            labels), 4)}]
     for name, vecs in per_pool.items():

@@ -47,14 +47,15 @@ def build(kind: str, length: int):  # noqa: ANN201
         lm = ReformerLM(cfg).eval()
         return lambda ids: lm(ids).logits
     if kind == "hf":
-        from transformers import ReformerConfig, ReformerModelWithLMHead
+        from transformers import ReformerConfig as HFReformerConfig
+        from transformers import ReformerModelWithLMHead
 
-        cfg = ReformerConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_attention_heads=HEADS,
+        hf_cfg = HFReformerConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_attention_heads=HEADS,
                              attention_head_size=HEAD, attn_layers=["lsh"] * LAYERS, feed_forward_size=FF,
                              lsh_attn_chunk_length=CHUNK, num_hashes=HASHES, num_buckets=None,
                              axial_pos_shape=(256, 256), axial_pos_embds_dim=(64, 192),
                              max_position_embeddings=65536, hash_seed=0, is_decoder=True, use_cache=False)
-        hf = ReformerModelWithLMHead(cfg).eval()
+        hf = ReformerModelWithLMHead(hf_cfg).eval()
         return lambda ids: hf(ids, use_cache=False).logits
     if kind == "rp":
         from reformer_pytorch import ReformerLM as RPReformerLM

@@ -80,7 +80,8 @@ def text_of(tokens: int, seed: int = 0) -> str:
     """`tokens` bytes of ASCII prose: one token per byte for the byte-level tokenizer."""
     words = ("the of and to in that was he it his with had for as at by on not be but from which she her all "
              "said were they have one been this you prince river long short window garden night road").split()
-    out, i = [], seed
+    out: list[str] = []
+    i = seed
     while sum(len(w) + 1 for w in out) < tokens:
         out.append(words[(i * 7919) % len(words)])
         i += 1

@@ -52,7 +52,7 @@ def measure(model_path: Path, data: list[str], passage: int, tail: int, context:
         b["full_bits"] += full
         b["short_bits"] += short
         b["control_bits"] += control
-    rows = []
+    rows: list[dict[str, Any]] = []
     for name, b in per_book.items():
         n = b["passages"] * tail
         rows.append({"book": name, "passages": int(b["passages"]), "bytes_scored": int(n),

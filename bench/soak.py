@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import json
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -122,7 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.url:
         report = run_soak(args.url, args.requests, args.concurrency)
     else:
-        with local_server(args.artifact, max_new_tokens=256) as (url, proc):
+        log_path = Path(tempfile.gettempdir()) / "reformer-soak-server.log"
+        print(f"server log: {log_path}", file=sys.stderr)
+        with local_server(args.artifact, log_path, max_new_tokens=256) as (url, proc):
             report = run_soak(url, args.requests, args.concurrency, pid=proc.pid)
     table = Table(title=f"soak: {args.requests} mixed requests")
     table.add_column("figure")

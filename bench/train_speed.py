@@ -21,6 +21,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +96,7 @@ def time_steps(step: Any, steps: int) -> tuple[float, float]:
 
 def measure(variant: str, window: int, batch: int, args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(0)
+    loss_fn: Callable[[Tensor, int], Tensor]
     ids = torch.randint(2, 258, (batch, window + 1), generator=torch.Generator().manual_seed(window))
     if variant == "transformer":
         model: nn.Module = PlainTransformer(258, args.hidden, args.heads, args.ff, len(args.layers.split(",")),

@@ -14,6 +14,7 @@ larger shrinkage. The shipped statistics are then estimated on all the passages 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,7 @@ def whitening_what(shrinkage: float) -> str:
 DEFAULT_PASSAGE_BYTES = 2048
 
 
-def training_passages(sources: list[str | Path], tokenizer: ByteTokenizer, val_fraction: float,
+def training_passages(sources: Sequence[str | Path], tokenizer: ByteTokenizer, val_fraction: float,
                       length: int = DEFAULT_PASSAGE_BYTES, count: int = DEFAULT_PASSAGES
                       ) -> list[tuple[str, np.ndarray]]:
     """Up to `count` passages of `length` tokens, shared evenly among the documents and spread evenly over

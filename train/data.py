@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,7 +58,7 @@ def clean_text(text: str) -> str:
     return text.strip("\n") + "\n" if text.strip() else ""
 
 
-def find_text_files(sources: list[str | Path]) -> list[Path]:
+def find_text_files(sources: Sequence[str | Path]) -> list[Path]:
     """Each source is a file or a directory (its *.txt files, sorted, non-recursive)."""
     files: list[Path] = []
     for src in sources:

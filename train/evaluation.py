@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +32,7 @@ def load_lm(path: str | Path) -> tuple[ReformerLM, ByteTokenizer]:
     return load_checkpoint_model(p), ByteTokenizer()
 
 
-def validation_tails(sources: list[str | Path], val_fraction: float, tokenizer: ByteTokenizer
+def validation_tails(sources: Sequence[str | Path], val_fraction: float, tokenizer: ByteTokenizer
                      ) -> list[tuple[str, np.ndarray]]:
     """(file name, token ids) of each document's held-out tail: the bytes the trainer never trained on."""
     out = []
