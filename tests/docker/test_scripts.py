@@ -78,6 +78,9 @@ def test_gpu_check_dry_run_runs_every_step_on_the_cpu(tmp_path: Path, tiny_artif
     graphs = report["decode_graphs"]  # on the CPU the "graph" replays by calling the step: plumbing only
     assert graphs["max_abs_diff"] == 0.0 and graphs["same_greedy_tokens"] and graphs["graphs_replays"] > 0
     assert graphs["graphs_captures"] >= 1 and graphs["eager_replays"] == 0
+    half = report["half_cache_decode"]  # on the CPU: the C kernel's half pools against the float32 cache
+    for dtype in ("float16", "bfloat16"):
+        assert half[dtype]["agreement"] >= 0.9 and 0 < half[dtype]["max_abs_diff_while_agreeing"] <= 1.0
 
 
 def test_gpu_check_fails_when_its_time_runs_out(tmp_path: Path, tiny_artifact: Path) -> None:
