@@ -7,9 +7,9 @@ The attention computes what the PyTorch path of `model/decode.py` computes for a
 gather, the dot products and the masks, each round's log-sum-exp, the rounds' weights and the weighted
 sum of values) in one pass per (row, head) that prefetches the pool rows it is about to read. The library
 is compiled with `-O3 -march=native` into a cache folder, under a name made from a hash of the source, the
-flags, the compiler and the CPU's feature flags, so a copy built for another CPU is never loaded. Without a
-compiler (or with REFORMER_CPU_KERNELS=0) `load()` returns None and decoding keeps the PyTorch path; the
-reason is logged once.
+flags, the compiler and the CPU's feature flags, so a copy built for another CPU is never loaded; a new build
+deletes all but the KEEP_BUILDS newest there. Without a compiler (or with REFORMER_CPU_KERNELS=0) `load()`
+returns None and decoding keeps the PyTorch path; the reason is logged once.
 
 The key and value pools may hold float32, bfloat16 or float16 rows (a decode cache's `kv_dtype`); queries,
 scores and outputs are float32. float16 needs a build for a CPU with F16C (`WindowKernel.reads`).
@@ -64,6 +64,21 @@ def _cache_dir() -> Path:
     return Path(base) / "reformer-serve" / "kernels"
 
 
+# built libraries kept in the cache folder: each edit of the source, compiler or CPU makes a new one
+KEEP_BUILDS = 4
+
+
+def _prune(folder: Path, keep: Path) -> None:
+    """Delete all but the KEEP_BUILDS newest libraries in `folder` (never `keep`, the one just built). A
+    process that has a deleted one loaded keeps its mapping; one that looks for it later builds it again."""
+    builds = sorted(folder.glob("window_attend-*.so"), key=lambda p: p.stat().st_mtime, reverse=True)
+    for old in [p for p in builds if p != keep][KEEP_BUILDS - 1:]:
+        try:
+            old.unlink()
+        except OSError:  # another process pruned it first, or the folder is read-only: harmless
+            pass
+
+
 def _build(compiler: str, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     # build beside the target and rename: a concurrent process never loads a half-written library
@@ -76,6 +91,7 @@ def _build(compiler: str, target: Path) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+    _prune(target.parent, target)
 
 
 _NO_MEMORY, _BAD_INDEX, _BAD_KIND = 1, 2, 4  # window_attend.c's statuses

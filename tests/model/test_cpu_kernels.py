@@ -155,6 +155,28 @@ def test_the_kernel_can_be_turned_off_or_be_missing(monkeypatch: pytest.MonkeyPa
         cpu_kernels.load.cache_clear()
 
 
+def test_a_new_build_prunes_all_but_the_newest_builds(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import os
+
+    old = [tmp_path / f"window_attend-{i:016x}.so" for i in range(6)]
+    for i, path in enumerate(old):
+        path.write_bytes(b"stale")
+        os.utime(path, (1_000_000 + i, 1_000_000 + i))  # old[5] the newest of them
+    other = tmp_path / "notes.txt"
+    other.write_text("not a build")
+    try:
+        cpu_kernels.load.cache_clear()
+        monkeypatch.setenv(cpu_kernels.ENV_DIR, str(tmp_path))
+        built = cpu_kernels.load()
+        assert built is not None
+        kept = sorted(tmp_path.glob("window_attend-*.so"))
+        assert len(kept) == cpu_kernels.KEEP_BUILDS and built.path in kept
+        assert set(kept) - {built.path} == set(old[-(cpu_kernels.KEEP_BUILDS - 1):])
+        assert other.exists()
+    finally:
+        cpu_kernels.load.cache_clear()
+
+
 def test_a_corrupt_index_raises_instead_of_reading_outside_the_cache(kernel: cpu_kernels.WindowKernel) -> None:
     x = _inputs()
     x["flat"][2, 1, 0, 0] = x["keys"].shape[0]  # one row past the pools, in a slot that is not padding
