@@ -114,7 +114,7 @@ typedef struct {
     int kind;
     const float *q, *norms;
     const void *keys, *values;
-    int64_t pool_len; /* rows of dim floats in keys and values */
+    int64_t pool_len; /* rows of dim elements in keys and values */
     const int64_t *flat, *pos, *t;
     const uint8_t *absent, *dead;
     int64_t absent_row_stride, absent_head_stride;
@@ -147,16 +147,22 @@ static inline float dot(const float *a, const float *b, int64_t d) {
 /* q . row and out += p * row for a pool row of `kind` (buf: d floats of scratch). With AVX-512 a half row
  * is widened 16 elements at a time in registers; elsewhere it is widened into buf first (the round trip
  * through buf cost about 10 ns a slot with the pools in L2, timed by hand). */
+#ifdef __AVX512F__
+/* 16 half elements (binary16 or bfloat16) widened to float32 in a register */
+static inline __m512 widen16(const uint16_t *h, int kind) {
+    const __m256i raw = _mm256_loadu_si256((const __m256i *)h);
+    return kind == KIND_F16 ? _mm512_cvtph_ps(raw)
+                            : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+#endif
+
 static inline float dot_row(const float *q, const void *pool, int kind, int64_t at, int64_t d, float *buf) {
 #ifdef __AVX512F__
     if (kind != KIND_F32 && d % 16 == 0) {
         const uint16_t *h = (const uint16_t *)pool + at * d;
         __m512 acc = _mm512_setzero_ps();
         for (int64_t j = 0; j < d; j += 16) {
-            const __m256i raw = _mm256_loadu_si256((const __m256i *)(h + j));
-            const __m512 x = kind == KIND_F16 ? _mm512_cvtph_ps(raw)
-                                              : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-            acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + j), x, acc);
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + j), widen16(h + j, kind), acc);
         }
         return _mm512_reduce_add_ps(acc);
     }
@@ -170,10 +176,7 @@ static inline void add_row(float *out, float p, const void *pool, int kind, int6
         const uint16_t *h = (const uint16_t *)pool + at * d;
         const __m512 pp = _mm512_set1_ps(p);
         for (int64_t j = 0; j < d; j += 16) {
-            const __m256i raw = _mm256_loadu_si256((const __m256i *)(h + j));
-            const __m512 x = kind == KIND_F16 ? _mm512_cvtph_ps(raw)
-                                              : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-            _mm512_storeu_ps(out + j, _mm512_fmadd_ps(pp, x, _mm512_loadu_ps(out + j)));
+            _mm512_storeu_ps(out + j, _mm512_fmadd_ps(pp, widen16(h + j, kind), _mm512_loadu_ps(out + j)));
         }
         return;
     }
