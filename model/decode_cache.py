@@ -8,11 +8,11 @@ request reserves, when it is admitted, the blocks for its prompt plus its `max_n
 leaving copies nobody's cache and growing never copies.
 Block 0 and the last slot are scratch: padding rows of a bucketed step read and write there.
 
-Keys and values are kept in the model's dtype by default (`kv_dtype=None`), which is what makes cached
-decoding compute the full forward's function. A float32 model may keep them in bfloat16 or float16 instead
-(as vLLM's kv_cache_dtype): half the bytes per token, so twice the tokens in the same capacity and half the
-memory a step's windows read, at the price of the rounding of every cached key and value (the key factors of
-LSH layers are still taken from the unrounded key). tests/model/test_decode.py bounds that difference on tiny
+Keys and values are kept in the model's dtype by default (`kv_dtype=None`), as the forward computes them. A
+float32 model may keep them in bfloat16 or float16 instead (as vLLM's kv_cache_dtype): half the bytes of the
+keys and values (the LSH bookkeeping and key factors are not halved), so about twice the tokens in the same
+capacity, at the price of the rounding of every cached key and value (the key factors of LSH layers are
+still taken from the unrounded key). tests/model/test_kv_cache_dtype.py bounds that difference on tiny
 models, and bench/decode_quality.py measures it on the shipped one.
 
 With an automatic bucket count (num_buckets=None) the bucket counts grow, for every slot at once, when a
@@ -46,6 +46,18 @@ BLOCK_SIZE = 8
 
 # what cached keys and values may be kept in
 KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def kv_dtype_for(model_dtype: torch.dtype, kv_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype a cache keeps keys and values in: the model's for None; one of KV_DTYPES, and other than the
+    model's only for a float32 model (ValueError otherwise)."""
+    chosen = model_dtype if kv_dtype is None else kv_dtype
+    if chosen not in KV_DTYPES:
+        raise ValueError(f"kv_dtype must be one of {', '.join(str(d) for d in KV_DTYPES)}; got {chosen}")
+    if chosen != model_dtype and model_dtype != torch.float32:
+        raise ValueError(f"a {model_dtype} model keeps its cache in {model_dtype} (a separate kv_dtype needs a "
+                         "float32 model)")
+    return chosen
 
 
 class CacheFull(Exception):
@@ -95,12 +107,7 @@ class DecodeCache:
         self.max_tokens = min(max_tokens or cfg.max_position_embeddings, cfg.max_position_embeddings)
         param = next(lm.parameters())
         self.device, self.dtype = param.device, param.dtype
-        self.kv_dtype = self.dtype if kv_dtype is None else kv_dtype
-        if self.kv_dtype not in KV_DTYPES:
-            raise ValueError(f"kv_dtype must be one of {', '.join(str(d) for d in KV_DTYPES)}; got {self.kv_dtype}")
-        if self.kv_dtype != self.dtype and self.dtype != torch.float32:
-            raise ValueError(f"a {self.dtype} model keeps its cache in {self.dtype} (a separate kv_dtype needs a "
-                             "float32 model)")
+        self.kv_dtype = kv_dtype_for(self.dtype, kv_dtype)
         kernel = load_window_kernel() if cpu_kernel and self.device.type == "cpu" and self.dtype == torch.float32 \
             else None
         self.window_kernel: WindowKernel | None = kernel if kernel is not None and self.kv_dtype in kernel.reads \

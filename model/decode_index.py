@@ -23,9 +23,9 @@ the request's L items per layer, every RECENT steps. What grows with the length 
 bucket count (2*L/chunk by default: a prefix sum and a binary search over it).
 
 On the CPU cache of a float32 model with the C kernel (model/cpu_kernels.py) the insert, the window and the
-merge run in C on these same tensors; the kernel finds a slot's bucket by walking the counts from the new position's
-bucket instead of prefix sums over every bucket. The methods here are the PyTorch path (GPUs, other
-dtypes, no compiler) and what the kernel is tested against.
+merge run in C on these same tensors; the kernel finds a slot's bucket by walking the counts from the new
+position's bucket instead of prefix sums over every bucket. The methods here are the PyTorch path (GPUs,
+models of other dtypes, no compiler) and what the kernel is tested against.
 """
 
 from __future__ import annotations

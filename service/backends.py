@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from model.batch import check_attention_mask
+from model.decode_cache import kv_dtype_for
 from model.pooling import EmbeddingStats, pool_hidden, standardize_pooled
 
 log = logging.getLogger("service.backends")
@@ -38,13 +39,15 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype | None:
     """The decode cache's key and value dtype for REFORMER_KV_CACHE_DTYPE: None (the model's) for auto or the
-    model's own dtype; a half dtype for a float32 model. Anything else is refused at start-up."""
+    model's own dtype, else what model.decode_cache.kv_dtype_for accepts; anything else is refused at
+    start-up."""
     if name == "auto" or DTYPES[name] == model_dtype:
         return None
-    if model_dtype != torch.float32:
+    try:
+        return kv_dtype_for(model_dtype, DTYPES[name])
+    except ValueError:
         raise RuntimeError(f"kv_cache_dtype={name} needs a float32 model; this one is "
-                           f"{str(model_dtype).removeprefix('torch.')} (use auto)")
-    return DTYPES[name]
+                           f"{str(model_dtype).removeprefix('torch.')} (use auto)") from None
 
 
 def resolve_backend(name: str, device: torch.device, onnx_path: Path | None) -> str:
