@@ -7,6 +7,7 @@ import struct
 from typing import Any
 
 import pytest
+import torch
 from fastapi.testclient import TestClient
 
 from tests.service.helpers import running_app, sse_events
@@ -177,6 +178,11 @@ def test_a_float16_decode_cache_is_reported_and_decodes_near_float32(client: Tes
         r = half.post("/generate", json=request)
         assert r.status_code == 200, r.text
         tokens = r.json()["details"]["tokens"]
+        # the setting reaches the pools the steps read (their values are checked in tests/model/
+        # test_kv_cache_dtype.py: this tiny artifact's attention is too flat for a broken half cache to change
+        # its tokens, as a mutation that zeroed every step's float16 writes showed)
+        cache = half.app.state.service.engine.runner.cache  # type: ignore[attr-defined]
+        assert all(k.dtype == torch.float16 for k in cache.keys + cache.values)
     assert len(tokens) == 12
     # the first token comes from the prefill, which never reads the cache; the rest agree until a near tie
     assert tokens[0] == full[0]
