@@ -1,12 +1,13 @@
-"""The C kernels of cached decoding on the CPU (model/kernels/window_attend.c), built on first use with the
-machine's C compiler and called through ctypes: a step's cache writes, each LSH layer's insert into its
-recent order, its window positions and attention (`lsh_attend`), local layers' attention (`attend`), and the
-merge of an LSH index's recent order into its main order.
+"""The C kernels of cached decoding on the CPU (model/kernels/window_attend.c and step_linear.c), built on first
+use with the machine's C compiler and called through ctypes: a step's cache writes, each LSH layer's insert
+into its recent order, its window positions and attention (`lsh_attend`), local layers' attention (`attend`),
+the merge of an LSH index's recent order into its main order, and a step's linear layers (`linear`, over
+weights packed by `pack`).
 
 The attention computes what the PyTorch path of `model/decode.py` computes for a step's windows (the key
 gather, the dot products and the masks, each round's log-sum-exp, the rounds' weights and the weighted
 sum of values) in one pass per (row, head) that prefetches the pool rows it is about to read. The library
-is compiled with `-O3 -march=native` into a cache folder, under a name made from a hash of the source, the
+is compiled with `-O3 -march=native` into a cache folder, under a name made from a hash of the sources, the
 flags, the compiler and the CPU's feature flags, so a copy built for another CPU is never loaded; a new build
 deletes all but the KEEP_BUILDS newest there. Without a compiler (or with REFORMER_CPU_KERNELS=0) `load()`
 returns None and decoding keeps the PyTorch path; the reason is logged once.
@@ -38,10 +39,12 @@ from .decode_index import LSHIndex
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("kernels") / "window_attend.c"
+# compiled together into one library: the attention windows and a step's linear layers (model/step_linear.py)
+SOURCES = tuple(Path(__file__).with_name("kernels") / name for name in ("window_attend.c", "step_linear.c"))
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-pthread")
 ENV_SWITCH = "REFORMER_CPU_KERNELS"  # "0" turns the kernel off (the service's setting of the same name sets it)
 MAX_ROUNDS = 64  # the C side's bound on hash rounds
+PANEL = 32  # step_linear.c's columns per packed panel
 # window_attend.c's element kinds of the key and value pools
 KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 ENV_DIR = "REFORMER_KERNEL_DIR"  # where built libraries are kept (default: the user's cache folder)
@@ -85,7 +88,7 @@ def _build(compiler: str, target: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True,
+        subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], check=True, capture_output=True,
                        text=True, timeout=120)
         os.replace(tmp, target)
     finally:
@@ -136,6 +139,9 @@ class WindowKernel:
         self._merge = declare("lsh_merge", [i64] * 5 + [ptr, i64, i64] + [ptr] * 4)
         self._write = declare("decode_write", [i64] * 5 + [ptr] * 6 + [f32, f32])
         self._append = declare("lsh_append", [i64] * 5 + [ptr] * 4 + [i64] * 3)
+        self._linear = declare("step_linear", [i64] * 3 + [ptr, i64] + [ptr] * 3)
+        self._pack = lib.step_linear_pack
+        self._pack.argtypes, self._pack.restype = [i64, i64, ptr, ptr], None
         kinds = lib.window_kinds
         kinds.argtypes, kinds.restype = [], ctypes.c_int64
         # the pool dtypes this build reads and writes
@@ -249,6 +255,29 @@ class WindowKernel:
                               index.recent_offset)
         _check(status, "append kernel")
 
+    def pack(self, weight: Tensor) -> Tensor:
+        """A linear layer's weight (N, K) float32 as `linear` reads it: ceil(N / 32) panels of (K, 32), columns
+        past N zero (model/kernels/step_linear.c)."""
+        _require("linear pack", (weight, torch.float32))
+        n, k = weight.shape
+        packed = torch.empty(-(-n // PANEL) * k * PANEL, dtype=torch.float32)
+        self._pack(n, k, weight.data_ptr(), packed.data_ptr())
+        return packed
+
+    def linear(self, x: Tensor, packed: Tensor, n: int, bias: Tensor | None) -> Tensor:
+        """x (M, K) float32 times the packed weight of a layer with N outputs, plus bias (N,): (M, N) float32,
+        each element one chain of fused multiply-adds over k in order, whatever the other rows."""
+        m, k = x.shape
+        if packed.shape != (-(-n // PANEL) * k * PANEL,) or bias is not None and bias.shape != (n,):
+            raise ValueError(f"linear kernel: x {tuple(x.shape)}, packed {tuple(packed.shape)} for {n} outputs, "
+                             f"bias {None if bias is None else tuple(bias.shape)}")
+        _require("linear kernel", (x, torch.float32), (packed, torch.float32),
+                 *(() if bias is None else ((bias, torch.float32),)))
+        out = torch.empty(m, n, dtype=torch.float32)
+        self._linear(m, n, k, x.data_ptr(), k, packed.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                     out.data_ptr())
+        return out
+
     def merge(self, index: LSHIndex, slot: int, rows: Tensor, main_len: int, recent_len: int) -> None:
         """`LSHIndex.merge`'s item moves in place, in one pass per (head, round) from the last bucket down;
         the counts are left to the caller."""
@@ -279,8 +308,8 @@ def load() -> WindowKernel | None:
         return None
     try:
         digest = hashlib.sha256()
-        for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), compiler.encode(), platform.machine().encode(),
-                     _cpu_flags().encode()):
+        for part in (*(src.read_bytes() for src in SOURCES), " ".join(FLAGS).encode(), compiler.encode(),
+                     platform.machine().encode(), _cpu_flags().encode()):
             digest.update(part)
         target = _cache_dir() / f"window_attend-{digest.hexdigest()[:16]}.so"
         if not target.exists():

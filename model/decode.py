@@ -347,26 +347,27 @@ def _step_compute(lm: ReformerLM, cache: DecodeCache, tokens: Tensor, meta: Tens
     x1 = x2 = x
     new_rows = step.blocks.rows(t.view(-1, 1)).view(-1)  # (B,): where the new keys go
     local: tuple[Tensor, Tensor] | None = None
+    linear = cache.step_linears  # the step's matrix products (model/step_linear.py)
     for li, layer in enumerate(_layers(lm)):
         att = layer.attention.self_attention
         h = layer.attention.layer_norm(x2)  # (B, hidden)
         if isinstance(att, LSHSelfAttention):
-            qk = att.query_key(h).view(rows, att.heads, att.head_size)  # (B, H, D)
-            v = att.value(h).view(rows, att.heads, att.head_size)
+            qkv = linear(h, att.query_key, att.value).view(rows, 2, att.heads, att.head_size)  # (B, 2, H, D)
+            qk, v = qkv[:, 0], qkv[:, 1]
             cache.write_step(li, new_rows, qk, v)
             out = _lsh_attend(cache, li, att, qk, step)
         else:
             assert isinstance(att, LocalSelfAttention)
-            q = att.query(h).view(rows, att.heads, att.head_size)
-            k = att.key(h).view(rows, att.heads, att.head_size) / math.sqrt(att.head_size)
-            v = att.value(h).view(rows, att.heads, att.head_size)
+            qkv = linear(h, att.query, att.key, att.value).view(rows, 3, att.heads, att.head_size)  # (B, 3, H, D)
+            q, k, v = qkv[:, 0], qkv[:, 1] / math.sqrt(att.head_size), qkv[:, 2]
             cache.write_step(li, new_rows, k, v)
             if local is None:  # every local layer has the same window: built once per step
                 local = _local_window(cache, att, step, meta[:, 4].bool())
             out = _local_attend(cache, li, q, local)
-        x1 = x1 + layer.attention.output(out.reshape(rows, -1))  # (B, hidden)
-        x2 = x2 + layer.feed_forward(x1.unsqueeze(1)).squeeze(1)
-    return lm.lm_head(lm.final_layer_norm(torch.cat([x1, x2], dim=-1)))  # (B, vocab)
+        x1 = x1 + linear(out.reshape(rows, -1), layer.attention.output)  # (B, hidden)
+        ff = layer.feed_forward  # its chunk in eval: output(act(dense(layer_norm(x))))
+        x2 = x2 + linear(ff.act(linear(ff.layer_norm(x1), ff.dense)), ff.output)
+    return linear(lm.final_layer_norm(torch.cat([x1, x2], dim=-1)), lm.lm_head)  # (B, vocab)
 
 
 def _local_window(cache: DecodeCache, att: LocalSelfAttention, step: _Step, dense: Tensor) -> tuple[Tensor, Tensor]:

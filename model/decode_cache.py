@@ -34,6 +34,7 @@ from .attention import LSHSelfAttention
 from .cpu_kernels import WindowKernel
 from .cpu_kernels import load as load_window_kernel
 from .decode_index import RECENT, BlockLookup, LSHIndex
+from .step_linear import StepLinears
 
 if TYPE_CHECKING:
     from .reformer import ReformerLM
@@ -112,6 +113,8 @@ class DecodeCache:
             else None
         self.window_kernel: WindowKernel | None = kernel if kernel is not None and self.kv_dtype in kernel.reads \
             else None
+        # a step's linear layers through the same library whatever the pools hold (model/step_linear.py)
+        self.step_linears = StepLinears(kernel)
         self.block_size = block_size
         self.max_slots = max_slots
         self.heads, self.head_size = cfg.num_attention_heads, cfg.attention_head_size

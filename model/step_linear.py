@@ -1,0 +1,82 @@
+"""The linear layers of a CPU decode step through the C kernel (model/kernels/step_linear.c): each layer's
+weights packed once into column panels, a few rows at a time multiplied in one pass over them.
+
+A step's matrix products (projections, output projections, feed-forward, LM head) have 1-64 rows; PyTorch's
+CPU matmul runs those shapes at a fraction of the core's speed (the C file says by how much). The kernel
+computes each output element as one chain of fused multiply-adds in order of k, so a row's result does not
+depend on what else is in the batch; it differs from F.linear's by rounding only (tests/model/
+test_step_linear.py bounds it).
+
+Layers that share their input are packed side by side and run as one product: an LSH layer's query-key and
+value projections, a local layer's query, key and value. A packing is refreshed when a weight is replaced or
+changed in place (its version counter moves), so a model loaded or edited after its cache was made is read
+as it is now.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from .cpu_kernels import WindowKernel
+
+
+class _Packed:
+    """Linear layers with one input size, their weights side by side as the kernel reads them."""
+
+    def __init__(self, kernel: WindowKernel, layers: tuple[nn.Linear, ...]) -> None:
+        self.stamp = _stamp(layers)
+        weight = torch.cat([layer.weight.detach() for layer in layers]).float().contiguous()  # (N, K)
+        self.n, self.k = weight.shape
+        self.weight = kernel.pack(weight)  # (ceil(N / 32) * K * 32,)
+        biases = [layer.bias for layer in layers]
+        self.bias: Tensor | None = None
+        if any(b is not None for b in biases):
+            self.bias = torch.cat([b.detach() if b is not None else torch.zeros(layer.out_features)
+                                   for b, layer in zip(biases, layers)]).float().contiguous()
+        self.weight_ptr = self.weight.data_ptr()
+        self.bias_ptr = 0 if self.bias is None else self.bias.data_ptr()
+
+
+def _stamp(layers: tuple[nn.Linear, ...]) -> tuple[int, ...]:
+    """What identifies the weights' current values: each tensor's storage and version counter."""
+    out: list[int] = []
+    for layer in layers:
+        for p in (layer.weight, layer.bias):
+            if p is not None:
+                out += (p.data_ptr(), p._version)
+    return tuple(out)
+
+
+class StepLinears:
+    """`__call__(x, *layers)`: x (B, K) through the layers, their outputs concatenated (B, sum of N). Through
+    the C kernel for float32 CPU rows when the step runs on one intra-op thread (a many-core step of many
+    rows is left to PyTorch's threaded matmul), else through the layers themselves."""
+
+    def __init__(self, kernel: WindowKernel | None) -> None:
+        self.kernel = kernel
+        self._packed: dict[tuple[int, ...], _Packed] = {}
+
+    def uses_kernel(self, x: Tensor) -> bool:
+        return (self.kernel is not None and x.dtype == torch.float32 and x.device.type == "cpu"
+                and torch.get_num_threads() == 1)
+
+    def __call__(self, x: Tensor, *layers: nn.Linear) -> Tensor:
+        if not self.uses_kernel(x):
+            return layers[0](x) if len(layers) == 1 else torch.cat([layer(x) for layer in layers], dim=-1)
+        assert self.kernel is not None
+        key = tuple(id(layer) for layer in layers)
+        packed = self._packed.get(key)
+        if packed is None or packed.stamp != _stamp(layers):
+            packed = self._packed[key] = _Packed(self.kernel, layers)
+        x = x.contiguous()
+        m, k = x.shape
+        if k != packed.k:
+            raise ValueError(f"step linear: input of {k} features for layers of {packed.k}")
+        out = torch.empty(m, packed.n, dtype=torch.float32)
+        # the packing was checked when made; the call needs only the input's pointer
+        self.kernel._linear(m, packed.n, k, x.data_ptr(), k, packed.weight_ptr, packed.bias_ptr, out.data_ptr())
+        return out
+
+
+__all__ = ["StepLinears"]

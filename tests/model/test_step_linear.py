@@ -1,0 +1,180 @@
+"""The C linear layers of a CPU decode step (model/kernels/step_linear.c, model/step_linear.py): the product
+against float64, a row's bits independent of the batch, packings refreshed when weights change, the PyTorch
+fallback, and whole decodes through it against decodes without it."""
+
+from __future__ import annotations
+
+import copy
+import ctypes
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model import ReformerLM, cpu_kernels
+from model.decode import DecodeCache, decode_step, prefill
+from model.step_linear import StepLinears
+
+from .helpers import tiny_config
+
+
+@pytest.fixture(scope="module")
+def kernel() -> cpu_kernels.WindowKernel:
+    k = cpu_kernels.load()
+    if k is None:
+        pytest.fail("the CPU kernels did not build (a C compiler is part of the test environment)")
+    return k
+
+
+@pytest.fixture(autouse=True)
+def one_thread():  # noqa: ANN201
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # as a decode step of a few rows runs (model.decode.step_threads)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize(("n", "k"), [(1024, 256), (256, 1024), (258, 512), (33, 17), (7, 3), (32, 64)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_product_matches_float64(kernel: cpu_kernels.WindowKernel, n: int, k: int, bias: bool) -> None:
+    g = torch.Generator().manual_seed(n * 1000 + k)
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    packed = kernel.pack(w)
+    for m in (1, 5, 8, 9, 20):
+        x = torch.randn(m, k, generator=g)
+        ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+        out = kernel.linear(x, packed, n, b)
+        assert out.shape == (m, n)
+        # float32 sums of k products: the error grows with sqrt(k) times the products' size
+        assert torch.allclose(out.double(), ref, rtol=1e-5, atol=2e-6 * k**0.5), (out.double() - ref).abs().max()
+
+
+def test_a_rows_bits_do_not_depend_on_the_batch(kernel: cpu_kernels.WindowKernel) -> None:
+    g = torch.Generator().manual_seed(1)
+    w, b = torch.randn(300, 96, generator=g), torch.randn(300, generator=g)
+    packed = kernel.pack(w)
+    x = torch.randn(19, 96, generator=g)  # two full tiles of 8 rows and a remainder of 3
+    batched = kernel.linear(x, packed, 300, b)
+    alone = torch.cat([kernel.linear(x[i : i + 1], packed, 300, b) for i in range(19)])
+    assert torch.equal(batched, alone)
+    order = torch.randperm(19, generator=g)
+    assert torch.equal(kernel.linear(x[order].contiguous(), packed, 300, b), batched[order])
+
+
+def test_the_kernel_refuses_mismatched_shapes(kernel: cpu_kernels.WindowKernel) -> None:
+    packed = kernel.pack(torch.randn(64, 32))
+    with pytest.raises(ValueError, match="linear kernel"):
+        kernel.linear(torch.randn(2, 32), packed, 65, None)  # a packing for 64 outputs
+    with pytest.raises(ValueError, match="linear kernel"):
+        kernel.linear(torch.randn(2, 32), packed, 64, torch.randn(63))
+    with pytest.raises(ValueError, match="linear kernel"):
+        kernel.linear(torch.randn(2, 32, dtype=torch.float64), packed, 64, None)
+
+
+def test_layers_side_by_side_give_each_layers_bits(kernel: cpu_kernels.WindowKernel) -> None:
+    torch.manual_seed(2)
+    a, b, c = nn.Linear(64, 96, bias=False), nn.Linear(64, 40), nn.Linear(64, 64)
+    linears = StepLinears(kernel)
+    x = torch.randn(6, 64)
+    fused = linears(x, a, b, c)
+    assert torch.equal(fused, torch.cat([linears(x, a), linears(x, b), linears(x, c)], dim=-1))
+    with torch.no_grad():
+        assert torch.allclose(fused, torch.cat([a(x), b(x), c(x)], dim=-1), atol=1e-5)
+    with pytest.raises(ValueError, match="input of 63 features"):
+        linears(torch.randn(2, 63), a)
+
+
+def test_a_packing_follows_weights_changed_after_it(kernel: cpu_kernels.WindowKernel) -> None:
+    torch.manual_seed(3)
+    layer = nn.Linear(32, 48)
+    linears = StepLinears(kernel)
+    x = torch.randn(3, 32)
+    first = linears(x, layer)
+    with torch.no_grad():
+        layer.weight.mul_(2)  # in place: the version counter moves
+        assert torch.allclose(linears(x, layer), layer(x), atol=1e-5)
+        layer.load_state_dict({"weight": torch.randn(48, 32), "bias": torch.randn(48)})
+        assert torch.allclose(linears(x, layer), layer(x), atol=1e-5)
+        layer.weight = nn.Parameter(torch.randn(48, 32))  # a new tensor
+        assert torch.allclose(linears(x, layer), layer(x), atol=1e-5)
+        assert not torch.allclose(linears(x, layer), first, atol=1e-3)
+
+
+def test_without_the_kernel_the_layers_run_themselves(kernel: cpu_kernels.WindowKernel) -> None:
+    torch.manual_seed(4)
+    a, b = nn.Linear(16, 8), nn.Linear(16, 24)
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        want = torch.cat([a(x), b(x)], dim=-1)
+        assert torch.equal(StepLinears(None)(x, a, b), want)
+        a64, b64 = nn.Linear(16, 8).double(), nn.Linear(16, 24).double()  # float64: not the kernel's
+        assert torch.equal(StepLinears(kernel)(x.double(), a64, b64), torch.cat([a64(x.double()), b64(x.double())], -1))
+        torch.set_num_threads(2)  # a threaded step is left to PyTorch's matmul
+        assert torch.equal(StepLinears(kernel)(x, a, b), torch.cat([a(x), b(x)], dim=-1))
+
+
+def _decode(lm: ReformerLM, prompts: list[torch.Tensor], steps: int, kernel_linears: bool
+            ) -> tuple[list[list[int]], list[torch.Tensor], int]:
+    """Greedy tokens and logits of each step, and how many kernel products the steps ran."""
+    cache = DecodeCache(lm, 64 << 20, max_slots=len(prompts))
+    calls = 0
+    if kernel_linears:
+        assert cache.step_linears.kernel is not None
+        product = cache.step_linears.kernel._linear
+
+        def counted(*args: object) -> int:
+            nonlocal calls
+            calls += 1
+            return product(*args)
+
+        cache.step_linears.kernel = copy.copy(cache.step_linears.kernel)
+        cache.step_linears.kernel._linear = counted
+    else:
+        cache.step_linears = StepLinears(None)
+    first, states = prefill(lm, cache, prompts, [p.shape[0] + steps + 1 for p in prompts])
+    token, tokens, logits = first.argmax(-1), [], []
+    for _ in range(steps):
+        out = decode_step(lm, token, cache, states)
+        logits.append(out)
+        token = out.argmax(-1)
+        tokens.append(token.tolist())
+    return tokens, logits, calls
+
+
+@pytest.mark.parametrize("layers", [["lsh", "local"], ["local", "lsh", "local"]])
+def test_a_decode_through_the_kernel_matches_one_through_pytorch(layers: list[str]) -> None:
+    torch.manual_seed(5)
+    lm = ReformerLM(tiny_config(attn_layers=layers, num_hashes=2)).eval()
+    prompts = [torch.randint(3, lm.config.vocab_size, (n,)) for n in (5, 37, 20)]
+    with torch.no_grad():
+        fast, fast_logits, calls = _decode(lm, prompts, 12, True)
+        slow, slow_logits, _ = _decode(lm, prompts, 12, False)
+    # per step and layer: the attention's projections (one product), its output, the feed-forward's two
+    # products; and the LM head
+    assert calls == 12 * (4 * len(layers) + 1)
+    assert fast == slow
+    for a, b in zip(fast_logits, slow_logits):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_the_build_without_avx512_gives_the_same_bits(kernel: cpu_kernels.WindowKernel, tmp_path: Path) -> None:
+    """The plain-C loop (CPUs without AVX-512) runs the same chains of multiply-adds as the AVX-512 one."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    assert compiler is not None
+    lib_path = tmp_path / "step_linear_plain.so"
+    source = cpu_kernels.SOURCES[1]
+    subprocess.run([compiler, *cpu_kernels.FLAGS, "-mno-avx512f", str(source), "-o", str(lib_path)], check=True)
+    plain = cpu_kernels.WindowKernel.__new__(cpu_kernels.WindowKernel)
+    lib = ctypes.CDLL(str(lib_path))
+    plain._linear, plain._pack = lib.step_linear, lib.step_linear_pack
+    plain._linear.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3
+    plain._pack.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+    g = torch.Generator().manual_seed(6)
+    w, b, x = torch.randn(70, 48, generator=g), torch.randn(70, generator=g), torch.randn(11, 48, generator=g)
+    assert torch.equal(plain.pack(w), kernel.pack(w))
+    assert torch.equal(plain.linear(x, plain.pack(w), 70, b), kernel.linear(x, kernel.pack(w), 70, b))
