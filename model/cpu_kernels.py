@@ -140,6 +140,7 @@ class WindowKernel:
         self._write = declare("decode_write", [i64] * 5 + [ptr] * 6 + [f32, f32])
         self._append = declare("lsh_append", [i64] * 5 + [ptr] * 4 + [i64] * 3)
         self._linear = declare("step_linear", [i64] * 3 + [ptr, i64] + [ptr] * 3)
+        self._hash = declare("lsh_hash", [i64] * 6 + [ptr] * 4)
         self._pack = lib.step_linear_pack
         self._pack.argtypes, self._pack.restype = [i64, i64, ptr, ptr], None
         kinds = lib.window_kinds
@@ -276,6 +277,23 @@ class WindowKernel:
         out = torch.empty(m, n, dtype=torch.float32)
         self._linear(m, n, k, x.data_ptr(), k, packed.data_ptr(), 0 if bias is None else bias.data_ptr(),
                      out.data_ptr())
+        return out
+
+    def lsh_hash(self, q: Tensor, packed: Tensor, rounds: int, factors: Sequence[int]) -> Tensor:
+        """An LSH layer's buckets (B, H, R) int64 of a step's queries q (B, H, D) float32: `packed` (H, ...) is
+        each head's rotations (D, R, rot/2) packed as a (R * rot/2, D) weight; `factors` the bucket count, or
+        its factors (their halves summing to rot/2), as model/attention.py's `hash`."""
+        b, h, d = q.shape
+        half = sum(f // 2 for f in factors)
+        if packed.shape != (h, -(-rounds * half // PANEL) * d * PANEL) or any(f < 2 or f % 2 for f in factors):
+            raise ValueError(f"hash kernel: q {tuple(q.shape)}, packed {tuple(packed.shape)}, {rounds} rounds of "
+                             f"factors {list(factors)}")
+        _require("hash kernel", (q, torch.float32), (packed, torch.float32))
+        fs = torch.tensor(list(factors), dtype=torch.int64)
+        out = torch.empty(b, h, rounds, dtype=torch.int64)
+        status = self._hash(b, h, rounds, d, half, len(factors), fs.data_ptr(), q.data_ptr(), packed.data_ptr(),
+                            out.data_ptr())
+        _check(status, "hash kernel")
         return out
 
     def merge(self, index: LSHIndex, slot: int, rows: Tensor, main_len: int, recent_len: int) -> None:

@@ -453,12 +453,13 @@ def _lsh_attend(cache: DecodeCache, li: int, att: LSHSelfAttention, qk: Tensor, 
     index = cache.indexes[li]
     assert index is not None
     # hash the new query of every row that keeps an index, one call per bucket count in the batch
+    hash_rows = cache.step_linears.hash
     if len(step.groups) == 1 and step.groups[0][1] is None:  # every row hashes with one bucket count
-        buckets = att.hash(qk.unsqueeze(2), step.groups[0][0], None)[..., 0]  # (B, H, R)
+        buckets = hash_rows(att, qk, step.groups[0][0])  # (B, H, R)
     else:
         buckets = torch.zeros(b, heads, rounds, dtype=torch.long, device=qk.device)
         for nb, sel in step.groups:
-            buckets[sel] = att.hash(qk[sel].unsqueeze(2), nb, None)[..., 0]
+            buckets[sel] = hash_rows(att, qk[sel], nb)
     kernel = cache.window_kernel
     if kernel is not None:
         # two C calls: the insert into the recent order; the windows' positions from the index and the

@@ -1,5 +1,6 @@
-"""The linear layers of a CPU decode step through the C kernel (model/kernels/step_linear.c): each layer's
-weights packed once into column panels, a few rows at a time multiplied in one pass over them.
+"""The matrix products of a CPU decode step through the C kernel (model/kernels/step_linear.c): each linear
+layer's weights packed once into column panels, a few rows at a time multiplied in one pass over them; and
+each LSH layer's hash of the new queries, its rotations packed the same way.
 
 A step's matrix products (projections, output projections, feed-forward, LM head) have 1-64 rows; PyTorch's
 CPU matmul runs those shapes at a fraction of the core's speed (the C file says by how much). The kernel
@@ -18,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from .attention import LSHSelfAttention, hash_rotations
 from .cpu_kernels import WindowKernel
 
 
@@ -56,6 +58,7 @@ class StepLinears:
     def __init__(self, kernel: WindowKernel | None) -> None:
         self.kernel = kernel
         self._packed: dict[tuple[int, ...], _Packed] = {}
+        self._rotations: dict[tuple[int, int], Tensor] = {}  # (layer, rotation size) -> (H, packed)
 
     def uses_kernel(self, x: Tensor) -> bool:
         return (self.kernel is not None and x.dtype == torch.float32 and x.device.type == "cpu"
@@ -77,6 +80,22 @@ class StepLinears:
         # the packing was checked when made; the call needs only the input's pointer
         self.kernel._linear(m, packed.n, k, x.data_ptr(), k, packed.weight_ptr, packed.bias_ptr, out.data_ptr())
         return out
+
+    def hash(self, att: LSHSelfAttention, qk: Tensor, num_buckets: int | list[int]) -> Tensor:
+        """`att.hash` of a step's new queries qk (B, H, D): their buckets (B, H, R), through the C kernel
+        (the rotation products on the same loop as the linear layers) when `uses_kernel`."""
+        if not self.uses_kernel(qk):
+            return att.hash(qk.unsqueeze(2), num_buckets, None)[..., 0]
+        assert self.kernel is not None
+        factors = [num_buckets] if isinstance(num_buckets, int) else list(num_buckets)
+        size = sum(factors)  # the rotations' size: the count, or its factors' sum
+        key = (id(att), size)
+        packed = self._rotations.get(key)
+        if packed is None:
+            rot = hash_rotations(att.config.hash_seed, att.heads, att.head_size, att.rounds, size)  # (H, D, R, rot/2)
+            per_head = rot.reshape(att.heads, att.head_size, -1).transpose(1, 2)  # (H, R*rot/2, D)
+            packed = self._rotations[key] = torch.stack([self.kernel.pack(w.contiguous()) for w in per_head])
+        return self.kernel.lsh_hash(qk.contiguous(), packed, att.rounds, factors)
 
 
 __all__ = ["StepLinears"]

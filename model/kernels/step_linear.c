@@ -15,8 +15,14 @@
  * Every output element is one chain of K fused multiply-adds from 0 in order of k, then + bias: its bits
  * depend on its row of x and its column of W alone, never on the other rows, their number, or where the
  * row sits in the batch.
+ *
+ * lsh_hash is an LSH layer's hash of a step's new queries on the same loop: each head's query times that
+ * head's rotations (packed as a linear layer of R * rot/2 outputs), then per round and bucket factor f the
+ * argmax over [x, -x] of its f/2 rotated values, as model/attention.py's `hash` computes it.
  */
+#include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -103,5 +109,53 @@ int step_linear(int64_t m, int64_t n, int64_t k, const float *x, int64_t x_strid
                  y + r * n + col, n, width);
         }
     }
+    return 0;
+}
+
+/* first index of the max (hi) and of the min (lo) of x[0..n), NaN winning both, as torch.max and torch.min */
+static void extremes(const float *x, int64_t n, float *hi, int64_t *hi_at, float *lo, int64_t *lo_at) {
+    *hi = *lo = x[0];
+    *hi_at = *lo_at = 0;
+    for (int64_t j = 1; j < n; j++) {
+        const float v = x[j];
+        if (isnan(*hi)) break;
+        if (isnan(v)) {
+            *hi = *lo = v;
+            *hi_at = *lo_at = j;
+            break;
+        }
+        if (v > *hi) { *hi = v; *hi_at = j; }
+        if (v < *lo) { *lo = v; *lo_at = j; }
+    }
+}
+
+/* buckets (m, heads, rounds) int64 of queries q (m, heads, dim): per head, q times `packed` (heads copies of
+ * a packed (rounds * half, dim) weight: the head's rotations (dim, rounds, half) transposed), then per round
+ * the bucket of factors[0..nfactors) (their halves sum to half) combined as sum of b_i * prod f_<i. Returns
+ * 0, or 1 when its buffer could not be allocated. */
+int lsh_hash(int64_t m, int64_t heads, int64_t rounds, int64_t dim, int64_t half, int64_t nfactors,
+             const int64_t *factors, const float *q, const float *packed, int64_t *buckets) {
+    const int64_t n = rounds * half, panels = (n + PANEL - 1) / PANEL;
+    float *rotated = malloc((size_t)(m * n) * sizeof(float));
+    if (!rotated) return 1;
+    for (int64_t h = 0; h < heads; h++) {
+        step_linear(m, n, dim, q + h * dim, heads * dim, packed + h * panels * dim * PANEL, NULL, rotated);
+        for (int64_t b = 0; b < m; b++)
+            for (int64_t r = 0; r < rounds; r++) {
+                const float *x = rotated + b * n + r * half;
+                int64_t bucket = 0, scale = 1, start = 0;
+                for (int64_t i = 0; i < nfactors; i++) {
+                    const int64_t f = factors[i];
+                    float hi, lo;
+                    int64_t hi_at, lo_at;
+                    extremes(x + start, f / 2, &hi, &hi_at, &lo, &lo_at);
+                    bucket += scale * (hi >= -lo ? hi_at : lo_at + f / 2);
+                    start += f / 2;
+                    scale *= f;
+                }
+                buckets[(b * heads + h) * rounds + r] = bucket;
+            }
+    }
+    free(rotated);
     return 0;
 }

@@ -178,3 +178,19 @@ def test_the_build_without_avx512_gives_the_same_bits(kernel: cpu_kernels.Window
     w, b, x = torch.randn(70, 48, generator=g), torch.randn(70, generator=g), torch.randn(11, 48, generator=g)
     assert torch.equal(plain.pack(w), kernel.pack(w))
     assert torch.equal(plain.linear(x, plain.pack(w), 70, b), kernel.linear(x, kernel.pack(w), 70, b))
+
+
+@pytest.mark.parametrize("num_buckets", [8, 64, [4, 8]])
+def test_the_hash_kernel_gives_the_attentions_buckets(num_buckets: int | list[int]) -> None:
+    torch.manual_seed(7)
+    lm = ReformerLM(tiny_config(attn_layers=["lsh"], num_hashes=3, num_buckets=None)).eval()
+    att = lm.layers[0].attention.self_attention
+    linears = DecodeCache(lm, 8 << 20, max_slots=1).step_linears
+    assert linears.kernel is not None
+    for rows in (1, 3, 8, 13):
+        qk = torch.randn(rows, att.heads, att.head_size)
+        qk[0, 0] = 0.0  # every rotated value 0: ties resolve to the first index, x before -x
+        want = att.hash(qk.unsqueeze(2), num_buckets, None)[..., 0]  # (B, H, R)
+        got = linears.hash(att, qk, num_buckets)
+        assert got.dtype == torch.int64 and torch.equal(got, want)
+        assert torch.equal(got[1:2], linears.hash(att, qk[1:2], num_buckets))  # alone as batched
