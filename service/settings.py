@@ -106,10 +106,12 @@ class Settings(BaseSettings):
         "window_attend.c, built on first use with the C compiler named by CC, or cc, into "
         "$XDG_CACHE_HOME or ~/.cache, under reformer-serve/kernels, or into REFORMER_KERNEL_DIR) that reads "
         "each window slot's key and value rows once, prefetching them, instead of gathering them with PyTorch "
-        "ops; its cache writes and LSH index updates are C calls too. Same results within 1e-5 with a float32 "
+        "ops; its cache writes and LSH index updates are C calls too, and so are a step's linear layers and "
+        "LSH hashes (model/kernels/step_linear.c: weights packed once, each output one chain of multiply-adds, "
+        "so a row's products do not depend on the batch). Same results within 1e-5 with a float32 "
         "cache (tests/model/test_cpu_kernels.py; a half cache, kv_cache_dtype, within 3e-4: "
         "tests/model/test_kv_cache_dtype.py). When the build fails or no compiler is found it falls back to the "
-        "PyTorch ops, with a warning; /info's batching.cpu_window_kernel says which runs. No effect on GPU.",
+        "PyTorch ops, with a warning; /info's batching.cpu_window_kernel and cpu_step_kernel say which runs. No effect on GPU.",
     )
     max_queue_size: int = Field(
         64, ge=1, description="Requests allowed to wait for the model; beyond it requests get 429 at once."
