@@ -20,7 +20,9 @@ the prompt length (tests/model/test_decode.py and bench/decode_quality.py measur
 Shapes: a step's rows are padded to a batch bucket (1, 2, 4, ... 64, then multiples of 64), padding rows
 reading and writing the cache's scratch slot. With `invariant=True` rows run in fixed blocks of
 `INVARIANT_ROWS`, so a row's logits are bit-identical whatever it is batched with (F.linear gives a row the
-same bits whenever the number of rows is the same).
+same bits whenever the number of rows is the same). A CPU step whose attention and products all run through
+the C kernels (`DecodeCache.rows_independent`) computes every row alone already: it needs no fixed blocks
+(`rows_per_call`), and gives a row the bits of its step alone in either mode (tests/model/test_decode.py).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ if TYPE_CHECKING:
     from .reversible import ReformerLayer
 
 __all__ = ["CacheFull", "DecodeCache", "DecodeState", "INVARIANT_ROWS", "SINGLE_THREAD_ROWS", "batch_bucket",
-           "decode_step", "prefill", "prefill_steps", "step_threads"]
+           "decode_step", "prefill", "prefill_steps", "rows_per_call", "step_threads"]
 
 INVARIANT_ROWS = 16
 # A step over at most this many rows is hundreds of tiny ops: a second intra-op thread only adds a hand-off
@@ -78,6 +80,17 @@ def step_threads(rows: int, device: torch.device | None = None) -> Iterator[None
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def rows_per_call(cache: DecodeCache, rows: int, invariant: bool) -> int:
+    """The most rows one model call of a step over `rows` rows holds: INVARIANT_ROWS in invariant mode
+    unless the cache's steps compute each row alone now (`DecodeCache.rows_independent`), else all of them."""
+    return INVARIANT_ROWS if _in_blocks(cache, invariant) else rows
+
+
+def _in_blocks(cache: DecodeCache, invariant: bool) -> bool:
+    """Fixed blocks of INVARIANT_ROWS only where a row's bits would otherwise depend on the batch."""
+    return invariant and not cache.rows_independent()
 
 
 def batch_bucket(rows: int) -> int:
@@ -286,7 +299,7 @@ def decode_step(lm: ReformerLM, tokens: Tensor, cache: DecodeCache, states: Sequ
             raise ValueError(f"decoding past the {state.capacity * cache.block_size} positions reserved")
     _maintain_indexes(lm, cache, states)
     tokens = tokens.reshape(-1).to(cache.device)
-    size = INVARIANT_ROWS if invariant else batch_bucket(b)
+    size = INVARIANT_ROWS if _in_blocks(cache, invariant) else batch_bucket(b)
     out = []
     for start in range(0, b, size):
         part = list(states[start : start + size])

@@ -61,7 +61,12 @@ class StepLinears:
         self._rotations: dict[tuple[int, int], Tensor] = {}  # (layer, rotation size) -> (H, packed)
 
     def uses_kernel(self, x: Tensor) -> bool:
-        return (self.kernel is not None and x.dtype == torch.float32 and x.device.type == "cpu"
+        return self.runs_kernel(x.dtype, x.device)
+
+    def runs_kernel(self, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether products of `dtype` rows on `device` go through the kernel now (the intra-op thread count
+        is part of the rule)."""
+        return (self.kernel is not None and dtype == torch.float32 and device.type == "cpu"
                 and torch.get_num_threads() == 1)
 
     def __call__(self, x: Tensor, *layers: nn.Linear) -> Tensor:

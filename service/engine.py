@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 
-from model.decode import INVARIANT_ROWS
 from model.sampling import greedy_choices
 from service.admission import Admission, Reservation
 from service.backends import EmbeddingBackend
@@ -386,8 +385,8 @@ class Engine:
             log.exception("decode step over %d generations failed", len(jobs))
             self._fail_jobs(jobs)
             return
-        # rows per model call: in invariant mode the step runs in blocks of INVARIANT_ROWS rows
-        block = INVARIANT_ROWS if self.config.batch_invariant else len(jobs)
+        # rows per model call: in invariant mode the step may run in blocks of INVARIANT_ROWS rows
+        block = self.runner.rows_per_call(len(jobs))
         for start in range(0, len(jobs), block):
             rows = min(block, len(jobs) - start)
             self.metrics.batch_size.labels("decode").observe(rows)

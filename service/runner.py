@@ -10,7 +10,7 @@ from typing import Any
 import psutil
 import torch
 
-from model.decode import DecodeCache, DecodeState, decode_step, prefill, prefill_steps, step_threads
+from model.decode import DecodeCache, DecodeState, decode_step, prefill, prefill_steps, rows_per_call, step_threads
 from model.step_graphs import StepGraphs
 
 log = logging.getLogger("service.engine")
@@ -106,6 +106,12 @@ class ModelRunner:
         # small steps on one intra-op thread (process-wide, restored after: model.decode.step_threads)
         with step_threads(len(states), self.device):
             return decode_step(self.model, ids, self.cache, states, self.invariant, self.graphs).float().cpu()
+
+    def rows_per_call(self, rows: int) -> int:
+        """The most rows one model call of a decode step over `rows` rows holds (model.decode.rows_per_call,
+        under the thread count the step runs with)."""
+        with step_threads(rows, self.device):
+            return rows_per_call(self.cache, rows, self.invariant)
 
     def can_step(self, state: DecodeState) -> bool:
         return 0 <= state.slot and state.length < min(state.capacity * self.cache.block_size, self.max_positions)

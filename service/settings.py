@@ -88,9 +88,11 @@ class Settings(BaseSettings):
     )
     batch_invariant: bool = Field(
         False,
-        description="Run decode steps in fixed blocks of 16 rows, so a generation's logits are bit-identical "
-        "whatever it is batched with (and prefill each prompt alone). Off: steps are padded to a power-of-two "
-        "batch and results match a request alone within 1e-4, with the same greedy tokens.",
+        description="Make a generation's logits bit-identical whatever it is batched with: prefill each prompt "
+        "alone, and run decode steps in fixed blocks of 16 rows, except on CPU where the C kernels compute a "
+        "step's rows each alone already (cpu_kernels, float32, one intra-op thread per step: then steps are "
+        "batched as with this off). Off: prompts arriving together are prefilled together, and results match "
+        "a request alone within 1e-4, with the same greedy tokens.",
     )
     cuda_graphs: bool = Field(
         False,
@@ -111,7 +113,8 @@ class Settings(BaseSettings):
         "so a row's products do not depend on the batch). Same results within 1e-5 with a float32 "
         "cache (tests/model/test_cpu_kernels.py; a half cache, kv_cache_dtype, within 3e-4: "
         "tests/model/test_kv_cache_dtype.py). When the build fails or no compiler is found it falls back to the "
-        "PyTorch ops, with a warning; /info's batching.cpu_window_kernel and cpu_step_kernel say which runs. No effect on GPU.",
+        "PyTorch ops, with a warning; /info's batching.cpu_window_kernel and cpu_step_kernel say which runs. "
+        "No effect on GPU.",
     )
     max_queue_size: int = Field(
         64, ge=1, description="Requests allowed to wait for the model; beyond it requests get 429 at once."

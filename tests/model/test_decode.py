@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from model import ReformerLM
-from model.decode import DecodeCache, batch_bucket, decode_step, prefill
+from model.decode import INVARIANT_ROWS, DecodeCache, batch_bucket, decode_step, prefill, rows_per_call
 from model.decode_index import RECENT
 
 from .helpers import tiny_config
@@ -353,3 +353,40 @@ def test_index_merges_and_appends_keep_the_full_sort(merge: str) -> None:
     want = torch.argsort(buckets * length + torch.arange(length), dim=-1).reshape(heads * rounds, length)
     assert torch.equal(index.order[rows].long().t() - index.shift, want)
     assert int(index.recent_counts.sum()) == 0 and int(index.main_counts[0].sum()) == heads * rounds * length
+
+
+@pytest.mark.parametrize("layers", [["local", "lsh", "local", "lsh"], ["lsh", "lsh", "lsh"], ["local", "local"]])
+def test_on_the_cpu_kernels_a_batched_step_gives_each_row_its_bits_alone(layers: list[str]) -> None:
+    """With the C window and product kernels (one intra-op thread) a step computes every row alone: bucketed
+    batching, requests joining and leaving, rows of different bucket counts (automatic buckets), still gives
+    each row the logits of its decode alone, bit for bit; so invariant mode needs no fixed blocks there."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        lm = ReformerLM(tiny_config(vocab_size=258, initializer_range=0.3, attn_layers=layers, num_buckets=None)).eval()
+        assert DecodeCache.for_tokens(lm, 128).rows_independent()
+        prompts = [torch.randint(3, 258, (n,), generator=torch.Generator().manual_seed(n))
+                   for n in (7, 33, 64, 3, 20, 90, 41, 12, 9)]
+        alone = _run(lm, prompts, 10, together=False, invariant=False)
+        batched = _run(lm, prompts, 10, together=True, invariant=False, join_at={1: 2, 3: 5, 4: 5})
+        for a, b in zip(alone, batched, strict=True):
+            assert len(a) == len(b) == 10
+            assert all(torch.equal(x, y) for x, y in zip(a, b))
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_invariant_steps_run_in_fixed_blocks_only_where_rows_are_not_independent() -> None:
+    lm = ReformerLM(tiny_config()).eval()
+    fast, plain = DecodeCache.for_tokens(lm, 64), DecodeCache.for_tokens(lm, 64, cpu_kernel=False)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert rows_per_call(fast, 40, invariant=True) == 40 and rows_per_call(fast, 40, invariant=False) == 40
+        assert not plain.rows_independent() and rows_per_call(plain, 40, invariant=True) == INVARIANT_ROWS
+        assert rows_per_call(plain, 40, invariant=False) == 40
+        torch.set_num_threads(2)  # products through PyTorch's threaded matmul: fixed blocks again
+        assert not fast.rows_independent() and rows_per_call(fast, 40, invariant=True) == INVARIANT_ROWS
+    finally:
+        torch.set_num_threads(before)
