@@ -46,6 +46,7 @@
 #define BAD_INDEX 2
 #define BAD_KIND 4 /* pools of a kind this build does not read */
 #define MAX_ROUNDS 64 /* the Python side uses the PyTorch path past it */
+#define OUT_REGS 8 /* float32 outputs of up to 8 * 16 elements are summed in registers */
 
 /* The element kinds of the key and value pools (model/cpu_kernels.py's KIND): a step's queries, scores and
  * outputs are float32 whatever the pools hold; a half-precision row is widened to float32 as it is read. */
@@ -158,6 +159,16 @@ static inline __m512 widen16(const uint16_t *h, int kind) {
 
 static inline float dot_row(const float *q, const void *pool, int kind, int64_t at, int64_t d, float *buf) {
 #ifdef __AVX512F__
+    if (kind == KIND_F32 && d % 32 == 0) {
+        /* two chains of 16 lanes, reduced in registers (the generic loop's lanes went through the stack) */
+        const float *k = (const float *)pool + at * d;
+        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+        for (int64_t j = 0; j < d; j += 32) {
+            a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q + j), _mm512_loadu_ps(k + j), a0);
+            a1 = _mm512_fmadd_ps(_mm512_loadu_ps(q + j + 16), _mm512_loadu_ps(k + j + 16), a1);
+        }
+        return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+    }
     if (kind != KIND_F32 && d % 16 == 0) {
         const uint16_t *h = (const uint16_t *)pool + at * d;
         __m512 acc = _mm512_setzero_ps();
@@ -234,6 +245,24 @@ static int attend_slots(const float *q, int64_t dim, int64_t rounds, int64_t wid
         const float scale = expf(lse[r] - all) / lse[R + r];
         for (int64_t w = 0; w < W; w++) score[r * W + w] *= scale;
     }
+#ifdef __AVX512F__
+    if (kind == KIND_F32 && D % 16 == 0 && D <= 16 * OUT_REGS) {
+        /* the same multiply-adds as add_row, with the output row held in registers across the slots */
+        __m512 acc[OUT_REGS];
+        const int64_t parts = D / 16;
+        for (int64_t c = 0; c < parts; c++) acc[c] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < n; i++) {
+            if (i + AHEAD < n && score[i + AHEAD] != 0.0f) prefetch_row(values, row_bytes, flat[i + AHEAD]);
+            const float p = score[i];
+            if (p == 0.0f) continue;
+            const float *v = (const float *)values + flat[i] * D;
+            const __m512 pp = _mm512_set1_ps(p);
+            for (int64_t c = 0; c < parts; c++) acc[c] = _mm512_fmadd_ps(pp, _mm512_loadu_ps(v + 16 * c), acc[c]);
+        }
+        for (int64_t c = 0; c < parts; c++) _mm512_storeu_ps(out + 16 * c, acc[c]);
+        return 0;
+    }
+#endif
     memset(out, 0, (size_t)D * sizeof(float));
     for (int64_t i = 0; i < n; i++) {
         if (i + AHEAD < n && score[i + AHEAD] != 0.0f) prefetch_row(values, row_bytes, flat[i + AHEAD]);
