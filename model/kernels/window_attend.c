@@ -206,6 +206,13 @@ static int attend_slots(const float *q, int64_t dim, int64_t rounds, int64_t wid
     const int64_t R = rounds, W = width, D = dim, n = R * W, row_bytes = D * kind_bytes(kind);
     for (int64_t i = 0; i < n; i++)
         if (!absent[i] && (flat[i] < 0 || flat[i] >= pool_len)) return BAD_INDEX;
+    /* the first AHEAD slots, which the loop's look-ahead never reaches */
+    for (int64_t i = 0; i < AHEAD && i < n; i++)
+        if (!absent[i]) {
+            prefetch_row(keys, row_bytes, flat[i]);
+            prefetch_row(values, row_bytes, flat[i]);
+            if (norms) __builtin_prefetch(norms + flat[i], 0, LOCALITY);
+        }
     for (int64_t i = 0; i < n; i++) {
         if (i + AHEAD < n && !absent[i + AHEAD]) {
             /* the value row too: by the weighted sum below it is in cache, fetched alongside the key */
