@@ -27,6 +27,8 @@ class _Packed:
     """Linear layers with one input size, their weights side by side as the kernel reads them."""
 
     def __init__(self, kernel: WindowKernel, layers: tuple[nn.Linear, ...]) -> None:
+        # held, so the ids that key this packing cannot be reused by other layers while it exists
+        self.layers = layers
         self.stamp = _stamp(layers)
         weight = torch.cat([layer.weight.detach() for layer in layers]).float().contiguous()  # (N, K)
         self.n, self.k = weight.shape
@@ -58,7 +60,8 @@ class StepLinears:
     def __init__(self, kernel: WindowKernel | None) -> None:
         self.kernel = kernel
         self._packed: dict[tuple[int, ...], _Packed] = {}
-        self._rotations: dict[tuple[int, int], Tensor] = {}  # (layer, rotation size) -> (H, packed)
+        # (id of the layer, rotation size) -> the layer (held, so its id is not reused) and (H, packed)
+        self._rotations: dict[tuple[int, int], tuple[LSHSelfAttention, Tensor]] = {}
 
     def uses_kernel(self, x: Tensor) -> bool:
         return self.runs_kernel(x.dtype, x.device)
@@ -95,11 +98,12 @@ class StepLinears:
         factors = [num_buckets] if isinstance(num_buckets, int) else list(num_buckets)
         size = sum(factors)  # the rotations' size: the count, or its factors' sum
         key = (id(att), size)
-        packed = self._rotations.get(key)
-        if packed is None:
+        held = self._rotations.get(key)
+        if held is None:
             rot = hash_rotations(att.config.hash_seed, att.heads, att.head_size, att.rounds, size)  # (H, D, R, rot/2)
             per_head = rot.reshape(att.heads, att.head_size, -1).transpose(1, 2)  # (H, R*rot/2, D)
-            packed = self._rotations[key] = torch.stack([self.kernel.pack(w.contiguous()) for w in per_head])
+            held = self._rotations[key] = (att, torch.stack([self.kernel.pack(w.contiguous()) for w in per_head]))
+        packed = held[1]
         return self.kernel.lsh_hash(qk.contiguous(), packed, att.rounds, factors)
 
 

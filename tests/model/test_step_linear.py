@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import copy
 import ctypes
+import gc
 import shutil
 import subprocess
+import weakref
 from pathlib import Path
 
 import pytest
@@ -194,3 +196,26 @@ def test_the_hash_kernel_gives_the_attentions_buckets(num_buckets: int | list[in
         got = linears.hash(att, qk, num_buckets)
         assert got.dtype == torch.int64 and torch.equal(got, want)
         assert torch.equal(got[1:2], linears.hash(att, qk[1:2], num_buckets))  # alone as batched
+
+
+def test_a_packing_is_never_taken_for_another_layer(kernel: cpu_kernels.WindowKernel) -> None:
+    """Packings are keyed by the layers' ids; each holds its layers (a packing's layer outlives every other
+    reference to it), so a layer made later cannot take a packed layer's id and so its packing."""
+    linears = StepLinears(kernel)
+    x = torch.randn(2, 16)
+    refs = []
+    for seed in range(5):
+        torch.manual_seed(seed)
+        layer = nn.Linear(16, 16)
+        with torch.no_grad():
+            assert torch.allclose(linears(x, layer), layer(x), atol=1e-5)
+        refs.append(weakref.ref(layer))
+        del layer
+    gc.collect()
+    assert all(ref() is not None for ref in refs)
+    lm = ReformerLM(tiny_config(attn_layers=["lsh"], num_buckets=8)).eval()
+    att = weakref.ref(lm.layers[0].attention.self_attention)
+    linears.hash(lm.layers[0].attention.self_attention, torch.randn(1, 2, 16), 8)
+    del lm
+    gc.collect()
+    assert att() is not None
