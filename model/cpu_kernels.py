@@ -104,7 +104,7 @@ def _require(what: str, *wants: tuple[Tensor, torch.dtype | tuple[torch.dtype, .
     """Each tensor a contiguous CPU tensor of its dtype(s): the C side reads raw pointers."""
     for x, dtype in wants:
         ok = x.dtype in dtype if isinstance(dtype, tuple) else x.dtype == dtype
-        if not ok or x.device.type != "cpu" or not x.is_contiguous():
+        if not ok or not x.is_cpu or not x.is_contiguous():
             raise ValueError(f"{what}: expected a contiguous {dtype} CPU tensor, got {x.dtype} {tuple(x.shape)} on "
                              f"{x.device}{'' if x.is_contiguous() else ', not contiguous'}")
 

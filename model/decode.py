@@ -28,6 +28,7 @@ the C kernels (`DecodeCache.rows_independent`) computes every row alone already:
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Generator, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from .attention import AttentionContext, LocalSelfAttention, LSHSelfAttention
 from .batch import prepare_batch
@@ -361,26 +362,59 @@ def _step_compute(lm: ReformerLM, cache: DecodeCache, tokens: Tensor, meta: Tens
     new_rows = step.blocks.rows(t.view(-1, 1)).view(-1)  # (B,): where the new keys go
     local: tuple[Tensor, Tensor] | None = None
     linear = cache.step_linears  # the step's matrix products (model/step_linear.py)
-    for li, layer in enumerate(_layers(lm)):
-        att = layer.attention.self_attention
-        h = layer.attention.layer_norm(x2)  # (B, hidden)
+    for li, p in enumerate(_plan(lm)):
+        att = p.attention
+        h = p.norm(x2)  # (B, hidden)
+        qkv = linear(h, *p.projections).view(rows, len(p.projections), att.heads, att.head_size)  # (B, 2|3, H, D)
         if isinstance(att, LSHSelfAttention):
-            qkv = linear(h, att.query_key, att.value).view(rows, 2, att.heads, att.head_size)  # (B, 2, H, D)
             qk, v = qkv[:, 0], qkv[:, 1]
             cache.write_step(li, new_rows, qk, v)
             out = _lsh_attend(cache, li, att, qk, step)
         else:
-            assert isinstance(att, LocalSelfAttention)
-            qkv = linear(h, att.query, att.key, att.value).view(rows, 3, att.heads, att.head_size)  # (B, 3, H, D)
             q, k, v = qkv[:, 0], qkv[:, 1] / math.sqrt(att.head_size), qkv[:, 2]
             cache.write_step(li, new_rows, k, v)
             if local is None:  # every local layer has the same window: built once per step
                 local = _local_window(cache, att, step, meta[:, 4].bool())
             out = _local_attend(cache, li, q, local)
-        x1 = x1 + linear(out.reshape(rows, -1), layer.attention.output)  # (B, hidden)
-        ff = layer.feed_forward  # its chunk in eval: output(act(dense(layer_norm(x))))
-        x2 = x2 + linear(ff.act(linear(ff.layer_norm(x1), ff.dense)), ff.output)
+        x1 = x1 + linear(out.reshape(rows, -1), p.output)  # (B, hidden)
+        # the feed-forward's chunk in eval: output(act(dense(layer_norm(x))))
+        x2 = x2 + linear(p.ff_act(linear(p.ff_norm(x1), p.ff_dense)), p.ff_output)
     return linear(lm.final_layer_norm(torch.cat([x1, x2], dim=-1)), lm.lm_head)  # (B, vocab)
+
+
+@dataclass(frozen=True)
+class _LayerPlan:
+    """One layer's modules as a decode step uses them, looked up once per model instead of through
+    nn.Module attribute access (about 1 us each, a dozen per layer) at every step. Kept per model (weakly):
+    a model's layers are its modules for life; their weights may change (the products follow them)."""
+    attention: LSHSelfAttention | LocalSelfAttention
+    norm: nn.Module
+    projections: tuple[nn.Linear, ...]  # LSH: query-key, value; local: query, key, value
+    output: nn.Linear
+    ff_norm: nn.Module
+    ff_dense: nn.Linear
+    ff_act: nn.Module
+    ff_output: nn.Linear
+
+
+_PLANS: weakref.WeakKeyDictionary[ReformerLM, list[_LayerPlan]] = weakref.WeakKeyDictionary()
+
+
+def _plan(lm: ReformerLM) -> list[_LayerPlan]:
+    plan = _PLANS.get(lm)
+    if plan is None:
+        plan = []
+        for layer in _layers(lm):
+            att, ff = layer.attention.self_attention, layer.feed_forward
+            if isinstance(att, LSHSelfAttention):
+                projections: tuple[nn.Linear, ...] = (att.query_key, att.value)
+            else:
+                assert isinstance(att, LocalSelfAttention)
+                projections = (att.query, att.key, att.value)
+            plan.append(_LayerPlan(att, layer.attention.layer_norm, projections, layer.attention.output,
+                                   ff.layer_norm, ff.dense, ff.act, ff.output))
+        _PLANS[lm] = plan
+    return plan
 
 
 def _local_window(cache: DecodeCache, att: LocalSelfAttention, step: _Step, dense: Tensor) -> tuple[Tensor, Tensor]:

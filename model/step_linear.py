@@ -43,10 +43,11 @@ class _Packed:
 
 
 def _stamp(layers: tuple[nn.Linear, ...]) -> tuple[int, ...]:
-    """What identifies the weights' current values: each tensor's storage and version counter."""
+    """What identifies the weights' current values: each tensor's storage and version counter (read from
+    `_parameters`, not through Module.__getattr__: this runs for every product of every step)."""
     out: list[int] = []
     for layer in layers:
-        for p in (layer.weight, layer.bias):
+        for p in layer._parameters.values():
             if p is not None:
                 out += (p.data_ptr(), p._version)
     return tuple(out)
@@ -59,12 +60,12 @@ class StepLinears:
 
     def __init__(self, kernel: WindowKernel | None) -> None:
         self.kernel = kernel
-        self._packed: dict[tuple[int, ...], _Packed] = {}
+        self._packed: dict[tuple[nn.Linear, ...], _Packed] = {}  # keyed by the layers themselves (by identity)
         # (id of the layer, rotation size) -> the layer (held, so its id is not reused) and (H, packed)
         self._rotations: dict[tuple[int, int], tuple[LSHSelfAttention, Tensor]] = {}
 
     def uses_kernel(self, x: Tensor) -> bool:
-        return self.runs_kernel(x.dtype, x.device)
+        return self.kernel is not None and x.dtype == torch.float32 and x.is_cpu and torch.get_num_threads() == 1
 
     def runs_kernel(self, dtype: torch.dtype, device: torch.device) -> bool:
         """Whether products of `dtype` rows on `device` go through the kernel now (the intra-op thread count
@@ -76,11 +77,11 @@ class StepLinears:
         if not self.uses_kernel(x):
             return layers[0](x) if len(layers) == 1 else torch.cat([layer(x) for layer in layers], dim=-1)
         assert self.kernel is not None
-        key = tuple(id(layer) for layer in layers)
-        packed = self._packed.get(key)
+        packed = self._packed.get(layers)
         if packed is None or packed.stamp != _stamp(layers):
-            packed = self._packed[key] = _Packed(self.kernel, layers)
-        x = x.contiguous()
+            packed = self._packed[layers] = _Packed(self.kernel, layers)
+        if not x.is_contiguous():
+            x = x.contiguous()
         m, k = x.shape
         if k != packed.k:
             raise ValueError(f"step linear: input of {k} features for layers of {packed.k}")
