@@ -331,7 +331,8 @@ def _step_rows(lm: ReformerLM, cache: DecodeCache, tokens: Tensor, states: list[
     rows_meta += [[cache.scratch_slot, 0, 1, 1, 1, cache.scratch_slot, 0]] * pad
     all_hashed = all(m[2] for m in rows_meta)
     meta = torch.tensor(rows_meta, dtype=torch.long)
-    tokens = F.pad(tokens, (0, pad), value=cfg.pad_token_id)
+    if pad:  # F.pad costs a few microseconds even when it adds nothing
+        tokens = F.pad(tokens, (0, pad), value=cfg.pad_token_id)
     groups = _bucket_groups(nbs)
     if graphs is not None:
         out = graphs.run(lambda t, m: _step_compute(lm, cache, t, m, all_hashed, groups, first_lsh), tokens, meta,
@@ -364,7 +365,7 @@ def _step_compute(lm: ReformerLM, cache: DecodeCache, tokens: Tensor, meta: Tens
     linear = cache.step_linears  # the step's matrix products (model/step_linear.py)
     for li, p in enumerate(_plan(lm)):
         att = p.attention
-        h = p.norm(x2)  # (B, hidden)
+        h = _norm(p.norm, x2)  # (B, hidden)
         qkv = linear(h, *p.projections).view(rows, len(p.projections), att.heads, att.head_size)  # (B, 2|3, H, D)
         if isinstance(att, LSHSelfAttention):
             qk, v = qkv[:, 0], qkv[:, 1]
@@ -378,8 +379,13 @@ def _step_compute(lm: ReformerLM, cache: DecodeCache, tokens: Tensor, meta: Tens
             out = _local_attend(cache, li, q, local)
         x1 = x1 + linear(out.reshape(rows, -1), p.output)  # (B, hidden)
         # the feed-forward's chunk in eval: output(act(dense(layer_norm(x))))
-        x2 = x2 + linear(p.ff_act(linear(p.ff_norm(x1), p.ff_dense)), p.ff_output)
-    return linear(lm.final_layer_norm(torch.cat([x1, x2], dim=-1)), lm.lm_head)  # (B, vocab)
+        x2 = x2 + linear(p.ff_act(linear(_norm(p.ff_norm, x1), p.ff_dense)), p.ff_output)
+    return linear(_norm(lm.final_layer_norm, torch.cat([x1, x2], dim=-1)), lm.lm_head)  # (B, vocab)
+
+
+def _norm(ln: nn.LayerNorm, x: Tensor) -> Tensor:
+    """`ln(x)` without nn.Module's call machinery (hooks a step never uses; a few microseconds a call)."""
+    return F.layer_norm(x, ln.normalized_shape, ln.weight, ln.bias, ln.eps)
 
 
 @dataclass(frozen=True)
@@ -388,10 +394,10 @@ class _LayerPlan:
     nn.Module attribute access (about 1 us each, a dozen per layer) at every step. Kept per model (weakly):
     a model's layers are its modules for life; their weights may change (the products follow them)."""
     attention: LSHSelfAttention | LocalSelfAttention
-    norm: nn.Module
+    norm: nn.LayerNorm
     projections: tuple[nn.Linear, ...]  # LSH: query-key, value; local: query, key, value
     output: nn.Linear
-    ff_norm: nn.Module
+    ff_norm: nn.LayerNorm
     ff_dense: nn.Linear
     ff_act: nn.Module
     ff_output: nn.Linear
