@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Generator, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import psutil
@@ -103,15 +104,22 @@ class ModelRunner:
     @torch.inference_mode()
     def decode(self, tokens: Sequence[int], states: Sequence[DecodeState]) -> torch.Tensor:
         ids = torch.tensor(list(tokens), dtype=torch.long).to(self.device)
-        # small steps on one intra-op thread (process-wide, restored after: model.decode.step_threads)
-        with step_threads(len(states), self.device):
+        with self._step_threads(len(states)):
             return decode_step(self.model, ids, self.cache, states, self.invariant, self.graphs).float().cpu()
 
     def rows_per_call(self, rows: int) -> int:
         """The most rows one model call of a decode step over `rows` rows holds (model.decode.rows_per_call,
         under the thread count the step runs with)."""
-        with step_threads(rows, self.device):
+        with self._step_threads(rows):
             return rows_per_call(self.cache, rows, self.invariant)
+
+    def _step_threads(self, rows: int) -> AbstractContextManager[None]:
+        """Small steps on one intra-op thread (process-wide, restored after: model.decode.step_threads). In
+        invariant mode with the CPU kernels, every step: a step's products take the C kernel on one thread and
+        PyTorch's matmul on more, so a thread count that followed the batch size would give a row other bits
+        batched than alone (on a host with more than 2 cores, where larger steps get more threads)."""
+        single = self.invariant and self.cache.window_kernel is not None and self.cache.step_linears.kernel is not None
+        return step_threads(1 if single else rows, self.device)
 
     def can_step(self, state: DecodeState) -> bool:
         return 0 <= state.slot and state.length < min(state.capacity * self.cache.block_size, self.max_positions)

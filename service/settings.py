@@ -89,10 +89,10 @@ class Settings(BaseSettings):
     batch_invariant: bool = Field(
         False,
         description="Make a generation's logits bit-identical whatever it is batched with: prefill each prompt "
-        "alone, and run decode steps in fixed blocks of 16 rows, except on CPU where the C kernels compute a "
-        "step's rows each alone already (cpu_kernels, float32, one intra-op thread per step: then steps are "
-        "batched as with this off). Off: prompts arriving together are prefilled together, and results match "
-        "a request alone within 1e-4, with the same greedy tokens.",
+        "alone, and run decode steps in fixed blocks of 16 rows, except on CPU with the C kernels (cpu_kernels, "
+        "float32), where every step runs on one intra-op thread and the kernels compute each row alone, so "
+        "steps are batched as with this off. Off: prompts arriving together are prefilled together, and "
+        "results match a request alone within 1e-4, with the same greedy tokens.",
     )
     cuda_graphs: bool = Field(
         False,

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
 
 from model.sampling import SamplingParams
 from service.engine import Engine, EngineConfig
@@ -281,3 +282,40 @@ def test_a_non_streaming_generation_gets_its_tokens_together_at_the_end(engine: 
     together, seen_together = asyncio.run(run(False))
     assert together == streamed and len(together) == 150  # the same tokens, in order
     assert seen_together == 0 and seen_streaming > 0
+
+
+def test_invariant_steps_keep_their_bits_on_a_host_with_more_cores() -> None:
+    """With 4 intra-op threads (a larger host than CI's), steps of more than 4 rows would run their products
+    on PyTorch's threaded matmul and smaller ones on the C kernel; invariant mode keeps every step on the
+    kernel, so a row batched with five others gets the bits it gets alone, in one model call."""
+    from model import ReformerLM
+    from service.runner import ModelRunner
+    from tests.model.helpers import tiny_config
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        torch.manual_seed(0)
+        lm = ReformerLM(tiny_config(vocab_size=258, initializer_range=0.3)).eval()
+        prompts = [[5, 6, 7, 8, 9, 10, 11], *([[20 + i, 30, 40 + i] for i in range(5)])]
+
+        def run(rows: int, invariant: bool) -> list[torch.Tensor]:
+            runner = ModelRunner(lm, torch.device("cpu"), 8, 64 << 20, invariant=invariant)
+            logits, states = runner.prefill(prompts[:1], [40])  # prompts prefilled alone, as invariant mode does
+            for p in prompts[1:rows]:
+                states += runner.prefill([p], [40])[1]
+            tokens = [int(logits[0].argmax())] + [7] * (rows - 1)
+            out = []
+            for _ in range(6):
+                step = runner.decode(tokens, states)
+                out.append(step[0])
+                tokens = [int(row.argmax()) for row in step]
+            assert runner.rows_per_call(rows) == rows  # one call: no 16-row blocks
+            return out
+
+        alone, batched = run(1, True), run(6, True)
+        assert all(torch.equal(a, b) for a, b in zip(alone, batched))
+        bucketed = run(6, False)
+        assert all((a - b).abs().max().item() <= 1e-4 for a, b in zip(alone, bucketed))
+    finally:
+        torch.set_num_threads(before)
