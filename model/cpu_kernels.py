@@ -141,6 +141,7 @@ class WindowKernel:
         self._append = declare("lsh_append", [i64] * 5 + [ptr] * 4 + [i64] * 3)
         self._linear = declare("step_linear", [i64] * 3 + [ptr, i64] + [ptr] * 3)
         self._hash = declare("lsh_hash", [i64] * 6 + [ptr] * 4)
+        self._tail = declare("step_tail", [i64] * 4 + [ptr] * 7 + [f32] + [ptr] * 2 + [i64] + [ptr] * 2)
         self._pack = lib.step_linear_pack
         self._pack.argtypes, self._pack.restype = [i64, i64, ptr, ptr], None
         kinds = lib.window_kinds

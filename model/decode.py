@@ -359,7 +359,7 @@ def _step_compute(lm: ReformerLM, cache: DecodeCache, tokens: Tensor, meta: Tens
         assert isinstance(att0, LSHSelfAttention)
         _lsh_geometry(cache, step, att0, meta, all_hashed, cache.indexes[first_lsh])
     x = lm.embeddings.word_embeddings(tokens) + lm.embeddings.position_embeddings(t)  # (B, hidden)
-    x1 = x2 = x
+    x1, x2 = x, x.clone()  # two tensors: a layer's tail may update them in place
     new_rows = step.blocks.rows(t.view(-1, 1)).view(-1)  # (B,): where the new keys go
     local: tuple[Tensor, Tensor] | None = None
     linear = cache.step_linears  # the step's matrix products (model/step_linear.py)
@@ -377,9 +377,11 @@ def _step_compute(lm: ReformerLM, cache: DecodeCache, tokens: Tensor, meta: Tens
             if local is None:  # every local layer has the same window: built once per step
                 local = _local_window(cache, att, step, meta[:, 4].bool())
             out = _local_attend(cache, li, q, local)
-        x1 = x1 + linear(out.reshape(rows, -1), p.output)  # (B, hidden)
-        # the feed-forward's chunk in eval: output(act(dense(layer_norm(x))))
-        x2 = x2 + linear(p.ff_act(linear(_norm(p.ff_norm, x1), p.ff_dense)), p.ff_output)
+        out = out.reshape(rows, -1)  # (B, H*D)
+        if not linear.tail(out, x1, x2, p.output, p.ff_norm, p.ff_dense, p.ff_act, p.ff_output):
+            x1 = x1 + linear(out, p.output)  # (B, hidden)
+            # the feed-forward's chunk in eval: output(act(dense(layer_norm(x))))
+            x2 = x2 + linear(p.ff_act(linear(_norm(p.ff_norm, x1), p.ff_dense)), p.ff_output)
     return linear(_norm(lm.final_layer_norm, torch.cat([x1, x2], dim=-1)), lm.lm_head)  # (B, vocab)
 
 

@@ -54,6 +54,23 @@ def _stamp(layers: tuple[nn.Linear, ...]) -> tuple[int, ...]:
     return tuple(out)
 
 
+# step_linear.c's activations (step_tail), by module
+def _act_code(act: nn.Module) -> int | None:
+    if isinstance(act, nn.ReLU):
+        return 0
+    if isinstance(act, nn.GELU):
+        return 1 if act.approximate == "none" else 2
+    if isinstance(act, nn.SiLU):
+        return 3
+    if isinstance(act, nn.Tanh):
+        return 4
+    return None
+
+
+def _ptr(t: Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
 class StepLinears:
     """`__call__(x, *layers)`: x (B, K) through the layers, their outputs concatenated (B, sum of N). Through
     the C kernel for float32 CPU rows when the step runs on one intra-op thread (a many-core step of many
@@ -90,6 +107,41 @@ class StepLinears:
         # the packing was checked when made; the call needs only the input's pointer
         self.kernel._linear(m, packed.n, k, x.data_ptr(), k, packed.weight_ptr, packed.bias_ptr, out.data_ptr())
         return out
+
+    def tail(self, att_out: Tensor, x1: Tensor, x2: Tensor, output: nn.Linear, norm: nn.LayerNorm,
+             dense: nn.Linear, act: nn.Module, ff_output: nn.Linear) -> bool:
+        """A layer's tail in one kernel call, in place on x1 and x2 (B, hidden), two distinct contiguous
+        tensors: x1 += output(att_out); x2 += ff_output(act(dense(norm(x1)))), as the step's PyTorch ops
+        compute it (the layer norm and activation in C: their rounding differs from PyTorch's, the sums and
+        products are the same operations). Returns False, having done nothing, where the kernel cannot run it
+        (the caller then runs those ops)."""
+        code = _act_code(act)
+        w, b = norm._parameters.get("weight"), norm._parameters.get("bias")
+        if (code is None or not self.uses_kernel(x1) or not x1.is_contiguous() or not x2.is_contiguous()
+                or x1.data_ptr() == x2.data_ptr() or len(norm.normalized_shape) != 1
+                or any(p is not None and (p.dtype != torch.float32 or not p.is_contiguous()) for p in (w, b))):
+            return False
+        assert self.kernel is not None
+        m, hidden = x1.shape
+        att_out = att_out if att_out.is_contiguous() else att_out.contiguous()
+        packs = []
+        for layer, k in ((output, att_out.shape[1]), (dense, hidden), (ff_output, dense.out_features)):
+            key = (layer,)
+            packed = self._packed.get(key)
+            if packed is None or packed.stamp != _stamp(key):
+                packed = self._packed[key] = _Packed(self.kernel, key)
+            if packed.k != k:
+                raise ValueError(f"step tail: {k} inputs for a layer of {packed.k}")
+            packs.append(packed)
+        out, up, down = packs
+        if out.n != hidden or down.n != hidden or up.n != down.k or att_out.shape[0] != m or x2.shape != x1.shape:
+            raise ValueError(f"step tail: x1 {tuple(x1.shape)}, x2 {tuple(x2.shape)}, att {tuple(att_out.shape)}")
+        status = self.kernel._tail(m, hidden, out.k, up.n, att_out.data_ptr(), out.weight_ptr, out.bias_ptr,
+                                   x1.data_ptr(), x2.data_ptr(), _ptr(w), _ptr(b), norm.eps, up.weight_ptr,
+                                   up.bias_ptr, code, down.weight_ptr, down.bias_ptr)
+        if status:
+            raise MemoryError("step tail: could not allocate its buffer")
+        return True
 
     def hash(self, att: LSHSelfAttention, qk: Tensor, num_buckets: int | list[int]) -> Tensor:
         """`att.hash` of a step's new queries qk (B, H, D): their buckets (B, H, R), through the C kernel

@@ -122,20 +122,21 @@ def test_without_the_kernel_the_layers_run_themselves(kernel: cpu_kernels.Window
 
 def _decode(lm: ReformerLM, prompts: list[torch.Tensor], steps: int, kernel_linears: bool
             ) -> tuple[list[list[int]], list[torch.Tensor], int]:
-    """Greedy tokens and logits of each step, and how many kernel products the steps ran."""
+    """Greedy tokens and logits of each step, and how many kernel calls (products, layer tails) the steps ran."""
     cache = DecodeCache(lm, 64 << 20, max_slots=len(prompts))
     calls = 0
     if kernel_linears:
         assert cache.step_linears.kernel is not None
-        product = cache.step_linears.kernel._linear
+        kernel = cache.step_linears.kernel = copy.copy(cache.step_linears.kernel)
 
-        def counted(*args: object) -> int:
-            nonlocal calls
-            calls += 1
-            return product(*args)
+        def counting(fn: object) -> object:
+            def counted(*args: object) -> int:
+                nonlocal calls
+                calls += 1
+                return fn(*args)  # type: ignore[operator]
+            return counted
 
-        cache.step_linears.kernel = copy.copy(cache.step_linears.kernel)
-        cache.step_linears.kernel._linear = counted
+        kernel._linear, kernel._tail = counting(kernel._linear), counting(kernel._tail)
     else:
         cache.step_linears = StepLinears(None)
     first, states = prefill(lm, cache, prompts, [p.shape[0] + steps + 1 for p in prompts])
@@ -156,9 +157,9 @@ def test_a_decode_through_the_kernel_matches_one_through_pytorch(layers: list[st
     with torch.no_grad():
         fast, fast_logits, calls = _decode(lm, prompts, 12, True)
         slow, slow_logits, _ = _decode(lm, prompts, 12, False)
-    # per step and layer: the attention's projections (one product), its output, the feed-forward's two
-    # products; and the LM head
-    assert calls == 12 * (4 * len(layers) + 1)
+    # per step and layer: the attention's projections (one product) and the layer's tail (its output
+    # projection and feed-forward in one call); and the LM head
+    assert calls == 12 * (2 * len(layers) + 1)
     assert fast == slow
     for a, b in zip(fast_logits, slow_logits):
         assert torch.allclose(a, b, atol=1e-5)
@@ -219,3 +220,31 @@ def test_a_packing_is_never_taken_for_another_layer(kernel: cpu_kernels.WindowKe
     del lm
     gc.collect()
     assert att() is not None
+
+
+@pytest.mark.parametrize("act", [nn.ReLU(), nn.GELU(), nn.GELU(approximate="tanh"), nn.SiLU(), nn.Tanh()])
+def test_a_layers_tail_in_one_call_matches_its_ops(kernel: cpu_kernels.WindowKernel, act: nn.Module) -> None:
+    torch.manual_seed(8)
+    output, norm = nn.Linear(24, 32, bias=False), nn.LayerNorm(32)
+    dense, ff_output = nn.Linear(32, 48), nn.Linear(48, 32)
+    with torch.no_grad():
+        norm.weight.normal_()
+        norm.bias.normal_()
+        att, x1, x2 = torch.randn(5, 24), torch.randn(5, 32), torch.randn(5, 32)
+        want1 = x1 + output(att)
+        want2 = x2 + ff_output(act(dense(norm(want1))))
+        linears = StepLinears(kernel)
+        got1, got2 = x1.clone(), x2.clone()
+        assert linears.tail(att, got1, got2, output, norm, dense, act, ff_output)
+        torch.testing.assert_close(got1, want1, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got2, want2, atol=1e-5, rtol=1e-5)
+        # a row's bits alone as batched
+        one1, one2 = x1[2:3].clone(), x2[2:3].clone()
+        assert linears.tail(att[2:3].contiguous(), one1, one2, output, norm, dense, act, ff_output)
+        assert torch.equal(one1, got1[2:3]) and torch.equal(one2, got2[2:3])
+        # what it does not take: aliased halves, an activation it has no code for, no kernel
+        same = x1.clone()
+        assert not linears.tail(att, same, same, output, norm, dense, act, ff_output)
+        assert not linears.tail(att, x1.clone(), x2.clone(), output, norm, dense, nn.Softplus(), ff_output)
+        assert not StepLinears(None).tail(att, x1.clone(), x2.clone(), output, norm, dense, act, ff_output)
+        assert torch.equal(same, x1)  # refused calls leave their inputs alone
