@@ -166,12 +166,13 @@ class DecodeCache:
         self._free_blocks = list(range(self.blocks - 1, 0, -1))
         self._free_slots = list(range(max_slots - 1, -1, -1))
 
-    def rows_independent(self) -> bool:
-        """Whether a step computes each row alone, its bits independent of the batch: true when the C window
-        kernel attends and the C product kernel runs the linear layers and hashes, which it does on one
-        intra-op thread (model/step_linear.py); the step's remaining PyTorch ops (embeddings, layer norms,
-        activations, sums) work row by row (tests/model/test_decode.py checks the whole step)."""
-        return self.window_kernel is not None and self.step_linears.runs_kernel(self.dtype, self.device)
+    def rows_independent(self, threads: int | None = None) -> bool:
+        """Whether a step on `threads` intra-op threads (None: the count now) computes each row alone, its bits
+        independent of the batch: true when the C window kernel attends and the C product kernel runs the
+        linear layers, hashes and layer tails, which it does on one thread (model/step_linear.py); the step's
+        remaining PyTorch ops (embeddings, layer norms, sums) work row by row (tests/model/test_decode.py
+        checks the whole step)."""
+        return self.window_kernel is not None and self.step_linears.runs_kernel(self.dtype, self.device, threads)
 
     @property
     def bytes_per_slot(self) -> int:

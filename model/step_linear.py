@@ -83,13 +83,13 @@ class StepLinears:
         self._rotations: dict[tuple[int, int], tuple[LSHSelfAttention, Tensor]] = {}
 
     def uses_kernel(self, x: Tensor) -> bool:
-        return self.kernel is not None and x.dtype == torch.float32 and x.is_cpu and torch.get_num_threads() == 1
+        return self.runs_kernel(x.dtype, x.device)
 
-    def runs_kernel(self, dtype: torch.dtype, device: torch.device) -> bool:
-        """Whether products of `dtype` rows on `device` go through the kernel now (the intra-op thread count
-        is part of the rule)."""
-        return (self.kernel is not None and dtype == torch.float32 and device.type == "cpu"
-                and torch.get_num_threads() == 1)
+    def runs_kernel(self, dtype: torch.dtype, device: torch.device, threads: int | None = None) -> bool:
+        """Whether products of `dtype` rows on `device` go through the kernel on `threads` intra-op threads
+        (None: the count now): only on one."""
+        threads = torch.get_num_threads() if threads is None else threads
+        return self.kernel is not None and dtype == torch.float32 and device.type == "cpu" and threads == 1
 
     def __call__(self, x: Tensor, *layers: nn.Linear) -> Tensor:
         if not self.uses_kernel(x):

@@ -385,8 +385,8 @@ class Engine:
             log.exception("decode step over %d generations failed", len(jobs))
             self._fail_jobs(jobs)
             return
-        # rows per model call: in invariant mode the step may run in blocks of INVARIANT_ROWS rows
-        block = self.runner.rows_per_call(len(jobs))
+        # rows per model call: in invariant mode the step may have run in blocks of INVARIANT_ROWS rows
+        block = self.runner.last_rows_per_call
         for start in range(0, len(jobs), block):
             rows = min(block, len(jobs) - start)
             self.metrics.batch_size.labels("decode").observe(rows)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Generator, Sequence
-from contextlib import AbstractContextManager
 from typing import Any
 
 import psutil
@@ -56,6 +55,7 @@ class ModelRunner:
                                  kv_dtype=kv_dtype)
         self.max_positions: int = model.config.max_position_embeddings
         self.graphs = step_graphs_for(self.device, cuda_graphs)
+        self.last_rows_per_call = 0  # the most rows one model call of the last decode step held
 
     # ---- accounting --------------------------------------------------------------------------------------
     def fits_ever(self, tokens: int) -> bool:
@@ -104,22 +104,15 @@ class ModelRunner:
     @torch.inference_mode()
     def decode(self, tokens: Sequence[int], states: Sequence[DecodeState]) -> torch.Tensor:
         ids = torch.tensor(list(tokens), dtype=torch.long).to(self.device)
-        with self._step_threads(len(states)):
+        # small steps on one intra-op thread (process-wide, restored after: model.decode.step_threads). In
+        # invariant mode, every step where one thread makes the CPU kernels compute each row alone: a step's
+        # products take the C kernel on one thread and PyTorch's matmul on more, so a thread count that
+        # followed the batch size (on a host with more than 2 cores) would give a row other bits batched
+        with step_threads(1 if self.invariant and self.cache.rows_independent(threads=1) else len(states),
+                          self.device):
+            # what the engine's batch_size metric observes, decided under the thread count the step runs with
+            self.last_rows_per_call = rows_per_call(self.cache, len(states), self.invariant)
             return decode_step(self.model, ids, self.cache, states, self.invariant, self.graphs).float().cpu()
-
-    def rows_per_call(self, rows: int) -> int:
-        """The most rows one model call of a decode step over `rows` rows holds (model.decode.rows_per_call,
-        under the thread count the step runs with)."""
-        with self._step_threads(rows):
-            return rows_per_call(self.cache, rows, self.invariant)
-
-    def _step_threads(self, rows: int) -> AbstractContextManager[None]:
-        """Small steps on one intra-op thread (process-wide, restored after: model.decode.step_threads). In
-        invariant mode with the CPU kernels, every step: a step's products take the C kernel on one thread and
-        PyTorch's matmul on more, so a thread count that followed the batch size would give a row other bits
-        batched than alone (on a host with more than 2 cores, where larger steps get more threads)."""
-        single = self.invariant and self.cache.window_kernel is not None and self.cache.step_linears.kernel is not None
-        return step_threads(1 if single else rows, self.device)
 
     def can_step(self, state: DecodeState) -> bool:
         return 0 <= state.slot and state.length < min(state.capacity * self.cache.block_size, self.max_positions)

@@ -310,7 +310,7 @@ def test_invariant_steps_keep_their_bits_on_a_host_with_more_cores() -> None:
                 step = runner.decode(tokens, states)
                 out.append(step[0])
                 tokens = [int(row.argmax()) for row in step]
-            assert runner.rows_per_call(rows) == rows  # one call: no 16-row blocks
+            assert runner.last_rows_per_call == rows  # one call: no 16-row blocks
             return out
 
         alone, batched = run(1, True), run(6, True)
