@@ -3,7 +3,7 @@ use with the machine's C compiler and called through ctypes: a step's cache writ
 into its recent order, its window positions and attention (`lsh_attend`), local layers' attention (`attend`),
 the merge of an LSH index's recent order into its main order, a step's linear layers (`linear`, over
 weights packed by `pack`) and LSH hashes (`lsh_hash`), and a layer's tail (its output projection and
-feed-forward, `step_tail`, called by model/step_linear.py).
+feed-forward, `tail_raw`, called by model/step_linear.py).
 
 The attention computes what the PyTorch path of `model/decode.py` computes for a step's windows (the key
 gather, the dot products and the masks, each round's log-sum-exp, the rounds' weights and the weighted
@@ -140,9 +140,11 @@ class WindowKernel:
         self._merge = declare("lsh_merge", [i64] * 5 + [ptr, i64, i64] + [ptr] * 4)
         self._write = declare("decode_write", [i64] * 5 + [ptr] * 6 + [f32, f32])
         self._append = declare("lsh_append", [i64] * 5 + [ptr] * 4 + [i64] * 3)
-        self._linear = declare("step_linear", [i64] * 3 + [ptr, i64] + [ptr] * 3)
+        # the product and layer-tail functions as ctypes exposes them: their arguments are not checked, so
+        # callers pass what `pack` made (model/step_linear.py checks its packings when it makes them)
+        self.linear_raw = declare("step_linear", [i64] * 3 + [ptr, i64] + [ptr] * 3)
         self._hash = declare("lsh_hash", [i64] * 6 + [ptr] * 4)
-        self._tail = declare("step_tail", [i64] * 4 + [ptr] * 7 + [f32] + [ptr] * 2 + [i64] + [ptr] * 2)
+        self.tail_raw = declare("step_tail", [i64] * 4 + [ptr] * 7 + [f32] + [ptr] * 2 + [i64] + [ptr] * 2)
         self._pack = lib.step_linear_pack
         self._pack.argtypes, self._pack.restype = [i64, i64, ptr, ptr], None
         kinds = lib.window_kinds
@@ -277,7 +279,7 @@ class WindowKernel:
         _require("linear kernel", (x, torch.float32), (packed, torch.float32),
                  *(() if bias is None else ((bias, torch.float32),)))
         out = torch.empty(m, n, dtype=torch.float32)
-        self._linear(m, n, k, x.data_ptr(), k, packed.data_ptr(), 0 if bias is None else bias.data_ptr(),
+        self.linear_raw(m, n, k, x.data_ptr(), k, packed.data_ptr(), 0 if bias is None else bias.data_ptr(),
                      out.data_ptr())
         return out
 

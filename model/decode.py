@@ -359,10 +359,12 @@ def _step_compute(lm: ReformerLM, cache: DecodeCache, tokens: Tensor, meta: Tens
         assert isinstance(att0, LSHSelfAttention)
         _lsh_geometry(cache, step, att0, meta, all_hashed, cache.indexes[first_lsh])
     x = lm.embeddings.word_embeddings(tokens) + lm.embeddings.position_embeddings(t)  # (B, hidden)
-    x1, x2 = x, x.clone()  # two tensors: a layer's tail may update them in place
+    x1 = x2 = x
+    linear = cache.step_linears  # the step's dense work (model/step_linear.py)
+    if linear.uses_kernel(x):
+        x2 = x.clone()  # two tensors: the kernel's layer tails update them in place
     new_rows = step.blocks.rows(t.view(-1, 1)).view(-1)  # (B,): where the new keys go
     local: tuple[Tensor, Tensor] | None = None
-    linear = cache.step_linears  # the step's matrix products (model/step_linear.py)
     for li, p in enumerate(_plan(lm)):
         att = p.attention
         h = _norm(p.norm, x2)  # (B, hidden)

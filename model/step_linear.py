@@ -1,6 +1,8 @@
-"""The matrix products of a CPU decode step through the C kernel (model/kernels/step_linear.c): each linear
-layer's weights packed once into column panels, a few rows at a time multiplied in one pass over them; and
-each LSH layer's hash of the new queries, its rotations packed the same way.
+"""The dense work of a CPU decode step through the C kernel (model/kernels/step_linear.c): its matrix
+products, each linear layer's weights packed once into column panels and a few rows at a time multiplied in
+one pass over them; each LSH layer's hash of the new queries, its rotations packed the same way; and a
+layer's tail (the attention's output projection and the feed-forward with their residual sums) in one call
+over those packings.
 
 A step's matrix products (projections, output projections, feed-forward, LM head) have 1-64 rows; PyTorch's
 CPU matmul runs those shapes at a fraction of the core's speed (the C file says by how much). The kernel
@@ -72,9 +74,9 @@ def _ptr(t: Tensor | None) -> int:
 
 
 class StepLinears:
-    """`__call__(x, *layers)`: x (B, K) through the layers, their outputs concatenated (B, sum of N). Through
-    the C kernel for float32 CPU rows when the step runs on one intra-op thread (a many-core step of many
-    rows is left to PyTorch's threaded matmul), else through the layers themselves."""
+    """`__call__(x, *layers)`: x (B, K) through the layers, their outputs concatenated (B, sum of N); `hash`
+    and `tail` likewise. Through the C kernel for float32 CPU rows when the step runs on one intra-op thread
+    (a many-core step of many rows is left to PyTorch's threaded matmul), else through PyTorch ops."""
 
     def __init__(self, kernel: WindowKernel | None) -> None:
         self.kernel = kernel
@@ -94,10 +96,7 @@ class StepLinears:
     def __call__(self, x: Tensor, *layers: nn.Linear) -> Tensor:
         if not self.uses_kernel(x):
             return layers[0](x) if len(layers) == 1 else torch.cat([layer(x) for layer in layers], dim=-1)
-        assert self.kernel is not None
-        packed = self._packed.get(layers)
-        if packed is None or packed.stamp != _stamp(layers):
-            packed = self._packed[layers] = _Packed(self.kernel, layers)
+        packed = self._packing(layers)
         if not x.is_contiguous():
             x = x.contiguous()
         m, k = x.shape
@@ -105,8 +104,17 @@ class StepLinears:
             raise ValueError(f"step linear: input of {k} features for layers of {packed.k}")
         out = torch.empty(m, packed.n, dtype=torch.float32)
         # the packing was checked when made; the call needs only the input's pointer
-        self.kernel._linear(m, packed.n, k, x.data_ptr(), k, packed.weight_ptr, packed.bias_ptr, out.data_ptr())
+        assert self.kernel is not None
+        self.kernel.linear_raw(m, packed.n, k, x.data_ptr(), k, packed.weight_ptr, packed.bias_ptr, out.data_ptr())
         return out
+
+    def _packing(self, layers: tuple[nn.Linear, ...]) -> _Packed:
+        """The layers' packing, made or made again when a weight changed since (`_stamp`)."""
+        assert self.kernel is not None
+        packed = self._packed.get(layers)
+        if packed is None or packed.stamp != _stamp(layers):
+            packed = self._packed[layers] = _Packed(self.kernel, layers)
+        return packed
 
     def tail(self, att_out: Tensor, x1: Tensor, x2: Tensor, output: nn.Linear, norm: nn.LayerNorm,
              dense: nn.Linear, act: nn.Module, ff_output: nn.Linear) -> bool:
@@ -126,17 +134,14 @@ class StepLinears:
         att_out = att_out if att_out.is_contiguous() else att_out.contiguous()
         packs = []
         for layer, k in ((output, att_out.shape[1]), (dense, hidden), (ff_output, dense.out_features)):
-            key = (layer,)
-            packed = self._packed.get(key)
-            if packed is None or packed.stamp != _stamp(key):
-                packed = self._packed[key] = _Packed(self.kernel, key)
+            packed = self._packing((layer,))
             if packed.k != k:
                 raise ValueError(f"step tail: {k} inputs for a layer of {packed.k}")
             packs.append(packed)
         out, up, down = packs
         if out.n != hidden or down.n != hidden or up.n != down.k or att_out.shape[0] != m or x2.shape != x1.shape:
             raise ValueError(f"step tail: x1 {tuple(x1.shape)}, x2 {tuple(x2.shape)}, att {tuple(att_out.shape)}")
-        status = self.kernel._tail(m, hidden, out.k, up.n, att_out.data_ptr(), out.weight_ptr, out.bias_ptr,
+        status = self.kernel.tail_raw(m, hidden, out.k, up.n, att_out.data_ptr(), out.weight_ptr, out.bias_ptr,
                                    x1.data_ptr(), x2.data_ptr(), _ptr(w), _ptr(b), norm.eps, up.weight_ptr,
                                    up.bias_ptr, code, down.weight_ptr, down.bias_ptr)
         if status:

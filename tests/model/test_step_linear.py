@@ -136,7 +136,7 @@ def _decode(lm: ReformerLM, prompts: list[torch.Tensor], steps: int, kernel_line
                 return fn(*args)  # type: ignore[operator]
             return counted
 
-        kernel._linear, kernel._tail = counting(kernel._linear), counting(kernel._tail)
+        kernel.linear_raw, kernel.tail_raw = counting(kernel.linear_raw), counting(kernel.tail_raw)
     else:
         cache.step_linears = StepLinears(None)
     first, states = prefill(lm, cache, prompts, [p.shape[0] + steps + 1 for p in prompts])
@@ -174,8 +174,8 @@ def test_the_build_without_avx512_gives_the_same_bits(kernel: cpu_kernels.Window
     subprocess.run([compiler, *cpu_kernels.FLAGS, "-mno-avx512f", str(source), "-o", str(lib_path)], check=True)
     plain = cpu_kernels.WindowKernel.__new__(cpu_kernels.WindowKernel)
     lib = ctypes.CDLL(str(lib_path))
-    plain._linear, plain._pack = lib.step_linear, lib.step_linear_pack
-    plain._linear.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3
+    plain.linear_raw, plain._pack = lib.step_linear, lib.step_linear_pack
+    plain.linear_raw.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3
     plain._pack.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
     g = torch.Generator().manual_seed(6)
     w, b, x = torch.randn(70, 48, generator=g), torch.randn(70, generator=g), torch.randn(11, 48, generator=g)
