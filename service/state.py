@@ -181,7 +181,8 @@ class ServiceState:
                 "decode_cache_bytes": self.engine.runner.cache.capacity_bytes if self.engine else None,
                 # whether decode steps attend through the C window kernel (False: PyTorch ops; on GPU always)
                 "cpu_window_kernel": self.engine.runner.cache.window_kernel is not None if self.engine else False,
-                # whether their linear layers and LSH hashes run through the C product kernel (step_linear.c)
+                # whether the C product kernel (step_linear.c) is loaded: steps on one intra-op thread run their
+                # linear layers, LSH hashes and feed-forward through it
                 "cpu_step_kernel": self.engine.runner.cache.step_linears.kernel is not None if self.engine
                 else False,
                 "kv_cache_dtype": str(self.engine.runner.cache.kv_dtype).removeprefix("torch.") if self.engine
