@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import weakref
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -96,6 +97,7 @@ def test_a_packing_follows_weights_changed_after_it(kernel: cpu_kernels.WindowKe
     layer = nn.Linear(32, 48)
     linears = StepLinears(kernel)
     x = torch.randn(3, 32)
+    assert linears.uses_kernel(x)  # the products below are the kernel's, not the layer's own
     first = linears(x, layer)
     with torch.no_grad():
         layer.weight.mul_(2)  # in place: the version counter moves
@@ -194,7 +196,8 @@ def test_the_hash_kernel_gives_the_attentions_buckets(num_buckets: int | list[in
         qk = torch.randn(rows, att.heads, att.head_size)
         qk[0, 0] = 0.0  # every rotated value 0: ties resolve to the first index, x before -x
         want = att.hash(qk.unsqueeze(2), num_buckets, None)[..., 0]  # (B, H, R)
-        got = linears.hash(att, qk, num_buckets)
+        with mock.patch.object(att, "hash", side_effect=AssertionError("the PyTorch hash ran")):
+            got = linears.hash(att, qk, num_buckets)  # through the kernel, not att.hash
         assert got.dtype == torch.int64 and torch.equal(got, want)
         assert torch.equal(got[1:2], linears.hash(att, qk[1:2], num_buckets))  # alone as batched
 
