@@ -40,8 +40,10 @@ from .decode_index import LSHIndex
 
 log = logging.getLogger(__name__)
 
-# compiled together into one library: the attention windows and a step's linear layers (model/step_linear.py)
-SOURCES = tuple(Path(__file__).with_name("kernels") / name for name in ("window_attend.c", "step_linear.c"))
+# compiled together into one library: the attention windows, a step's linear layers (model/step_linear.py) and
+# the whole step's layers in one call (model/step_fused.py)
+SOURCES = tuple(Path(__file__).with_name("kernels") / name
+                for name in ("window_attend.c", "step_linear.c", "step_layers.c"))
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-pthread")
 ENV_SWITCH = "REFORMER_CPU_KERNELS"  # "0" turns the kernel off (the service's setting of the same name sets it)
 MAX_ROUNDS = 64  # the C side's bound on hash rounds
@@ -145,6 +147,14 @@ class WindowKernel:
         self.linear_raw = declare("step_linear", [i64] * 3 + [ptr, i64] + [ptr] * 3)
         self._hash = declare("lsh_hash", [i64] * 6 + [ptr] * 4)
         self.tail_raw = declare("step_tail", [i64] * 4 + [ptr] * 7 + [f32] + [ptr] * 2 + [i64] + [ptr] * 2)
+        # a whole step's layers (model/step_fused.py builds the layer array; unchecked here, as the two above)
+        self.layers_raw = declare("decode_layers", [i64] * 3 + [ptr] * 2 + [i64, ptr, ptr] + [ptr] * 4 + [i64] * 4
+                                  + [ptr] * 2 + [f32] + [ptr] * 2 + [i64, ptr])
+        self.norm_raw = lib.layer_norm_rows  # (m, n, x, weight, bias, eps, y): rows of x layer-normed into y
+        self.norm_raw.argtypes, self.norm_raw.restype = [i64, i64, ptr, ptr, ptr, f32, ptr], None
+        words = lib.step_layer_words
+        words.argtypes, words.restype = [], ctypes.c_int64
+        self.layer_words = int(words())
         self._pack = lib.step_linear_pack
         self._pack.argtypes, self._pack.restype = [i64, i64, ptr, ptr], None
         kinds = lib.window_kinds

@@ -351,6 +351,11 @@ def _step_compute(lm: ReformerLM, cache: DecodeCache, tokens: Tensor, meta: Tens
     device = cache.device
     rows = tokens.shape[0]
     slots, t = meta[:, 0], meta[:, 1]
+    if cache.fused_step is not None:  # every layer in one C call where it applies (model/step_fused.py)
+        x = lm.embeddings.word_embeddings(tokens) + lm.embeddings.position_embeddings(t)  # (B, hidden)
+        logits = cache.fused_step.run(lm, cache, x, meta, groups)
+        if logits is not None:
+            return logits
     step = _Step(t=t, blocks=BlockLookup(cache.block_table, slots, cache.block_size),
                  groups=[(nb, None if sel is None else torch.tensor(sel).to(device))
                          for nb, sel in groups], meta=meta)
@@ -367,7 +372,7 @@ def _step_compute(lm: ReformerLM, cache: DecodeCache, tokens: Tensor, meta: Tens
     local: tuple[Tensor, Tensor] | None = None
     for li, p in enumerate(_plan(lm)):
         att = p.attention
-        h = _norm(p.norm, x2)  # (B, hidden)
+        h = linear.norm(p.norm, x2)  # (B, hidden)
         qkv = linear(h, *p.projections).view(rows, len(p.projections), att.heads, att.head_size)  # (B, 2|3, H, D)
         if isinstance(att, LSHSelfAttention):
             qk, v = qkv[:, 0], qkv[:, 1]
@@ -384,7 +389,7 @@ def _step_compute(lm: ReformerLM, cache: DecodeCache, tokens: Tensor, meta: Tens
             x1 = x1 + linear(out, p.output)  # (B, hidden)
             # the feed-forward's chunk in eval: output(act(dense(layer_norm(x))))
             x2 = x2 + linear(p.ff_act(linear(_norm(p.ff_norm, x1), p.ff_dense)), p.ff_output)
-    return linear(_norm(lm.final_layer_norm, torch.cat([x1, x2], dim=-1)), lm.lm_head)  # (B, vocab)
+    return linear(linear.norm(lm.final_layer_norm, torch.cat([x1, x2], dim=-1)), lm.lm_head)  # (B, vocab)
 
 
 def _norm(ln: nn.LayerNorm, x: Tensor) -> Tensor:

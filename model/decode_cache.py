@@ -34,6 +34,7 @@ from .attention import LSHSelfAttention
 from .cpu_kernels import WindowKernel
 from .cpu_kernels import load as load_window_kernel
 from .decode_index import RECENT, BlockLookup, LSHIndex
+from .step_fused import FusedStep
 from .step_linear import StepLinears
 
 if TYPE_CHECKING:
@@ -115,6 +116,9 @@ class DecodeCache:
             else None
         # a step's linear layers through the same library whatever the pools hold (model/step_linear.py)
         self.step_linears = StepLinears(kernel)
+        # a whole step's layers in one call where every one of them runs in C (model/step_fused.py); None (tests
+        # set it) keeps the call per layer
+        self.fused_step: FusedStep | None = FusedStep(self.step_linears) if kernel is not None else None
         self.block_size = block_size
         self.max_slots = max_slots
         self.heads, self.head_size = cfg.num_attention_heads, cfg.attention_head_size

@@ -20,6 +20,7 @@ config), made on a cache's first step.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .attention import LSHSelfAttention, hash_rotations
@@ -96,7 +97,7 @@ class StepLinears:
     def __call__(self, x: Tensor, *layers: nn.Linear) -> Tensor:
         if not self.uses_kernel(x):
             return layers[0](x) if len(layers) == 1 else torch.cat([layer(x) for layer in layers], dim=-1)
-        packed = self._packing(layers)
+        packed = self.packing(layers)
         if not x.is_contiguous():
             x = x.contiguous()
         m, k = x.shape
@@ -108,7 +109,20 @@ class StepLinears:
         self.kernel.linear_raw(m, packed.n, k, x.data_ptr(), k, packed.weight_ptr, packed.bias_ptr, out.data_ptr())
         return out
 
-    def _packing(self, layers: tuple[nn.Linear, ...]) -> _Packed:
+    def norm(self, ln: nn.LayerNorm, x: Tensor) -> Tensor:
+        """`ln(x)` of a step's rows x (B, n): in C where the kernel runs (the layer norm the fused step and the
+        layer tails compute, so every kernel path rounds alike), else PyTorch's."""
+        w, b = ln._parameters.get("weight"), ln._parameters.get("bias")
+        if (not self.uses_kernel(x) or x.dim() != 2 or tuple(ln.normalized_shape) != (x.shape[1],)
+                or any(p is not None and (p.dtype != torch.float32 or not p.is_contiguous()) for p in (w, b))):
+            return F.layer_norm(x, ln.normalized_shape, w, b, ln.eps)
+        assert self.kernel is not None
+        x = x if x.is_contiguous() else x.contiguous()
+        out = torch.empty_like(x)
+        self.kernel.norm_raw(x.shape[0], x.shape[1], x.data_ptr(), _ptr(w), _ptr(b), ln.eps, out.data_ptr())
+        return out
+
+    def packing(self, layers: tuple[nn.Linear, ...]) -> _Packed:
         """The layers' packing, made or made again when a weight changed since (`_stamp`)."""
         assert self.kernel is not None
         packed = self._packed.get(layers)
@@ -134,7 +148,7 @@ class StepLinears:
         att_out = att_out if att_out.is_contiguous() else att_out.contiguous()
         packs = []
         for layer, k in ((output, att_out.shape[1]), (dense, hidden), (ff_output, dense.out_features)):
-            packed = self._packing((layer,))
+            packed = self.packing((layer,))
             if packed.k != k:
                 raise ValueError(f"step tail: {k} inputs for a layer of {packed.k}")
             packs.append(packed)
@@ -155,15 +169,24 @@ class StepLinears:
             return att.hash(qk.unsqueeze(2), num_buckets, None)[..., 0]
         assert self.kernel is not None
         factors = [num_buckets] if isinstance(num_buckets, int) else list(num_buckets)
-        size = sum(factors)  # the rotations' size: the count, or its factors' sum
+        return self.kernel.lsh_hash(qk.contiguous(), self.rotations(att, sum(factors)), att.rounds, factors)
+
+    def rotations(self, att: LSHSelfAttention, size: int) -> Tensor:
+        """An LSH layer's hash rotations of `size` (the bucket count, or its factors' sum) packed per head as
+        the kernel's hash reads them (H, ...), made on first use."""
+        assert self.kernel is not None
         key = (id(att), size)
         held = self._rotations.get(key)
         if held is None:
             rot = hash_rotations(att.config.hash_seed, att.heads, att.head_size, att.rounds, size)  # (H, D, R, rot/2)
             per_head = rot.reshape(att.heads, att.head_size, -1).transpose(1, 2)  # (H, R*rot/2, D)
             held = self._rotations[key] = (att, torch.stack([self.kernel.pack(w.contiguous()) for w in per_head]))
-        packed = held[1]
-        return self.kernel.lsh_hash(qk.contiguous(), packed, att.rounds, factors)
+        return held[1]
+
+    @staticmethod
+    def act_code(act: nn.Module) -> int | None:
+        """step_linear.c's code of an activation module, or None for one it does not compute."""
+        return _act_code(act)
 
 
 __all__ = ["StepLinears"]

@@ -181,7 +181,7 @@ static inline float activate(float x, int64_t act) {
 }
 
 /* y = (x - mean) / sqrt(var + eps) * w + b over each of m rows of n, var the biased variance */
-static void layer_norm_rows(int64_t m, int64_t n, const float *x, const float *w, const float *b, float eps, float *y) {
+void layer_norm_rows(int64_t m, int64_t n, const float *x, const float *w, const float *b, float eps, float *y) {
     for (int64_t r = 0; r < m; r++) {
         const float *xr = x + r * n;
         float *yr = y + r * n;

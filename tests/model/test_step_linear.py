@@ -124,8 +124,10 @@ def test_without_the_kernel_the_layers_run_themselves(kernel: cpu_kernels.Window
 
 def _decode(lm: ReformerLM, prompts: list[torch.Tensor], steps: int, kernel_linears: bool
             ) -> tuple[list[list[int]], list[torch.Tensor], int]:
-    """Greedy tokens and logits of each step, and how many kernel calls (products, layer tails) the steps ran."""
+    """Greedy tokens and logits of each step, and how many kernel calls (products, layer tails) the steps ran,
+    on the per-layer path (the step in one call, tests/model/test_step_fused.py, makes none of those calls)."""
     cache = DecodeCache(lm, 64 << 20, max_slots=len(prompts))
+    cache.fused_step = None
     calls = 0
     if kernel_linears:
         assert cache.step_linears.kernel is not None

@@ -1,0 +1,211 @@
+/* A CPU decode step's layers in one call: for every layer, its layer norm, projections, cache write, (LSH)
+ * hash and insert into the recent order, attention and tail, then the final layer norm and the LM head,
+ * calling the same C functions model/decode.py calls one by one (model/step_fused.py builds the layer
+ * descriptions and calls it; model/cpu_kernels.py builds it into the same library as window_attend.c and
+ * step_linear.c).
+ *
+ * Why: with every product, hash and attention in C, what was left of a step was Python between those calls
+ * (about ten calls, views and argument checks per layer): about half of the shipped model's step. Each row
+ * is still computed alone (every function called here works row by row), so a row's bits do not depend on
+ * the batch.
+ *
+ * StepLayer is read by model/step_fused.py as a flat array of int64 (every field is 8 bytes: pointers and
+ * int64_t, in this order; step_layer_words() returns the count, which the Python side checks) plus four
+ * floats per layer in `floats`: the attention's and the feed-forward's layer-norm epsilons, the self mask
+ * and the padding mask.
+ *
+ * A step's rows may hash with different bucket counts (automatic counts follow each row's length): row b
+ * hashes with count group_of[b] (-1: it does not hash; its buckets are 0, as model/decode.py leaves them),
+ * whose rotations, halves' sum, number of factors and factors for layer i are hashes[(i * groups + g) * 4 ..].
+ * Each row is hashed alone, which gives the bits of a batched hash (lsh_hash computes every row alone).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+int step_linear(int64_t m, int64_t n, int64_t k, const float *x, int64_t x_stride, const float *packed,
+                const float *bias, float *y);
+int lsh_hash(int64_t m, int64_t heads, int64_t rounds, int64_t dim, int64_t half, int64_t nfactors,
+             const int64_t *factors, const float *q, const float *packed, int64_t *buckets);
+int step_tail(int64_t m, int64_t hidden, int64_t att_dim, int64_t ff, const float *att, const float *w_out,
+              const float *b_out, float *x1, float *x2, const float *ln_w, const float *ln_b, float eps,
+              const float *w_dense, const float *b_dense, int64_t act, const float *w_ff, const float *b_ff);
+void layer_norm_rows(int64_t m, int64_t n, const float *x, const float *w, const float *b, float eps, float *y);
+int decode_write(int64_t rows, int64_t heads, int64_t dim, int64_t kind, int64_t pool_rows, const int64_t *at,
+                 const float *key, const float *value, void *keys, void *values, float *norms, float eps,
+                 float sqrt_dim);
+int lsh_append(int64_t rows, int64_t heads, int64_t rounds, int64_t buckets, int64_t recent_size,
+               const int64_t *meta, const int64_t *bucket_of, int16_t *recent_counts, void *items,
+               int64_t item_bytes, int64_t shift, int64_t recent_offset);
+int lsh_attend(int64_t rows, int64_t heads, int64_t rounds, int64_t buckets, int64_t chunk, int64_t before,
+               int64_t after, int64_t dim, int64_t recent_size, int64_t kind, const float *q, const void *keys,
+               const float *norms, const void *values, int64_t pool_rows, const int64_t *meta,
+               const int64_t *bucket_of, const int32_t *main_counts, const int16_t *recent_counts,
+               const void *items, int64_t items_len, int64_t item_bytes,
+               int64_t shift, int64_t recent_offset, const int64_t *block_table, int64_t table_width,
+               int64_t block_size, int64_t skip_slot, float self_mask, float mask, float *out, int64_t threads);
+int window_attend(int64_t rows, int64_t heads, int64_t rounds, int64_t width, int64_t dim, int64_t kind,
+                  const float *q, const void *keys, const float *norms, const void *values, int64_t pool_len,
+                  const int64_t *flat, const uint8_t *absent, int64_t absent_row_stride, int64_t absent_head_stride,
+                  const int64_t *pos, const int64_t *t, const uint8_t *dead, float self_mask, float mask,
+                  float *out, int64_t threads);
+
+#define NO_MEMORY 1
+#define BAD_INDEX 2
+#define WRITE_EPS 1e-6f /* DecodeCache.write's epsilon of an LSH key's length factor */
+
+typedef struct {
+    int64_t lsh;                      /* 1: LSH layer (query-key, value), 0: local (query, key, value) */
+    int64_t heads, dim, kind, pool_rows; /* pool_rows: positions in the pools, each heads * dim elements */
+    const float *ln_w, *ln_b;         /* the attention's layer norm (NULL: none) */
+    const float *proj_w, *proj_b;     /* the projections packed side by side (step_linear), their bias */
+    void *keys, *values;              /* the layer's pools */
+    float *norms;                     /* LSH: each key's length factor (pool_rows, heads) */
+    /* LSH: the hash rounds and the index (the hash's rotations come per step: `hashes` below) */
+    int64_t rounds, buckets, recent_size, items_len, item_bytes, shift, recent_offset;
+    const int32_t *main_counts;
+    int16_t *recent_counts;
+    void *items;
+    int64_t chunk, before, after;     /* the attention's chunk and windows */
+    /* the tail (step_tail) */
+    int64_t ff, act;
+    const float *w_out, *b_out, *ff_ln_w, *ff_ln_b, *w_dense, *b_dense, *w_ff, *b_ff;
+} StepLayer;
+
+int64_t step_layer_words(void) { return (int64_t)(sizeof(StepLayer) / sizeof(int64_t)); }
+
+/* pool row of `position` of `slot`, or -1 outside the block table or the pools */
+static inline int64_t table_row(const int64_t *table, int64_t width, int64_t table_rows, int64_t block_size,
+                                int64_t slot, int64_t position, int64_t pool_rows) {
+    if (slot < 0 || slot >= table_rows || position < 0 || position >= width * block_size) return -1;
+    const int64_t row = table[slot * width + position / block_size] * block_size + position % block_size;
+    return row >= 0 && row < pool_rows ? row : -1;
+}
+
+/* A local layer's window as model/decode.py's _local_window builds it: flat (m, heads, w) pool indices and
+ * absent (m, w), w = (before + 1) * chunk. Returns 0 or BAD_INDEX. */
+static int local_window(const StepLayer *L, int64_t m, const int64_t *meta, const int64_t *table, int64_t width,
+                        int64_t table_rows, int64_t block_size, int64_t *flat, uint8_t *absent) {
+    const int64_t c = L->chunk, w = (L->before + 1) * c;
+    for (int64_t b = 0; b < m; b++) {
+        const int64_t slot = meta[b * 7], t = meta[b * 7 + 1], dense = meta[b * 7 + 4];
+        int64_t start = dense ? 0 : (t / c - L->before) * c; /* t >= 0: division is floor */
+        if (start < 0) start = 0;
+        for (int64_t j = 0; j < w; j++) {
+            const int64_t p = start + j;
+            const int gone = p > t;
+            const int64_t row = table_row(table, width, table_rows, block_size, slot, gone ? 0 : p, L->pool_rows);
+            if (row < 0) return BAD_INDEX;
+            absent[b * w + j] = (uint8_t)gone;
+            for (int64_t h = 0; h < L->heads; h++) flat[(b * L->heads + h) * w + j] = row * L->heads + h;
+        }
+    }
+    return 0;
+}
+
+/* x1, x2 (m, hidden): the step's embeddings in both (two buffers), updated in place through every layer;
+ * logits (m, vocab) from the final layer norm of [x1, x2] and the LM head. meta (m, 7) as model/decode.py
+ * builds it; every layer's new key goes to the pool row of (slot, t) (meta's first two columns). Returns 0, NO_MEMORY, or a called function's non-zero status. */
+int decode_layers(int64_t m, int64_t hidden, int64_t nlayers, const StepLayer *layers, const float *floats,
+                  int64_t groups, const int64_t *group_of, const int64_t *hashes,
+                  float *x1, float *x2, const int64_t *meta, const int64_t *table,
+                  int64_t table_width, int64_t table_rows, int64_t block_size, int64_t scratch_slot,
+                  const float *final_w, const float *final_b, float final_eps, const float *head_w,
+                  const float *head_b, int64_t vocab, float *logits) {
+    int64_t most_att = 1, most_proj = 1, most_window = 1, most_flat = 1, most_rounds = 1;
+    for (int64_t i = 0; i < nlayers; i++) {
+        const StepLayer *L = layers + i;
+        const int64_t att = L->heads * L->dim, proj = (L->lsh ? 2 : 3) * att;
+        if (att > most_att) most_att = att;
+        if (proj > most_proj) most_proj = proj;
+        const int64_t w = (L->before + 1) * L->chunk;
+        if (!L->lsh && w > most_window) most_window = w;
+        if (!L->lsh && L->heads * w > most_flat) most_flat = L->heads * w;
+        if (L->lsh && L->heads * L->rounds > most_rounds) most_rounds = L->heads * L->rounds;
+    }
+    const size_t floats_n = (size_t)(m * (hidden + most_proj + 3 * most_att) + m * 2 * hidden);
+    float *fbuf = malloc(floats_n * sizeof(float));
+    int64_t *ibuf = malloc((size_t)(m * (1 + most_rounds + most_flat)) * sizeof(int64_t));
+    uint8_t *absent = malloc((size_t)(m * most_window));
+    int status = 0;
+    if (!fbuf || !ibuf || !absent) {
+        status = NO_MEMORY;
+        goto done;
+    }
+    float *h = fbuf, *qkv = h + m * hidden, *key = qkv + m * most_proj, *value = key + m * most_att;
+    float *out = value + m * most_att, *joined = out + m * most_att;
+    int64_t *new_rows = ibuf, *bucket_of = ibuf + m, *flat = bucket_of + m * most_rounds;
+    for (int64_t b = 0; b < m && nlayers; b++) {
+        new_rows[b] = table_row(table, table_width, table_rows, block_size, meta[b * 7], meta[b * 7 + 1],
+                                layers[0].pool_rows);
+        if (new_rows[b] < 0) status = BAD_INDEX;
+    }
+    for (int64_t i = 0; i < nlayers && !status; i++) {
+        const StepLayer *L = layers + i;
+        const float *fl = floats + 4 * i;
+        const int64_t att = L->heads * L->dim, parts = L->lsh ? 2 : 3, proj = parts * att;
+        layer_norm_rows(m, hidden, x2, L->ln_w, L->ln_b, fl[0], h);
+        step_linear(m, proj, hidden, h, hidden, L->proj_w, L->proj_b, qkv);
+        /* LSH: the query-key is the query and the key; local: query, key / sqrt(D), value */
+        const float scale = sqrtf((float)L->dim);
+        for (int64_t b = 0; b < m; b++) {
+            const float *row = qkv + b * proj;
+            for (int64_t j = 0; j < att; j++) {
+                key[b * att + j] = L->lsh ? row[j] : row[att + j] / scale;
+                value[b * att + j] = row[(parts - 1) * att + j];
+            }
+        }
+        status = decode_write(m, L->heads, L->dim, L->kind, L->pool_rows, new_rows, key, value,
+                              L->keys, L->values, L->lsh ? L->norms : NULL, WRITE_EPS, sqrtf((float)L->dim));
+        if (status) break;
+        if (L->lsh) {
+            const float *q = key; /* shared query-key */
+            const int64_t per_row = L->heads * L->rounds;
+            for (int64_t b = 0; b < m && !status; b++) {
+                const int64_t g = group_of[b];
+                if (g < 0 || g >= groups) {
+                    memset(bucket_of + b * per_row, 0, (size_t)per_row * sizeof(int64_t));
+                    continue;
+                }
+                const int64_t *hp = hashes + (i * groups + g) * 4;
+                status = lsh_hash(1, L->heads, L->rounds, L->dim, hp[1], hp[2], (const int64_t *)(intptr_t)hp[3],
+                                  q + b * att, (const float *)(intptr_t)hp[0], bucket_of + b * per_row);
+            }
+            if (status) break;
+            status = lsh_append(m, L->heads, L->rounds, L->buckets, L->recent_size, meta, bucket_of,
+                                L->recent_counts, L->items, L->item_bytes, L->shift, L->recent_offset);
+            if (status) break;
+            status = lsh_attend(m, L->heads, L->rounds, L->buckets, L->chunk, L->before, L->after, L->dim,
+                                L->recent_size, L->kind, q, L->keys, L->norms, L->values, L->pool_rows, meta,
+                                bucket_of, L->main_counts, L->recent_counts, L->items, L->items_len, L->item_bytes,
+                                L->shift, L->recent_offset, table, table_width, block_size, scratch_slot, fl[2],
+                                fl[3], out, 1);
+        } else {
+            const int64_t w = (L->before + 1) * L->chunk;
+            status = local_window(L, m, meta, table, table_width, table_rows, block_size, flat, absent);
+            if (status) break;
+            /* the query is the first part of each row: copy it out contiguous (value is no longer needed) */
+            for (int64_t b = 0; b < m; b++) memcpy(value + b * att, qkv + b * proj, (size_t)att * sizeof(float));
+            status = window_attend(m, L->heads, 1, w, L->dim, L->kind, value, L->keys, NULL, L->values,
+                                   L->pool_rows * L->heads, flat, absent, w, L->heads > 1 ? 0 : w, NULL, NULL,
+                                   NULL, 0.0f, fl[3], out, 1);
+        }
+        if (status) break;
+        status = step_tail(m, hidden, att, L->ff, out, L->w_out, L->b_out, x1, x2, L->ff_ln_w, L->ff_ln_b, fl[1],
+                           L->w_dense, L->b_dense, L->act, L->w_ff, L->b_ff);
+    }
+    if (!status) {
+        for (int64_t b = 0; b < m; b++) {
+            memcpy(joined + b * 2 * hidden, x1 + b * hidden, (size_t)hidden * sizeof(float));
+            memcpy(joined + b * 2 * hidden + hidden, x2 + b * hidden, (size_t)hidden * sizeof(float));
+        }
+        layer_norm_rows(m, 2 * hidden, joined, final_w, final_b, final_eps, joined);
+        step_linear(m, vocab, 2 * hidden, joined, 2 * hidden, head_w, head_b, logits);
+    }
+done:
+    free(fbuf);
+    free(ibuf);
+    free(absent);
+    return status;
+}

@@ -1,0 +1,155 @@
+"""A CPU decode step's layers in one C call (model/kernels/step_layers.c): every layer's layer norm,
+projections, cache write, LSH hash and insert, attention and tail, then the final layer norm and the LM head.
+
+model/decode.py's step calls the same C functions one by one from Python, about ten calls with their views
+and argument checks per layer; on the shipped model that Python was about half of a step. Here the step
+builds one array describing every layer (the packed weights `StepLinears` keeps, the cache's pools and LSH
+index tensors, the window geometry) and makes one call. It runs where the per-layer path would run every one
+of those functions in C: a float32 CPU cache with the window kernel, a step on one intra-op thread, known
+activations and one-dimensional layer norms;
+elsewhere `run` returns None and the per-layer path runs. Rows hashing with different bucket counts
+(automatic counts follow each row's length) are hashed one by one in C, as the per-layer path hashes each
+count's rows together (each row's hash is computed alone either way). The results are those of the per-layer kernel path
+except for the attention's and the final layer norms, computed in C here (the per-layer path uses PyTorch's):
+their rounding differs (tests/model/test_step_fused.py bounds the difference); each row is still computed
+alone.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor, nn
+
+from .attention import LSHSelfAttention
+from .chunking import mask_value, self_mask_value
+from .cpu_kernels import KIND, MAX_ROUNDS
+
+if TYPE_CHECKING:
+    from .decode_cache import DecodeCache
+    from .reformer import ReformerLM
+    from .step_linear import StepLinears
+
+# StepLayer's fields (step_layers.c), in order: every one 8 bytes
+FIELDS = ("lsh", "heads", "dim", "kind", "pool_rows", "ln_w", "ln_b", "proj_w", "proj_b", "keys", "values", "norms",
+          "rounds", "buckets", "recent_size", "items_len",
+          "item_bytes", "shift", "recent_offset", "main_counts", "recent_counts", "items", "chunk", "before",
+          "after", "ff", "act", "w_out", "b_out", "ff_ln_w", "ff_ln_b", "w_dense", "b_dense", "w_ff", "b_ff")
+
+
+def _ptr(t: Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _norm_params(ln: nn.LayerNorm) -> tuple[int, int] | None:
+    """A layer norm's weight and bias pointers as the C side reads them, or None where it cannot."""
+    if len(ln.normalized_shape) != 1:
+        return None
+    w, b = ln._parameters.get("weight"), ln._parameters.get("bias")
+    if any(p is not None and (p.dtype != torch.float32 or not p.is_contiguous()) for p in (w, b)):
+        return None
+    return _ptr(w), _ptr(b)
+
+
+class FusedStep:
+    """`run(lm, cache, tokens_x, meta, groups)`: the step's logits from its embeddings, or None where the
+    one-call path does not apply."""
+
+    def __init__(self, linears: StepLinears) -> None:
+        self.linears = linears
+        self._factors: dict[str, Tensor] = {}  # bucket count -> its factors as the C side reads them
+        kernel = linears.kernel
+        if kernel is not None and kernel.layer_words != len(FIELDS):
+            raise RuntimeError(f"step_layers.c's StepLayer has {kernel.layer_words} fields, this module {len(FIELDS)}")
+
+    def run(self, lm: ReformerLM, cache: DecodeCache, x: Tensor, meta: Tensor,
+            groups: list[tuple[int | list[int], list[int] | None]]) -> Tensor | None:
+        """x (B, hidden) the step's embeddings (float32), meta (B, 7) its rows' facts (model/decode.py);
+        `groups` the rows by bucket count (`_bucket_groups`). Returns the logits (B, vocab) float32, the cache
+        updated as the per-layer path updates it, or None (nothing done)."""
+        from .decode import _plan  # the per-model plan of layers (model/decode.py imports this module)
+
+        linears, kernel = self.linears, self.linears.kernel
+        if kernel is None or cache.window_kernel is None or not linears.uses_kernel(x):
+            return None
+        rows, hidden = x.shape
+        # each row's bucket-count group (-1: it hashes with none), and each group's factors
+        group_of = [0 if groups and groups[0][1] is None else -1] * rows
+        for g, (_, members) in enumerate(groups):
+            for r in members or ():
+                group_of[r] = g
+        factors = [self._factor_tensor(nb) for nb, _ in groups]
+        hashes: list[int] = []
+        words: list[int] = []
+        floats: list[float] = []
+        self_mask, mask = self_mask_value(torch.float32), mask_value(torch.float32)
+        for li, p in enumerate(_plan(lm)):
+            att = p.attention
+            keys, values = cache.keys[li], cache.values[li]
+            norm, ff_norm = _norm_params(p.norm), _norm_params(p.ff_norm)
+            act = linears.act_code(p.ff_act)
+            if norm is None or ff_norm is None or act is None or keys.dtype not in kernel.reads:
+                return None
+            proj = linears.packing(p.projections)
+            out, dense, down = (linears.packing((layer,)) for layer in (p.output, p.ff_dense, p.ff_output))
+            width = att.heads * att.head_size
+            if (proj.k != hidden or proj.n != len(p.projections) * width or out.k != width or out.n != hidden
+                    or dense.k != hidden or down.k != dense.n or down.n != hidden):
+                raise ValueError(f"fused step: layer {li}'s weights do not fit hidden size {hidden}")
+            f = dict.fromkeys(FIELDS, 0)
+            f.update(heads=att.heads, dim=att.head_size, kind=KIND[keys.dtype], pool_rows=keys.shape[0],
+                     ln_w=norm[0], ln_b=norm[1], proj_w=proj.weight_ptr, proj_b=proj.bias_ptr, keys=keys.data_ptr(),
+                     values=values.data_ptr(), chunk=att.chunk, before=att.before, ff=dense.n, act=act,
+                     w_out=out.weight_ptr, b_out=out.bias_ptr, ff_ln_w=ff_norm[0], ff_ln_b=ff_norm[1],
+                     w_dense=dense.weight_ptr, b_dense=dense.bias_ptr, w_ff=down.weight_ptr, b_ff=down.bias_ptr)
+            if isinstance(att, LSHSelfAttention):
+                index, norms = cache.indexes[li], cache.norms[li]
+                if att.rounds > MAX_ROUNDS or index is None or norms is None:
+                    return None
+                items = index.items
+                f.update(lsh=1, norms=norms.data_ptr(), rounds=att.rounds, after=att.after, buckets=index.buckets,
+                         recent_size=index.recent_size, items_len=items.numel(), item_bytes=items.element_size(),
+                         shift=index.shift, recent_offset=index.recent_offset,
+                         main_counts=index.main_counts.data_ptr(), recent_counts=index.recent_counts.data_ptr(),
+                         items=items.data_ptr())
+                for fs in factors:
+                    size = int(fs.sum())  # the rotations' size: the count, or its factors' sum
+                    hashes += [linears.rotations(att, size).data_ptr(), size // 2, fs.numel(), fs.data_ptr()]
+            else:
+                hashes += [0] * (4 * len(groups))
+            words += f.values()
+            floats += [p.norm.eps, p.ff_norm.eps, self_mask, mask]
+        final = _norm_params(lm.final_layer_norm)
+        if final is None or not isinstance(lm.lm_head, nn.Linear):
+            return None
+        head = linears.packing((lm.lm_head,))
+        x1 = x if x.is_contiguous() else x.contiguous()
+        x2 = x1.clone()
+        meta = meta.contiguous()
+        logits = torch.empty(rows, head.n, dtype=torch.float32)
+        table = cache.block_table
+        layer_array = (ctypes.c_int64 * len(words))(*words)
+        float_array = (ctypes.c_float * len(floats))(*floats)
+        group_array = (ctypes.c_int64 * rows)(*group_of)
+        hash_array = (ctypes.c_int64 * max(len(hashes), 1))(*hashes)
+        status = kernel.layers_raw(rows, hidden, len(floats) // 4, layer_array, float_array, len(groups), group_array,
+                                   hash_array, x1.data_ptr(),
+                                   x2.data_ptr(), meta.data_ptr(), table.data_ptr(), table.shape[1], table.shape[0],
+                                   cache.block_size, cache.scratch_slot, final[0], final[1],
+                                   lm.final_layer_norm.eps, head.weight_ptr, head.bias_ptr, head.n,
+                                   logits.data_ptr())
+        if status:
+            raise RuntimeError(f"decode step kernel failed with status {status}")
+        return logits
+
+    def _factor_tensor(self, nb: int | list[int]) -> Tensor:
+        key = str(nb)
+        held = self._factors.get(key)
+        if held is None:
+            held = self._factors[key] = torch.tensor([nb] if isinstance(nb, int) else list(nb), dtype=torch.int64)
+        return held
+
+
+__all__ = ["FIELDS", "FusedStep"]
