@@ -53,6 +53,40 @@ def _norm_params(ln: nn.LayerNorm) -> tuple[int, int] | None:
     return _ptr(w), _ptr(b)
 
 
+class _Described:
+    """What the C side reads for one model, cache and set of bucket counts, made when `_stamp` changes."""
+
+    def __init__(self, stamp: tuple[object, ...], lm: ReformerLM) -> None:
+        self.stamp = stamp
+        self.model = lm  # held: the stamp's id(lm) cannot be another model's while this exists
+        self.modules = [m for m in lm.modules() if m._parameters]
+        self.packings: list[object] = []  # held: the packed weights the layer array points into
+        self.layers: ctypes.Array[ctypes.c_int64] | None = None
+        self.floats: ctypes.Array[ctypes.c_float] | None = None
+        self.hashes: ctypes.Array[ctypes.c_int64] | None = None
+        self.hidden = self.count = self.vocab = 0
+        self.final: tuple[int, int] = (0, 0)
+        self.final_eps = 0.0
+        self.head: tuple[int, int] = (0, 0)
+
+
+def _stamp(lm: ReformerLM, modules: list[nn.Module], cache: DecodeCache, counts: tuple[str, ...]
+           ) -> tuple[object, ...]:
+    """What the described arrays depend on: the model, every parameter's storage and version counter (a
+    weight replaced or edited in place is packed again), the LSH indexes' count tensors (they are replaced
+    when an automatic bucket count grows) and the step's bucket counts. `modules`: the model's modules that
+    hold parameters (read from `_parameters`: walking `lm.parameters()` is most of a small step's stamp)."""
+    out: list[object] = [id(lm), counts]
+    for m in modules:
+        for p in m._parameters.values():
+            if p is not None:
+                out += (p.data_ptr(), p._version)
+    for index in cache.indexes:
+        if index is not None:
+            out += (index.main_counts.data_ptr(), index.recent_counts.data_ptr())
+    return tuple(out)
+
+
 class FusedStep:
     """`run(lm, cache, tokens_x, meta, groups)`: the step's logits from its embeddings, or None where the
     one-call path does not apply."""
@@ -60,6 +94,7 @@ class FusedStep:
     def __init__(self, linears: StepLinears) -> None:
         self.linears = linears
         self._factors: dict[str, Tensor] = {}  # bucket count -> its factors as the C side reads them
+        self._described: _Described | None = None  # the last step's arrays, reused while `_stamp` is the same
         kernel = linears.kernel
         if kernel is not None and kernel.layer_words != len(FIELDS):
             raise RuntimeError(f"step_layers.c's StepLayer has {kernel.layer_words} fields, this module {len(FIELDS)}")
@@ -69,31 +104,63 @@ class FusedStep:
         """x (B, hidden) the step's embeddings (float32), meta (B, 7) its rows' facts (model/decode.py);
         `groups` the rows by bucket count (`_bucket_groups`). Returns the logits (B, vocab) float32, the cache
         updated as the per-layer path updates it, or None (nothing done)."""
-        from .decode import _plan  # the per-model plan of layers (model/decode.py imports this module)
-
-        linears, kernel = self.linears, self.linears.kernel
-        if kernel is None or cache.window_kernel is None or not linears.uses_kernel(x):
+        kernel = self.linears.kernel
+        if kernel is None or cache.window_kernel is None or not self.linears.uses_kernel(x):
+            return None
+        counts = tuple(str(nb) for nb, _ in groups)
+        held = self._described
+        modules = held.modules if held is not None and held.model is lm else [m for m in lm.modules() if m._parameters]
+        stamp = _stamp(lm, modules, cache, counts)
+        if held is None or held.stamp != stamp:
+            held = self._described = self._describe(lm, cache, [nb for nb, _ in groups], stamp)
+        if held.layers is None:
             return None
         rows, hidden = x.shape
-        # each row's bucket-count group (-1: it hashes with none), and each group's factors
+        if hidden != held.hidden:
+            raise ValueError(f"fused step: embeddings of {hidden} features for a model of {held.hidden}")
+        # each row's bucket-count group (-1: it hashes with none)
         group_of = [0 if groups and groups[0][1] is None else -1] * rows
         for g, (_, members) in enumerate(groups):
             for r in members or ():
                 group_of[r] = g
-        factors = [self._factor_tensor(nb) for nb, _ in groups]
+        x1 = x if x.is_contiguous() else x.contiguous()
+        x2 = x1.clone()
+        meta = meta.contiguous()
+        logits = torch.empty(rows, held.vocab, dtype=torch.float32)
+        table = cache.block_table
+        status = kernel.layers_raw(rows, hidden, held.count, held.layers, held.floats, len(groups),
+                                   (ctypes.c_int64 * rows)(*group_of), held.hashes, x1.data_ptr(), x2.data_ptr(),
+                                   meta.data_ptr(), table.data_ptr(), table.shape[1], table.shape[0], cache.block_size,
+                                   cache.scratch_slot, *held.final, held.final_eps, *held.head, held.vocab,
+                                   logits.data_ptr())
+        if status:
+            raise RuntimeError(f"decode step kernel failed with status {status}")
+        return logits
+
+    def _describe(self, lm: ReformerLM, cache: DecodeCache, counts: list[int | list[int]],
+                  stamp: tuple[object, ...]) -> _Described:
+        """The arrays the C side reads for this model, cache and bucket counts (`layers` None: it cannot run)."""
+        from .decode import _plan  # the per-model plan of layers (model/decode.py imports this module)
+
+        linears, kernel = self.linears, self.linears.kernel
+        assert kernel is not None
+        held = _Described(stamp, lm)
+        factors = [self._factor_tensor(nb) for nb in counts]
         hashes: list[int] = []
         words: list[int] = []
         floats: list[float] = []
         self_mask, mask = self_mask_value(torch.float32), mask_value(torch.float32)
+        hidden = lm.config.hidden_size
         for li, p in enumerate(_plan(lm)):
             att = p.attention
             keys, values = cache.keys[li], cache.values[li]
             norm, ff_norm = _norm_params(p.norm), _norm_params(p.ff_norm)
             act = linears.act_code(p.ff_act)
             if norm is None or ff_norm is None or act is None or keys.dtype not in kernel.reads:
-                return None
+                return held
             proj = linears.packing(p.projections)
             out, dense, down = (linears.packing((layer,)) for layer in (p.output, p.ff_dense, p.ff_output))
+            held.packings += [proj, out, dense, down]
             width = att.heads * att.head_size
             if (proj.k != hidden or proj.n != len(p.projections) * width or out.k != width or out.n != hidden
                     or dense.k != hidden or down.k != dense.n or down.n != hidden):
@@ -107,7 +174,7 @@ class FusedStep:
             if isinstance(att, LSHSelfAttention):
                 index, norms = cache.indexes[li], cache.norms[li]
                 if att.rounds > MAX_ROUNDS or index is None or norms is None:
-                    return None
+                    return held
                 items = index.items
                 f.update(lsh=1, norms=norms.data_ptr(), rounds=att.rounds, after=att.after, buckets=index.buckets,
                          recent_size=index.recent_size, items_len=items.numel(), item_bytes=items.element_size(),
@@ -118,31 +185,22 @@ class FusedStep:
                     size = int(fs.sum())  # the rotations' size: the count, or its factors' sum
                     hashes += [linears.rotations(att, size).data_ptr(), size // 2, fs.numel(), fs.data_ptr()]
             else:
-                hashes += [0] * (4 * len(groups))
+                hashes += [0] * (4 * len(factors))
             words += f.values()
             floats += [p.norm.eps, p.ff_norm.eps, self_mask, mask]
         final = _norm_params(lm.final_layer_norm)
         if final is None or not isinstance(lm.lm_head, nn.Linear):
-            return None
+            return held
         head = linears.packing((lm.lm_head,))
-        x1 = x if x.is_contiguous() else x.contiguous()
-        x2 = x1.clone()
-        meta = meta.contiguous()
-        logits = torch.empty(rows, head.n, dtype=torch.float32)
-        table = cache.block_table
-        layer_array = (ctypes.c_int64 * len(words))(*words)
-        float_array = (ctypes.c_float * len(floats))(*floats)
-        group_array = (ctypes.c_int64 * rows)(*group_of)
-        hash_array = (ctypes.c_int64 * max(len(hashes), 1))(*hashes)
-        status = kernel.layers_raw(rows, hidden, len(floats) // 4, layer_array, float_array, len(groups), group_array,
-                                   hash_array, x1.data_ptr(),
-                                   x2.data_ptr(), meta.data_ptr(), table.data_ptr(), table.shape[1], table.shape[0],
-                                   cache.block_size, cache.scratch_slot, final[0], final[1],
-                                   lm.final_layer_norm.eps, head.weight_ptr, head.bias_ptr, head.n,
-                                   logits.data_ptr())
-        if status:
-            raise RuntimeError(f"decode step kernel failed with status {status}")
-        return logits
+        if head.k != 2 * hidden:
+            raise ValueError(f"fused step: an LM head of {head.k} inputs for hidden size {hidden}")
+        held.packings.append(head)
+        held.hidden, held.count, held.vocab = hidden, len(floats) // 4, head.n
+        held.final, held.final_eps, held.head = final, lm.final_layer_norm.eps, (head.weight_ptr, head.bias_ptr)
+        held.floats = (ctypes.c_float * len(floats))(*floats)
+        held.hashes = (ctypes.c_int64 * max(len(hashes), 1))(*hashes)
+        held.layers = (ctypes.c_int64 * len(words))(*words)
+        return held
 
     def _factor_tensor(self, nb: int | list[int]) -> Tensor:
         key = str(nb)
