@@ -45,6 +45,9 @@ log = logging.getLogger(__name__)
 SOURCES = tuple(Path(__file__).with_name("kernels") / name
                 for name in ("window_attend.c", "step_linear.c", "step_layers.c"))
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-pthread")
+# step_layers.c splits a step between OpenMP threads (the OpenMP runtime PyTorch has loaded: one pool of
+# threads for both); a compiler without OpenMP builds it single-threaded
+OPENMP = "-fopenmp"
 ENV_SWITCH = "REFORMER_CPU_KERNELS"  # "0" turns the kernel off (the service's setting of the same name sets it)
 MAX_ROUNDS = 64  # the C side's bound on hash rounds
 PANEL = 32  # step_linear.c's columns per packed panel
@@ -91,8 +94,13 @@ def _build(compiler: str, target: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], check=True, capture_output=True,
-                       text=True, timeout=120)
+        try:
+            subprocess.run([compiler, *FLAGS, OPENMP, *map(str, SOURCES), "-o", tmp, "-lm"], check=True,
+                           capture_output=True, text=True, timeout=120)
+        except subprocess.CalledProcessError:
+            log.warning("the C kernels build without OpenMP: a step's layers run on one thread")
+            subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], check=True, capture_output=True,
+                           text=True, timeout=120)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -112,7 +120,8 @@ def _require(what: str, *wants: tuple[Tensor, torch.dtype | tuple[torch.dtype, .
                              f"{x.device}{'' if x.is_contiguous() else ', not contiguous'}")
 
 
-def _check(status: int, what: str) -> None:
+def check_status(status: int, what: str) -> None:
+    """Raise for a C function's non-zero status (window_attend.c's codes)."""
     if status & _BAD_KIND:
         raise ValueError(f"{what}: this build of the kernel does not read pools of that dtype")
     if status & _BAD_INDEX:
@@ -149,7 +158,7 @@ class WindowKernel:
         self.tail_raw = declare("step_tail", [i64] * 4 + [ptr] * 7 + [f32] + [ptr] * 2 + [i64] + [ptr] * 2)
         # a whole step's layers (model/step_fused.py builds the layer array; unchecked here, as the two above)
         self.layers_raw = declare("decode_layers", [i64] * 3 + [ptr] * 2 + [i64, ptr, ptr] + [ptr] * 4 + [i64] * 4
-                                  + [ptr] * 2 + [f32] + [ptr] * 2 + [i64, ptr])
+                                  + [ptr] * 2 + [f32] + [ptr] * 2 + [i64, ptr, i64])
         self.norm_raw = lib.layer_norm_rows  # (m, n, x, weight, bias, eps, y): rows of x layer-normed into y
         self.norm_raw.argtypes, self.norm_raw.restype = [i64, i64, ptr, ptr, ptr, f32, ptr], None
         words = lib.step_layer_words
@@ -202,7 +211,7 @@ class WindowKernel:
                           0 if pos is None else pos.data_ptr(), 0 if t is None else t.data_ptr(),
                           0 if dead is None else dead.data_ptr(), self_mask, mask, out.data_ptr(),
                           torch.get_num_threads())
-        _check(status, "window kernel")
+        check_status(status, "window kernel")
         return out
 
     def lsh_attend(self, q: Tensor, keys: Tensor, norms: Tensor, values: Tensor, meta: Tensor, buckets: Tensor,
@@ -232,7 +241,7 @@ class WindowKernel:
                            index.recent_offset, block_table.data_ptr(), block_table.shape[1], block_size, scratch_slot,
                            self_mask,
                            mask, out.data_ptr(), torch.get_num_threads())
-        _check(status, "lsh kernel")
+        check_status(status, "lsh kernel")
         return out
 
     def write(self, rows: Tensor, key: Tensor, value: Tensor, keys: Tensor, values: Tensor, norms: Tensor | None,
@@ -254,7 +263,7 @@ class WindowKernel:
         status = self._write(b, h, d, kind, keys.shape[0], rows.data_ptr(), key.data_ptr(), value.data_ptr(),
                              keys.data_ptr(), values.data_ptr(), 0 if norms is None else norms.data_ptr(), eps,
                              math.sqrt(d))
-        _check(status, "write kernel")
+        check_status(status, "write kernel")
 
     def append(self, index: LSHIndex, meta: Tensor, buckets: Tensor) -> None:
         """`LSHIndex.append` for a step's rows that append (meta (B, 7) int64 as model/decode.py builds it;
@@ -268,7 +277,7 @@ class WindowKernel:
         status = self._append(b, h, rounds, index.buckets, index.recent_size, meta.data_ptr(), buckets.data_ptr(),
                               recent.data_ptr(), items.data_ptr(), items.element_size(), index.shift,
                               index.recent_offset)
-        _check(status, "append kernel")
+        check_status(status, "append kernel")
 
     def pack(self, weight: Tensor) -> Tensor:
         """A linear layer's weight (N, K) float32 as `linear` reads it: ceil(N / 32) panels of (K, 32), columns
@@ -307,7 +316,7 @@ class WindowKernel:
         out = torch.empty(b, h, rounds, dtype=torch.int64)
         status = self._hash(b, h, rounds, d, half, len(factors), fs.data_ptr(), q.data_ptr(), packed.data_ptr(),
                             out.data_ptr())
-        _check(status, "hash kernel")
+        check_status(status, "hash kernel")
         return out
 
     def merge(self, index: LSHIndex, slot: int, rows: Tensor, main_len: int, recent_len: int) -> None:
@@ -324,7 +333,7 @@ class WindowKernel:
         status = self._merge(heads * rounds, index.buckets, main_len, recent_len, index.recent_size, items.data_ptr(),
                              items.element_size(), index.order.shape[0], rows.data_ptr(), main.data_ptr(),
                              recent.data_ptr(), index.recent[slot].data_ptr())
-        _check(status, "merge kernel")
+        check_status(status, "merge kernel")
 
 
 @functools.lru_cache(maxsize=1)
@@ -340,7 +349,7 @@ def load() -> WindowKernel | None:
         return None
     try:
         digest = hashlib.sha256()
-        for part in (*(src.read_bytes() for src in SOURCES), " ".join(FLAGS).encode(), compiler.encode(),
+        for part in (*(src.read_bytes() for src in SOURCES), " ".join((*FLAGS, OPENMP)).encode(), compiler.encode(),
                      platform.machine().encode(), _cpu_flags().encode()):
             digest.update(part)
         target = _cache_dir() / f"window_attend-{digest.hexdigest()[:16]}.so"

@@ -4,15 +4,16 @@ projections, cache write, LSH hash and insert, attention and tail, then the fina
 model/decode.py's step calls the same C functions one by one from Python, about ten calls with their views
 and argument checks per layer; on the shipped model that Python was about half of a step. Here the step
 builds one array describing every layer (the packed weights `StepLinears` keeps, the cache's pools and LSH
-index tensors, the window geometry) and makes one call. It runs where the per-layer path would run every one
-of those functions in C: a float32 CPU cache with the window kernel, a step on one intra-op thread, known
-activations and one-dimensional layer norms;
+index tensors, the window geometry; remade only when a weight, an index tensor or the step's bucket counts
+change) and makes one call. On more than one intra-op thread the call splits the products by column panels
+and the attention by (row, head) between OpenMP threads; each value is computed as on one thread, so the
+bits do not depend on the thread count (nor, each row being computed alone, on the batch).
+
+It runs for a float32 CPU cache with the window kernel, known activations and one-dimensional layer norms;
 elsewhere `run` returns None and the per-layer path runs. Rows hashing with different bucket counts
 (automatic counts follow each row's length) are hashed one by one in C, as the per-layer path hashes each
-count's rows together (each row's hash is computed alone either way). The results are those of the per-layer kernel path
-except for the attention's and the final layer norms, computed in C here (the per-layer path uses PyTorch's):
-their rounding differs (tests/model/test_step_fused.py bounds the difference); each row is still computed
-alone.
+count's rows together (each row's hash is computed alone either way). The results are the per-layer kernel
+path's on one thread, bit for bit (tests/model/test_step_fused.py).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from torch import Tensor, nn
 
 from .attention import LSHSelfAttention
 from .chunking import mask_value, self_mask_value
-from .cpu_kernels import KIND, MAX_ROUNDS
+from .cpu_kernels import KIND, MAX_ROUNDS, check_status
 
 if TYPE_CHECKING:
     from .decode_cache import DecodeCache
@@ -105,7 +106,7 @@ class FusedStep:
         `groups` the rows by bucket count (`_bucket_groups`). Returns the logits (B, vocab) float32, the cache
         updated as the per-layer path updates it, or None (nothing done)."""
         kernel = self.linears.kernel
-        if kernel is None or cache.window_kernel is None or not self.linears.uses_kernel(x):
+        if kernel is None or cache.window_kernel is None or x.dtype != torch.float32 or x.device.type != "cpu":
             return None
         counts = tuple(str(nb) for nb, _ in groups)
         held = self._described
@@ -132,9 +133,8 @@ class FusedStep:
                                    (ctypes.c_int64 * rows)(*group_of), held.hashes, x1.data_ptr(), x2.data_ptr(),
                                    meta.data_ptr(), table.data_ptr(), table.shape[1], table.shape[0], cache.block_size,
                                    cache.scratch_slot, *held.final, held.final_eps, *held.head, held.vocab,
-                                   logits.data_ptr())
-        if status:
-            raise RuntimeError(f"decode step kernel failed with status {status}")
+                                   logits.data_ptr(), torch.get_num_threads())
+        check_status(status, "decode step kernel")
         return logits
 
     def _describe(self, lm: ReformerLM, cache: DecodeCache, counts: list[int | list[int]],

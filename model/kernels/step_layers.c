@@ -24,13 +24,15 @@
 #include <stdlib.h>
 #include <string.h>
 
-int step_linear(int64_t m, int64_t n, int64_t k, const float *x, int64_t x_stride, const float *packed,
-                const float *bias, float *y);
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+void step_linear_panels(int64_t m, int64_t n, int64_t k, const float *x, int64_t x_stride, const float *packed,
+                        const float *bias, float *y, int64_t p0, int64_t p1);
+float step_activate(float x, int64_t act);
 int lsh_hash(int64_t m, int64_t heads, int64_t rounds, int64_t dim, int64_t half, int64_t nfactors,
              const int64_t *factors, const float *q, const float *packed, int64_t *buckets);
-int step_tail(int64_t m, int64_t hidden, int64_t att_dim, int64_t ff, const float *att, const float *w_out,
-              const float *b_out, float *x1, float *x2, const float *ln_w, const float *ln_b, float eps,
-              const float *w_dense, const float *b_dense, int64_t act, const float *w_ff, const float *b_ff);
 void layer_norm_rows(int64_t m, int64_t n, const float *x, const float *w, const float *b, float eps, float *y);
 int decode_write(int64_t rows, int64_t heads, int64_t dim, int64_t kind, int64_t pool_rows, const int64_t *at,
                  const float *key, const float *value, void *keys, void *values, float *norms, float eps,
@@ -38,18 +40,18 @@ int decode_write(int64_t rows, int64_t heads, int64_t dim, int64_t kind, int64_t
 int lsh_append(int64_t rows, int64_t heads, int64_t rounds, int64_t buckets, int64_t recent_size,
                const int64_t *meta, const int64_t *bucket_of, int16_t *recent_counts, void *items,
                int64_t item_bytes, int64_t shift, int64_t recent_offset);
-int lsh_attend(int64_t rows, int64_t heads, int64_t rounds, int64_t buckets, int64_t chunk, int64_t before,
-               int64_t after, int64_t dim, int64_t recent_size, int64_t kind, const float *q, const void *keys,
-               const float *norms, const void *values, int64_t pool_rows, const int64_t *meta,
-               const int64_t *bucket_of, const int32_t *main_counts, const int16_t *recent_counts,
-               const void *items, int64_t items_len, int64_t item_bytes,
-               int64_t shift, int64_t recent_offset, const int64_t *block_table, int64_t table_width,
-               int64_t block_size, int64_t skip_slot, float self_mask, float mask, float *out, int64_t threads);
-int window_attend(int64_t rows, int64_t heads, int64_t rounds, int64_t width, int64_t dim, int64_t kind,
-                  const float *q, const void *keys, const float *norms, const void *values, int64_t pool_len,
-                  const int64_t *flat, const uint8_t *absent, int64_t absent_row_stride, int64_t absent_head_stride,
-                  const int64_t *pos, const int64_t *t, const uint8_t *dead, float self_mask, float mask,
-                  float *out, int64_t threads);
+int lsh_attend_items(int64_t heads, int64_t rounds, int64_t buckets, int64_t chunk, int64_t before, int64_t after,
+                     int64_t dim, int64_t recent_size, int64_t kind, const float *q, const void *keys,
+                     const float *norms, const void *values, int64_t pool_rows, const int64_t *meta,
+                     const int64_t *bucket_of, const int32_t *main_counts, const int16_t *recent_counts,
+                     const void *items, int64_t items_len, int64_t item_bytes, int64_t shift, int64_t recent_offset,
+                     const int64_t *block_table, int64_t table_width, int64_t block_size, int64_t skip_slot,
+                     float self_mask, float mask, float *out, int64_t begin, int64_t end);
+int window_attend_items(int64_t heads, int64_t rounds, int64_t width, int64_t dim, int64_t kind, const float *q,
+                        const void *keys, const float *norms, const void *values, int64_t pool_len,
+                        const int64_t *flat, const uint8_t *absent, int64_t absent_row_stride,
+                        int64_t absent_head_stride, const int64_t *pos, const int64_t *t, const uint8_t *dead,
+                        float self_mask, float mask, float *out, int64_t begin, int64_t end);
 
 #define NO_MEMORY 1
 #define BAD_INDEX 2
@@ -104,106 +106,163 @@ static int local_window(const StepLayer *L, int64_t m, const int64_t *meta, cons
     return 0;
 }
 
+/* This thread's share [*begin, *end) of n pieces (the whole of them outside a parallel region) */
+static void share(int64_t n, int64_t *begin, int64_t *end) {
+#ifdef _OPENMP
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+    const int64_t t = 0, nt = 1;
+#endif
+    *begin = n * t / nt;
+    *end = n * (t + 1) / nt;
+}
+
+#define PANEL 32 /* step_linear.c's columns per panel */
+
+/* y = x W^T + b split by panels between the region's threads, then a barrier: every element is computed
+ * as step_linear computes it, whichever thread computes it. */
+static void product(int64_t m, int64_t n, int64_t k, const float *x, const float *w, const float *b, float *y) {
+    int64_t p0, p1;
+    share((n + PANEL - 1) / PANEL, &p0, &p1);
+    step_linear_panels(m, n, k, x, k, w, b, y, p0, p1);
+#pragma omp barrier
+}
+
 /* x1, x2 (m, hidden): the step's embeddings in both (two buffers), updated in place through every layer;
  * logits (m, vocab) from the final layer norm of [x1, x2] and the LM head. meta (m, 7) as model/decode.py
- * builds it; every layer's new key goes to the pool row of (slot, t) (meta's first two columns). Returns 0, NO_MEMORY, or a called function's non-zero status. */
+ * builds it; every layer's new key goes to the pool row of (slot, t) (meta's first two columns). `threads`:
+ * the products are split by panels and the attention by (row, head) between that many OpenMP threads, the
+ * rest runs on one; every value is computed as on one thread, so the bits do not depend on `threads`.
+ * Returns 0, NO_MEMORY, or a called function's non-zero status (an error does not stop the other threads
+ * early: every thread meets every barrier; the functions check their indices, so the rest is only wasted). */
 int decode_layers(int64_t m, int64_t hidden, int64_t nlayers, const StepLayer *layers, const float *floats,
                   int64_t groups, const int64_t *group_of, const int64_t *hashes,
                   float *x1, float *x2, const int64_t *meta, const int64_t *table,
                   int64_t table_width, int64_t table_rows, int64_t block_size, int64_t scratch_slot,
                   const float *final_w, const float *final_b, float final_eps, const float *head_w,
-                  const float *head_b, int64_t vocab, float *logits) {
-    int64_t most_att = 1, most_proj = 1, most_window = 1, most_flat = 1, most_rounds = 1;
+                  const float *head_b, int64_t vocab, float *logits, int64_t threads) {
+    int64_t most_att = 1, most_proj = 1, most_window = 1, most_flat = 1, most_rounds = 1, most_ff = 1;
     for (int64_t i = 0; i < nlayers; i++) {
         const StepLayer *L = layers + i;
         const int64_t att = L->heads * L->dim, proj = (L->lsh ? 2 : 3) * att;
         if (att > most_att) most_att = att;
         if (proj > most_proj) most_proj = proj;
+        if (L->ff > most_ff) most_ff = L->ff;
         const int64_t w = (L->before + 1) * L->chunk;
         if (!L->lsh && w > most_window) most_window = w;
         if (!L->lsh && L->heads * w > most_flat) most_flat = L->heads * w;
         if (L->lsh && L->heads * L->rounds > most_rounds) most_rounds = L->heads * L->rounds;
     }
-    const size_t floats_n = (size_t)(m * (hidden + most_proj + 3 * most_att) + m * 2 * hidden);
+    const size_t floats_n = (size_t)(m * (2 * hidden + most_proj + 3 * most_att + most_ff) + m * 2 * hidden);
     float *fbuf = malloc(floats_n * sizeof(float));
     int64_t *ibuf = malloc((size_t)(m * (1 + most_rounds + most_flat)) * sizeof(int64_t));
     uint8_t *absent = malloc((size_t)(m * most_window));
     int status = 0;
     if (!fbuf || !ibuf || !absent) {
-        status = NO_MEMORY;
-        goto done;
+        free(fbuf);
+        free(ibuf);
+        free(absent);
+        return NO_MEMORY;
     }
-    float *h = fbuf, *qkv = h + m * hidden, *key = qkv + m * most_proj, *value = key + m * most_att;
-    float *out = value + m * most_att, *joined = out + m * most_att;
+    float *h = fbuf, *y = h + m * hidden, *qkv = y + m * hidden, *key = qkv + m * most_proj;
+    float *value = key + m * most_att, *out = value + m * most_att, *u = out + m * most_att, *joined = u + m * most_ff;
     int64_t *new_rows = ibuf, *bucket_of = ibuf + m, *flat = bucket_of + m * most_rounds;
     for (int64_t b = 0; b < m && nlayers; b++) {
         new_rows[b] = table_row(table, table_width, table_rows, block_size, meta[b * 7], meta[b * 7 + 1],
                                 layers[0].pool_rows);
         if (new_rows[b] < 0) status = BAD_INDEX;
     }
-    for (int64_t i = 0; i < nlayers && !status; i++) {
-        const StepLayer *L = layers + i;
-        const float *fl = floats + 4 * i;
-        const int64_t att = L->heads * L->dim, parts = L->lsh ? 2 : 3, proj = parts * att;
-        layer_norm_rows(m, hidden, x2, L->ln_w, L->ln_b, fl[0], h);
-        step_linear(m, proj, hidden, h, hidden, L->proj_w, L->proj_b, qkv);
-        /* LSH: the query-key is the query and the key; local: query, key / sqrt(D), value */
-        const float scale = sqrtf((float)L->dim);
-        for (int64_t b = 0; b < m; b++) {
-            const float *row = qkv + b * proj;
-            for (int64_t j = 0; j < att; j++) {
-                key[b * att + j] = L->lsh ? row[j] : row[att + j] / scale;
-                value[b * att + j] = row[(parts - 1) * att + j];
-            }
-        }
-        status = decode_write(m, L->heads, L->dim, L->kind, L->pool_rows, new_rows, key, value,
-                              L->keys, L->values, L->lsh ? L->norms : NULL, WRITE_EPS, sqrtf((float)L->dim));
-        if (status) break;
-        if (L->lsh) {
-            const float *q = key; /* shared query-key */
-            const int64_t per_row = L->heads * L->rounds;
-            for (int64_t b = 0; b < m && !status; b++) {
-                const int64_t g = group_of[b];
-                if (g < 0 || g >= groups) {
-                    memset(bucket_of + b * per_row, 0, (size_t)per_row * sizeof(int64_t));
-                    continue;
+    if (threads < 1) threads = 1;
+#pragma omp parallel num_threads((int)threads) if (threads > 1)
+    {
+        for (int64_t i = 0; i < nlayers; i++) {
+            const StepLayer *L = layers + i;
+            const float *fl = floats + 4 * i;
+            const int64_t att = L->heads * L->dim, parts = L->lsh ? 2 : 3, proj = parts * att;
+#pragma omp single
+            layer_norm_rows(m, hidden, x2, L->ln_w, L->ln_b, fl[0], h);
+            product(m, proj, hidden, h, L->proj_w, L->proj_b, qkv);
+#pragma omp single
+            {
+                /* LSH: the query-key is the query and the key; local: query, key / sqrt(D), value */
+                const float scale = sqrtf((float)L->dim);
+                for (int64_t b = 0; b < m; b++) {
+                    const float *row = qkv + b * proj;
+                    for (int64_t j = 0; j < att; j++) {
+                        key[b * att + j] = L->lsh ? row[j] : row[att + j] / scale;
+                        value[b * att + j] = row[(parts - 1) * att + j];
+                    }
                 }
-                const int64_t *hp = hashes + (i * groups + g) * 4;
-                status = lsh_hash(1, L->heads, L->rounds, L->dim, hp[1], hp[2], (const int64_t *)(intptr_t)hp[3],
-                                  q + b * att, (const float *)(intptr_t)hp[0], bucket_of + b * per_row);
+                int st = status ? status
+                                : decode_write(m, L->heads, L->dim, L->kind, L->pool_rows, new_rows, key, value, L->keys,
+                                               L->values, L->lsh ? L->norms : NULL, WRITE_EPS, scale);
+                if (L->lsh) {
+                    const int64_t per_row = L->heads * L->rounds;
+                    for (int64_t b = 0; b < m && !st; b++) {
+                        const int64_t g = group_of[b];
+                        if (g < 0 || g >= groups) {
+                            memset(bucket_of + b * per_row, 0, (size_t)per_row * sizeof(int64_t));
+                            continue;
+                        }
+                        const int64_t *hp = hashes + (i * groups + g) * 4;
+                        st = lsh_hash(1, L->heads, L->rounds, L->dim, hp[1], hp[2], (const int64_t *)(intptr_t)hp[3],
+                                      key + b * att, (const float *)(intptr_t)hp[0], bucket_of + b * per_row);
+                    }
+                    if (!st)
+                        st = lsh_append(m, L->heads, L->rounds, L->buckets, L->recent_size, meta, bucket_of,
+                                        L->recent_counts, L->items, L->item_bytes, L->shift, L->recent_offset);
+                } else {
+                    if (!st) st = local_window(L, m, meta, table, table_width, table_rows, block_size, flat, absent);
+                    /* the query, contiguous, where the value was (written to the pools already) */
+                    for (int64_t b = 0; b < m; b++) memcpy(value + b * att, qkv + b * proj, (size_t)att * sizeof(float));
+                }
+                status |= st;
             }
-            if (status) break;
-            status = lsh_append(m, L->heads, L->rounds, L->buckets, L->recent_size, meta, bucket_of,
-                                L->recent_counts, L->items, L->item_bytes, L->shift, L->recent_offset);
-            if (status) break;
-            status = lsh_attend(m, L->heads, L->rounds, L->buckets, L->chunk, L->before, L->after, L->dim,
-                                L->recent_size, L->kind, q, L->keys, L->norms, L->values, L->pool_rows, meta,
-                                bucket_of, L->main_counts, L->recent_counts, L->items, L->items_len, L->item_bytes,
-                                L->shift, L->recent_offset, table, table_width, block_size, scratch_slot, fl[2],
-                                fl[3], out, 1);
-        } else {
-            const int64_t w = (L->before + 1) * L->chunk;
-            status = local_window(L, m, meta, table, table_width, table_rows, block_size, flat, absent);
-            if (status) break;
-            /* the query is the first part of each row: copy it out contiguous (value is no longer needed) */
-            for (int64_t b = 0; b < m; b++) memcpy(value + b * att, qkv + b * proj, (size_t)att * sizeof(float));
-            status = window_attend(m, L->heads, 1, w, L->dim, L->kind, value, L->keys, NULL, L->values,
-                                   L->pool_rows * L->heads, flat, absent, w, L->heads > 1 ? 0 : w, NULL, NULL,
-                                   NULL, 0.0f, fl[3], out, 1);
+            int64_t begin, end;
+            share(m * L->heads, &begin, &end);
+            int st = 0;
+            if (L->lsh)
+                st = lsh_attend_items(L->heads, L->rounds, L->buckets, L->chunk, L->before, L->after, L->dim,
+                                      L->recent_size, L->kind, key, L->keys, L->norms, L->values, L->pool_rows, meta,
+                                      bucket_of, L->main_counts, L->recent_counts, L->items, L->items_len,
+                                      L->item_bytes, L->shift, L->recent_offset, table, table_width, block_size,
+                                      scratch_slot, fl[2], fl[3], out, begin, end);
+            else {
+                const int64_t w = (L->before + 1) * L->chunk;
+                st = window_attend_items(L->heads, 1, w, L->dim, L->kind, value, L->keys, NULL, L->values,
+                                         L->pool_rows * L->heads, flat, absent, w, L->heads > 1 ? 0 : w, NULL, NULL,
+                                         NULL, 0.0f, fl[3], out, begin, end);
+            }
+            if (st) {
+#pragma omp atomic
+                status |= st;
+            }
+#pragma omp barrier
+            /* the tail, as step_tail: x1 += out W_out^T + b; x2 += act(ln(x1) W_dense^T + b) W_ff^T + b */
+            product(m, hidden, att, out, L->w_out, L->b_out, y);
+#pragma omp single
+            {
+                for (int64_t j = 0; j < m * hidden; j++) x1[j] += y[j];
+                layer_norm_rows(m, hidden, x1, L->ff_ln_w, L->ff_ln_b, fl[1], h);
+            }
+            product(m, L->ff, hidden, h, L->w_dense, L->b_dense, u);
+            share(m * L->ff, &begin, &end);
+            for (int64_t j = begin; j < end; j++) u[j] = step_activate(u[j], L->act);
+#pragma omp barrier
+            product(m, hidden, L->ff, u, L->w_ff, L->b_ff, y);
+#pragma omp single
+            for (int64_t j = 0; j < m * hidden; j++) x2[j] += y[j];
         }
-        if (status) break;
-        status = step_tail(m, hidden, att, L->ff, out, L->w_out, L->b_out, x1, x2, L->ff_ln_w, L->ff_ln_b, fl[1],
-                           L->w_dense, L->b_dense, L->act, L->w_ff, L->b_ff);
-    }
-    if (!status) {
-        for (int64_t b = 0; b < m; b++) {
-            memcpy(joined + b * 2 * hidden, x1 + b * hidden, (size_t)hidden * sizeof(float));
-            memcpy(joined + b * 2 * hidden + hidden, x2 + b * hidden, (size_t)hidden * sizeof(float));
+#pragma omp single
+        {
+            for (int64_t b = 0; b < m; b++) {
+                memcpy(joined + b * 2 * hidden, x1 + b * hidden, (size_t)hidden * sizeof(float));
+                memcpy(joined + b * 2 * hidden + hidden, x2 + b * hidden, (size_t)hidden * sizeof(float));
+            }
+            layer_norm_rows(m, 2 * hidden, joined, final_w, final_b, final_eps, joined);
         }
-        layer_norm_rows(m, 2 * hidden, joined, final_w, final_b, final_eps, joined);
-        step_linear(m, vocab, 2 * hidden, joined, 2 * hidden, head_w, head_b, logits);
+        product(m, vocab, 2 * hidden, joined, head_w, head_b, logits);
     }
-done:
     free(fbuf);
     free(ibuf);
     free(absent);

@@ -98,12 +98,12 @@ void step_linear_pack(int64_t n, int64_t k, const float *weight, float *packed) 
             packed[(col / PANEL) * k * PANEL + kk * PANEL + col % PANEL] = weight[col * k + kk];
 }
 
-/* y (m, n) = x (m, k, rows x_stride apart) times the packed W^T, plus bias (n,) unless NULL; returns 0. */
-int step_linear(int64_t m, int64_t n, int64_t k, const float *x, int64_t x_stride, const float *packed,
-                const float *bias, float *y) {
-    const int64_t panels = (n + PANEL - 1) / PANEL;
+/* Panels p0 .. p1-1 of y (m, n) = x (m, k, rows x_stride apart) times the packed W^T, plus bias (n,) unless
+ * NULL: columns 32 p0 .. 32 p1 - 1 (a thread's share of a product split by panels; step_layers.c). */
+void step_linear_panels(int64_t m, int64_t n, int64_t k, const float *x, int64_t x_stride, const float *packed,
+                        const float *bias, float *y, int64_t p0, int64_t p1) {
     /* panels outside, row tiles inside: a panel (k * 128 bytes) is read from memory once for all m rows */
-    for (int64_t p = 0; p < panels; p++) {
+    for (int64_t p = p0; p < p1; p++) {
         const int64_t col = p * PANEL, width = n - col < PANEL ? n - col : PANEL;
         for (int64_t r = 0; r < m; r += ROW_TILE) {
             const int rows = m - r < ROW_TILE ? (int)(m - r) : ROW_TILE;
@@ -111,6 +111,12 @@ int step_linear(int64_t m, int64_t n, int64_t k, const float *x, int64_t x_strid
                  y + r * n + col, n, width);
         }
     }
+}
+
+/* y (m, n) = x (m, k, rows x_stride apart) times the packed W^T, plus bias (n,) unless NULL; returns 0. */
+int step_linear(int64_t m, int64_t n, int64_t k, const float *x, int64_t x_stride, const float *packed,
+                const float *bias, float *y) {
+    step_linear_panels(m, n, k, x, x_stride, packed, bias, y, 0, (n + PANEL - 1) / PANEL);
     return 0;
 }
 
@@ -170,7 +176,7 @@ int lsh_hash(int64_t m, int64_t heads, int64_t rounds, int64_t dim, int64_t half
 #define ACT_SILU 3
 #define ACT_TANH 4
 
-static inline float activate(float x, int64_t act) {
+float step_activate(float x, int64_t act) {
     switch (act) {
     case ACT_RELU: return x > 0.0f || x != x ? x : 0.0f; /* NaN stays NaN, as torch.relu */
     case ACT_GELU: return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));
@@ -209,7 +215,7 @@ int step_tail(int64_t m, int64_t hidden, int64_t att_dim, int64_t ff, const floa
     for (int64_t i = 0; i < m * hidden; i++) x1[i] += y[i];
     layer_norm_rows(m, hidden, x1, ln_w, ln_b, eps, h);
     step_linear(m, ff, hidden, h, hidden, w_dense, b_dense, u);
-    for (int64_t i = 0; i < m * ff; i++) u[i] = activate(u[i], act);
+    for (int64_t i = 0; i < m * ff; i++) u[i] = step_activate(u[i], act);
     step_linear(m, hidden, ff, u, ff, w_ff, b_ff, y);
     for (int64_t i = 0; i < m * hidden; i++) x2[i] += y[i];
     free(buf);

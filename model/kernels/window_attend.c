@@ -355,6 +355,20 @@ int window_attend(int64_t rows, int64_t heads, int64_t rounds, int64_t width, in
     return status;
 }
 
+/* window_attend for the (row, head) items begin .. end-1 only, on the calling thread (step_layers.c splits a
+ * step's items between its threads). */
+int window_attend_items(int64_t heads, int64_t rounds, int64_t width, int64_t dim, int64_t kind, const float *q,
+                        const void *keys, const float *norms, const void *values, int64_t pool_len,
+                        const int64_t *flat, const uint8_t *absent, int64_t absent_row_stride,
+                        int64_t absent_head_stride, const int64_t *pos, const int64_t *t, const uint8_t *dead,
+                        float self_mask, float mask, float *out, int64_t begin, int64_t end) {
+    if (!kind_ok(kind)) return BAD_KIND;
+    Job job = {heads, rounds, width, dim, (int)kind, q, norms, keys, values, pool_len, flat, pos, t, absent, dead,
+               absent_row_stride, absent_head_stride, self_mask, mask, out, begin, end, 1};
+    if (begin < end) run_job(&job);
+    return begin < end ? job.status : 0;
+}
+
 /* ---- LSH layers: the window's positions from the bucket order, then the attention ------------------- */
 
 typedef struct {
@@ -541,6 +555,19 @@ static void *run_lsh_job(void *arg) {
 /* One LSH layer's decode attention for every (row, head): the windows' positions from the index (the
  * main order in the pool rows of the row's blocks, the recent order per slot, the counts after the step's
  * insert), then attend_slots. Returns as window_attend does. */
+static LshJob lsh_job(int64_t heads, int64_t rounds, int64_t buckets, int64_t chunk, int64_t before,
+                      int64_t after, int64_t dim, int64_t recent_size, int64_t kind, const float *q, const void *keys,
+                      const float *norms, const void *values, int64_t pool_rows, const int64_t *meta,
+                      const int64_t *bucket_of, const int32_t *main_counts, const int16_t *recent_counts,
+                      const void *items, int64_t items_len, int64_t item_bytes, int64_t shift, int64_t recent_offset,
+                      const int64_t *block_table, int64_t table_width, int64_t block_size, int64_t skip_slot,
+                      float self_mask, float mask, float *out, int64_t begin, int64_t end) {
+    return (LshJob){heads, rounds, buckets, chunk, before, after, dim, recent_size, (int)kind, q, norms, keys, values,
+                    pool_rows, meta, bucket_of, main_counts, recent_counts, items, items_len, item_bytes, shift,
+                    recent_offset, block_table, table_width, block_size, skip_slot, self_mask, mask, out, begin, end,
+                    1};
+}
+
 int lsh_attend(int64_t rows, int64_t heads, int64_t rounds, int64_t buckets, int64_t chunk, int64_t before,
                int64_t after, int64_t dim, int64_t recent_size, int64_t kind, const float *q, const void *keys,
                const float *norms, const void *values, int64_t pool_rows, const int64_t *meta,
@@ -552,18 +579,33 @@ int lsh_attend(int64_t rows, int64_t heads, int64_t rounds, int64_t buckets, int
     const int64_t items_n = rows * heads;
     threads = clamp_threads(threads, items_n);
     LshJob jobs[MAX_THREADS];
-    for (int64_t k = 0; k < threads; k++) {
-        jobs[k] = (LshJob){heads, rounds, buckets, chunk, before, after, dim, recent_size, (int)kind, q, norms,
-                           keys, values,
-                           pool_rows, meta, bucket_of, main_counts, recent_counts, items, items_len, item_bytes,
-                           shift, recent_offset,
-                           block_table, table_width, block_size, skip_slot, self_mask, mask, out,
-                           items_n * k / threads, items_n * (k + 1) / threads, 1};
-    }
+    for (int64_t k = 0; k < threads; k++)
+        jobs[k] = lsh_job(heads, rounds, buckets, chunk, before, after, dim, recent_size, kind, q, keys, norms, values,
+                          pool_rows, meta, bucket_of, main_counts, recent_counts, items, items_len, item_bytes, shift,
+                          recent_offset, block_table, table_width, block_size, skip_slot, self_mask, mask, out,
+                          items_n * k / threads, items_n * (k + 1) / threads);
     run_parallel(run_lsh_job, (char *)jobs, sizeof(LshJob), threads);
     int status = 0;
     for (int64_t k = 0; k < threads; k++) status |= jobs[k].status;
     return status;
+}
+
+/* lsh_attend for the (row, head) items begin .. end-1 only, on the calling thread (step_layers.c). */
+int lsh_attend_items(int64_t heads, int64_t rounds, int64_t buckets, int64_t chunk, int64_t before, int64_t after,
+                     int64_t dim, int64_t recent_size, int64_t kind, const float *q, const void *keys,
+                     const float *norms, const void *values, int64_t pool_rows, const int64_t *meta,
+                     const int64_t *bucket_of, const int32_t *main_counts, const int16_t *recent_counts,
+                     const void *items, int64_t items_len, int64_t item_bytes, int64_t shift, int64_t recent_offset,
+                     const int64_t *block_table, int64_t table_width, int64_t block_size, int64_t skip_slot,
+                     float self_mask, float mask, float *out, int64_t begin, int64_t end) {
+    if (!kind_ok(kind)) return BAD_KIND;
+    if (begin >= end) return 0;
+    LshJob job = lsh_job(heads, rounds, buckets, chunk, before, after, dim, recent_size, kind, q, keys, norms, values,
+                         pool_rows, meta, bucket_of, main_counts, recent_counts, items, items_len, item_bytes, shift,
+                         recent_offset, block_table, table_width, block_size, skip_slot, self_mask, mask, out, begin,
+                         end);
+    run_lsh_job(&job);
+    return job.status;
 }
 
 /* ---- merging a slot's recent order into its main order ------------------------------------------------ */

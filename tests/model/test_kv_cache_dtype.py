@@ -5,9 +5,11 @@ the kernel equals the PyTorch path, a row's result does not depend on its batch,
 the keys and values, and a whole decode stays within a bound of the float32 cache.
 
 Bounds: the kernel and the PyTorch path agree within 1e-5 on one step's attention (the same float32
-arithmetic on the same widened values). Over 12 decode steps their logits drift apart (a key that differs in
-its last float32 bit can round to a neighbouring half value, which later steps read): measured at most 9.4e-5
-on these tiny models, bound MAX_PATH_DRIFT. Against the float32 cache, with logits of magnitude up to ~10:
+arithmetic on the same widened values). Over 12 decode steps their logits drift apart: the kernel path's layer
+norms are computed in C, whose rounding differs from PyTorch's in the last bits, and a key that differs in its
+last float32 bit can round to a neighbouring half value, which later steps read. Measured at most 5.8e-4
+(float16) and 2.6e-4 (bfloat16) on these tiny models with logits up to ~9, bound MAX_PATH_DRIFT (9.4e-5 when
+the kernel path took PyTorch's layer norms). Against the float32 cache, with logits of magnitude up to ~10:
 float16 (11 significant bits) measured at most 3.4e-3, bfloat16 (8 bits) 0.12, bounds MAX_CACHE_DRIFT; every
 greedy token agreed.
 """
@@ -27,7 +29,7 @@ from .helpers import tiny_config
 from .test_cpu_kernels import _inputs, _plain_attention
 
 HALF = [torch.float16, torch.bfloat16]
-MAX_PATH_DRIFT = {torch.float16: 3e-4, torch.bfloat16: 3e-4}
+MAX_PATH_DRIFT = {torch.float16: 1e-3, torch.bfloat16: 1e-3}
 MAX_CACHE_DRIFT = {torch.float16: 1e-2, torch.bfloat16: 0.3}
 
 
