@@ -4,6 +4,7 @@ forward benchmark's config (6 LSH layers, hidden 256, 4 heads x 64, chunk 64, 4 
 
     python bench/generate.py [--lengths 1024,4096,16384,32768,65536] [--models ours,hf] [--new-tokens 16]
                              [--batch-sizes 1,8,32] [--batch-prompt 1024] [--batch-all-threads]
+                             [--decode-all-threads]
                              [--batch-artifact DIR] [--kv-cache-dtype float32|bfloat16|float16]
 
 Each (model, length) runs in its own subprocess. Then, for this project only, one batched decode step over B
@@ -12,12 +13,14 @@ and total tokens/s, plotted against B, with the step's intra-op threads as the s
 them (`model.decode.step_threads`) and, with `--batch-all-threads`, again on every thread; with
 `--batch-artifact`, on that artifact's model instead of the config above. `--kv-cache-dtype` keeps this
 project's cached keys and values in that dtype (REFORMER_KV_CACHE_DTYPE; default float32, the model's, which
-is the exact cache). Writes bench/results/generate.json and generate_batch.png and prints two tables.
+is the exact cache). `--decode-all-threads` also times our batch-1 decode with its steps on every thread (the
+service runs a one-row step on one). Writes bench/results/generate.json and generate_batch.png and prints two tables.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -45,7 +48,11 @@ def _kv_dtype(name: str):  # noqa: ANN202
     return getattr(torch, name)
 
 
-def run_case(kind: str, length: int, new_tokens: int, threads: int, kv: str = "float32") -> dict:
+def run_case(kind: str, length: int, new_tokens: int, threads: int, kv: str = "float32",
+             all_threads: bool = False) -> dict:
+    """One (model, length) decode. Ours runs its steps as the service's model runner runs a one-row step (one
+    intra-op thread: `step_threads`), or with `all_threads` on every thread (as a process with no event loop to
+    leave a core to could); transformers always on every thread."""
     import torch
 
     torch.set_num_threads(threads)
@@ -67,7 +74,9 @@ def run_case(kind: str, length: int, new_tokens: int, threads: int, kv: str = "f
             prefill_s = time.perf_counter() - start
             token = first.argmax(-1)
             # as the service's model runner runs a step: inference mode, small steps on one thread
-            with torch.inference_mode(), step_threads(1):
+            scope = contextlib.nullcontext() if all_threads else step_threads(1)
+            with torch.inference_mode(), scope:
+                used = torch.get_num_threads()
                 decode_step(lm, token, dc, states)  # first step outside the timing (allocations)
                 start, cpu_start = time.perf_counter(), time.process_time()
                 for _ in range(new_tokens):
@@ -75,7 +84,7 @@ def run_case(kind: str, length: int, new_tokens: int, threads: int, kv: str = "f
             per_token = (time.perf_counter() - start) / new_tokens
             cpu_per_token = (time.process_time() - cpu_start) / new_tokens
             cache = {"cache_bytes": dc.allocated_bytes, "cache_bytes_per_token": dc.allocated_bytes / states[0].length,
-                     "kv_cache_dtype": kv}
+                     "kv_cache_dtype": kv, "step_threads": used, "threads_rule": "all" if all_threads else "service"}
         else:
             from transformers import ReformerModelWithLMHead
 
@@ -194,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-sizes", default="1,8,32", help="running requests per step (empty: skip)")
     p.add_argument("--batch-prompt", type=int, default=1024, help="prompt tokens of each batched request")
     p.add_argument("--case", nargs=2, metavar=("MODEL", "LENGTH"), help=argparse.SUPPRESS)
+    p.add_argument("--decode-all-threads", action="store_true",
+                   help="also time our batch-1 decode with its steps on all --threads (the service runs a one-row "
+                        "step on one: model.decode.step_threads)")
     p.add_argument("--batch-all-threads", action="store_true",
                    help="also time every batch size with the step on all --threads (the service leaves one core "
                         "to its event loop: model.decode.step_threads)")
@@ -206,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.case:
         print(json.dumps(run_case(args.case[0], int(args.case[1]), args.new_tokens, args.threads,
-                                  args.kv_cache_dtype)))
+                                  args.kv_cache_dtype, args.all_threads_case)))
         return 0
     if args.batch_case:
         print(json.dumps(run_batch_case(args.batch_case, args.batch_prompt, args.new_tokens, args.threads,
@@ -215,10 +227,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for length in [int(x) for x in args.lengths.split(",") if x]:
         for kind in args.models.split(","):
-            cmd = [sys.executable, __file__, "--case", kind, str(length), "--new-tokens", str(args.new_tokens),
-                   "--threads", str(args.threads), "--kv-cache-dtype", args.kv_cache_dtype]
-            rows.append(_subprocess_row(cmd, args.timeout, {"model": kind, "length": length}))
-            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+            for extra in ([[], ["--all-threads-case"]] if kind == "ours" and args.decode_all_threads else [[]]):
+                cmd = [sys.executable, __file__, "--case", kind, str(length), "--new-tokens", str(args.new_tokens),
+                       "--threads", str(args.threads), "--kv-cache-dtype", args.kv_cache_dtype, *extra]
+                rows.append(_subprocess_row(cmd, args.timeout, {"model": kind, "length": length}))
+                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     batch_rows = []
     for extra in ([[], ["--all-threads-case"]] if args.batch_all_threads else [[]]):
         for batch in [int(x) for x in args.batch_sizes.split(",") if x]:
@@ -239,18 +252,20 @@ def main(argv: list[str] | None = None) -> int:
     from rich.table import Table
 
     table = Table(title=f"decode after a prompt (batch 1, greedy; our cache in {args.kv_cache_dtype})")
-    for col in ("prompt", "model", "prefill s", "ms/token (wall)", "CPU ms/token", "vs transformers (CPU)",
-                "cache MB", "B/token"):
+    for col in ("prompt", "model (step threads)", "prefill s", "ms/token (wall)", "CPU ms/token",
+                "vs transformers (wall)", "vs transformers (CPU)", "cache MB", "B/token"):
         table.add_column(col)
     by = {(r["model"], r["length"]): r for r in rows}
     for r in rows:
         if "error" in r:
-            table.add_row(str(r["length"]), r["model"], "failed", r["error"][:40], "", "", "", "")
+            table.add_row(str(r["length"]), r["model"], "failed", r["error"][:40], "", "", "", "", "")
             continue
         hf = by.get(("hf", r["length"]), {})
+        wall = f"{hf['ms_per_token'] / r['ms_per_token']:.1f}x" if "ms_per_token" in hf else ""
         ratio = f"{r['tokens_per_cpu_s'] / hf['tokens_per_cpu_s']:.1f}x" if "tokens_per_cpu_s" in hf else ""
-        table.add_row(str(r["length"]), r["model"], f"{r['prefill_s']:.1f}", f"{r['ms_per_token']:.1f}",
-                      f"{r['cpu_ms_per_token']:.1f}", ratio,
+        label = r["model"] + (f" ({r['step_threads']}, {r['threads_rule']})" if "step_threads" in r else "")
+        table.add_row(str(r["length"]), label, f"{r['prefill_s']:.2f}", f"{r['ms_per_token']:.2f}",
+                      f"{r['cpu_ms_per_token']:.2f}", wall, ratio,
                       f"{r['cache_bytes'] / 2**20:.0f}" if "cache_bytes" in r else "",
                       f"{r['cache_bytes_per_token']:.0f}" if "cache_bytes_per_token" in r else "")
     Console().print(table)

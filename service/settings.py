@@ -104,17 +104,18 @@ class Settings(BaseSettings):
     )
     cpu_kernels: bool = Field(
         True,
-        description="On CPU (float32 models), decode steps attend through a C kernel (model/kernels/"
-        "window_attend.c, built on first use with the C compiler named by CC, or cc, into "
-        "$XDG_CACHE_HOME or ~/.cache, under reformer-serve/kernels, or into REFORMER_KERNEL_DIR) that reads "
-        "each window slot's key and value rows once, prefetching them, instead of gathering them with PyTorch "
-        "ops; its cache writes and LSH index updates are C calls too, and so are the linear layers, LSH hashes "
-        "and feed-forward of a step on one intra-op thread (every step on a 2-core host; model/kernels/"
-        "step_linear.c: weights packed once, each output one chain of multiply-adds, so a row's products do "
-        "not depend on the batch). Same results within 1e-5 with a float32 "
-        "cache (tests/model/test_cpu_kernels.py; a half cache, kv_cache_dtype, within 3e-4: "
-        "tests/model/test_kv_cache_dtype.py). When the build fails or no compiler is found it falls back to the "
-        "PyTorch ops, with a warning; /info's batching.cpu_window_kernel and cpu_step_kernel say which runs. "
+        description="On CPU (float32 models), a decode step runs in C, in one call: every layer's layer norm, "
+        "projections, cache write, LSH hash and index insert, attention window and feed-forward, then the LM "
+        "head (model/kernels/step_layers.c over window_attend.c and step_linear.c, built on first use with the "
+        "C compiler named by CC, or cc, into $XDG_CACHE_HOME or ~/.cache, under reformer-serve/kernels, or into "
+        "REFORMER_KERNEL_DIR). Weights are packed once and each output is one chain of multiply-adds, so a "
+        "row's results depend neither on the batch nor on the thread count (on several intra-op threads the "
+        "call splits its products and attention between OpenMP threads); a model whose activation or layer "
+        "norms the C side does not compute makes one C call per piece instead. Same results as the PyTorch ops "
+        "within 1e-5 with a float32 cache (tests/model/test_step_linear.py, test_step_fused.py; a half cache, "
+        "kv_cache_dtype, within 1e-3: tests/model/test_kv_cache_dtype.py). When the build fails or no compiler "
+        "is found it falls back to the PyTorch ops, with a warning; /info's batching.cpu_window_kernel and "
+        "cpu_step_kernel say which runs. "
         "No effect on GPU.",
     )
     max_queue_size: int = Field(

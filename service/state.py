@@ -181,8 +181,8 @@ class ServiceState:
                 "decode_cache_bytes": self.engine.runner.cache.capacity_bytes if self.engine else None,
                 # whether decode steps attend through the C window kernel (False: PyTorch ops; on GPU always)
                 "cpu_window_kernel": self.engine.runner.cache.window_kernel is not None if self.engine else False,
-                # whether the C product kernel (step_linear.c) is loaded: steps on one intra-op thread run their
-                # linear layers, LSH hashes and feed-forward through it
+                # whether the C step kernels (step_linear.c, step_layers.c) are loaded: a float32 CPU step runs
+                # its layers in them (model/step_fused.py)
                 "cpu_step_kernel": self.engine.runner.cache.step_linears.kernel is not None if self.engine
                 else False,
                 "kv_cache_dtype": str(self.engine.runner.cache.kv_dtype).removeprefix("torch.") if self.engine
