@@ -19,8 +19,10 @@ LONG = 2000  # more new tokens than any test waits for (and within the 2048 posi
 
 @pytest.fixture(scope="module")
 def server(server_factory: Any) -> Any:
+    # the PyTorch decode path (about a millisecond a token for the tiny model): a LONG generation then outlasts
+    # the 1 s read timeouts below; the C step (about 0.14 ms a token) would end it within them
     return server_factory(backend="torch", max_wait_ms=30, max_new_tokens=LONG, max_input_tokens=512,
-                          max_batch_size=8)
+                          max_batch_size=8, cpu_kernels=False)
 
 
 def scrape(url: str) -> str:
