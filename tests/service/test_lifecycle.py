@@ -91,9 +91,9 @@ def test_unexpected_errors_are_a_generic_500_with_the_trace_only_in_the_log(
 
 
 def test_queue_full_gets_429_and_queue_timeout_gets_504(server_factory: Any) -> None:
-    # the queue timeout must run out well before the hog's ~2000 decode steps end, even on an idle machine
-    # where a tiny model decodes a token in about a millisecond (the PyTorch decode path: the C step, about 0.14 ms,
-    # of that would end them within the timeout)
+    # the queue timeout must run out well before the hog's ~2000 decode steps end, even on an idle machine:
+    # on the PyTorch decode path a tiny model decodes a token in about a millisecond (the C step's 0.14 ms
+    # would end them within the timeout)
     server = server_factory(backend="torch", max_batch_size=1, max_queue_size=2, request_timeout_s=1,
                             max_new_tokens=4096, cpu_kernels=False)
     hog = {"prompt": "hog", "max_tokens": 2000, "ignore_eos": True, "stream": True}  # within the 2048 positions
