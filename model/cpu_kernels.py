@@ -1,9 +1,10 @@
-"""The C kernels of cached decoding on the CPU (model/kernels/window_attend.c and step_linear.c), built on first
-use with the machine's C compiler and called through ctypes: a step's cache writes, each LSH layer's insert
-into its recent order, its window positions and attention (`lsh_attend`), local layers' attention (`attend`),
-the merge of an LSH index's recent order into its main order, a step's linear layers (`linear`, over
-weights packed by `pack`) and LSH hashes (`lsh_hash`), and a layer's tail (its output projection and
-feed-forward, `tail_raw`, called by model/step_linear.py).
+"""The C kernels of cached decoding on the CPU (model/kernels/window_attend.c, step_linear.c and step_layers.c),
+built on first use with the machine's C compiler and called through ctypes: a step's cache writes, each LSH
+layer's insert into its recent order, its window positions and attention (`lsh_attend`), local layers'
+attention (`attend`), the merge of an LSH index's recent order into its main order, a step's linear layers
+(`linear`, over weights packed by `pack`) and LSH hashes (`lsh_hash`), a layer's tail (its output projection
+and feed-forward, `tail_raw`, called by model/step_linear.py), a layer norm (`norm_raw`), and a whole step's
+layers in one call (`layers_raw`, called by model/step_fused.py).
 
 The attention computes what the PyTorch path of `model/decode.py` computes for a step's windows (the key
 gather, the dot products and the masks, each round's log-sum-exp, the rounds' weights and the weighted

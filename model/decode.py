@@ -23,6 +23,10 @@ reading and writing the cache's scratch slot. With `invariant=True` rows run in 
 same bits whenever the number of rows is the same). A CPU step whose attention and products all run through
 the C kernels (`DecodeCache.rows_independent`) computes every row alone already: it needs no fixed blocks
 (`rows_per_call`), and gives a row the bits of its step alone in either mode (tests/model/test_decode.py).
+
+On such a CPU cache a step's layers run in one C call (model/step_fused.py: the same C functions as the
+per-layer path below, with the same bits); the per-layer path runs where that call does not apply (other
+dtypes, GPUs, a model whose activation or layer norms the C side does not compute).
 """
 
 from __future__ import annotations

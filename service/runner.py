@@ -105,9 +105,10 @@ class ModelRunner:
     def decode(self, tokens: Sequence[int], states: Sequence[DecodeState]) -> torch.Tensor:
         ids = torch.tensor(list(tokens), dtype=torch.long).to(self.device)
         # small steps on one intra-op thread (process-wide, restored after: model.decode.step_threads). In
-        # invariant mode, every step where one thread makes the CPU kernels compute each row alone: a step's
-        # products take the C kernel on one thread and PyTorch's matmul on more, so a thread count that
-        # followed the batch size (on a host with more than 2 cores) would give a row other bits batched
+        # invariant mode, every step where one thread makes the CPU kernels compute each row alone
+        # (DecodeCache.rows_independent: the per-layer path's products take the C kernel on one thread and
+        # PyTorch's matmul on more, so a thread count that followed the batch size, on a host with more than
+        # 2 cores, could give a row other bits batched; the one-call step gives the same bits on any count)
         with step_threads(1 if self.invariant and self.cache.rows_independent(threads=1) else len(states),
                           self.device):
             # what the engine's batch_size metric observes, decided under the thread count the step runs with
