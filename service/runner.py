@@ -10,7 +10,16 @@ from typing import Any
 import psutil
 import torch
 
-from model.decode import DecodeCache, DecodeState, decode_step, prefill, prefill_steps, rows_per_call, step_threads
+from model.decode import (
+    DecodeCache,
+    DecodeState,
+    decode_step,
+    prefill,
+    prefill_steps,
+    prefill_threads,
+    rows_per_call,
+    step_threads,
+)
 from model.step_graphs import StepGraphs
 
 log = logging.getLogger("service.engine")
@@ -78,7 +87,9 @@ class ModelRunner:
     def prefill(self, prompts: Sequence[Sequence[int]], reserve: Sequence[int]
                 ) -> tuple[torch.Tensor, list[DecodeState]]:
         tensors = [torch.tensor(list(p), dtype=torch.long, device=self.device) for p in prompts]
-        logits, states = prefill(self.model, self.cache, tensors, [min(n, self.max_positions) for n in reserve])
+        # small prefills on one intra-op thread (model.decode.prefill_threads)
+        with prefill_threads(max((len(p) for p in prompts), default=0) * len(prompts), self.device):
+            logits, states = prefill(self.model, self.cache, tensors, [min(n, self.max_positions) for n in reserve])
         return logits.float().cpu(), states
 
     def prefill_slices(self, prompts: Sequence[Sequence[int]], reserve: Sequence[int]

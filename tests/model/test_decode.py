@@ -268,6 +268,26 @@ def test_sliced_prefill_yields_between_slices_and_computes_the_same() -> None:
     assert cache.allocated_bytes == used
 
 
+def test_prefill_threads_puts_small_prefills_on_one_thread_and_restores() -> None:
+    from model.decode import SINGLE_THREAD_PREFILL_TOKENS, prefill_threads
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with prefill_threads(SINGLE_THREAD_PREFILL_TOKENS):
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+        with prefill_threads(SINGLE_THREAD_PREFILL_TOKENS + 1):  # large prefills keep every thread
+            assert torch.get_num_threads() == 2
+        with prefill_threads(10, torch.device("meta")):  # a non-CPU prefill leaves the CPU threads alone
+            assert torch.get_num_threads() == 2
+        with pytest.raises(RuntimeError), prefill_threads(10):
+            raise RuntimeError("a failing prefill")
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_step_threads_is_scoped_and_restored() -> None:
     from model.decode import SINGLE_THREAD_ROWS, step_threads
 

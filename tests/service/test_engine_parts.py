@@ -285,9 +285,10 @@ def test_a_non_streaming_generation_gets_its_tokens_together_at_the_end(engine: 
 
 
 def test_invariant_steps_keep_their_bits_on_a_host_with_more_cores() -> None:
-    """With 4 intra-op threads (a larger host than CI's), steps of more than 4 rows would run their products
-    on PyTorch's threaded matmul and smaller ones on the C kernel; invariant mode keeps every step on the
-    kernel, so a row batched with five others gets the bits it gets alone, in one model call."""
+    """With 4 intra-op threads (a larger host than CI's), steps of more than 4 rows would run on 3 threads,
+    where the per-layer path's products take PyTorch's threaded matmul (the one-call step gives the same bits
+    on any count); invariant mode keeps every step on one thread, so a row batched with five others gets the
+    bits it gets alone, in one model call."""
     from model import ReformerLM
     from service.runner import ModelRunner
     from tests.model.helpers import tiny_config
@@ -317,5 +318,37 @@ def test_invariant_steps_keep_their_bits_on_a_host_with_more_cores() -> None:
         assert all(torch.equal(a, b) for a, b in zip(alone, batched))
         bucketed = run(6, False)
         assert all((a - b).abs().max().item() <= 1e-4 for a, b in zip(alone, bucketed))
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_small_prefills_run_on_one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """model.decode.prefill_threads: a prefill of at most SINGLE_THREAD_PREFILL_TOKENS padded tokens runs on
+    one intra-op thread, a larger one on every thread, and the count is restored after."""
+    import service.runner as runner_module
+    from model import ReformerLM
+    from model.decode import SINGLE_THREAD_PREFILL_TOKENS
+    from service.runner import ModelRunner
+    from tests.model.helpers import tiny_config
+
+    seen: list[int] = []
+    real = runner_module.prefill
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        seen.append(torch.get_num_threads())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runner_module, "prefill", recording)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        lm = ReformerLM(tiny_config(vocab_size=258)).eval()
+        runner = ModelRunner(lm, torch.device("cpu"), 4, 512 << 20)
+        for state in runner.prefill([[5] * 30, [6] * 12], [40, 40])[1]:
+            runner.free(state)
+        n = SINGLE_THREAD_PREFILL_TOKENS // 3 + 1  # three prompts of n: past the limit
+        for state in runner.prefill([[7] * n] * 3, [n + 1] * 3)[1]:
+            runner.free(state)
+        assert seen == [1, 2] and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
