@@ -91,10 +91,9 @@ def step_threads(rows: int, device: torch.device | None = None) -> Iterator[None
 # A prefill of at most this many padded tokens (prompts times the longest) runs on one intra-op thread: its ops
 # are small enough that a second thread, whose core the service's event loop and clients also use, costs more
 # than it gives. Measured with `reformer serve` and the shipped model on 2 cores (`reformer loadtest`,
-# 256-byte prompts, 128 new tokens, two runs each against the same server code without the rule):
-# /generate_stream TTFT p50 at concurrency 1 35-39 -> 26-28 ms, tokens/s 760-822 -> 893-952; /generate at
-# concurrency 8 2,030-2,172 -> 2,543-2,628; 4,096-byte prompts, prefilled on two threads either way, within
-# their spread.
+# 256-byte prompts, 128 new tokens): /generate_stream TTFT p50 at concurrency 1 35-39 ms without the rule,
+# 26-31 ms with it (three runs each, bench/results/loadtest_prefill_threads/ and bench/README.md); tokens/s
+# at concurrency 1 and 8 within the spread between runs of either code.
 SINGLE_THREAD_PREFILL_TOKENS = 2048
 
 
