@@ -30,7 +30,7 @@
 
 void step_linear_panels(int64_t m, int64_t n, int64_t k, const float *x, int64_t x_stride, const float *packed,
                         const float *bias, float *y, int64_t p0, int64_t p1);
-float step_activate(float x, int64_t act);
+void step_activate(float *u, int64_t n, int64_t act);
 int lsh_hash(int64_t m, int64_t heads, int64_t rounds, int64_t dim, int64_t half, int64_t nfactors,
              const int64_t *factors, const float *q, const float *packed, int64_t *buckets);
 void layer_norm_rows(int64_t m, int64_t n, const float *x, const float *w, const float *b, float eps, float *y);
@@ -247,7 +247,7 @@ int decode_layers(int64_t m, int64_t hidden, int64_t nlayers, const StepLayer *l
             }
             product(m, L->ff, hidden, h, L->w_dense, L->b_dense, u);
             share(m * L->ff, &begin, &end);
-            for (int64_t j = begin; j < end; j++) u[j] = step_activate(u[j], L->act);
+            step_activate(u + begin, end - begin, L->act);
 #pragma omp barrier
             product(m, hidden, L->ff, u, L->w_ff, L->b_ff, y);
 #pragma omp single

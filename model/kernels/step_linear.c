@@ -176,13 +176,25 @@ int lsh_hash(int64_t m, int64_t heads, int64_t rounds, int64_t dim, int64_t half
 #define ACT_SILU 3
 #define ACT_TANH 4
 
-float step_activate(float x, int64_t act) {
+static inline float activate(float x, int64_t act) {
     switch (act) {
     case ACT_RELU: return x > 0.0f || x != x ? x : 0.0f; /* NaN stays NaN, as torch.relu */
     case ACT_GELU: return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));
     case ACT_GELU_TANH: return 0.5f * x * (1.0f + tanhf(0.79788456080286536f * (x + 0.044715f * x * x * x)));
     case ACT_SILU: return x / (1.0f + expf(-x));
     default: return tanhf(x);
+    }
+}
+
+/* u[0..n) = act(u[0..n)) in place (a loop per activation, so each one's arithmetic is inlined; step_layers.c
+ * calls it on a thread's share of a feed-forward) */
+void step_activate(float *u, int64_t n, int64_t act) {
+    switch (act) {
+    case ACT_RELU: for (int64_t i = 0; i < n; i++) u[i] = activate(u[i], ACT_RELU); break;
+    case ACT_GELU: for (int64_t i = 0; i < n; i++) u[i] = activate(u[i], ACT_GELU); break;
+    case ACT_GELU_TANH: for (int64_t i = 0; i < n; i++) u[i] = activate(u[i], ACT_GELU_TANH); break;
+    case ACT_SILU: for (int64_t i = 0; i < n; i++) u[i] = activate(u[i], ACT_SILU); break;
+    default: for (int64_t i = 0; i < n; i++) u[i] = activate(u[i], ACT_TANH); break;
     }
 }
 
@@ -215,7 +227,7 @@ int step_tail(int64_t m, int64_t hidden, int64_t att_dim, int64_t ff, const floa
     for (int64_t i = 0; i < m * hidden; i++) x1[i] += y[i];
     layer_norm_rows(m, hidden, x1, ln_w, ln_b, eps, h);
     step_linear(m, ff, hidden, h, hidden, w_dense, b_dense, u);
-    for (int64_t i = 0; i < m * ff; i++) u[i] = step_activate(u[i], act);
+    step_activate(u, m * ff, act);
     step_linear(m, hidden, ff, u, ff, w_ff, b_ff, y);
     for (int64_t i = 0; i < m * hidden; i++) x2[i] += y[i];
     free(buf);
