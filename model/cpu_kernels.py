@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 # the whole step's layers in one call (model/step_fused.py)
 SOURCES = tuple(Path(__file__).with_name("kernels") / name
                 for name in ("window_attend.c", "step_linear.c", "step_layers.c"))
+HEADERS = (Path(__file__).with_name("kernels") / "step_kernels.h",)  # what the sources include
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-pthread")
 # step_layers.c splits a step between OpenMP threads (the OpenMP runtime PyTorch has loaded: one pool of
 # threads for both); a compiler without OpenMP builds it single-threaded
@@ -350,8 +351,8 @@ def load() -> WindowKernel | None:
         return None
     try:
         digest = hashlib.sha256()
-        for part in (*(src.read_bytes() for src in SOURCES), " ".join((*FLAGS, OPENMP)).encode(), compiler.encode(),
-                     platform.machine().encode(), _cpu_flags().encode()):
+        for part in (*(src.read_bytes() for src in (*SOURCES, *HEADERS)), " ".join((*FLAGS, OPENMP)).encode(),
+                     compiler.encode(), platform.machine().encode(), _cpu_flags().encode()):
             digest.update(part)
         target = _cache_dir() / f"window_attend-{digest.hexdigest()[:16]}.so"
         if not target.exists():

@@ -24,6 +24,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "step_kernels.h"
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif

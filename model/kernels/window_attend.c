@@ -27,6 +27,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "step_kernels.h"
 #if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif

@@ -4,8 +4,6 @@ does not apply."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 from torch import nn
@@ -16,21 +14,8 @@ from model.step_fused import FIELDS, FusedStep
 
 from .helpers import tiny_config
 
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # as a decode step of a few rows runs (model.decode.step_threads)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def kernel() -> cpu_kernels.WindowKernel:
-    k = cpu_kernels.load()
-    if k is None:
-        pytest.fail("the CPU kernels did not build (a C compiler is part of the test environment)")
-    return k
+# one intra-op thread, as a decode step of a few rows runs (tests/model/conftest.py)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class _Counting(FusedStep):

@@ -24,21 +24,8 @@ from model.step_linear import StepLinears
 
 from .helpers import tiny_config
 
-
-@pytest.fixture(scope="module")
-def kernel() -> cpu_kernels.WindowKernel:
-    k = cpu_kernels.load()
-    if k is None:
-        pytest.fail("the CPU kernels did not build (a C compiler is part of the test environment)")
-    return k
-
-
-@pytest.fixture(autouse=True)
-def one_thread():  # noqa: ANN201
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # as a decode step of a few rows runs (model.decode.step_threads)
-    yield
-    torch.set_num_threads(before)
+# one intra-op thread, as a decode step of a few rows runs (tests/model/conftest.py)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize(("n", "k"), [(1024, 256), (256, 1024), (258, 512), (33, 17), (7, 3), (32, 64)])
