@@ -35,9 +35,9 @@ if TYPE_CHECKING:
 
 # StepLayer's fields (step_layers.c), in order: every one 8 bytes
 FIELDS = ("lsh", "heads", "dim", "kind", "pool_rows", "ln_w", "ln_b", "proj_w", "proj_b", "keys", "values", "norms",
-          "rounds", "buckets", "recent_size", "items_len",
-          "item_bytes", "shift", "recent_offset", "main_counts", "recent_counts", "items", "chunk", "before",
-          "after", "ff", "act", "w_out", "b_out", "ff_ln_w", "ff_ln_b", "w_dense", "b_dense", "w_ff", "b_ff")
+          "rounds", "buckets", "recent_size", "items_len", "item_bytes", "shift", "recent_offset", "main_counts",
+          "recent_counts", "items", "chunk", "before", "after", "ff", "act", "w_out", "b_out", "ff_ln_w", "ff_ln_b",
+          "w_dense", "b_dense", "w_ff", "b_ff")
 
 
 def _ptr(t: Tensor | None) -> int:
