@@ -4,6 +4,10 @@ does not apply."""
 
 from __future__ import annotations
 
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -11,6 +15,7 @@ from torch import nn
 from model import ReformerLM, cpu_kernels
 from model.decode import DecodeCache, DecodeState, decode_step, prefill
 from model.step_fused import FIELDS, FusedStep
+from model.step_linear import StepLinears
 
 from .helpers import tiny_config
 
@@ -31,11 +36,15 @@ class _Counting(FusedStep):
         return out
 
 
-def _decode(lm: ReformerLM, prompts: list[torch.Tensor], steps: int, fused: bool, join_at: dict[int, int] | None = None
+def _decode(lm: ReformerLM, prompts: list[torch.Tensor], steps: int, fused: bool, join_at: dict[int, int] | None = None,
+            setup: Callable[[DecodeCache], None] | None = None
             ) -> tuple[list[list[torch.Tensor]], DecodeCache, list[DecodeState], int]:
-    """Greedy decoding of the prompts in one batch (prompt i joining after join_at[i] steps); each request's
-    logits per step, the cache and states after, and how many steps ran in one call."""
+    """Greedy decoding of the prompts in one batch (prompt i joining after join_at[i] steps; `setup` edits the
+    cache first); each request's logits per step, the cache and states after, and how many steps ran in one
+    call."""
     cache = DecodeCache.for_tokens(lm, 256, slots=len(prompts))
+    if setup is not None:
+        setup(cache)
     counting = _Counting(cache.fused_step) if fused and cache.fused_step is not None else None
     cache.fused_step = counting
     join_at = join_at or {}
@@ -220,3 +229,35 @@ def test_a_row_outside_the_block_table_is_refused(kernel: cpu_kernels.WindowKern
 
 def test_the_layer_description_has_the_c_side_layout(kernel: cpu_kernels.WindowKernel) -> None:
     assert kernel.layer_words == len(FIELDS) == len(set(FIELDS))
+
+
+def test_a_compiler_without_openmp_builds_a_step_that_gives_the_same_bits(kernel: cpu_kernels.WindowKernel,
+                                                                           tmp_path: Path) -> None:
+    """cpu_kernels._build retries without -fopenmp when the compiler refuses it (a compiler without OpenMP);
+    that build runs the step on one thread, with the bits of the OpenMP build at any thread count."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    assert compiler is not None
+    fake = tmp_path / "cc-without-openmp"
+    fake.write_text(f'#!/bin/sh\nfor a in "$@"; do [ "$a" = "{cpu_kernels.OPENMP}" ] && exit 1; done\n'
+                    f'exec {compiler} "$@"\n')
+    fake.chmod(0o755)
+    target = tmp_path / "built" / "window_attend-plain.so"
+    cpu_kernels._build(str(fake), target)
+    assert b"GOMP_parallel" not in target.read_bytes()
+    plain = cpu_kernels.WindowKernel(target)
+    torch.manual_seed(7)
+    lm = ReformerLM(tiny_config(vocab_size=258, initializer_range=0.3, attn_layers=["local", "lsh"],
+                                num_buckets=4)).eval()
+    prompts = [torch.randint(3, 258, (n,), generator=torch.Generator().manual_seed(n)) for n in (9, 40)]
+    want, _, _, _ = _decode(lm, prompts, 8, True)
+
+    def with_plain(cache: DecodeCache) -> None:
+        cache.window_kernel = plain
+        cache.step_linears = StepLinears(plain)
+        cache.fused_step = FusedStep(cache.step_linears)
+
+    torch.set_num_threads(2)
+    got, _, _, ran = _decode(lm, prompts, 8, True, setup=with_plain)
+    assert ran == 8
+    for a, b in zip(want, got, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
