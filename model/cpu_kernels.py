@@ -159,13 +159,16 @@ class WindowKernel:
         self._hash = declare("lsh_hash", [i64] * 6 + [ptr] * 4)
         self.tail_raw = declare("step_tail", [i64] * 4 + [ptr] * 7 + [f32] + [ptr] * 2 + [i64] + [ptr] * 2)
         # a whole step's layers (model/step_fused.py builds the layer array; unchecked here, as the two above)
-        self.layers_raw = declare("decode_layers", [i64] * 3 + [ptr] * 2 + [i64, ptr, ptr] + [ptr] * 4 + [i64] * 4
+        self.layers_raw = declare("decode_layers", [i64] * 3 + [ptr] * 2 + [i64, ptr, ptr] + [ptr] * 6 + [i64] * 4
                                   + [ptr] * 2 + [f32] + [ptr] * 2 + [i64, ptr, i64])
         self.norm_raw = lib.layer_norm_rows  # (m, n, x, weight, bias, eps, y): rows of x layer-normed into y
         self.norm_raw.argtypes, self.norm_raw.restype = [i64, i64, ptr, ptr, ptr, f32, ptr], None
         words = lib.step_layer_words
         words.argtypes, words.restype = [], ctypes.c_int64
         self.layer_words = int(words())
+        embedding_words = lib.step_embedding_words
+        embedding_words.argtypes, embedding_words.restype = [], ctypes.c_int64
+        self.embedding_words = int(embedding_words())
         self._pack = lib.step_linear_pack
         self._pack.argtypes, self._pack.restype = [i64, i64, ptr, ptr], None
         kinds = lib.window_kinds

@@ -380,9 +380,8 @@ def _step_compute(lm: ReformerLM, cache: DecodeCache, tokens: Tensor, meta: Tens
     device = cache.device
     rows = tokens.shape[0]
     slots, t = meta[:, 0], meta[:, 1]
-    if cache.fused_step is not None:  # every layer in one C call where it applies (model/step_fused.py)
-        x = lm.embeddings.word_embeddings(tokens) + lm.embeddings.position_embeddings(t)  # (B, hidden)
-        logits = cache.fused_step.run(lm, cache, x, meta, groups)
+    if cache.fused_step is not None:  # the embeddings and every layer in one C call where it applies
+        logits = cache.fused_step.run(lm, cache, tokens, meta, groups)  # (model/step_fused.py)
         if logits is not None:
             return logits
     step = _Step(t=t, blocks=BlockLookup(cache.block_table, slots, cache.block_size),

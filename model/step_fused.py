@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from .attention import LSHSelfAttention
 from .chunking import mask_value, self_mask_value
 from .cpu_kernels import KIND, MAX_ROUNDS, check_status
+from .embeddings import AxialPositionEmbeddings, PositionEmbeddings
 
 if TYPE_CHECKING:
     from .decode_cache import DecodeCache
@@ -38,6 +39,39 @@ FIELDS = ("lsh", "heads", "dim", "kind", "pool_rows", "ln_w", "ln_b", "proj_w", 
           "rounds", "buckets", "recent_size", "items_len", "item_bytes", "shift", "recent_offset", "main_counts",
           "recent_counts", "items", "chunk", "before", "after", "ff", "act", "w_out", "b_out", "ff_ln_w", "ff_ln_b",
           "w_dense", "b_dense", "w_ff", "b_ff")
+
+
+EMBEDDING_WORDS = 8  # StepEmbedding's fields (step_layers.c): word, word_rows, pos0, pos0_rows, d0, pos1, s1, d1
+
+
+def _table(t: Tensor | None, rows: int, cols: int) -> int | None:
+    """The pointer of a float32 contiguous table of `rows` x `cols` elements, or None."""
+    if t is None or t.dtype != torch.float32 or not t.is_contiguous() or t.numel() != rows * cols:
+        return None
+    return t.data_ptr()
+
+
+def _embedding_words(lm: ReformerLM, hidden: int) -> list[int] | None:
+    """StepEmbedding for the model's token and position embeddings, or None for ones the C side does not
+    compute (in training mode their dropout would apply)."""
+    emb = lm.embeddings
+    word_table = emb.word_embeddings.weight
+    word = _table(word_table, word_table.shape[0], hidden)
+    pos = emb.position_embeddings
+    if word is None or (emb.training and emb.dropout > 0):
+        return None
+    if isinstance(pos, AxialPositionEmbeddings):
+        (s0, s1), first, second = pos.shape, pos.weights[0], pos.weights[1]
+        d0, d1 = first.shape[-1], second.shape[-1]
+        ptrs = _table(first, s0, d0), _table(second, s1, d1)
+        if ptrs[0] is None or ptrs[1] is None or d0 + d1 != hidden:
+            return None
+        return [word, word_table.shape[0], ptrs[0], s0, d0, ptrs[1], s1, d1]
+    if isinstance(pos, PositionEmbeddings):
+        table = pos.embedding.weight
+        ptr = _table(table, table.shape[0], hidden)
+        return None if ptr is None else [word, word_table.shape[0], ptr, table.shape[0], hidden, 0, 1, 0]
+    return None
 
 
 def _ptr(t: Tensor | None) -> int:
@@ -65,6 +99,7 @@ class _Described:
         self.layers: ctypes.Array[ctypes.c_int64] | None = None
         self.floats: ctypes.Array[ctypes.c_float] | None = None
         self.hashes: ctypes.Array[ctypes.c_int64] | None = None
+        self.embedding: ctypes.Array[ctypes.c_int64] | None = None
         self.hidden = self.count = self.vocab = 0
         self.final: tuple[int, int] = (0, 0)
         self.final_eps = 0.0
@@ -89,24 +124,26 @@ def _stamp(lm: ReformerLM, modules: list[nn.Module], cache: DecodeCache, counts:
 
 
 class FusedStep:
-    """`run(lm, cache, tokens_x, meta, groups)`: the step's logits from its embeddings, or None where the
-    one-call path does not apply."""
+    """`run(lm, cache, tokens, meta, groups)`: the step's logits, or None where the one-call path does not
+    apply."""
 
     def __init__(self, linears: StepLinears) -> None:
         self.linears = linears
         self._factors: dict[str, Tensor] = {}  # bucket count -> its factors as the C side reads them
         self._described: _Described | None = None  # the last step's arrays, reused while `_stamp` is the same
         kernel = linears.kernel
-        if kernel is not None and kernel.layer_words != len(FIELDS):
-            raise RuntimeError(f"step_layers.c's StepLayer has {kernel.layer_words} fields, this module {len(FIELDS)}")
+        if kernel is not None and (kernel.layer_words, kernel.embedding_words) != (len(FIELDS), EMBEDDING_WORDS):
+            raise RuntimeError(f"step_layers.c's StepLayer and StepEmbedding have {kernel.layer_words} and "
+                               f"{kernel.embedding_words} fields, this module {len(FIELDS)} and {EMBEDDING_WORDS}")
 
-    def run(self, lm: ReformerLM, cache: DecodeCache, x: Tensor, meta: Tensor,
+    def run(self, lm: ReformerLM, cache: DecodeCache, tokens: Tensor, meta: Tensor,
             groups: list[tuple[int | list[int], list[int] | None]]) -> Tensor | None:
-        """x (B, hidden) the step's embeddings (float32), meta (B, 7) its rows' facts (model/decode.py);
-        `groups` the rows by bucket count (`_bucket_groups`). Returns the logits (B, vocab) float32, the cache
-        updated as the per-layer path updates it, or None (nothing done)."""
+        """tokens (B,) int64 the step's tokens, meta (B, 7) its rows' facts (model/decode.py); `groups` the rows
+        by bucket count (`_bucket_groups`). Returns the logits (B, vocab) float32, the cache updated as the
+        per-layer path updates it, or None (nothing done)."""
         kernel = self.linears.kernel
-        if kernel is None or cache.window_kernel is None or x.dtype != torch.float32 or x.device.type != "cpu":
+        if (kernel is None or cache.window_kernel is None or tokens.device.type != "cpu"
+                or tokens.dtype != torch.int64 or cache.dtype != torch.float32):
             return None
         counts = tuple(str(nb) for nb, _ in groups)
         held = self._described
@@ -116,24 +153,21 @@ class FusedStep:
             held = self._described = self._describe(lm, cache, [nb for nb, _ in groups], stamp)
         if held.layers is None:
             return None
-        rows, hidden = x.shape
-        if hidden != held.hidden:
-            raise ValueError(f"fused step: embeddings of {hidden} features for a model of {held.hidden}")
+        rows, hidden = tokens.shape[0], held.hidden
         # each row's bucket-count group (-1: it hashes with none)
         group_of = [0 if groups and groups[0][1] is None else -1] * rows
         for g, (_, members) in enumerate(groups):
             for r in members or ():
                 group_of[r] = g
-        x1 = x if x.is_contiguous() else x.contiguous()
-        x2 = x1.clone()
-        meta = meta.contiguous()
+        tokens, meta = tokens.contiguous(), meta.contiguous()
+        x1, x2 = torch.empty(rows, hidden), torch.empty(rows, hidden)  # the C side fills both
         logits = torch.empty(rows, held.vocab, dtype=torch.float32)
         table = cache.block_table
         status = kernel.layers_raw(rows, hidden, held.count, held.layers, held.floats, len(groups),
-                                   (ctypes.c_int64 * rows)(*group_of), held.hashes, x1.data_ptr(), x2.data_ptr(),
-                                   meta.data_ptr(), table.data_ptr(), table.shape[1], table.shape[0], cache.block_size,
-                                   cache.scratch_slot, *held.final, held.final_eps, *held.head, held.vocab,
-                                   logits.data_ptr(), torch.get_num_threads())
+                                   (ctypes.c_int64 * rows)(*group_of), held.hashes, held.embedding, tokens.data_ptr(),
+                                   x1.data_ptr(), x2.data_ptr(), meta.data_ptr(), table.data_ptr(), table.shape[1],
+                                   table.shape[0], cache.block_size, cache.scratch_slot, *held.final, held.final_eps,
+                                   *held.head, held.vocab, logits.data_ptr(), torch.get_num_threads())
         check_status(status, "decode step kernel")
         return logits
 
@@ -197,6 +231,10 @@ class FusedStep:
         held.packings.append(head)
         held.hidden, held.count, held.vocab = hidden, len(floats) // 4, head.n
         held.final, held.final_eps, held.head = final, lm.final_layer_norm.eps, (head.weight_ptr, head.bias_ptr)
+        embedding = _embedding_words(lm, hidden)
+        if embedding is None:
+            return held
+        held.embedding = (ctypes.c_int64 * EMBEDDING_WORDS)(*embedding)
         held.floats = (ctypes.c_float * len(floats))(*floats)
         held.hashes = (ctypes.c_int64 * max(len(hashes), 1))(*hashes)
         held.layers = (ctypes.c_int64 * len(words))(*words)

@@ -54,6 +54,39 @@ typedef struct {
 
 int64_t step_layer_words(void) { return (int64_t)(sizeof(StepLayer) / sizeof(int64_t)); }
 
+/* The token and position embeddings (model/embeddings.py), read as 8 int64 words as StepLayer is: a token's
+ * row of `word` plus its position's row of `pos0` (a plain table of hidden columns: pos1 NULL), or axial,
+ * [pos0[t / s1], pos1[t % s1]] of d0 and d1 columns. */
+typedef struct {
+    const float *word;
+    int64_t word_rows;
+    const float *pos0;
+    int64_t pos0_rows, d0;
+    const float *pos1;
+    int64_t s1, d1;
+} StepEmbedding;
+
+int64_t step_embedding_words(void) { return (int64_t)(sizeof(StepEmbedding) / sizeof(int64_t)); }
+
+/* x (m, hidden) = each row's token and position embeddings, one float32 sum per element, as the PyTorch
+ * step adds them. Returns 0, or BAD_INDEX for a token or position outside the tables. */
+static int embed(const StepEmbedding *E, int64_t m, int64_t hidden, const int64_t *tokens, const int64_t *meta,
+                 float *x) {
+    for (int64_t b = 0; b < m; b++) {
+        const int64_t tok = tokens[b], t = meta[b * 7 + 1];
+        const int64_t p0 = E->pos1 ? t / E->s1 : t;
+        if (tok < 0 || tok >= E->word_rows || t < 0 || p0 >= E->pos0_rows) return BAD_INDEX;
+        const float *w = E->word + tok * hidden, *a = E->pos0 + p0 * E->d0;
+        float *y = x + b * hidden;
+        for (int64_t j = 0; j < E->d0; j++) y[j] = w[j] + a[j];
+        if (E->pos1) {
+            const float *c = E->pos1 + (t % E->s1) * E->d1;
+            for (int64_t j = 0; j < E->d1; j++) y[E->d0 + j] = w[E->d0 + j] + c[j];
+        }
+    }
+    return 0;
+}
+
 /* pool row of `position` of `slot`, or -1 outside the block table or the pools */
 static inline int64_t table_row(const int64_t *table, int64_t width, int64_t table_rows, int64_t block_size,
                                 int64_t slot, int64_t position, int64_t pool_rows) {
@@ -105,16 +138,16 @@ static void product(int64_t m, int64_t n, int64_t k, const float *x, const float
 #pragma omp barrier
 }
 
-/* x1, x2 (m, hidden): the step's embeddings in both (two buffers), updated in place through every layer;
- * logits (m, vocab) from the final layer norm of [x1, x2] and the LM head. meta (m, 7) as model/decode.py
+/* x1, x2 (m, hidden): two buffers that get the step's embeddings of `tokens` (m,) and are updated in place
+ * through every layer; logits (m, vocab) from the final layer norm of [x1, x2] and the LM head. meta (m, 7) as model/decode.py
  * builds it; every layer's new key goes to the pool row of (slot, t) (meta's first two columns). `threads`:
  * the products are split by panels and the attention by (row, head) between that many OpenMP threads, the
  * rest runs on one; every value is computed as on one thread, so the bits do not depend on `threads`.
  * Returns 0, NO_MEMORY, or a called function's non-zero status (an error does not stop the other threads
  * early: every thread meets every barrier; the functions check their indices, so the rest is only wasted). */
 int decode_layers(int64_t m, int64_t hidden, int64_t nlayers, const StepLayer *layers, const float *floats,
-                  int64_t groups, const int64_t *group_of, const int64_t *hashes,
-                  float *x1, float *x2, const int64_t *meta, const int64_t *table,
+                  int64_t groups, const int64_t *group_of, const int64_t *hashes, const StepEmbedding *embedding,
+                  const int64_t *tokens, float *x1, float *x2, const int64_t *meta, const int64_t *table,
                   int64_t table_width, int64_t table_rows, int64_t block_size, int64_t scratch_slot,
                   const float *final_w, const float *final_b, float final_eps, const float *head_w,
                   const float *head_b, int64_t vocab, float *logits, int64_t threads) {
@@ -144,12 +177,15 @@ int decode_layers(int64_t m, int64_t hidden, int64_t nlayers, const StepLayer *l
     float *h = fbuf, *y = h + m * hidden, *qkv = y + m * hidden, *key = qkv + m * most_proj;
     float *value = key + m * most_att, *out = value + m * most_att, *u = out + m * most_att, *joined = u + m * most_ff;
     int64_t *new_rows = ibuf, *bucket_of = ibuf + m, *flat = bucket_of + m * most_rounds;
+    status = embed(embedding, m, hidden, tokens, meta, x1);
+    memcpy(x2, x1, (size_t)(m * hidden) * sizeof(float));
     for (int64_t b = 0; b < m && nlayers; b++) {
         new_rows[b] = table_row(table, table_width, table_rows, block_size, meta[b * 7], meta[b * 7 + 1],
                                 layers[0].pool_rows);
-        if (new_rows[b] < 0) status = BAD_INDEX;
+        if (new_rows[b] < 0) status |= BAD_INDEX;
     }
     if (threads < 1) threads = 1;
+    if (status) goto done; /* a token, position or new row outside the tables: the cache is left untouched */
 #pragma omp parallel num_threads((int)threads) if (threads > 1)
     {
         for (int64_t i = 0; i < nlayers; i++) {
@@ -240,6 +276,7 @@ int decode_layers(int64_t m, int64_t hidden, int64_t nlayers, const StepLayer *l
         }
         product(m, vocab, 2 * hidden, joined, head_w, head_b, logits);
     }
+done:
     free(fbuf);
     free(ibuf);
     free(absent);

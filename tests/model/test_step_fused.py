@@ -14,7 +14,7 @@ from torch import nn
 
 from model import ReformerLM, cpu_kernels
 from model.decode import DecodeCache, DecodeState, decode_step, prefill
-from model.step_fused import FIELDS, FusedStep
+from model.step_fused import EMBEDDING_WORDS, FIELDS, FusedStep
 from model.step_linear import StepLinears
 
 from .helpers import tiny_config
@@ -67,17 +67,19 @@ def _decode(lm: ReformerLM, prompts: list[torch.Tensor], steps: int, fused: bool
     return out, cache, [states[i] for i in sorted(states)], 0 if counting is None else counting.ran
 
 
-@pytest.mark.parametrize(("layers", "buckets"), [(["local", "lsh", "local", "lsh"], 4), (["lsh", "lsh", "lsh"], None),
-                                                 (["local", "local"], 4), (["lsh", "local"], [2, 2])])
+@pytest.mark.parametrize(("layers", "buckets", "axial"), [
+    (["local", "lsh", "local", "lsh"], 4, True), (["lsh", "lsh", "lsh"], None, True), (["local", "local"], 4, False),
+    (["lsh", "local"], [2, 2], True)])
 def test_the_step_in_one_call_gives_the_bits_of_the_per_layer_path(kernel: cpu_kernels.WindowKernel,
-                                                                    layers: list[str], buckets: object) -> None:
+                                                                    layers: list[str], buckets: object,
+                                                                    axial: bool) -> None:
     """Mixed prompt lengths (short rows attending densely, rows hashing), requests joining, recent orders
     merged (steps past RECENT), fixed, automatic (rows of different counts in one step) and factored bucket
     counts: every step's logits, and what the cache holds after (each request's keys, values and key
     factors, the LSH orders and counts), are the per-layer path's, bit for bit."""
     torch.manual_seed(0)
     lm = ReformerLM(tiny_config(vocab_size=258, initializer_range=0.3, attn_layers=layers, num_buckets=buckets,
-                                hidden_act="gelu")).eval()
+                                hidden_act="gelu", axial_pos_embds=axial)).eval()
     prompts = [torch.randint(3, 258, (n,), generator=torch.Generator().manual_seed(n)) for n in (3, 33, 64, 20, 90)]
     join = {2: 3, 4: 6}
     one, c1, s1, ran = _decode(lm, prompts, 70, True, join)
@@ -207,28 +209,38 @@ def test_it_leaves_to_the_per_layer_path_what_it_cannot_run(kernel: cpu_kernels.
     cache = DecodeCache.for_tokens(lm, 160, slots=2)
     fused = cache.fused_step
     assert fused is not None
-    x = torch.randn(1, lm.config.hidden_size)
+    tokens = torch.tensor([5])
     meta = torch.zeros(1, 7, dtype=torch.long)
     with torch.no_grad():
         prefill(lm, cache, [prompt], [50])
         # an activation the C side does not compute
         lm.layers[0].feed_forward.act = nn.Softplus()  # type: ignore[union-attr]
-        assert fused.run(lm, cache, x, meta, [(4, None)]) is None
+        assert fused.run(lm, cache, tokens, meta, [(4, None)]) is None
 
 
-def test_a_row_outside_the_block_table_is_refused(kernel: cpu_kernels.WindowKernel) -> None:
+def test_a_row_token_or_position_outside_the_tables_is_refused_leaving_the_cache(
+        kernel: cpu_kernels.WindowKernel) -> None:
     torch.manual_seed(5)
     lm = ReformerLM(tiny_config(vocab_size=258, attn_layers=["lsh", "local"], num_buckets=4)).eval()
     cache = DecodeCache.for_tokens(lm, 160, slots=1)
     fused = cache.fused_step
     assert fused is not None
-    meta = torch.tensor([[cache.block_table.shape[0] + 3, 0, 0, 1, 1, 0, 0]])
-    with pytest.raises(IndexError, match="outside the decode cache"):
-        fused.run(lm, cache, torch.randn(1, lm.config.hidden_size), meta, [])
+    with torch.no_grad():
+        _, (state,) = prefill(lm, cache, [torch.randint(3, 258, (20,))], [60])
+    before = [t.clone() for t in (*cache.keys, *cache.values)]  # compared as bits: unwritten rows may hold NaN
+    good = [state.slot, state.length, 1, 1, 0, state.slot, 1]
+    outside = lm.config.max_position_embeddings
+    for tokens, row in [(5, [cache.block_table.shape[0] + 3, *good[1:]]), (258, good), (-1, good),
+                        (5, [good[0], outside, *good[2:]])]:
+        with pytest.raises(IndexError, match="outside the decode cache"):
+            fused.run(lm, cache, torch.tensor([tokens]), torch.tensor([row]), [])
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32))
+               for a, b in zip(before, (*cache.keys, *cache.values), strict=True))
 
 
 def test_the_layer_description_has_the_c_side_layout(kernel: cpu_kernels.WindowKernel) -> None:
     assert kernel.layer_words == len(FIELDS) == len(set(FIELDS))
+    assert kernel.embedding_words == EMBEDDING_WORDS
 
 
 def test_a_compiler_without_openmp_builds_a_step_that_gives_the_same_bits(kernel: cpu_kernels.WindowKernel,
