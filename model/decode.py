@@ -287,8 +287,7 @@ def _maintain_indexes(lm: ReformerLM, cache: DecodeCache, states: Sequence[Decod
     a row that starts hashing) rebuilds that row's index from its cached keys, O(L) once; a recent order that
     is full is merged into the main order (model/decode_index.py), O(L) every RECENT steps. Every LSH layer
     shares the bucket-count rule, so the count is worked out once per row, not once per row and layer."""
-    lsh = [(li, att) for li, layer in enumerate(_layers(lm))
-           if isinstance(att := layer.attention.self_attention, LSHSelfAttention)]
+    lsh = [(li, att) for li, p in enumerate(_plan(lm)) if isinstance(att := p.attention, LSHSelfAttention)]
     if not lsh:
         return
     for state in states:
