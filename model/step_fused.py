@@ -1,5 +1,6 @@
-"""A CPU decode step's layers in one C call (model/kernels/step_layers.c): every layer's layer norm,
-projections, cache write, LSH hash and insert, attention and tail, then the final layer norm and the LM head.
+"""A CPU decode step's layers in one C call (model/kernels/step_layers.c): the token and position embeddings,
+every layer's layer norm, projections, cache write, LSH hash and insert, attention and tail, then the final
+layer norm and the LM head.
 
 model/decode.py's step calls the same C functions one by one from Python, about ten calls with their views
 and argument checks per layer; on the shipped model that Python was about half of a step. Here the step

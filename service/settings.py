@@ -104,9 +104,9 @@ class Settings(BaseSettings):
     )
     cpu_kernels: bool = Field(
         True,
-        description="On CPU (float32 models), a decode step runs in C, in one call: every layer's layer norm, "
-        "projections, cache write, LSH hash and index insert, attention window and feed-forward, then the LM "
-        "head (model/kernels/step_layers.c over window_attend.c and step_linear.c, built on first use with the "
+        description="On CPU (float32 models), a decode step runs in C, in one call: its embeddings, every layer's "
+        "layer norm, projections, cache write, LSH hash and index insert, attention window and feed-forward, then "
+        "the LM head (model/kernels/step_layers.c over window_attend.c and step_linear.c, built on first use with the "
         "C compiler named by CC, or cc, into $XDG_CACHE_HOME or ~/.cache, under reformer-serve/kernels, or into "
         "REFORMER_KERNEL_DIR). Weights are packed once and each output is one chain of multiply-adds, so a "
         "row's results depend neither on the batch nor on the thread count (on several intra-op threads the "

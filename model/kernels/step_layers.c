@@ -1,5 +1,6 @@
-/* A CPU decode step's layers in one call: for every layer, its layer norm, projections, cache write, (LSH)
- * hash and insert into the recent order, attention and tail, then the final layer norm and the LM head,
+/* A CPU decode step's layers in one call: the embeddings, then for every layer its layer norm, projections,
+ * cache write, (LSH) hash and insert into the recent order, attention and tail, then the final layer norm and
+ * the LM head,
  * calling the same C functions model/decode.py calls one by one (model/step_fused.py builds the layer
  * descriptions and calls it; model/cpu_kernels.py builds it into the same library as window_attend.c and
  * step_linear.c).
