@@ -20,7 +20,7 @@ from typing import NoReturn
 import uvicorn
 from pydantic import ValidationError
 
-from model.cpu_runtime import tune_cpu_runtime
+from model.cpu_runtime import fit_threads_to_container, tune_cpu_runtime
 from service.app import create_app
 from service.backends import kv_cache_dtype, resolve_device, resolve_dtype
 from service.logs import configure_logging
@@ -105,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     # no model at all (429, 503, /health) take seconds under load. 0.5 ms keeps the loop responsive.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     log.info("cpu runtime: %s", tune_cpu_runtime())  # denormals flushed, large blocks kept (model/cpu_runtime.py)
+    fitted = fit_threads_to_container()
+    if fitted is not None:
+        log.info("intra-op threads lowered to the container's CPU quota: %d", fitted)
     app = create_app(settings, artifact)
     state: ServiceState = app.state.service
     config = uvicorn.Config(
