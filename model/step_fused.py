@@ -29,11 +29,11 @@ from .attention import LSHSelfAttention
 from .chunking import mask_value, self_mask_value
 from .cpu_kernels import KIND, MAX_ROUNDS, check_status
 from .embeddings import AxialPositionEmbeddings, PositionEmbeddings
+from .step_linear import StepLinears, act_code, norm_params, parameter_stamp
 
 if TYPE_CHECKING:
     from .decode_cache import DecodeCache
     from .reformer import ReformerLM
-    from .step_linear import StepLinears
 
 # StepLayer's fields (step_layers.c), in order: every one 8 bytes
 FIELDS = ("lsh", "heads", "dim", "kind", "pool_rows", "ln_w", "ln_b", "proj_w", "proj_b", "keys", "values", "norms",
@@ -75,27 +75,13 @@ def _embedding_words(lm: ReformerLM, hidden: int) -> list[int] | None:
     return None
 
 
-def _ptr(t: Tensor | None) -> int:
-    return 0 if t is None else t.data_ptr()
-
-
-def _norm_params(ln: nn.LayerNorm) -> tuple[int, int] | None:
-    """A layer norm's weight and bias pointers as the C side reads them, or None where it cannot."""
-    if len(ln.normalized_shape) != 1:
-        return None
-    w, b = ln._parameters.get("weight"), ln._parameters.get("bias")
-    if any(p is not None and (p.dtype != torch.float32 or not p.is_contiguous()) for p in (w, b)):
-        return None
-    return _ptr(w), _ptr(b)
-
-
 class _Described:
     """What the C side reads for one model, cache and set of bucket counts, made when `_stamp` changes."""
 
-    def __init__(self, stamp: tuple[object, ...], lm: ReformerLM) -> None:
+    def __init__(self, stamp: tuple[object, ...], lm: ReformerLM, modules: list[nn.Module]) -> None:
         self.stamp = stamp
         self.model = lm  # held: the stamp's id(lm) cannot be another model's while this exists
-        self.modules = [m for m in lm.modules() if m._parameters]
+        self.modules = modules  # the model's modules that hold parameters (what `_stamp` reads)
         self.packings: list[object] = []  # held: the packed weights the layer array points into
         self.layers: ctypes.Array[ctypes.c_int64] | None = None
         self.floats: ctypes.Array[ctypes.c_float] | None = None
@@ -113,11 +99,7 @@ def _stamp(lm: ReformerLM, modules: list[nn.Module], cache: DecodeCache, counts:
     weight replaced or edited in place is packed again), the LSH indexes' count tensors (they are replaced
     when an automatic bucket count grows) and the step's bucket counts. `modules`: the model's modules that
     hold parameters (read from `_parameters`: walking `lm.parameters()` is most of a small step's stamp)."""
-    out: list[object] = [id(lm), counts]
-    for m in modules:
-        for p in m._parameters.values():
-            if p is not None:
-                out += (p.data_ptr(), p._version)
+    out: list[object] = [id(lm), counts, *parameter_stamp(modules)]
     for index in cache.indexes:
         if index is not None:
             out += (index.main_counts.data_ptr(), index.recent_counts.data_ptr())
@@ -151,7 +133,7 @@ class FusedStep:
         modules = held.modules if held is not None and held.model is lm else [m for m in lm.modules() if m._parameters]
         stamp = _stamp(lm, modules, cache, counts)
         if held is None or held.stamp != stamp:
-            held = self._described = self._describe(lm, cache, [nb for nb, _ in groups], stamp)
+            held = self._described = self._describe(lm, cache, [nb for nb, _ in groups], stamp, modules)
         if held.layers is None:
             return None
         rows, hidden = tokens.shape[0], held.hidden
@@ -173,13 +155,13 @@ class FusedStep:
         return logits
 
     def _describe(self, lm: ReformerLM, cache: DecodeCache, counts: list[int | list[int]],
-                  stamp: tuple[object, ...]) -> _Described:
+                  stamp: tuple[object, ...], modules: list[nn.Module]) -> _Described:
         """The arrays the C side reads for this model, cache and bucket counts (`layers` None: it cannot run)."""
         from .decode import _plan  # the per-model plan of layers (model/decode.py imports this module)
 
         linears, kernel = self.linears, self.linears.kernel
         assert kernel is not None
-        held = _Described(stamp, lm)
+        held = _Described(stamp, lm, modules)
         factors = [self._factor_tensor(nb) for nb in counts]
         hashes: list[int] = []
         words: list[int] = []
@@ -189,8 +171,8 @@ class FusedStep:
         for li, p in enumerate(_plan(lm)):
             att = p.attention
             keys, values = cache.keys[li], cache.values[li]
-            norm, ff_norm = _norm_params(p.norm), _norm_params(p.ff_norm)
-            act = linears.act_code(p.ff_act)
+            norm, ff_norm = norm_params(p.norm), norm_params(p.ff_norm)
+            act = act_code(p.ff_act)
             if norm is None or ff_norm is None or act is None or keys.dtype not in kernel.reads:
                 return held
             proj = linears.packing(p.projections)
@@ -223,7 +205,7 @@ class FusedStep:
                 hashes += [0] * (4 * len(factors))
             words += f.values()
             floats += [p.norm.eps, p.ff_norm.eps, self_mask, mask]
-        final = _norm_params(lm.final_layer_norm)
+        final = norm_params(lm.final_layer_norm)
         if final is None or not isinstance(lm.lm_head, nn.Linear):
             return held
         head = linears.packing((lm.lm_head,))

@@ -33,7 +33,7 @@ class _Packed:
     def __init__(self, kernel: WindowKernel, layers: tuple[nn.Linear, ...]) -> None:
         # held, so the ids that key this packing cannot be reused by other layers while it exists
         self.layers = layers
-        self.stamp = _stamp(layers)
+        self.stamp = parameter_stamp(layers)
         weight = torch.cat([layer.weight.detach() for layer in layers]).float().contiguous()  # (N, K)
         self.n, self.k = weight.shape
         self.weight = kernel.pack(weight)  # (ceil(N / 32) * K * 32,)
@@ -46,19 +46,19 @@ class _Packed:
         self.bias_ptr = 0 if self.bias is None else self.bias.data_ptr()
 
 
-def _stamp(layers: tuple[nn.Linear, ...]) -> tuple[int, ...]:
-    """What identifies the weights' current values: each tensor's storage and version counter (read from
-    `_parameters`, not through Module.__getattr__: this runs for every product of every step)."""
+def parameter_stamp(modules: tuple[nn.Module, ...] | list[nn.Module]) -> tuple[int, ...]:
+    """What identifies the modules' weights as they are now: each parameter's storage and version counter
+    (read from `_parameters`, not through Module.__getattr__: this runs for every step)."""
     out: list[int] = []
-    for layer in layers:
-        for p in layer._parameters.values():
+    for module in modules:
+        for p in module._parameters.values():
             if p is not None:
                 out += (p.data_ptr(), p._version)
     return tuple(out)
 
 
-# step_linear.c's activations (step_tail), by module
-def _act_code(act: nn.Module) -> int | None:
+def act_code(act: nn.Module) -> int | None:
+    """step_linear.c's code of an activation module, or None for one it does not compute."""
     if isinstance(act, nn.ReLU):
         return 0
     if isinstance(act, nn.GELU):
@@ -70,8 +70,20 @@ def _act_code(act: nn.Module) -> int | None:
     return None
 
 
-def _ptr(t: Tensor | None) -> int:
+def ptr(t: Tensor | None) -> int:
+    """A tensor's address for the C side, 0 for none."""
     return 0 if t is None else t.data_ptr()
+
+
+def norm_params(ln: nn.LayerNorm) -> tuple[int, int] | None:
+    """A layer norm's weight and bias addresses as the C layer norm reads them (one-dimensional, float32,
+    contiguous; 0 for a missing one), or None where it cannot."""
+    if len(ln.normalized_shape) != 1:
+        return None
+    w, b = ln._parameters.get("weight"), ln._parameters.get("bias")
+    if any(p is not None and (p.dtype != torch.float32 or not p.is_contiguous()) for p in (w, b)):
+        return None
+    return ptr(w), ptr(b)
 
 
 class StepLinears:
@@ -112,21 +124,20 @@ class StepLinears:
     def norm(self, ln: nn.LayerNorm, x: Tensor) -> Tensor:
         """`ln(x)` of a step's rows x (B, n): in C where the kernel runs (the layer norm the fused step and the
         layer tails compute, so every kernel path rounds alike), else PyTorch's."""
-        w, b = ln._parameters.get("weight"), ln._parameters.get("bias")
-        if (not self.uses_kernel(x) or x.dim() != 2 or tuple(ln.normalized_shape) != (x.shape[1],)
-                or any(p is not None and (p.dtype != torch.float32 or not p.is_contiguous()) for p in (w, b))):
-            return F.layer_norm(x, ln.normalized_shape, w, b, ln.eps)
+        params = norm_params(ln)
+        if params is None or not self.uses_kernel(x) or x.dim() != 2 or ln.normalized_shape[0] != x.shape[1]:
+            return F.layer_norm(x, ln.normalized_shape, ln.weight, ln.bias, ln.eps)
         assert self.kernel is not None
         x = x if x.is_contiguous() else x.contiguous()
         out = torch.empty_like(x)
-        self.kernel.norm_raw(x.shape[0], x.shape[1], x.data_ptr(), _ptr(w), _ptr(b), ln.eps, out.data_ptr())
+        self.kernel.norm_raw(x.shape[0], x.shape[1], x.data_ptr(), *params, ln.eps, out.data_ptr())
         return out
 
     def packing(self, layers: tuple[nn.Linear, ...]) -> _Packed:
-        """The layers' packing, made or made again when a weight changed since (`_stamp`)."""
+        """The layers' packing, made or made again when a weight changed since (`parameter_stamp`)."""
         assert self.kernel is not None
         packed = self._packed.get(layers)
-        if packed is None or packed.stamp != _stamp(layers):
+        if packed is None or packed.stamp != parameter_stamp(layers):
             packed = self._packed[layers] = _Packed(self.kernel, layers)
         return packed
 
@@ -137,11 +148,9 @@ class StepLinears:
         compute it (the layer norm and activation in C: their rounding differs from PyTorch's, the sums and
         products are the same operations). Returns False, having done nothing, where the kernel cannot run it
         (the caller then runs those ops)."""
-        code = _act_code(act)
-        w, b = norm._parameters.get("weight"), norm._parameters.get("bias")
-        if (code is None or not self.uses_kernel(x1) or not x1.is_contiguous() or not x2.is_contiguous()
-                or x1.data_ptr() == x2.data_ptr() or len(norm.normalized_shape) != 1
-                or any(p is not None and (p.dtype != torch.float32 or not p.is_contiguous()) for p in (w, b))):
+        code, params = act_code(act), norm_params(norm)
+        if (code is None or params is None or not self.uses_kernel(x1) or not x1.is_contiguous()
+                or not x2.is_contiguous() or x1.data_ptr() == x2.data_ptr()):
             return False
         assert self.kernel is not None
         m, hidden = x1.shape
@@ -156,7 +165,7 @@ class StepLinears:
         if out.n != hidden or down.n != hidden or up.n != down.k or att_out.shape[0] != m or x2.shape != x1.shape:
             raise ValueError(f"step tail: x1 {tuple(x1.shape)}, x2 {tuple(x2.shape)}, att {tuple(att_out.shape)}")
         status = self.kernel.tail_raw(m, hidden, out.k, up.n, att_out.data_ptr(), out.weight_ptr, out.bias_ptr,
-                                   x1.data_ptr(), x2.data_ptr(), _ptr(w), _ptr(b), norm.eps, up.weight_ptr,
+                                   x1.data_ptr(), x2.data_ptr(), *params, norm.eps, up.weight_ptr,
                                    up.bias_ptr, code, down.weight_ptr, down.bias_ptr)
         if status:
             raise MemoryError("step tail: could not allocate its buffer")
@@ -183,10 +192,5 @@ class StepLinears:
             held = self._rotations[key] = (att, torch.stack([self.kernel.pack(w.contiguous()) for w in per_head]))
         return held[1]
 
-    @staticmethod
-    def act_code(act: nn.Module) -> int | None:
-        """step_linear.c's code of an activation module, or None for one it does not compute."""
-        return _act_code(act)
 
-
-__all__ = ["StepLinears"]
+__all__ = ["StepLinears", "act_code", "norm_params", "parameter_stamp", "ptr"]
