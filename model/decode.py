@@ -31,6 +31,7 @@ dtypes, GPUs, a model whose activation or layer norms the C side does not comput
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 from collections.abc import Generator, Iterator, Sequence
@@ -70,14 +71,11 @@ SINGLE_THREAD_ROWS = 4
 
 
 @contextmanager
-def step_threads(rows: int, device: torch.device | None = None) -> Iterator[None]:
-    """Run what the block holds on one intra-op thread when a CPU step has at most SINGLE_THREAD_ROWS rows,
-    on all but one of the threads otherwise, and restore the previous count after (a GPU step is left
-    alone: intra-op threads are a CPU matter). torch.set_num_threads is process-wide: only the decode
-    callers (the service's model runner, bench/generate.py) use this, from the one thread that runs model
-    calls."""
+def _intra_op_threads(want: int, device: torch.device | None) -> Iterator[None]:
+    """Run the block on `want` intra-op threads and restore the count after; a non-CPU device is left alone
+    (intra-op threads are a CPU matter). torch.set_num_threads is process-wide: only the model's callers (the
+    service's model runner, bench/generate.py) use this, from the one thread that runs model calls."""
     before = torch.get_num_threads()
-    want = 1 if rows <= SINGLE_THREAD_ROWS else max(before - 1, 1)
     if want == before or (device is not None and device.type != "cpu"):
         yield
         return
@@ -86,6 +84,13 @@ def step_threads(rows: int, device: torch.device | None = None) -> Iterator[None
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def step_threads(rows: int, device: torch.device | None = None) -> contextlib.AbstractContextManager[None]:
+    """One intra-op thread for a CPU step of at most SINGLE_THREAD_ROWS rows, all but one of the threads for
+    a larger one, restored after (`_intra_op_threads`)."""
+    before = torch.get_num_threads()
+    return _intra_op_threads(1 if rows <= SINGLE_THREAD_ROWS else max(before - 1, 1), device)
 
 
 # A prefill of at most this many padded tokens (prompts times the longest) runs on one intra-op thread: its ops
@@ -97,19 +102,11 @@ def step_threads(rows: int, device: torch.device | None = None) -> Iterator[None
 SINGLE_THREAD_PREFILL_TOKENS = 2048
 
 
-@contextmanager
-def prefill_threads(tokens: int, device: torch.device | None = None) -> Iterator[None]:
-    """Run a CPU prefill of `tokens` padded tokens on one intra-op thread when it is at most
-    SINGLE_THREAD_PREFILL_TOKENS, else on the threads as they are; restored after, as `step_threads`."""
+def prefill_threads(tokens: int, device: torch.device | None = None) -> contextlib.AbstractContextManager[None]:
+    """One intra-op thread for a CPU prefill of at most SINGLE_THREAD_PREFILL_TOKENS padded tokens, the
+    threads as they are for a larger one, restored after (`_intra_op_threads`)."""
     before = torch.get_num_threads()
-    if tokens > SINGLE_THREAD_PREFILL_TOKENS or before == 1 or (device is not None and device.type != "cpu"):
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+    return _intra_op_threads(1 if tokens <= SINGLE_THREAD_PREFILL_TOKENS else before, device)
 
 
 def rows_per_call(cache: DecodeCache, rows: int, invariant: bool) -> int:
@@ -376,13 +373,13 @@ def _step_compute(lm: ReformerLM, cache: DecodeCache, tokens: Tensor, meta: Tens
     """The step's device work from its device inputs: tokens (B,) and the rows' facts meta (B, 7); no host
     sync, shapes fixed by B and the cache, so a CUDA graph can capture it. `first_lsh`: the first LSH
     layer's index (its attention sets the window geometry every LSH layer shares), None without one."""
-    device = cache.device
-    rows = tokens.shape[0]
-    slots, t = meta[:, 0], meta[:, 1]
     if cache.fused_step is not None:  # the embeddings and every layer in one C call where it applies
         logits = cache.fused_step.run(lm, cache, tokens, meta, groups)  # (model/step_fused.py)
         if logits is not None:
             return logits
+    device = cache.device
+    rows = tokens.shape[0]
+    slots, t = meta[:, 0], meta[:, 1]
     step = _Step(t=t, blocks=BlockLookup(cache.block_table, slots, cache.block_size),
                  groups=[(nb, None if sel is None else torch.tensor(sel).to(device))
                          for nb, sel in groups], meta=meta)

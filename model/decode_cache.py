@@ -173,9 +173,10 @@ class DecodeCache:
     def rows_independent(self, threads: int | None = None) -> bool:
         """Whether a step on `threads` intra-op threads (None: the count now) computes each row alone, its bits
         independent of the batch: true when the C window kernel attends and the C product kernel runs the
-        linear layers, hashes and layer tails, which it does on one thread (model/step_linear.py); the step's
-        remaining PyTorch ops (embeddings, layer norms, sums) work row by row (tests/model/test_decode.py
-        checks the whole step)."""
+        linear layers, layer norms, hashes and layer tails, which the per-layer path does on one thread
+        (model/step_linear.py); its remaining PyTorch ops (embeddings, sums) work row by row
+        (tests/model/test_decode.py checks the whole step). The one-call step (model/step_fused.py) computes
+        each row alone on any thread count; this answers for the per-layer path, which it falls back to."""
         return self.window_kernel is not None and self.step_linears.runs_kernel(self.dtype, self.device, threads)
 
     @property
