@@ -5,6 +5,17 @@
 
 #include <stdint.h>
 
+#define PANEL 32 /* step_linear.c's columns per packed panel (model/cpu_kernels.py's PANEL) */
+
+/* The pool row of `position` of `slot` through a block table (width blocks a slot, block_size positions a
+ * block), or -1 outside the table or the pools' pool_rows rows. The slot itself is the caller's to check. */
+static inline int64_t block_pool_row(const int64_t *table, int64_t width, int64_t block_size, int64_t slot,
+                                     int64_t position, int64_t pool_rows) {
+    if (position < 0 || position >= width * block_size) return -1;
+    const int64_t row = table[slot * width + position / block_size] * block_size + position % block_size;
+    return row >= 0 && row < pool_rows ? row : -1;
+}
+
 void step_linear_panels(int64_t m, int64_t n, int64_t k, const float *x, int64_t x_stride, const float *packed,
                         const float *bias, float *y, int64_t p0, int64_t p1);
 void step_activate(float *u, int64_t n, int64_t act);

@@ -88,12 +88,11 @@ static int embed(const StepEmbedding *E, int64_t m, int64_t hidden, const int64_
     return 0;
 }
 
-/* pool row of `position` of `slot`, or -1 outside the block table or the pools */
+/* pool row of `position` of `slot`, or -1 outside the block table (its rows too) or the pools */
 static inline int64_t table_row(const int64_t *table, int64_t width, int64_t table_rows, int64_t block_size,
                                 int64_t slot, int64_t position, int64_t pool_rows) {
-    if (slot < 0 || slot >= table_rows || position < 0 || position >= width * block_size) return -1;
-    const int64_t row = table[slot * width + position / block_size] * block_size + position % block_size;
-    return row >= 0 && row < pool_rows ? row : -1;
+    if (slot < 0 || slot >= table_rows) return -1;
+    return block_pool_row(table, width, block_size, slot, position, pool_rows);
 }
 
 /* A local layer's window as model/decode.py's _local_window builds it: flat (m, heads, w) pool indices and
@@ -128,7 +127,6 @@ static void share(int64_t n, int64_t *begin, int64_t *end) {
     *end = n * (t + 1) / nt;
 }
 
-#define PANEL 32 /* step_linear.c's columns per panel */
 
 /* y = x W^T + b split by panels between the region's threads, then a barrier: every element is computed
  * as step_linear computes it, whichever thread computes it. */

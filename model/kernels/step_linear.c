@@ -30,7 +30,6 @@
 #include <immintrin.h>
 #endif
 
-#define PANEL 32
 #define ROW_TILE 8
 
 #ifdef __AVX512F__

@@ -396,10 +396,7 @@ typedef struct {
 
 /* the pool row of a slot's position, or -1 outside its block table or the pools */
 static inline int64_t pool_row(const LshJob *job, int64_t slot, int64_t position) {
-    const int64_t bs = job->block_size;
-    if (position < 0 || position >= job->table_width * bs) return -1;
-    const int64_t row = job->block_table[slot * job->table_width + position / bs] * bs + position % bs;
-    return row >= 0 && row < job->pool_rows ? row : -1;
+    return block_pool_row(job->block_table, job->table_width, job->block_size, slot, position, job->pool_rows);
 }
 
 /* the position stored at `at` in the index's items, or -1 outside them */
