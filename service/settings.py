@@ -111,12 +111,12 @@ class Settings(BaseSettings):
         "REFORMER_KERNEL_DIR). Weights are packed once and each output is one chain of multiply-adds, so a "
         "row's results depend neither on the batch nor on the thread count (on several intra-op threads the "
         "call splits its products and attention between OpenMP threads); a model whose activation or layer "
-        "norms the C side does not compute makes one C call per piece instead. Same results as the PyTorch ops "
-        "within 1e-5 with a float32 cache (tests/model/test_step_linear.py, test_step_fused.py; a half cache, "
-        "kv_cache_dtype, within 1e-3: tests/model/test_kv_cache_dtype.py). When the build fails or no compiler "
-        "is found it falls back to the PyTorch ops, with a warning; /info's batching.cpu_window_kernel and "
-        "cpu_step_kernel say which runs. "
-        "No effect on GPU.",
+        "norms the C side does not compute makes a C call per piece instead, with PyTorch ops for those. The "
+        "one-call step gives the per-layer C path's bits (tests/model/test_step_fused.py), which stays within "
+        "1e-5 of the PyTorch ops with a float32 cache over the tests' decodes (tests/model/test_step_linear.py; "
+        "a half cache, kv_cache_dtype, within 1e-3: tests/model/test_kv_cache_dtype.py). When the build fails "
+        "or no compiler is found it falls back to the PyTorch ops, with a warning; /info's "
+        "batching.cpu_window_kernel and cpu_step_kernel say which runs. No effect on GPU.",
     )
     max_queue_size: int = Field(
         64, ge=1, description="Requests allowed to wait for the model; beyond it requests get 429 at once."
