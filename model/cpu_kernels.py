@@ -96,13 +96,15 @@ def _build(compiler: str, target: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        try:
-            subprocess.run([compiler, *FLAGS, OPENMP, *map(str, SOURCES), "-o", tmp, "-lm"], check=True,
-                           capture_output=True, text=True, timeout=120)
-        except subprocess.CalledProcessError:
-            log.warning("the C kernels build without OpenMP: a step's layers run on one thread")
-            subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"], check=True, capture_output=True,
-                           text=True, timeout=120)
+        for flags in ((*FLAGS, OPENMP), FLAGS):  # without OpenMP only when the compiler refuses it
+            try:
+                subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", tmp, "-lm"], check=True,
+                               capture_output=True, text=True, timeout=120)
+                break
+            except subprocess.CalledProcessError:
+                if flags == FLAGS:
+                    raise
+                log.warning("the C kernels build without OpenMP: a step's layers run on one thread")
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
