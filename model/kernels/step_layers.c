@@ -137,6 +137,44 @@ static void product(int64_t m, int64_t n, int64_t k, const float *x, const float
 #pragma omp barrier
 }
 
+/* A layer's tail after its attention `att` (m, att_dim), in place on the reversible pair x1, x2 (m, hidden):
+ *   x1 += att W_out^T (+ b_out);  x2 += act(layer_norm(x1) W_dense^T + b_dense) W_ff^T + b_ff,
+ * the weights packed as step_linear reads them (NULL biases: none), y and h (m, hidden) and u (m, ff) as
+ * scratch. Inside a parallel region its products and activation are split between the threads; outside
+ * one it runs on the caller's. */
+static void layer_tail(int64_t m, int64_t hidden, int64_t att_dim, int64_t ff, const float *att, const float *w_out,
+                       const float *b_out, float *x1, float *x2, const float *ln_w, const float *ln_b, float eps,
+                       const float *w_dense, const float *b_dense, int64_t act, const float *w_ff, const float *b_ff,
+                       float *y, float *h, float *u) {
+    product(m, hidden, att_dim, att, w_out, b_out, y);
+#pragma omp single
+    {
+        for (int64_t j = 0; j < m * hidden; j++) x1[j] += y[j];
+        layer_norm_rows(m, hidden, x1, ln_w, ln_b, eps, h);
+    }
+    product(m, ff, hidden, h, w_dense, b_dense, u);
+    int64_t begin, end;
+    share(m * ff, &begin, &end);
+    step_activate(u + begin, end - begin, act);
+#pragma omp barrier
+    product(m, hidden, ff, u, w_ff, b_ff, y);
+#pragma omp single
+    for (int64_t j = 0; j < m * hidden; j++) x2[j] += y[j];
+}
+
+/* layer_tail on the caller's thread with its own scratch (model/step_linear.py's per-layer path). Returns 0,
+ * or NO_MEMORY when its buffer could not be allocated. */
+int step_tail(int64_t m, int64_t hidden, int64_t att_dim, int64_t ff, const float *att, const float *w_out,
+              const float *b_out, float *x1, float *x2, const float *ln_w, const float *ln_b, float eps,
+              const float *w_dense, const float *b_dense, int64_t act, const float *w_ff, const float *b_ff) {
+    float *buf = malloc((size_t)(m * (2 * hidden + ff)) * sizeof(float));
+    if (!buf) return NO_MEMORY;
+    layer_tail(m, hidden, att_dim, ff, att, w_out, b_out, x1, x2, ln_w, ln_b, eps, w_dense, b_dense, act, w_ff, b_ff,
+               buf, buf + m * hidden, buf + 2 * m * hidden);
+    free(buf);
+    return 0;
+}
+
 /* x1, x2 (m, hidden): two buffers that get the step's embeddings of `tokens` (m,) and are updated in place
  * through every layer; logits (m, vocab) from the final layer norm of [x1, x2] and the LM head. meta (m, 7) as model/decode.py
  * builds it; every layer's new key goes to the pool row of (slot, t) (meta's first two columns). `threads`:
@@ -250,20 +288,8 @@ int decode_layers(int64_t m, int64_t hidden, int64_t nlayers, const StepLayer *l
                 status |= st;
             }
 #pragma omp barrier
-            /* the tail, as step_tail: x1 += out W_out^T + b; x2 += act(ln(x1) W_dense^T + b) W_ff^T + b */
-            product(m, hidden, att, out, L->w_out, L->b_out, y);
-#pragma omp single
-            {
-                for (int64_t j = 0; j < m * hidden; j++) x1[j] += y[j];
-                layer_norm_rows(m, hidden, x1, L->ff_ln_w, L->ff_ln_b, fl[1], h);
-            }
-            product(m, L->ff, hidden, h, L->w_dense, L->b_dense, u);
-            share(m * L->ff, &begin, &end);
-            step_activate(u + begin, end - begin, L->act);
-#pragma omp barrier
-            product(m, hidden, L->ff, u, L->w_ff, L->b_ff, y);
-#pragma omp single
-            for (int64_t j = 0; j < m * hidden; j++) x2[j] += y[j];
+            layer_tail(m, hidden, att, L->ff, out, L->w_out, L->b_out, x1, x2, L->ff_ln_w, L->ff_ln_b, fl[1],
+                       L->w_dense, L->b_dense, L->act, L->w_ff, L->b_ff, y, h, u);
         }
 #pragma omp single
         {

@@ -169,7 +169,7 @@ int lsh_hash(int64_t m, int64_t heads, int64_t rounds, int64_t dim, int64_t half
     return 0;
 }
 
-/* ---- a layer's tail: the attention's output projection and the feed-forward, with their residual sums ---- */
+/* ---- a layer's tail's pieces (the tail itself: step_layers.c's step_tail) ---- */
 
 #define ACT_RELU 0
 #define ACT_GELU 1      /* erf form */
@@ -212,25 +212,4 @@ void layer_norm_rows(int64_t m, int64_t n, const float *x, const float *w, const
         const float rstd = 1.0f / sqrtf(sq / (float)n + eps);
         for (int64_t j = 0; j < n; j++) yr[j] = (xr[j] - mean) * rstd * (w ? w[j] : 1.0f) + (b ? b[j] : 0.0f);
     }
-}
-
-/* After a layer's attention `att` (m, att_dim), in place on the reversible pair x1, x2 (m, hidden):
- *   x1 += att W_out^T (+ b_out);  x2 += act(layer_norm(x1) W_dense^T + b_dense) W_ff^T + b_ff,
- * the weights packed as step_linear reads them (NULL biases: none). Returns 0, or 1 when its buffer could
- * not be allocated. */
-int step_tail(int64_t m, int64_t hidden, int64_t att_dim, int64_t ff, const float *att, const float *w_out,
-              const float *b_out, float *x1, float *x2, const float *ln_w, const float *ln_b, float eps,
-              const float *w_dense, const float *b_dense, int64_t act, const float *w_ff, const float *b_ff) {
-    float *buf = malloc((size_t)(m * (2 * hidden + ff)) * sizeof(float));
-    if (!buf) return 1;
-    float *y = buf, *h = buf + m * hidden, *u = h + m * hidden;
-    step_linear(m, hidden, att_dim, att, att_dim, w_out, b_out, y);
-    for (int64_t i = 0; i < m * hidden; i++) x1[i] += y[i];
-    layer_norm_rows(m, hidden, x1, ln_w, ln_b, eps, h);
-    step_linear(m, ff, hidden, h, hidden, w_dense, b_dense, u);
-    step_activate(u, m * ff, act);
-    step_linear(m, hidden, ff, u, ff, w_ff, b_ff, y);
-    for (int64_t i = 0; i < m * hidden; i++) x2[i] += y[i];
-    free(buf);
-    return 0;
 }
