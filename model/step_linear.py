@@ -2,7 +2,7 @@
 products, each linear layer's weights packed once into column panels and a few rows at a time multiplied in
 one pass over them; each LSH layer's hash of the new queries, its rotations packed the same way; and a
 layer's tail (the attention's output projection and the feed-forward with their residual sums) in one call
-over those packings.
+over those packings (step_layers.c's step_tail, the code the one-call step runs for its tails).
 
 A step's matrix products (projections, output projections, feed-forward, LM head) have 1-64 rows; PyTorch's
 CPU matmul runs those shapes at a fraction of the core's speed (the C file says by how much). The kernel
