@@ -361,11 +361,12 @@ class Engine:
         self.metrics.batch_size.labels("prefill").observe(len(jobs))
         self.metrics.batch_tokens.labels("prefill").observe(max(len(j.spec.prompt_ids) for j in jobs) * len(jobs))
         deliveries: list[tuple[GenerationJob, Event]] = []
-        for job, state, row, choice in zip(jobs, states, logits, self._greedy(jobs, logits), strict=True):
-            job.cache = state
-            with self._cond:
-                self._running.append(job)
-            self._advance_safely(job, row, deliveries, choice)
+        with self.runner.sampling_scope():
+            for job, state, row, choice in zip(jobs, states, logits, self._greedy(jobs, logits), strict=True):
+                job.cache = state
+                with self._cond:
+                    self._running.append(job)
+                self._advance_safely(job, row, deliveries, choice)
         deliver_together(deliveries)
 
     def _decode_step(self) -> None:
@@ -392,8 +393,9 @@ class Engine:
             self.metrics.batch_size.labels("decode").observe(rows)
             self.metrics.batch_tokens.labels("decode").observe(rows)
         deliveries: list[tuple[GenerationJob, Event]] = []
-        for job, row, choice in zip(jobs, logits, self._greedy(jobs, logits), strict=True):
-            self._advance_safely(job, row, deliveries, choice)
+        with self.runner.sampling_scope():
+            for job, row, choice in zip(jobs, logits, self._greedy(jobs, logits), strict=True):
+                self._advance_safely(job, row, deliveries, choice)
         deliver_together(deliveries)
 
     @staticmethod

@@ -3,6 +3,7 @@ steps for the engine's worker thread. Logits come back to the host once per call
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Generator, Sequence
 from typing import Any
@@ -18,6 +19,7 @@ from model.decode import (
     prefill_steps,
     prefill_threads,
     rows_per_call,
+    sampling_threads,
     step_threads,
 )
 from model.step_graphs import StepGraphs
@@ -125,6 +127,10 @@ class ModelRunner:
             # what the engine's batch_size metric observes, decided under the thread count the step runs with
             self.last_rows_per_call = rows_per_call(self.cache, len(states), self.invariant)
             return decode_step(self.model, ids, self.cache, states, self.invariant, self.graphs).float().cpu()
+
+    def sampling_scope(self) -> contextlib.AbstractContextManager[None]:
+        """Where the engine samples from a call's logits: one intra-op thread (model.decode.sampling_threads)."""
+        return sampling_threads(self.device)
 
     def can_step(self, state: DecodeState) -> bool:
         return 0 <= state.slot and state.length < min(state.capacity * self.cache.block_size, self.max_positions)

@@ -352,3 +352,40 @@ def test_small_prefills_run_on_one_thread(monkeypatch: pytest.MonkeyPatch) -> No
         assert seen == [1, 2] and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_sampling_after_a_model_call_runs_on_one_thread(artifact: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """model.decode.sampling_threads: the batch's greedy choices and each row's own sampling, after a prefill
+    and after every decode step, run on one intra-op thread (a few-microsecond op on two threads costs an
+    OpenMP hand-off far larger than itself), and the count is restored after."""
+    import service.engine as engine_module
+
+    greedy_threads: list[int] = []
+    sample_threads: list[int] = []
+    real_greedy, real_accept = engine_module.greedy_choices, GenerationJob.accept
+
+    def greedy(logits: torch.Tensor) -> Any:
+        greedy_threads.append(torch.get_num_threads())
+        return real_greedy(logits)
+
+    def accept(self: GenerationJob, logits: Any, choice: Any = None) -> Any:
+        sample_threads.append(torch.get_num_threads())
+        return real_accept(self, logits, choice)
+
+    monkeypatch.setattr(engine_module, "greedy_choices", greedy)
+    monkeypatch.setattr(GenerationJob, "accept", accept)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    e = _engine(artifact)
+    e.start()
+    try:
+        sampled = GenerationSpec(prompt_ids=[5, 6, 7], sampling=SamplingParams(do_sample=True, seed=3),
+                                 max_new_tokens=5, stop_on_eos=False)
+        out = _run(e, _spec([5, 6, 7], 5), sampled)
+        assert all(isinstance(ids, list) and len(ids) == 5 for ids in out)
+        assert len(greedy_threads) == 5 and len(sample_threads) == 10  # one prefill and 4 steps; 2 rows each
+        assert set(greedy_threads) == set(sample_threads) == {1}
+        assert torch.get_num_threads() == 2
+    finally:
+        e.stop()
+        torch.set_num_threads(before)
