@@ -25,8 +25,9 @@ the C kernels (`DecodeCache.rows_independent`) computes every row alone already:
 (`rows_per_call`), and gives a row the bits of its step alone in either mode (tests/model/test_decode.py).
 
 On such a CPU cache a step's layers run in one C call (model/step_fused.py: the same C functions as the
-per-layer path below, with the same bits); the per-layer path runs where that call does not apply (other
-dtypes, GPUs, a model whose activation or layer norms the C side does not compute).
+per-layer path below, with the same bits) over exactly the batch's rows, no padding rows and no blocks,
+its inputs passed as host ints; the per-layer path runs where that call does not apply (other dtypes,
+GPUs, a model whose activation or layer norms the C side does not compute).
 """
 
 from __future__ import annotations
@@ -112,8 +113,10 @@ def prefill_threads(tokens: int, device: torch.device | None = None) -> contextl
 def sampling_threads(device: torch.device | None = None) -> contextlib.AbstractContextManager[None]:
     """One intra-op thread for the small tensor ops between model calls (a step's greedy choices, a row's
     sampling), restored after (`_intra_op_threads`). On more threads each op of a few microseconds is an
-    OpenMP region whose hand-off to a parked or busy thread costs far more than the op. Measured in-process on
-    2 cores: log_softmax of (8, 258) float32 logits 2.4-3.7 us on one thread, 15-320 us on two."""
+    OpenMP region whose hand-off to a thread parked during the step, on a core the service's event loop and
+    clients keep busy, costs far more than the op. Measured in-process on 2 cores with the other core kept busy
+    by a spinning process, shipped model, 8 rows: a step plus its greedy choice 2.9-6.2 ms with the choice on
+    two threads, 1.7-2.8 ms on one (no difference with the other core idle)."""
     return _intra_op_threads(1, device)
 
 
@@ -317,13 +320,19 @@ def _maintain_indexes(lm: ReformerLM, cache: DecodeCache, states: Sequence[Decod
 
 
 @torch.no_grad()
-def decode_step(lm: ReformerLM, tokens: Tensor, cache: DecodeCache, states: Sequence[DecodeState],
+def decode_step(lm: ReformerLM, tokens: Tensor | Sequence[int], cache: DecodeCache, states: Sequence[DecodeState],
                 invariant: bool = False, graphs: StepGraphs | None = None) -> Tensor:
-    """Append tokens (B,) to the B requests; returns the logits (B, vocab) for the position after each. With
-    `graphs` (CUDA), steps it can capture replay CUDA graphs, with the same results (model/step_graphs.py)."""
+    """Append tokens (B,) to the B requests; returns the logits (B, vocab) for the position after each. `tokens`
+    may be host ints (the service's sampled tokens) or a tensor. With `graphs` (CUDA), steps it can capture
+    replay CUDA graphs, with the same results (model/step_graphs.py)."""
     b = len(states)
-    if tokens.numel() != b:
-        raise ValueError(f"{tokens.numel()} tokens for {b} decoding states")
+    # host ints where the step can use them (a CPU tensor's values are on the host already; a device tensor's
+    # stay there: reading them would be a sync)
+    host = [int(t) for t in tokens] if not isinstance(tokens, Tensor) else (
+        tokens.reshape(-1).tolist() if tokens.device.type == "cpu" else None)
+    n = len(host) if host is not None else int(tokens.numel())  # type: ignore[union-attr]
+    if n != b:
+        raise ValueError(f"{n} tokens for {b} decoding states")
     for state in states:
         if state.slot < 0:
             raise ValueError("decoding a request whose cache was freed")
@@ -332,6 +341,18 @@ def decode_step(lm: ReformerLM, tokens: Tensor, cache: DecodeCache, states: Sequ
         if state.length >= state.capacity * cache.block_size:
             raise ValueError(f"decoding past the {state.capacity * cache.block_size} positions reserved")
     _maintain_indexes(lm, cache, states)
+    if graphs is None and cache.fused_step is not None and host is not None:
+        # the one-call step computes each row alone (same bits in any batch): exactly the batch's rows, no
+        # padding to a batch bucket and no blocks, from host inputs (model/step_fused.py)
+        rows_meta, nbs = _row_facts(lm, cache, states)
+        logits = cache.fused_step.run(lm, cache, host, rows_meta, _bucket_groups(nbs))
+        if logits is not None:
+            for state in states:
+                state.length += 1
+            return logits
+    if host is not None:
+        tokens = torch.tensor(host, dtype=torch.long, device=cache.device)
+    assert isinstance(tokens, Tensor)
     tokens = tokens.reshape(-1).to(cache.device)
     size = INVARIANT_ROWS if _in_blocks(cache, invariant) else batch_bucket(b)
     out = []
@@ -343,23 +364,32 @@ def decode_step(lm: ReformerLM, tokens: Tensor, cache: DecodeCache, states: Sequ
     return torch.cat(out) if len(out) > 1 else out[0]
 
 
+def _row_facts(lm: ReformerLM, cache: DecodeCache, states: Sequence[DecodeState]
+               ) -> tuple[list[list[int]], list[int | list[int] | None]]:
+    """Each row's host-known facts (every LSH layer shares its chunk and bucket-count rule, every local layer its
+    chunk): slot, position, LSH hashed, LSH chunks, local dense, the slot whose LSH index the row appends to
+    (the scratch slot when it keeps none) and whether it keeps one; and each row's bucket count (None: none)."""
+    cfg = lm.config
+    lsh_c, local_c = cfg.lsh_attn_chunk_length, cfg.local_attn_chunk_length
+    first_lsh = next((i for i, k in enumerate(cfg.attn_layers) if k == "lsh"), None)
+    nbs = [None if first_lsh is None else s.num_buckets[first_lsh] for s in states]
+    rows_meta = []
+    for s, nb in zip(states, nbs, strict=True):
+        p = cfg.padded_length(s.length + 1)
+        rows_meta.append([s.slot, s.length, int(p > lsh_c), max(p // lsh_c, 1), int(p <= local_c),
+                          s.slot if nb is not None else cache.scratch_slot, int(nb is not None)])
+    return rows_meta, nbs
+
+
 def _step_rows(lm: ReformerLM, cache: DecodeCache, tokens: Tensor, states: list[DecodeState], rows: int,
                graphs: StepGraphs | None = None) -> Tensor:
     """One step over `rows` rows: the states' rows, then padding rows on the scratch slot. With `graphs`, a
     step whose structure it can capture replays a CUDA graph (model/step_graphs.py); others run eagerly."""
     pad = rows - len(states)
     cfg = lm.config
-    # host-known per-row facts (every LSH layer shares its chunk and bucket-count rule, every local layer its
-    # chunk), sent to the device in one copy: slot, position, LSH hashed, LSH chunks, local dense, and the
-    # slot whose LSH index the row appends to (the scratch slot when it keeps none)
-    lsh_c, local_c = cfg.lsh_attn_chunk_length, cfg.local_attn_chunk_length
     first_lsh = next((i for i, k in enumerate(cfg.attn_layers) if k == "lsh"), None)
-    nbs = [None if first_lsh is None else s.num_buckets[first_lsh] for s in states] + [None] * pad
-    rows_meta = []
-    for s, nb in zip(states, nbs):
-        p = cfg.padded_length(s.length + 1)
-        rows_meta.append([s.slot, s.length, p > lsh_c, max(p // lsh_c, 1), p <= local_c,
-                          s.slot if nb is not None else cache.scratch_slot, nb is not None])
+    rows_meta, nbs = _row_facts(lm, cache, states)
+    nbs += [None] * pad
     # padding rows count as hashed (their results are dropped), so a batch of long rows skips the dense path
     rows_meta += [[cache.scratch_slot, 0, 1, 1, 1, cache.scratch_slot, 0]] * pad
     all_hashed = all(m[2] for m in rows_meta)
@@ -381,10 +411,6 @@ def _step_compute(lm: ReformerLM, cache: DecodeCache, tokens: Tensor, meta: Tens
     """The step's device work from its device inputs: tokens (B,) and the rows' facts meta (B, 7); no host
     sync, shapes fixed by B and the cache, so a CUDA graph can capture it. `first_lsh`: the first LSH
     layer's index (its attention sets the window geometry every LSH layer shares), None without one."""
-    if cache.fused_step is not None:  # the embeddings and every layer in one C call where it applies
-        logits = cache.fused_step.run(lm, cache, tokens, meta, groups)  # (model/step_fused.py)
-        if logits is not None:
-            return logits
     device = cache.device
     rows = tokens.shape[0]
     slots, t = meta[:, 0], meta[:, 1]

@@ -20,6 +20,8 @@ path's on one thread, bit for bit (tests/model/test_step_fused.py).
 from __future__ import annotations
 
 import ctypes
+import itertools
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -42,6 +44,7 @@ FIELDS = ("lsh", "heads", "dim", "kind", "pool_rows", "ln_w", "ln_b", "proj_w", 
           "w_dense", "b_dense", "w_ff", "b_ff")
 
 
+META_WORDS = 7  # a row's facts (model/decode.py `_row_facts`), as step_layers.c reads meta[b * 7 + k]
 EMBEDDING_WORDS = 8  # StepEmbedding's fields (step_layers.c): word, word_rows, pos0, pos0_rows, d0, pos1, s1, d1
 
 
@@ -114,19 +117,20 @@ class FusedStep:
         self.linears = linears
         self._factors: dict[str, Tensor] = {}  # bucket count -> its factors as the C side reads them
         self._described: _Described | None = None  # the last step's arrays, reused while `_stamp` is the same
+        self._buffers: dict[tuple[int, int], tuple[ctypes.Array[ctypes.c_float], ctypes.Array[ctypes.c_float]]] = {}
         kernel = linears.kernel
         if kernel is not None and (kernel.layer_words, kernel.embedding_words) != (len(FIELDS), EMBEDDING_WORDS):
             raise RuntimeError(f"step_layers.c's StepLayer and StepEmbedding have {kernel.layer_words} and "
                                f"{kernel.embedding_words} fields, this module {len(FIELDS)} and {EMBEDDING_WORDS}")
 
-    def run(self, lm: ReformerLM, cache: DecodeCache, tokens: Tensor, meta: Tensor,
+    def run(self, lm: ReformerLM, cache: DecodeCache, tokens: Sequence[int], meta: Sequence[Sequence[int]],
             groups: list[tuple[int | list[int], list[int] | None]]) -> Tensor | None:
-        """tokens (B,) int64 the step's tokens, meta (B, 7) its rows' facts (model/decode.py); `groups` the rows
-        by bucket count (`_bucket_groups`). Returns the logits (B, vocab) float32, the cache updated as the
-        per-layer path updates it, or None (nothing done)."""
+        """tokens (B ints) the step's tokens, meta (B rows of 7 ints) its rows' facts (model/decode.py
+        `_row_facts`); `groups` the rows by bucket count (`_bucket_groups`). Host inputs: the C side reads them
+        from ctypes arrays, with no tensor made for them. Returns the logits (B, vocab) float32, the cache
+        updated as the per-layer path updates it, or None (nothing done)."""
         kernel = self.linears.kernel
-        if (kernel is None or cache.window_kernel is None or tokens.device.type != "cpu"
-                or tokens.dtype != torch.int64 or cache.dtype != torch.float32):
+        if kernel is None or cache.window_kernel is None or cache.device.type != "cpu" or cache.dtype != torch.float32:
             return None
         counts = tuple(str(nb) for nb, _ in groups)
         held = self._described
@@ -136,23 +140,34 @@ class FusedStep:
             held = self._described = self._describe(lm, cache, [nb for nb, _ in groups], stamp, modules)
         if held.layers is None:
             return None
-        rows, hidden = tokens.shape[0], held.hidden
+        rows, hidden = len(tokens), held.hidden
+        if len(meta) != rows or any(len(m) != META_WORDS for m in meta):
+            raise ValueError(f"fused step: {len(meta)} rows of facts for {rows} tokens (each {META_WORDS} words)")
         # each row's bucket-count group (-1: it hashes with none)
         group_of = [0 if groups and groups[0][1] is None else -1] * rows
         for g, (_, members) in enumerate(groups):
             for r in members or ():
                 group_of[r] = g
-        tokens, meta = tokens.contiguous(), meta.contiguous()
-        x1, x2 = torch.empty(rows, hidden), torch.empty(rows, hidden)  # the C side fills both
+        x1, x2 = self._scratch(rows, hidden)  # the C side fills both; nothing reads them after the call
         logits = torch.empty(rows, held.vocab, dtype=torch.float32)
         table = cache.block_table
         status = kernel.layers_raw(rows, hidden, held.count, held.layers, held.floats, len(groups),
-                                   (ctypes.c_int64 * rows)(*group_of), held.hashes, held.embedding, tokens.data_ptr(),
-                                   x1.data_ptr(), x2.data_ptr(), meta.data_ptr(), table.data_ptr(), table.shape[1],
-                                   table.shape[0], cache.block_size, cache.scratch_slot, *held.final, held.final_eps,
-                                   *held.head, held.vocab, logits.data_ptr(), torch.get_num_threads())
+                                   (ctypes.c_int64 * rows)(*group_of), held.hashes, held.embedding,
+                                   (ctypes.c_int64 * rows)(*tokens), x1, x2,
+                                   (ctypes.c_int64 * (rows * META_WORDS))(*itertools.chain.from_iterable(meta)),
+                                   table.data_ptr(), table.shape[1], table.shape[0], cache.block_size,
+                                   cache.scratch_slot, *held.final, held.final_eps, *held.head, held.vocab,
+                                   logits.data_ptr(), torch.get_num_threads())
         check_status(status, "decode step kernel")
         return logits
+
+    def _scratch(self, rows: int, hidden: int) -> tuple[ctypes.Array[ctypes.c_float], ctypes.Array[ctypes.c_float]]:
+        """The two hidden-state buffers of a step of `rows` rows, made once per size and reused."""
+        key = (rows, hidden)
+        held = self._buffers.get(key)
+        if held is None:
+            held = self._buffers[key] = ((ctypes.c_float * (rows * hidden))(), (ctypes.c_float * (rows * hidden))())
+        return held
 
     def _describe(self, lm: ReformerLM, cache: DecodeCache, counts: list[int | list[int]],
                   stamp: tuple[object, ...], modules: list[nn.Module]) -> _Described:

@@ -116,7 +116,6 @@ class ModelRunner:
 
     @torch.inference_mode()
     def decode(self, tokens: Sequence[int], states: Sequence[DecodeState]) -> torch.Tensor:
-        ids = torch.tensor(list(tokens), dtype=torch.long).to(self.device)
         # small steps on one intra-op thread (process-wide, restored after: model.decode.step_threads). In
         # invariant mode, every step where one thread makes the CPU kernels compute each row alone
         # (DecodeCache.rows_independent: the per-layer path's products take the C kernel on one thread and
@@ -126,7 +125,9 @@ class ModelRunner:
                           self.device):
             # what the engine's batch_size metric observes, decided under the thread count the step runs with
             self.last_rows_per_call = rows_per_call(self.cache, len(states), self.invariant)
-            return decode_step(self.model, ids, self.cache, states, self.invariant, self.graphs).float().cpu()
+            # host ints: the one-call CPU step reads them as they are, other paths copy them to the device once
+            logits = decode_step(self.model, list(tokens), self.cache, states, self.invariant, self.graphs)
+        return logits if logits.dtype == torch.float32 and logits.device.type == "cpu" else logits.float().cpu()
 
     def sampling_scope(self) -> contextlib.AbstractContextManager[None]:
         """Where the engine samples from a call's logits: one intra-op thread (model.decode.sampling_threads)."""

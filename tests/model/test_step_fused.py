@@ -29,10 +29,13 @@ class _Counting(FusedStep):
     def __init__(self, fused: FusedStep) -> None:
         super().__init__(fused.linears)
         self.ran = 0
+        self.rows: list[int] = []  # the rows of each call it ran
 
     def run(self, *args, **kwargs):  # type: ignore[no-untyped-def]  # noqa: ANN002, ANN003, ANN201
         out = super().run(*args, **kwargs)
         self.ran += out is not None
+        if out is not None:
+            self.rows.append(len(args[2]))
         return out
 
 
@@ -103,6 +106,23 @@ def test_the_step_in_one_call_gives_the_bits_of_the_per_layer_path(kernel: cpu_k
                 assert torch.equal(i1.recent[s.slot], i2.recent[s.slot])
                 main = int(i1.main_counts[s.slot, 0, 0].sum())  # positions in the main order
                 assert torch.equal(i1.order[rows[:main]], i2.order[rows[:main]])
+
+
+def test_a_step_in_one_call_holds_only_the_batch_rows(kernel: cpu_kernels.WindowKernel) -> None:
+    """No padding rows up to a batch bucket (rows are computed alone, so the call needs none): 3 and then 5
+    requests make calls of 3 and 5 rows, not 4 and 8."""
+    torch.manual_seed(2)
+    lm = ReformerLM(tiny_config(vocab_size=258, attn_layers=["local", "lsh"], num_buckets=4)).eval()
+    prompts = [torch.randint(3, 258, (n,)) for n in (5, 40, 70, 9, 66)]
+    cache = DecodeCache.for_tokens(lm, 128, slots=5)
+    assert cache.fused_step is not None
+    counting = cache.fused_step = _Counting(cache.fused_step)
+    with torch.no_grad():
+        first, states = prefill(lm, cache, prompts[:3], [80] * 3)
+        logits = decode_step(lm, first.argmax(-1), cache, states)
+        more, joined = prefill(lm, cache, prompts[3:], [80] * 2)
+        decode_step(lm, torch.cat([logits.argmax(-1), more.argmax(-1)]), cache, [*states, *joined])
+    assert counting.rows == [3, 5]
 
 
 def test_a_batched_step_in_one_call_gives_each_row_its_bits_alone(kernel: cpu_kernels.WindowKernel) -> None:
@@ -209,8 +229,8 @@ def test_it_leaves_to_the_per_layer_path_what_it_cannot_run(kernel: cpu_kernels.
     cache = DecodeCache.for_tokens(lm, 160, slots=2)
     fused = cache.fused_step
     assert fused is not None
-    tokens = torch.tensor([5])
-    meta = torch.zeros(1, 7, dtype=torch.long)
+    tokens = [5]
+    meta = [[0] * 7]
     with torch.no_grad():
         prefill(lm, cache, [prompt], [50])
         # an activation the C side does not compute
@@ -233,7 +253,7 @@ def test_a_row_token_or_position_outside_the_tables_is_refused_leaving_the_cache
     for tokens, row in [(5, [cache.block_table.shape[0] + 3, *good[1:]]), (258, good), (-1, good),
                         (5, [good[0], outside, *good[2:]])]:
         with pytest.raises(IndexError, match="outside the decode cache"):
-            fused.run(lm, cache, torch.tensor([tokens]), torch.tensor([row]), [])
+            fused.run(lm, cache, [tokens], [row], [])
     assert all(torch.equal(a.view(torch.int32), b.view(torch.int32))
                for a, b in zip(before, (*cache.keys, *cache.values), strict=True))
 

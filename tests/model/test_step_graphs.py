@@ -28,6 +28,8 @@ def _decode(lm: ReformerLM, lengths: list[int], steps: int, graphs: StepGraphs |
     """Greedy steps of every prompt together; the logits of each step (B, vocab)."""
     prompts = [torch.randint(3, 258, (n,), generator=torch.Generator().manual_seed(n)) for n in lengths]
     cache = DecodeCache.for_tokens(lm, max(lengths) + steps + 2, slots=len(lengths))
+    # the per-layer path, as on CUDA (the one-call step is CPU-only and runs outside the graphs)
+    cache.fused_step = None
     logits, states = prefill(lm, cache, prompts, [n + steps + 1 for n in lengths])
     out = []
     for _ in range(steps):
