@@ -203,8 +203,11 @@ def _window_rows(x: Tensor, win: Tensor, n: int) -> Tensor:
 
 def _lsh_chunked(att: LSHSelfAttention, qk: Tensor, v: Tensor, buckets: Tensor, ctx: AttentionContext,
                  slice_chunks: int) -> Slices:
-    """LSHSelfAttention._chunked (eval), one head at a time as it runs, the head's R*N chunks cut into
-    slices. (B, H, L, D) -> (B, H, L, D)."""
+    """LSHSelfAttention._chunked (eval), the heads in groups, each group's R*N chunks cut into slices.
+    (B, H, L, D) -> (B, H, L, D). The forward runs one head at a time; a group holds as many heads as fit in
+    one slice of `slice_chunks` window attentions (every head of a short prompt, one head of a long one),
+    so a short prompt makes one kernel call per layer, not one per head: each (row, head, chunk) is computed
+    alone either way, with the same bits (tests/model/test_prefill_slices.py)."""
     b, h, t, d = qk.shape
     r, c = att.rounds, att.chunk
     n = t // c
@@ -220,19 +223,23 @@ def _lsh_chunked(att: LSHSelfAttention, qk: Tensor, v: Tensor, buckets: Tensor, 
     qkv = torch.cat([qk, k, v], dim=-1)  # (B, H, L, 3D)
     valid = ctx.valid
     out = torch.zeros_like(qk)
-    rows = torch.arange(b, device=device).view(b, 1, 1) * t
     batch = torch.arange(b, device=device).view(b, 1, 1, 1)
-    step = max(1, slice_chunks // b)  # chunks of one head per slice, every batch row
+    # heads per group: the windows of rows with different lengths are gathered for one head at a time
+    g = max(1, min(h, slice_chunks // (b * r * n))) if uniform and kernel is not None else 1
+    step = max(1, slice_chunks // (b * g))  # chunks of the group's heads per slice, every batch row
     yield
-    for i in range(h):
-        sp = sorted_pos[:, i : i + 1]  # (B, 1, R*L)
-        flat = qkv[:, i : i + 1].reshape(b * t, 3 * d)
-        picked = flat.index_select(0, (sp[:, 0] + rows[:, 0]).reshape(-1)).view(b, 1, r * t, 3 * d)
-        q_c, k_c, v_c = (x.reshape(b, 1, r * n, c, d) for x in picked.split(d, dim=-1))
-        qp = sp.view(b, 1, r * n, c)
+    for i0 in range(0, h, g):
+        i1 = min(i0 + g, h)
+        gh = i1 - i0
+        sp = sorted_pos[:, i0:i1]  # (B, g, R*L)
+        flat = qkv[:, i0:i1].reshape(b * gh * t, 3 * d)
+        base = torch.arange(b * gh, device=device).view(b, gh, 1) * t  # each (row, head)'s first flat row
+        picked = flat.index_select(0, (sp + base).reshape(-1)).view(b, gh, r * t, 3 * d)
+        q_c, k_c, v_c = (x.reshape(b, gh, r * n, c, d) for x in picked.split(d, dim=-1))
+        qp = sp.view(b, gh, r * n, c)
         if uniform and kernel is not None:
-            k_all = strided_windows(k_c.reshape(b, 1, r * t, d), c, att.before, att.after)  # views
-            v_all = strided_windows(v_c.reshape(b, 1, r * t, d), c, att.before, att.after)
+            k_all = strided_windows(k_c.reshape(b, gh, r * t, d), c, att.before, att.after)  # views
+            v_all = strided_windows(v_c.reshape(b, gh, r * t, d), c, att.before, att.after)
             kp_all = strided_windows(sp, c, att.before, att.after)
         outs, lses = [], []
         for j0 in range(0, r * n, step):
@@ -240,7 +247,7 @@ def _lsh_chunked(att: LSHSelfAttention, qk: Tensor, v: Tensor, buckets: Tensor, 
             if uniform and kernel is not None:
                 k_w, v_w, kp = k_all[:, :, j0:j1], v_all[:, :, j0:j1], kp_all[:, :, j0:j1]
             else:
-                # the forward's look_adjacent (uniform) and gather_chunks pick these same chunks
+                # one head (g == 1): the forward's look_adjacent (uniform) and gather_chunks pick these chunks
                 w_s = win[:, j0:j1]
                 k_w = _window_rows(k_c.reshape(b, r * t, d), w_s, r * n).unsqueeze(1)  # (B, 1, S, W*C, D)
                 v_w = _window_rows(v_c.reshape(b, r * t, d), w_s, r * n).unsqueeze(1)
@@ -255,10 +262,10 @@ def _lsh_chunked(att: LSHSelfAttention, qk: Tensor, v: Tensor, buckets: Tensor, 
             outs.append(o)
             lses.append(lse)
             yield
-        o_all = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]  # (B, 1, R*N, C, D)
+        o_all = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]  # (B, g, R*N, C, D)
         lse_all = torch.cat(lses, dim=2) if len(lses) > 1 else lses[0]
-        out[:, i : i + 1] = att._combine_rounds(o_all.reshape(b, 1, r, t, d), lse_all.reshape(b, 1, r, t),
-                                                order[:, i : i + 1])
+        out[:, i0:i1] = att._combine_rounds(o_all.reshape(b, gh, r, t, d), lse_all.reshape(b, gh, r, t),
+                                            order[:, i0:i1])
     return out
 
 
