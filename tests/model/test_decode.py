@@ -254,9 +254,9 @@ def test_sliced_prefill_yields_between_slices_and_computes_the_same() -> None:
     # the embeddings; per layer: the attention's projections, shared by the cache and the attention
     # (model/prefill_slices.py `projections`; local: 3; LSH: 2 and the hashing), the cache write, (LSH) the
     # index build from the attention's buckets (1, then one sort per head: 1 + 2), the attention's slices
-    # (local: its windows in 1 slice; LSH: the sort, 1 slice per head), the output projection, the residual,
-    # 3 feed-forward slices of 16
-    assert slices == 1 + 2 * ((3 + 1 + 1 + 1 + 1 + 3) + (3 + 1 + (1 + 2) + 1 + 2 + 1 + 1 + 3))
+    # (local: its windows in 1 slice; LSH: the sort, then its 2 heads' windows together in 1 slice), the
+    # output projection, the residual, 3 feed-forward slices of 16
+    assert slices == 1 + 2 * ((3 + 1 + 1 + 1 + 1 + 3) + (3 + 1 + (1 + 2) + 1 + 1 + 1 + 1 + 3))
     assert torch.equal(sliced, whole)
     with torch.no_grad():
         assert (lm(prompt[None]).logits[0, -1] - whole[0]).abs().max().item() <= 1e-5
