@@ -168,9 +168,16 @@ def _record_slices(engine: Engine, monkeypatch: pytest.MonkeyPatch, budget_s: fl
 
 def _long_prompt_while_streaming(engine: Engine, long_prompt: list[int]) -> list[list[int] | Exception]:
     async def both() -> list[list[int] | Exception]:
-        stream = asyncio.create_task(_collect(engine, _spec([5, 6, 7], 200)))
-        await asyncio.sleep(0.05)  # the stream is running when the long prompt arrives
-        return [await _collect(engine, _spec(long_prompt, 4)), await stream]
+        stream = engine.generate(_spec([5, 6, 7], 200))
+        ids = [(await stream.next_event()).id]
+        # the stream is running (199 steps to go) when the long prompt arrives: a fixed sleep before it was
+        # longer than the whole stream once the tiny model's step took a tenth of a millisecond
+        long = asyncio.create_task(_collect(engine, _spec(long_prompt, 4)))
+        while True:
+            event = await stream.next_event()
+            ids.append(event.id)
+            if event.finish is not None:
+                return [await long, ids]
 
     return asyncio.run(both())
 
