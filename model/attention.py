@@ -22,7 +22,7 @@ from .chunking import (
     window_chunk_index,
 )
 from .config import ReformerConfig
-from .lsh_fused import fused_lsh_attend, window_kernel_for
+from .lsh_fused import fused_lsh_attend, local_window_attend, window_kernel_for
 
 
 @dataclass
@@ -327,8 +327,8 @@ class LocalSelfAttention(nn.Module):
         qp = pos.view(1, 1, n, c).expand(b, 1, n, c)  # (B, 1, N, C)
         kp = gather_chunks(qp.unsqueeze(-1), win).squeeze(-1)  # (B, 1, N, W*C)
         kv = None if ctx.valid is None else torch.gather(ctx.valid[:, None, None, :].expand(b, 1, n, t), 3, kp)
-        bias = attention_bias(qp, kp, kv, self.causal, False, q.dtype)  # (B, 1, N, C, W*C)
-        out, _ = attend(q_c, k_w, v_w, bias, dropout, ctx.generator, fused=self.fused)  # (B, H, N, C, D)
+        out = local_window_attend(q_c, k_w, v_w, qp, kp, kv, self.causal, dropout, ctx.generator,
+                                  self.fused)  # (B, H, N, C, D)
         return out.reshape(b, self.heads, t, self.head_size)  # (B, H, L, D)
 
     @staticmethod

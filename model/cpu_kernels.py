@@ -1,4 +1,5 @@
-"""The C kernels of cached decoding on the CPU (model/kernels/window_attend.c, step_linear.c and step_layers.c),
+"""The C kernels of cached decoding on the CPU (model/kernels/window_attend.c, step_linear.c and step_layers.c)
+and of a forward's chunked window attention (chunk_attend.c, `chunk_attend`, called by model/lsh_fused.py),
 built on first use with the machine's C compiler and called through ctypes: a step's cache writes, each LSH
 layer's insert into its recent order, its window positions and attention (`lsh_attend`), local layers'
 attention (`attend`), the merge of an LSH index's recent order into its main order, a step's linear layers
@@ -41,10 +42,11 @@ from .decode_index import LSHIndex
 
 log = logging.getLogger(__name__)
 
-# compiled together into one library: the attention windows, a step's linear layers (model/step_linear.py) and
-# the whole step's layers in one call (model/step_fused.py)
+# compiled together into one library: the attention windows, a step's linear layers (model/step_linear.py),
+# the whole step's layers in one call (model/step_fused.py) and a forward's chunked window attention
+# (model/lsh_fused.py)
 SOURCES = tuple(Path(__file__).with_name("kernels") / name
-                for name in ("window_attend.c", "step_linear.c", "step_layers.c"))
+                for name in ("window_attend.c", "step_linear.c", "step_layers.c", "chunk_attend.c"))
 HEADERS = (Path(__file__).with_name("kernels") / "step_kernels.h",)  # what the sources include
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-pthread")
 # step_layers.c splits a step between OpenMP threads (the OpenMP runtime PyTorch has loaded: one pool of
@@ -55,6 +57,9 @@ MAX_ROUNDS = 64  # the C side's bound on hash rounds
 PANEL = 32  # step_linear.c's columns per packed panel
 # window_attend.c's element kinds of the key and value pools
 KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+# chunk_attend.c's rules for which keys a query may see: LSH attention (its own position only when nothing
+# else is allowed: the caller rebuilds those rows), causal or not; local attention, causal or not
+CHUNK_RULES = {"other": 0, "earlier": 1, "up_to": 2, "any": 3}
 ENV_DIR = "REFORMER_KERNEL_DIR"  # where built libraries are kept (default: the user's cache folder)
 
 
@@ -152,6 +157,7 @@ class WindowKernel:
                                                                    ptr, i64])
         self._lsh = declare("lsh_attend", [i64] * 10 + [ptr] * 4 + [i64] + [ptr] * 5 + [i64] * 4
                             + [ptr, i64, i64, i64, f32, f32, ptr, i64])
+        self._chunk = declare("chunk_attend", [i64] * 6 + [ptr] * 12 + [i64, f32] + [ptr] * 4 + [i64])
         self._merge = declare("lsh_merge", [i64] * 5 + [ptr, i64, i64] + [ptr] * 4)
         self._write = declare("decode_write", [i64] * 5 + [ptr] * 6 + [f32, f32])
         self._append = declare("lsh_append", [i64] * 5 + [ptr] * 4 + [i64] * 3)
@@ -250,6 +256,37 @@ class WindowKernel:
                            mask, out.data_ptr(), torch.get_num_threads())
         check_status(status, "lsh kernel")
         return out
+
+    def chunk_attend(self, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, k_valid: Tensor | None,
+                     rule: str, mask: float) -> tuple[Tensor, Tensor]:
+        """q (B, H, N, C, D), k and v (B, H, N, W, D) float32 with contiguous rows (other dimensions any
+        strides: overlapping window views), q_pos (B, H, N, C), k_pos and k_valid (B, H, N, W) (int64 below
+        2**31, bool; any strides) -> (out (B, H, N, C, D), lse (B, H, N, C)) float32: each query's softmax over
+        the valid keys `rule` allows (CHUNK_RULES; chunk_attend.c), on PyTorch's intra-op thread count."""
+        b, h, n, c, d = q.shape
+        w = k.shape[3]
+        f32, i64 = torch.float32, torch.int64
+        for name, x, dtype, shape in (("q", q, f32, (b, h, n, c, d)), ("k", k, f32, (b, h, n, w, d)),
+                                      ("v", v, f32, (b, h, n, w, d)), ("q_pos", q_pos, i64, (b, h, n, c)),
+                                      ("k_pos", k_pos, i64, (b, h, n, w)),
+                                      ("k_valid", k_valid, torch.bool, (b, h, n, w))):
+            if x is None:
+                continue
+            if x.dtype != dtype or not x.is_cpu or tuple(x.shape) != shape or (x.dim() == 5 and x.stride(-1) != 1):
+                raise ValueError(f"chunk_attend: {name} must be a {dtype} CPU tensor of shape {shape} (rows "
+                                 f"contiguous), got {x.dtype} {tuple(x.shape)} on {x.device}")
+        out = torch.empty(b, h, n, c, d, dtype=torch.float32)
+        lse = torch.empty(b, h, n, c, dtype=torch.float32)
+
+        def strides(x: Tensor | None) -> Any:
+            return None if x is None else (ctypes.c_int64 * 4)(*x.stride()[:4])
+
+        status = self._chunk(b, h, n, c, w, d, q.data_ptr(), strides(q), k.data_ptr(), strides(k), v.data_ptr(),
+                             strides(v), q_pos.data_ptr(), strides(q_pos), k_pos.data_ptr(), strides(k_pos),
+                             None if k_valid is None else k_valid.data_ptr(), strides(k_valid), CHUNK_RULES[rule], mask,
+                             out.data_ptr(), strides(out), lse.data_ptr(), strides(lse), torch.get_num_threads())
+        check_status(status, "chunk attention kernel")
+        return out, lse
 
     def write(self, rows: Tensor, key: Tensor, value: Tensor, keys: Tensor, values: Tensor, norms: Tensor | None,
               eps: float = 1e-6) -> None:

@@ -1,7 +1,9 @@
-"""The eval-time inner loop of chunked LSH attention through PyTorch's fused attention kernels, which also
-return the log-sum-exp the hash-round combination needs: the flash kernel on CPU, the memory-efficient
-kernel (it takes an additive bias) on CUDA. The training path (model/chunking.py `attend`) is the plain
-formulation; both match the reference.
+"""The eval-time inner loop of chunked LSH attention through fused kernels, which also return the
+log-sum-exp the hash-round combination needs: on CPU in float32 the C kernel model/kernels/chunk_attend.c
+(it works the masks out from the positions: no bias is built) where the C kernels build, else PyTorch's
+flash kernel; the memory-efficient kernel (it takes an additive bias) on CUDA. Local attention's chunk
+windows take the C kernel too (`local_window_attend`). The training path (model/chunking.py `attend`) is
+the plain formulation; all match the reference (tests/model/test_chunk_attend.py for the C kernel).
 
 Only the kernel call differs by device. The bias (padded to the kernel's alignment), the reshape to the
 kernels' (B, H, L, D) layout, the log-sum-exp unpacking and the rows that may only see themselves are
@@ -13,11 +15,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from .chunking import mask_value, self_mask_value
+from .chunking import attend, attention_bias, fusable, mask_value, self_mask_value
 
 # (q (B, H, L, D), k and v (B, H, K, D), bias (B, H, L, K) in q's dtype) -> (out (B, H, L, D), fp32 raw
 # log-sum-exp (B, H, L') with L' >= L: the CUDA kernel pads it to a multiple of 32)
@@ -103,11 +106,46 @@ def fused_lsh_attend(q: Tensor, k: Tensor, v: Tensor, v_own: Tensor, q_pos: Tens
     token, or a token alone with later tokens in its window) come out of the kernel fully masked and are
     rebuilt below exactly as the reference computes them."""
     b, h, n, c, d = q.shape
+    native = _native_cpu(kernel, q)
+    if native is not None:  # the masks from the positions, no bias (model/kernels/chunk_attend.c)
+        out, lse = native.chunk_attend(q, k, v, q_pos, k_pos, k_valid, "earlier" if causal else "other",
+                                       mask_value(q.dtype))
+        return _attend_to_self(out, lse, q_pos, k_pos, v_own, kernel.sparse_self_rows)
     bias = window_bias(q_pos, k_pos, k_valid, causal, q.dtype, kernel.bias_alignment)  # (B*H, N, C, W*C)
     out, lse = kernel.run(q.reshape(b * h, n, c, d), _merge_batch_heads(k), _merge_batch_heads(v), bias)
     out = out.reshape(b, h, n, c, d)  # (B, H, N, C, D)
     lse = lse[..., :c].reshape(b, h, n, c)  # the kernel's rows past C are padding
     return _attend_to_self(out, lse, q_pos, k_pos, v_own, kernel.sparse_self_rows)
+
+
+def local_window_attend(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, k_valid: Tensor | None,
+                        causal: bool, dropout: float = 0.0, generator: torch.Generator | None = None,
+                        fused: bool = True) -> Tensor:
+    """Local attention over chunk windows: q (B, H, N, C, D), k and v (B, H, N, W*C, D), q_pos (B, 1|H, N, C),
+    k_pos and k_valid (B, 1|H, N, W*C) -> (B, H, N, C, D). A query sees the valid keys at or before it
+    (causal) or every valid key, itself included. A float32 eval forward on the CPU takes the C kernel
+    (model/kernels/chunk_attend.c: the masks from the positions, no bias); elsewhere `attend` with
+    `attention_bias` (training, dropout, tracing, other dtypes and devices)."""
+    native = _native_cpu(CPU, q) if fusable(dropout, fused) else None
+    if native is not None:
+        b, h = q.shape[:2]
+        qp, kp = q_pos.expand(b, h, *q_pos.shape[2:]), k_pos.expand(b, h, *k_pos.shape[2:])
+        kv = None if k_valid is None else k_valid.expand(b, h, *k_valid.shape[2:])
+        out, _ = native.chunk_attend(q, k, v, qp, kp, kv, "up_to" if causal else "any", mask_value(q.dtype))
+        return out  # type: ignore[no-any-return]
+    bias = attention_bias(q_pos, k_pos, k_valid, causal, False, q.dtype)  # (B, 1|H, N, C, W*C)
+    out, _ = attend(q, k, v, bias, dropout, generator, fused=fused)
+    return out
+
+
+def _native_cpu(kernel: WindowKernel, q: Tensor) -> Any:
+    """The C kernels (model/cpu_kernels.py) for a float32 query on the CPU kernel's path, else None (bf16,
+    CUDA, the reference kernel, or no C build: REFORMER_CPU_KERNELS=0 or no compiler)."""
+    if kernel is not CPU or q.dtype != torch.float32 or not q.is_cpu:
+        return None
+    from .cpu_kernels import load  # the C build, made once per process (cpu_kernels imports the model package)
+
+    return load()
 
 
 def window_bias(q_pos: Tensor, k_pos: Tensor, k_valid: Tensor | None, causal: bool, dtype: torch.dtype,

@@ -42,7 +42,7 @@ from .attention import (
     split_heads,
 )
 from .chunking import attend, attention_bias, fusable, strided_windows, window_chunk_index
-from .lsh_fused import fused_lsh_attend, window_kernel_for
+from .lsh_fused import fused_lsh_attend, local_window_attend, window_kernel_for
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -294,9 +294,8 @@ def _local_chunked(att: LocalSelfAttention, q: Tensor, k: Tensor, v: Tensor, ctx
         qp = qp_all[:, :, j0:j1]  # (B, 1, S, C)
         kp = _window_rows(pos.expand(b, t), w_s, n).unsqueeze(1)  # (B, 1, S, W*C)
         kv = None if ctx.valid is None else torch.gather(ctx.valid[:, None, None, :].expand(b, 1, s, t), 3, kp)
-        bias = attention_bias(qp, kp, kv, att.causal, False, q.dtype)  # (B, 1, S, C, W*C)
-        o, _ = attend(q_c[:, :, j0:j1], k_w.reshape(b, heads, s, -1, d), v_w.reshape(b, heads, s, -1, d), bias,
-                      0.0, ctx.generator, fused=att.fused)
+        o = local_window_attend(q_c[:, :, j0:j1], k_w.reshape(b, heads, s, -1, d), v_w.reshape(b, heads, s, -1, d),
+                                qp, kp, kv, att.causal, 0.0, ctx.generator, att.fused)  # (B, H, S, C, D)
         outs.append(o)
         yield
     out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]  # (B, H, N, C, D)

@@ -1,0 +1,143 @@
+"""model/kernels/chunk_attend.c, the CPU's chunked LSH window attention from positions (model/lsh_fused.py
+takes it for float32 on the CPU when the C kernels build): the plain formulation's results (`attend` with
+`attention_bias`), rows that may only see themselves rebuilt as the reference computes them, the flash
+path's results, and the same bits on any thread count, for strided window views and odd sizes."""
+
+from __future__ import annotations
+
+import platform
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from model import cpu_kernels, lsh_fused
+from model.chunking import attend, attention_bias, strided_windows
+from model.lsh_fused import CPU, fused_lsh_attend
+
+
+@pytest.fixture
+def native() -> cpu_kernels.WindowKernel:
+    kernel = cpu_kernels.load()
+    if kernel is None:
+        pytest.fail("the C kernels did not build (a compiler is part of the test environment)")
+    return kernel
+
+
+def _windows(b: int, h: int, n: int, c: int, d: int, seed: int
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A sorted sequence's chunks as the forward sees them: q (B, H, N, C, D); k, v and k_pos the previous and
+    own chunk of each, as overlapping views (strided_windows); q_pos the positions; v_own the own values."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, n, c, d, generator=g)
+    keys = torch.randn(b, h, n * c, d, generator=g)
+    values = torch.randn(b, h, n * c, d, generator=g)
+    pos = torch.stack([torch.randperm(n * c, generator=g) for _ in range(b * h)]).view(b, h, n * c)
+    k, v, k_pos = (strided_windows(x, c, 1, 0) for x in (keys, values, pos))
+    return q, k, v, pos.view(b, h, n, c), k_pos, values.view(b, h, n, c, d)
+
+
+@pytest.mark.parametrize(("c", "d"), [(64, 32), (8, 16), (12, 20)], ids=["shipped", "small", "odd"])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("padded", [False, True])
+def test_it_computes_the_plain_formulation(native: cpu_kernels.WindowKernel, c: int, d: int, causal: bool,
+                                           padded: bool) -> None:
+    q, k, v, q_pos, k_pos, v_own = _windows(2, 3, 4, c, d, seed=c + d)
+    valid = None
+    real = torch.ones_like(q_pos, dtype=torch.bool)
+    if padded:
+        marks = torch.rand(4 * c, generator=torch.Generator().manual_seed(1)) > 0.2
+        valid, real = marks[k_pos], marks[q_pos]
+    assert lsh_fused._native_cpu(CPU, q) is native
+    got_out, got_lse = fused_lsh_attend(q, k, v, v_own, q_pos, k_pos, valid, causal, CPU)
+    want_out, want_lse = attend(q, k.contiguous(), v.contiguous(), attention_bias(q_pos, k_pos, valid, causal, True,
+                                                                                  q.dtype))
+    seen = (want_lse > -1e4) & real
+    assert (got_out - want_out)[seen].abs().max().item() <= 1e-5
+    assert (got_lse - want_lse)[seen].abs().max().item() <= 1e-5 * want_lse[seen].abs().max().item()
+    alone = ~(want_lse > -1e4) & real  # the first position (causal), or every other key padding
+    assert ((got_out - v_own)[alone].abs() <= 4e-3 * v_own[alone].abs() + 1e-6).all()
+    if causal:
+        assert bool(alone.any()), "no row saw only itself: the case is not exercised"
+
+
+def test_it_gives_the_flash_paths_results(native: cpu_kernels.WindowKernel, monkeypatch: pytest.MonkeyPatch) -> None:
+    q, k, v, q_pos, k_pos, v_own = _windows(1, 2, 6, 64, 32, seed=3)
+    got = fused_lsh_attend(q, k, v, v_own, q_pos, k_pos, None, True, CPU)
+    monkeypatch.setattr(lsh_fused, "_native_cpu", lambda kernel, q: None)
+    flash = fused_lsh_attend(q, k, v, v_own, q_pos, k_pos, None, True, CPU)
+    assert (got[0] - flash[0]).abs().max().item() <= 1e-5
+    assert (got[1] - flash[1]).abs().max().item() <= 1e-5 * flash[1].abs().max().item()
+
+
+def test_the_bits_do_not_depend_on_threads_layout_or_grouping(native: cpu_kernels.WindowKernel) -> None:
+    q, k, v, q_pos, k_pos, _ = _windows(2, 4, 5, 64, 32, seed=4)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = native.chunk_attend(q, k, v, q_pos, k_pos, None, "earlier", -1e9)
+        torch.set_num_threads(2)
+        two = native.chunk_attend(q, k, v, q_pos, k_pos, None, "earlier", -1e9)
+    finally:
+        torch.set_num_threads(before)
+    copies = native.chunk_attend(q, k.contiguous(), v.contiguous(), q_pos, k_pos.contiguous(), None, "earlier", -1e9)
+    head = native.chunk_attend(q[:, 1:2], k[:, 1:2], v[:, 1:2], q_pos[:, 1:2], k_pos[:, 1:2], None, "earlier", -1e9)
+    for other in (two, copies):
+        assert torch.equal(one[0], other[0]) and torch.equal(one[1], other[1])
+    assert torch.equal(one[0][:, 1:2], head[0]) and torch.equal(one[1][:, 1:2], head[1])
+
+
+def test_it_refuses_what_it_cannot_read(native: cpu_kernels.WindowKernel) -> None:
+    q, k, v, q_pos, k_pos, _ = _windows(1, 1, 2, 8, 16, seed=5)
+    with pytest.raises(ValueError, match="k must be"):
+        native.chunk_attend(q, k.double(), v, q_pos, k_pos, None, "earlier", -1e9)
+    with pytest.raises(ValueError, match="q must be"):
+        native.chunk_attend(q.transpose(-1, -2), k, v, q_pos, k_pos, None, "earlier", -1e9)
+    with pytest.raises(ValueError, match="k_pos must be"):
+        native.chunk_attend(q, k, v, q_pos, k_pos[..., :-1], None, "earlier", -1e9)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("padded", [False, True])
+def test_local_windows_compute_the_plain_formulation(native: cpu_kernels.WindowKernel, causal: bool,
+                                                     padded: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """lsh_fused.local_window_attend: a query sees the valid keys at or before it (causal) or every valid key,
+    itself included; positions broadcast over heads as the local layers pass them."""
+    b, h, n, c, d = 2, 4, 5, 64, 32
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(b, h, n, c, d, generator=g)
+    keys, values = torch.randn(b, h, n * c, d, generator=g), torch.randn(b, h, n * c, d, generator=g)
+    pos = torch.arange(n * c).view(1, 1, n * c).expand(b, 1, n * c)
+    k, v, k_pos = (strided_windows(x, c, 1, 0) for x in (keys, values, pos))
+    q_pos = pos.reshape(b, 1, n, c)
+    valid = real = None
+    if padded:
+        marks = torch.rand(b, n * c, generator=g) > 0.2
+        valid = torch.gather(marks[:, None, None, :].expand(b, 1, n, n * c), 3, k_pos)
+        real = marks.view(b, 1, n, c).expand(b, h, n, c)
+    got = lsh_fused.local_window_attend(q, k, v, q_pos, k_pos, valid, causal)
+    monkeypatch.setattr(lsh_fused, "_native_cpu", lambda kernel, q: None)
+    want = lsh_fused.local_window_attend(q, k.contiguous(), v.contiguous(), q_pos, k_pos, valid, causal)
+    rows = torch.ones(b, h, n, c, dtype=torch.bool) if real is None else real  # padding queries are never read
+    assert (got - want)[rows].abs().max().item() <= 1e-5
+
+
+def test_a_build_without_avx512_gives_the_same_results(native: cpu_kernels.WindowKernel, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plain C loops (a CPU without AVX-512, built here for AVX2) against this build's."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the AVX2 build is an x86-64 target")  # elsewhere the plain loops are the only build
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    assert compiler is not None
+    monkeypatch.setattr(cpu_kernels, "FLAGS", tuple("-march=x86-64-v3" if f == "-march=native" else f
+                                                    for f in cpu_kernels.FLAGS))
+    target = tmp_path / "window_attend-avx2.so"
+    cpu_kernels._build(compiler, target)
+    plain = cpu_kernels.WindowKernel(target)
+    for c, d in ((64, 32), (12, 20)):
+        q, k, v, q_pos, k_pos, _ = _windows(2, 3, 4, c, d, seed=7)
+        for rule in cpu_kernels.CHUNK_RULES:
+            want, got = (kernel.chunk_attend(q, k, v, q_pos, k_pos, None, rule, -1e9) for kernel in (native, plain))
+            assert (got[0] - want[0]).abs().max().item() <= 1e-5
+            assert (got[1] - want[1]).abs().max().item() <= 1e-5 * want[1].abs().max().item()
