@@ -79,6 +79,9 @@ class LSHSelfAttention(nn.Module):
         self.config = config
         # eval forwards on CPU may use PyTorch's fused attention kernel (chunking.can_fuse)
         self.fused = fused
+        # a float32 eval forward on CPU attends its chunk windows through the C kernel where it builds
+        # (model/lsh_fused.py; `use_c_kernels` turns it off for a model)
+        self.c_kernel = True
         self.heads = config.num_attention_heads
         self.head_size = config.attention_head_size
         self.chunk = config.lsh_attn_chunk_length
@@ -240,7 +243,7 @@ class LSHSelfAttention(nn.Module):
                 kp = gather_chunks(qp.unsqueeze(-1), win).squeeze(-1)
             kv = None if valid is None else valid[torch.arange(b, device=device).view(b, 1, 1, 1), kp]
             if kernel is not None:
-                o, lse = fused_lsh_attend(q_c, k_w, v_w, v_c, qp, kp, kv, self.causal, kernel)
+                o, lse = fused_lsh_attend(q_c, k_w, v_w, v_c, qp, kp, kv, self.causal, kernel, self.c_kernel)
             else:
                 bias = attention_bias(qp, kp, kv, self.causal, True, qk.dtype)  # (B, h', R*N, C, W*C)
                 o, lse = attend(q_c, k_w, v_w, bias, dropout, ctx.generator)  # (B,h',R*N,C,D), (B,h',R*N,C)
@@ -273,6 +276,7 @@ class LocalSelfAttention(nn.Module):
     def __init__(self, config: ReformerConfig, *, fused: bool = True) -> None:
         super().__init__()
         self.fused = fused
+        self.c_kernel = True  # as LSHSelfAttention's
         self.heads = config.num_attention_heads
         self.head_size = config.attention_head_size
         self.chunk = config.local_attn_chunk_length
@@ -328,7 +332,7 @@ class LocalSelfAttention(nn.Module):
         kp = gather_chunks(qp.unsqueeze(-1), win).squeeze(-1)  # (B, 1, N, W*C)
         kv = None if ctx.valid is None else torch.gather(ctx.valid[:, None, None, :].expand(b, 1, n, t), 3, kp)
         out = local_window_attend(q_c, k_w, v_w, qp, kp, kv, self.causal, dropout, ctx.generator,
-                                  self.fused)  # (B, H, N, C, D)
+                                  self.fused, self.c_kernel)  # (B, H, N, C, D)
         return out.reshape(b, self.heads, t, self.head_size)  # (B, H, L, D)
 
     @staticmethod

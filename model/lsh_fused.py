@@ -95,9 +95,10 @@ def window_kernel_for(q: Tensor, fusable: bool) -> WindowKernel | None:
 
 
 def fused_lsh_attend(q: Tensor, k: Tensor, v: Tensor, v_own: Tensor, q_pos: Tensor, k_pos: Tensor,
-                     k_valid: Tensor | None, causal: bool, kernel: WindowKernel = CPU) -> tuple[Tensor, Tensor]:
+                     k_valid: Tensor | None, causal: bool, kernel: WindowKernel = CPU, c_kernel: bool = True
+                     ) -> tuple[Tensor, Tensor]:
     """q, v_own (B, H, N, C, D); k, v (B, H, N, W*C, D); q_pos (B, H, N, C); k_pos, k_valid (B, H, N, W*C).
-    v_own holds each query's own value.
+    v_own holds each query's own value. `c_kernel`: the C kernel may run in the CPU kernel's place.
     Returns (output (B, H, N, C, D) in q's dtype, log-sum-exp (B, H, N, C) in fp32) as the reference
     computes them.
 
@@ -106,7 +107,7 @@ def fused_lsh_attend(q: Tensor, k: Tensor, v: Tensor, v_own: Tensor, q_pos: Tens
     token, or a token alone with later tokens in its window) come out of the kernel fully masked and are
     rebuilt below exactly as the reference computes them."""
     b, h, n, c, d = q.shape
-    native = _native_cpu(kernel, q)
+    native = _native_cpu(kernel, q) if c_kernel else None
     if native is not None:  # the masks from the positions, no bias (model/kernels/chunk_attend.c)
         out, lse = native.chunk_attend(q, k, v, q_pos, k_pos, k_valid, "earlier" if causal else "other",
                                        mask_value(q.dtype))
@@ -120,13 +121,13 @@ def fused_lsh_attend(q: Tensor, k: Tensor, v: Tensor, v_own: Tensor, q_pos: Tens
 
 def local_window_attend(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, k_valid: Tensor | None,
                         causal: bool, dropout: float = 0.0, generator: torch.Generator | None = None,
-                        fused: bool = True) -> Tensor:
+                        fused: bool = True, c_kernel: bool = True) -> Tensor:
     """Local attention over chunk windows: q (B, H, N, C, D), k and v (B, H, N, W*C, D), q_pos (B, 1|H, N, C),
     k_pos and k_valid (B, 1|H, N, W*C) -> (B, H, N, C, D). A query sees the valid keys at or before it
     (causal) or every valid key, itself included. A float32 eval forward on the CPU takes the C kernel
     (model/kernels/chunk_attend.c: the masks from the positions, no bias); elsewhere `attend` with
     `attention_bias` (training, dropout, tracing, other dtypes and devices)."""
-    native = _native_cpu(CPU, q) if fusable(dropout, fused) else None
+    native = _native_cpu(CPU, q) if c_kernel and fusable(dropout, fused) else None
     if native is not None:
         b, h = q.shape[:2]
         qp, kp = q_pos.expand(b, h, *q_pos.shape[2:]), k_pos.expand(b, h, *k_pos.shape[2:])
@@ -136,6 +137,23 @@ def local_window_attend(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: T
     bias = attention_bias(q_pos, k_pos, k_valid, causal, False, q.dtype)  # (B, 1|H, N, C, W*C)
     out, _ = attend(q, k, v, bias, dropout, generator, fused=fused)
     return out
+
+
+def use_c_kernels(model: torch.nn.Module, enabled: bool) -> None:
+    """Whether the model's attention layers may attend their chunk windows through the C kernel (the
+    service's REFORMER_CPU_KERNELS): set on the modules, so it holds for every user of this model object."""
+    for module in model.modules():
+        if hasattr(module, "c_kernel"):
+            setattr(module, "c_kernel", enabled)  # noqa: B010  (nn.Module types its attributes as tensors)
+
+
+def c_kernel_runs(model: torch.nn.Module) -> bool:
+    """Whether a float32 CPU forward of the model attends its chunk windows in C now."""
+    layers = [m for m in model.modules() if hasattr(m, "c_kernel")]
+    param = next(model.parameters(), None)
+    if not layers or not all(m.c_kernel for m in layers) or param is None:
+        return False
+    return _native_cpu(CPU, param.detach()[:0]) is not None
 
 
 def _native_cpu(kernel: WindowKernel, q: Tensor) -> Any:

@@ -255,7 +255,8 @@ def _lsh_chunked(att: LSHSelfAttention, qk: Tensor, v: Tensor, buckets: Tensor, 
             kv = None if valid is None else valid[batch, kp]
             qs, qps = q_c[:, :, j0:j1], qp[:, :, j0:j1]
             if kernel is not None:
-                o, lse = fused_lsh_attend(qs, k_w, v_w, v_c[:, :, j0:j1], qps, kp, kv, att.causal, kernel)
+                o, lse = fused_lsh_attend(qs, k_w, v_w, v_c[:, :, j0:j1], qps, kp, kv, att.causal, kernel,
+                                          att.c_kernel)
             else:
                 bias = attention_bias(qps, kp, kv, att.causal, True, qk.dtype)
                 o, lse = attend(qs, k_w, v_w, bias, 0.0, ctx.generator)
@@ -295,7 +296,7 @@ def _local_chunked(att: LocalSelfAttention, q: Tensor, k: Tensor, v: Tensor, ctx
         kp = _window_rows(pos.expand(b, t), w_s, n).unsqueeze(1)  # (B, 1, S, W*C)
         kv = None if ctx.valid is None else torch.gather(ctx.valid[:, None, None, :].expand(b, 1, s, t), 3, kp)
         o = local_window_attend(q_c[:, :, j0:j1], k_w.reshape(b, heads, s, -1, d), v_w.reshape(b, heads, s, -1, d),
-                                qp, kp, kv, att.causal, 0.0, ctx.generator, att.fused)  # (B, H, S, C, D)
+                                qp, kp, kv, att.causal, 0.0, ctx.generator, att.fused, att.c_kernel)
         outs.append(o)
         yield
     out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]  # (B, H, N, C, D)

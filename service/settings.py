@@ -115,8 +115,11 @@ class Settings(BaseSettings):
         "one-call step gives the per-layer C path's bits (tests/model/test_step_fused.py), which stays within "
         "1e-5 of the PyTorch ops with a float32 cache over the tests' decodes (tests/model/test_step_linear.py; "
         "a half cache, kv_cache_dtype, within 1e-3: tests/model/test_kv_cache_dtype.py). When the build fails "
-        "or no compiler is found it falls back to the PyTorch ops, with a warning; /info's "
-        "batching.cpu_window_kernel and cpu_step_kernel say which runs. No effect on GPU.",
+        "or no compiler is found it falls back to the PyTorch ops, with a warning. A float32 forward (a "
+        "prefill, an embedding) attends its chunk windows through model/kernels/chunk_attend.c too (the masks "
+        "from the positions; within 1e-5 of PyTorch's flash kernel: tests/model/test_chunk_attend.py); off, it "
+        "takes the flash kernel. /info's batching.cpu_window_kernel, cpu_step_kernel and cpu_chunk_kernel say "
+        "which runs. No effect on GPU.",
     )
     max_queue_size: int = Field(
         64, ge=1, description="Requests allowed to wait for the model; beyond it requests get 429 at once."

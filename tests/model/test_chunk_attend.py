@@ -141,3 +141,26 @@ def test_a_build_without_avx512_gives_the_same_results(native: cpu_kernels.Windo
             want, got = (kernel.chunk_attend(q, k, v, q_pos, k_pos, None, rule, -1e9) for kernel in (native, plain))
             assert (got[0] - want[0]).abs().max().item() <= 1e-5
             assert (got[1] - want[1]).abs().max().item() <= 1e-5 * want[1].abs().max().item()
+
+
+def test_a_model_can_be_kept_off_the_c_kernel(native: cpu_kernels.WindowKernel,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """lsh_fused.use_c_kernels (the service's REFORMER_CPU_KERNELS): a model kept off it computes what the
+    flash path computes, bit for bit, and says so (c_kernel_runs)."""
+    from model import ReformerLM
+
+    from .helpers import tiny_config
+
+    torch.manual_seed(8)
+    lm = ReformerLM(tiny_config(vocab_size=258, attn_layers=["local", "lsh"])).eval()
+    ids = torch.randint(3, 258, (1, 100))
+    with torch.no_grad():
+        on = lm(ids).logits
+        assert lsh_fused.c_kernel_runs(lm)
+        lsh_fused.use_c_kernels(lm, False)
+        off = lm(ids).logits
+        assert not lsh_fused.c_kernel_runs(lm)
+        monkeypatch.setattr(lsh_fused, "_native_cpu", lambda kernel, q: None)
+        flash = lm(ids).logits
+    assert torch.equal(off, flash) and not torch.equal(on, off)
+    assert (on - off).abs().max().item() <= 1e-4

@@ -161,11 +161,13 @@ def test_only_streaming_routes_ask_the_engine_for_token_by_token_delivery(client
 def test_info_says_whether_decoding_attends_through_the_cpu_kernel(client: TestClient, artifact: Any) -> None:
     batching = client.get("/info").json()["batching"]
     assert batching["cpu_window_kernel"] is True and batching["cpu_step_kernel"] is True
+    assert batching["cpu_chunk_kernel"] is True
     request = {"inputs": "Once upon a time", "parameters": {"max_new_tokens": 12, "ignore_eos": True}}
     fused = client.post("/generate", json=request).json()["generated_text"]
     with running_app(artifact, max_new_tokens=64, max_input_tokens=256, cpu_kernels=False) as plain:
         batching = plain.get("/info").json()["batching"]
         assert batching["cpu_window_kernel"] is False and batching["cpu_step_kernel"] is False
+        assert batching["cpu_chunk_kernel"] is False  # the forward's chunk windows too
         # greedy: the same tokens through either path
         assert plain.post("/generate", json=request).json()["generated_text"] == fused
 
