@@ -112,45 +112,77 @@ static inline int allowed_key(int32_t kp, int32_t qp, int64_t rule) {
     }
 }
 
+#if defined(__AVX512F__)
+/* The raw scores q . k of one query (into sa) or two (sa, sb) against every key of kt (d x wp): each
+ * score's multiply-adds run over the dimensions in order, so a query's scores are the same bits alone or
+ * paired. Two queries share each load of kt (a window's transposed keys fill L1 at head size 64); 8
+ * independent accumulator chains hide each FMA's latency. */
+static void raw_scores(const float *qa, const float *qb, const float *kt, int64_t wp, int64_t d, float *sa,
+                       float *sb) {
+    const __m512 zero = _mm512_setzero_ps();
+    if (qb == NULL) {
+        for (int64_t g0 = 0; g0 < wp; g0 += 8 * LANES) {
+            const int ng = (int)((wp - g0) / LANES < 8 ? (wp - g0) / LANES : 8);
+            __m512 acc[8] = {zero, zero, zero, zero, zero, zero, zero, zero};
+            for (int64_t e = 0; e < d; e++) {
+                const __m512 qe = _mm512_set1_ps(qa[e]);
+                const float *row = kt + e * wp + g0;
+                if (ng == 8) {
+                    for (int u = 0; u < 8; u++) acc[u] = _mm512_fmadd_ps(qe, _mm512_loadu_ps(row + u * LANES), acc[u]);
+                } else {
+                    for (int u = 0; u < ng; u++) acc[u] = _mm512_fmadd_ps(qe, _mm512_loadu_ps(row + u * LANES), acc[u]);
+                }
+            }
+            for (int u = 0; u < ng; u++) _mm512_storeu_ps(sa + g0 + u * LANES, acc[u]);
+        }
+        return;
+    }
+    for (int64_t g0 = 0; g0 < wp; g0 += 4 * LANES) {
+        const int ng = (int)((wp - g0) / LANES < 4 ? (wp - g0) / LANES : 4);
+        __m512 a[4] = {zero, zero, zero, zero}, c[4] = {zero, zero, zero, zero};
+        for (int64_t e = 0; e < d; e++) {
+            const __m512 ea = _mm512_set1_ps(qa[e]), eb = _mm512_set1_ps(qb[e]);
+            const float *row = kt + e * wp + g0;
+            for (int u = 0; u < ng; u++) {
+                const __m512 kr = _mm512_loadu_ps(row + u * LANES);
+                a[u] = _mm512_fmadd_ps(ea, kr, a[u]);
+                c[u] = _mm512_fmadd_ps(eb, kr, c[u]);
+            }
+        }
+        for (int u = 0; u < ng; u++) {
+            _mm512_storeu_ps(sa + g0 + u * LANES, a[u]);
+            _mm512_storeu_ps(sb + g0 + u * LANES, c[u]);
+        }
+    }
+}
+#endif
+
 /* One query's softmax over a block's keys: kt the keys transposed (d x wp, wp a multiple of LANES), kpos
- * their positions (wp of them: the padding keys NOT_ALLOWED). Writes out (d) and *lse and returns 1, or
+ * their positions (wp of them: the padding keys NOT_ALLOWED); with AVX-512, score holds the query's raw
+ * scores already (raw_scores), else they are computed here. Writes out (d) and *lse and returns 1, or
  * returns 0 (nothing written) when the query may see no key. */
 static int one_query(const float *qr, int32_t qp, int64_t rule, const float *kt, const int32_t *kpos, int64_t w,
                      int64_t wp, int64_t d, const float *v, const Strides *vs, int64_t b, int64_t h, int64_t n,
                      float *score, float *o, float *lse) {
     float top = -INFINITY, total = 0.0f;
 #if defined(__AVX512F__)
+    (void)qr, (void)kt; /* the raw scores are in score */
     const __m512 neg_inf = _mm512_set1_ps(-INFINITY), zero = _mm512_setzero_ps();
     const __m512i vq = _mm512_set1_epi32(qp), none = _mm512_set1_epi32(NOT_ALLOWED);
     __m512 tops = neg_inf;
     __mmask16 any = 0;
-    /* 8 groups of keys at a time: 8 independent chains of fused multiply-adds over the dimensions (one chain
-     * at a time waited on each FMA's latency) */
-    for (int64_t g0 = 0; g0 < wp; g0 += 8 * LANES) {
-        const int ng = (int)((wp - g0) / LANES < 8 ? (wp - g0) / LANES : 8);
-        __m512 acc[8] = {zero, zero, zero, zero, zero, zero, zero, zero};
-        for (int64_t e = 0; e < d; e++) {
-            const __m512 qe = _mm512_set1_ps(qr[e]);
-            const float *row = kt + e * wp + g0;
-            if (ng == 8) {
-                for (int u = 0; u < 8; u++) acc[u] = _mm512_fmadd_ps(qe, _mm512_loadu_ps(row + u * LANES), acc[u]);
-            } else {
-                for (int u = 0; u < ng; u++) acc[u] = _mm512_fmadd_ps(qe, _mm512_loadu_ps(row + u * LANES), acc[u]);
-            }
-        }
-        for (int u = 0; u < ng; u++) {
-            const int64_t j0 = g0 + u * LANES;
-            const __m512i kp = _mm512_loadu_si512((const void *)(kpos + j0));
-            const __mmask16 valid = _mm512_cmpneq_epi32_mask(kp, none);
-            const __mmask16 ok = rule == RULE_EARLIER ? _mm512_mask_cmplt_epi32_mask(valid, kp, vq)
-                                 : rule == RULE_OTHER ? _mm512_mask_cmpneq_epi32_mask(valid, kp, vq)
-                                 : rule == RULE_UP_TO ? _mm512_mask_cmple_epi32_mask(valid, kp, vq)
-                                                      : valid;
-            any |= ok;
-            const __m512 sc = _mm512_mask_blend_ps(ok, neg_inf, acc[u]);
-            _mm512_storeu_ps(score + j0, sc);
-            tops = _mm512_max_ps(tops, sc);
-        }
+    /* score holds the raw scores (raw_scores): masked here, in place */
+    for (int64_t j0 = 0; j0 < wp; j0 += LANES) {
+        const __m512i kp = _mm512_loadu_si512((const void *)(kpos + j0));
+        const __mmask16 valid = _mm512_cmpneq_epi32_mask(kp, none);
+        const __mmask16 ok = rule == RULE_EARLIER ? _mm512_mask_cmplt_epi32_mask(valid, kp, vq)
+                             : rule == RULE_OTHER ? _mm512_mask_cmpneq_epi32_mask(valid, kp, vq)
+                             : rule == RULE_UP_TO ? _mm512_mask_cmple_epi32_mask(valid, kp, vq)
+                                                  : valid;
+        any |= ok;
+        const __m512 sc = _mm512_mask_blend_ps(ok, neg_inf, _mm512_loadu_ps(score + j0));
+        _mm512_storeu_ps(score + j0, sc);
+        tops = _mm512_max_ps(tops, sc);
     }
     if (!any) return 0;
     top = _mm512_reduce_max_ps(tops);
@@ -261,11 +293,22 @@ static void block(int64_t b, int64_t h, int64_t n, int64_t c, int64_t w, int64_t
         const int valid = j < w && (k_valid == NULL || k_valid[at(kvs, b, h, n, j)]);
         kpos[j] = valid ? (int32_t)k_pos[at(kps, b, h, n, j)] : NOT_ALLOWED;
     }
+#if defined(__AVX512F__)
+    float *score_b = score + wp;
+#endif
     for (int64_t i = 0; i < c; i++) {
+#if defined(__AVX512F__)
+        if (i % 2 == 0) /* this query's raw scores and, when there is one, the next query's */
+            raw_scores(q + at(qs, b, h, n, i), i + 1 < c ? q + at(qs, b, h, n, i + 1) : NULL, kt, wp, d, score,
+                       score_b);
+        float *mine = i % 2 == 0 ? score : score_b;
+#else
+        float *mine = score;
+#endif
         float *o = out + at(os, b, h, n, i);
         float *l = lse + at(ls, b, h, n, i);
         const int32_t qp = (int32_t)q_pos[at(qps, b, h, n, i)];
-        if (one_query(q + at(qs, b, h, n, i), qp, rule, kt, kpos, w, wp, d, v, vs, b, h, n, score, o, l)) continue;
+        if (one_query(q + at(qs, b, h, n, i), qp, rule, kt, kpos, w, wp, d, v, vs, b, h, n, mine, o, l)) continue;
         for (int64_t e = 0; e < d; e++) o[e] = 0.0f;
         for (int64_t j = 0; j < w; j++) {
             const float *vr = v + at(vs, b, h, n, j);
@@ -296,7 +339,8 @@ int chunk_attend(int64_t nb, int64_t nh, int64_t nn, int64_t c, int64_t w, int64
 #pragma omp parallel num_threads(threads) if (threads > 1 && blocks > 1)
     {
         const int64_t wp = (w + LANES - 1) / LANES * LANES;
-        float *kt = malloc(sizeof(float) * (size_t)(d * wp + wp)); /* the keys transposed, then the scores */
+        /* the keys transposed, then two queries' scores */
+        float *kt = malloc(sizeof(float) * (size_t)(d * wp + 2 * wp));
         int32_t *kpos = malloc(sizeof(int32_t) * (size_t)wp);
         if (kt == NULL || kpos == NULL) {
 #pragma omp atomic write
