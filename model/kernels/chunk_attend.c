@@ -288,7 +288,7 @@ static void block(int64_t b, int64_t h, int64_t n, int64_t c, int64_t w, int64_t
             for (int64_t j = 0; j < w; j++) dst[j] = k0[j * row + e];
             for (int64_t j = w; j < wp; j++) dst[j] = 0.0f;
         }
-    /* the keys' positions, shared by the block's queries (the caller checked they fit in int32) */
+    /* the keys' positions, shared by the block's queries (int32: the contract is positions below 2**31) */
     for (int64_t j = 0; j < wp; j++) {
         const int valid = j < w && (k_valid == NULL || k_valid[at(kvs, b, h, n, j)]);
         kpos[j] = valid ? (int32_t)k_pos[at(kps, b, h, n, j)] : NOT_ALLOWED;
