@@ -117,7 +117,7 @@ def _build(compiler: str, target: Path) -> None:
     _prune(target.parent, target)
 
 
-_NO_MEMORY, _BAD_INDEX, _BAD_KIND = 1, 2, 4  # window_attend.c's statuses
+_NO_MEMORY, _BAD_INDEX, _BAD_KIND = 1, 2, 4  # the kernels' statuses (kernels/step_kernels.h)
 
 
 def _require(what: str, *wants: tuple[Tensor, torch.dtype | tuple[torch.dtype, ...]]) -> None:
@@ -130,7 +130,7 @@ def _require(what: str, *wants: tuple[Tensor, torch.dtype | tuple[torch.dtype, .
 
 
 def check_status(status: int, what: str) -> None:
-    """Raise for a C function's non-zero status (window_attend.c's codes)."""
+    """Raise for a C function's non-zero status (the codes of kernels/step_kernels.h)."""
     if status & _BAD_KIND:
         raise ValueError(f"{what}: this build of the kernel does not read pools of that dtype")
     if status & _BAD_INDEX:

@@ -24,14 +24,18 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "step_kernels.h"
+
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-#if defined(__AVX512F__)
+/* the AVX-512 paths where the CPU has them; CHUNK_PLAIN_LOOPS builds the plain loops anyway (the tests
+ * compare the two) */
+#if defined(__AVX512F__) && !defined(CHUNK_PLAIN_LOOPS)
+#define CHUNK_AVX512 1
 #include <immintrin.h>
 #endif
 
-#define NO_MEMORY 1 /* window_attend.c's status codes */
 
 /* strides in elements: [0] b, [1] h, [2] n, [3] the row (query or key) within the block */
 typedef struct {
@@ -45,21 +49,32 @@ static inline int64_t at(const Strides *st, int64_t b, int64_t h, int64_t n, int
 #define NOT_ALLOWED INT32_MIN /* a key position no query may see (invalid, or padding to LANES) */
 #define LANES 16 /* keys per register-sized group: the loops below are written per lane so they vectorize */
 
+/* Cephes' single-precision exp: x = n ln 2 + r (ln 2 in two parts), e^r by a degree-6 polynomial */
+#define EXP_LOG2E 1.44269504088896341f
+#define EXP_LN2_HI 0.693359375f
+#define EXP_LN2_LO -2.12194440e-4f
+#define EXP_P0 1.9875691500e-4f
+#define EXP_P1 1.3981999507e-3f
+#define EXP_P2 8.3334519073e-3f
+#define EXP_P3 4.1665795894e-2f
+#define EXP_P4 1.6666665459e-1f
+#define EXP_P5 5.0000001201e-1f
+
 /* exp(x) for x <= 0 (a score minus its row's maximum): Cephes' single-precision range reduction and
  * polynomial, about 1 ulp from expf on [-87, 0], 0 below (and for -inf); plain arithmetic, a select and bit
  * casts, so the compiler vectorizes a loop of it (a call to expf per key was most of a block's time). */
 static inline float exp_nonpositive(float x) {
     const float keep = x >= -87.0f ? 1.0f : 0.0f;
     x = x >= -87.0f ? x : -87.0f;
-    const float n = floorf(x * 1.44269504088896341f + 0.5f);
-    float r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
+    const float n = floorf(x * EXP_LOG2E + 0.5f);
+    float r = x - n * EXP_LN2_HI;
+    r = r - n * EXP_LN2_LO;
+    float p = EXP_P0;
+    p = p * r + EXP_P1;
+    p = p * r + EXP_P2;
+    p = p * r + EXP_P3;
+    p = p * r + EXP_P4;
+    p = p * r + EXP_P5;
     p = p * r * r + r + 1.0f;
     const int32_t bits = ((int32_t)n + 127) << 23;
     float scale;
@@ -67,7 +82,7 @@ static inline float exp_nonpositive(float x) {
     return p * scale * keep;
 }
 
-#if defined(__AVX512F__)
+#ifdef CHUNK_AVX512
 /* dst (16 rows, ds apart) = the transpose of src (16 rows of 16 floats, ss apart) */
 static inline void transpose16(const float *src, int64_t ss, float *dst, int64_t ds) {
     __m512 r[16], t[16];
@@ -112,7 +127,7 @@ static inline int allowed_key(int32_t kp, int32_t qp, int64_t rule) {
     }
 }
 
-#if defined(__AVX512F__)
+#ifdef CHUNK_AVX512
 /* The raw scores q . k of one query (into sa) or two (sa, sb) against every key of kt (d x wp): each
  * score's multiply-adds run over the dimensions in order, so a query's scores are the same bits alone or
  * paired. Two queries share each load of kt (a window's transposed keys fill L1 at head size 64); 8
@@ -165,7 +180,7 @@ static int one_query(const float *qr, int32_t qp, int64_t rule, const float *kt,
                      int64_t wp, int64_t d, const float *v, const Strides *vs, int64_t b, int64_t h, int64_t n,
                      float *score, float *o, float *lse) {
     float top = -INFINITY, total = 0.0f;
-#if defined(__AVX512F__)
+#ifdef CHUNK_AVX512
     (void)qr, (void)kt; /* the raw scores are in score */
     const __m512 neg_inf = _mm512_set1_ps(-INFINITY), zero = _mm512_setzero_ps();
     const __m512i vq = _mm512_set1_epi32(qp), none = _mm512_set1_epi32(NOT_ALLOWED);
@@ -193,16 +208,16 @@ static int one_query(const float *qr, int32_t qp, int64_t rule, const float *kt,
         const __mmask16 keep = _mm512_cmp_ps_mask(x, low, _CMP_GE_OQ); /* -inf (not allowed) and below: 0 */
         x = _mm512_max_ps(x, low);
         const __m512 nn = _mm512_roundscale_ps(
-            _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+            _mm512_fmadd_ps(x, _mm512_set1_ps(EXP_LOG2E), _mm512_set1_ps(0.5f)),
             _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-        __m512 r = _mm512_fnmadd_ps(nn, _mm512_set1_ps(0.693359375f), x);
-        r = _mm512_fnmadd_ps(nn, _mm512_set1_ps(-2.12194440e-4f), r);
-        __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+        __m512 r = _mm512_fnmadd_ps(nn, _mm512_set1_ps(EXP_LN2_HI), x);
+        r = _mm512_fnmadd_ps(nn, _mm512_set1_ps(EXP_LN2_LO), r);
+        __m512 p = _mm512_set1_ps(EXP_P0);
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P1));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P2));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P3));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P4));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P5));
         p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
         const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(nn), _mm512_set1_epi32(127)), 23);
         const __m512 e = _mm512_maskz_mul_ps(keep, p, _mm512_castsi512_ps(bits));
@@ -275,7 +290,7 @@ static void block(int64_t b, int64_t h, int64_t n, int64_t c, int64_t w, int64_t
     /* the window's keys transposed (d x wp), so a query's scores are one pass over keys per dimension */
     const float *k0 = k + at(ks, b, h, n, 0);
     const int64_t row = ks->s[3];
-#if defined(__AVX512F__)
+#ifdef CHUNK_AVX512
     if (w % LANES == 0 && d % LANES == 0) {
         /* 16 x 16 tiles in registers: a store per element 4*wp bytes apart, or a gather of 16 keys' element,
          * was most of a block's time */
@@ -293,11 +308,11 @@ static void block(int64_t b, int64_t h, int64_t n, int64_t c, int64_t w, int64_t
         const int valid = j < w && (k_valid == NULL || k_valid[at(kvs, b, h, n, j)]);
         kpos[j] = valid ? (int32_t)k_pos[at(kps, b, h, n, j)] : NOT_ALLOWED;
     }
-#if defined(__AVX512F__)
+#ifdef CHUNK_AVX512
     float *score_b = score + wp;
 #endif
     for (int64_t i = 0; i < c; i++) {
-#if defined(__AVX512F__)
+#ifdef CHUNK_AVX512
         if (i % 2 == 0) /* this query's raw scores and, when there is one, the next query's */
             raw_scores(q + at(qs, b, h, n, i), i + 1 < c ? q + at(qs, b, h, n, i + 1) : NULL, kt, wp, d, score,
                        score_b);

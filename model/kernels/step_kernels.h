@@ -7,6 +7,11 @@
 
 #define PANEL 32 /* step_linear.c's columns per packed panel (model/cpu_kernels.py's PANEL) */
 
+/* every kernel's status codes (model/cpu_kernels.py's check_status reads them) */
+#define NO_MEMORY 1
+#define BAD_INDEX 2
+#define BAD_KIND 4 /* pools of a kind this build does not read */
+
 /* The pool row of `position` of `slot` through a block table (width blocks a slot, block_size positions a
  * block), or -1 outside the table or the pools' pool_rows rows. The slot itself is the caller's to check. */
 static inline int64_t block_pool_row(const int64_t *table, int64_t width, int64_t block_size, int64_t slot,

@@ -31,8 +31,6 @@
 
 #include "step_kernels.h"
 
-#define NO_MEMORY 1
-#define BAD_INDEX 2
 #define WRITE_EPS 1e-6f /* DecodeCache.write's epsilon of an LSH key's length factor */
 
 typedef struct {

@@ -44,9 +44,6 @@
 #define LOCALITY 2
 #define LANES 16
 #define MAX_THREADS 64
-#define NO_MEMORY 1
-#define BAD_INDEX 2
-#define BAD_KIND 4 /* pools of a kind this build does not read */
 #define MAX_ROUNDS 64 /* the Python side uses the PyTorch path past it */
 #define OUT_REGS 8 /* float32 outputs of up to 8 * 16 elements are summed in registers */
 
