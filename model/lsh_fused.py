@@ -150,10 +150,9 @@ def use_c_kernels(model: torch.nn.Module, enabled: bool) -> None:
 def c_kernel_runs(model: torch.nn.Module) -> bool:
     """Whether a float32 CPU forward of the model attends its chunk windows in C now."""
     layers = [m for m in model.modules() if hasattr(m, "c_kernel")]
-    param = next(model.parameters(), None)
-    if not layers or not all(m.c_kernel for m in layers) or param is None:
-        return False
-    return _native_cpu(CPU, param.detach()[:0]) is not None
+    param = next(model.parameters(), None)  # the model's dtype and device, what its queries will have
+    return bool(layers) and all(m.c_kernel for m in layers) and param is not None and \
+        _native_cpu(CPU, param) is not None
 
 
 def _native_cpu(kernel: WindowKernel, q: Tensor) -> Any:
