@@ -54,6 +54,7 @@ from .prefill_slices import DEFAULT_SLICE_CHUNKS, layer_f_slices, projections
 from .step_graphs import StepGraphs
 
 if TYPE_CHECKING:
+    from .config import ReformerConfig
     from .reformer import ReformerLM
     from .reversible import ReformerLayer
 
@@ -364,6 +365,11 @@ def decode_step(lm: ReformerLM, tokens: Tensor | Sequence[int], cache: DecodeCac
     return torch.cat(out) if len(out) > 1 else out[0]
 
 
+def _first_lsh(cfg: ReformerConfig) -> int | None:
+    """The first LSH layer's index (its attention sets the window geometry every LSH layer shares), or None."""
+    return next((i for i, k in enumerate(cfg.attn_layers) if k == "lsh"), None)
+
+
 def _row_facts(lm: ReformerLM, cache: DecodeCache, states: Sequence[DecodeState]
                ) -> tuple[list[list[int]], list[int | list[int] | None]]:
     """Each row's host-known facts (every LSH layer shares its chunk and bucket-count rule, every local layer its
@@ -371,7 +377,7 @@ def _row_facts(lm: ReformerLM, cache: DecodeCache, states: Sequence[DecodeState]
     (the scratch slot when it keeps none) and whether it keeps one; and each row's bucket count (None: none)."""
     cfg = lm.config
     lsh_c, local_c = cfg.lsh_attn_chunk_length, cfg.local_attn_chunk_length
-    first_lsh = next((i for i, k in enumerate(cfg.attn_layers) if k == "lsh"), None)
+    first_lsh = _first_lsh(cfg)
     nbs = [None if first_lsh is None else s.num_buckets[first_lsh] for s in states]
     rows_meta = []
     for s, nb in zip(states, nbs, strict=True):
@@ -387,7 +393,7 @@ def _step_rows(lm: ReformerLM, cache: DecodeCache, tokens: Tensor, states: list[
     step whose structure it can capture replays a CUDA graph (model/step_graphs.py); others run eagerly."""
     pad = rows - len(states)
     cfg = lm.config
-    first_lsh = next((i for i, k in enumerate(cfg.attn_layers) if k == "lsh"), None)
+    first_lsh = _first_lsh(cfg)
     rows_meta, nbs = _row_facts(lm, cache, states)
     nbs += [None] * pad
     # padding rows count as hashed (their results are dropped), so a batch of long rows skips the dense path
