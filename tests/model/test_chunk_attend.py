@@ -5,9 +5,9 @@ path's results, and the same bits on any thread count, for strided window views 
 
 from __future__ import annotations
 
-import platform
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -92,8 +92,9 @@ def test_it_refuses_what_it_cannot_read(native: cpu_kernels.WindowKernel) -> Non
     q, k, v, q_pos, k_pos, _ = _windows(1, 1, 2, 8, 16, seed=5)
     with pytest.raises(ValueError, match="k must be"):
         native.chunk_attend(q, k.double(), v, q_pos, k_pos, None, "earlier", -1e9)
+    columns = torch.randn(1, 1, 2, 16, 8).transpose(-1, -2)  # q's shape, its rows not contiguous
     with pytest.raises(ValueError, match="q must be"):
-        native.chunk_attend(q.transpose(-1, -2), k, v, q_pos, k_pos, None, "earlier", -1e9)
+        native.chunk_attend(columns, k, v, q_pos, k_pos, None, "earlier", -1e9)
     with pytest.raises(ValueError, match="k_pos must be"):
         native.chunk_attend(q, k, v, q_pos, k_pos[..., :-1], None, "earlier", -1e9)
 
@@ -116,23 +117,31 @@ def test_local_windows_compute_the_plain_formulation(native: cpu_kernels.WindowK
         marks = torch.rand(b, n * c, generator=g) > 0.2
         valid = torch.gather(marks[:, None, None, :].expand(b, 1, n, n * c), 3, k_pos)
         real = marks.view(b, 1, n, c).expand(b, h, n, c)
-    got = lsh_fused.local_window_attend(q, k, v, q_pos, k_pos, valid, causal)
-    monkeypatch.setattr(lsh_fused, "_native_cpu", lambda kernel, q: None)
-    want = lsh_fused.local_window_attend(q, k.contiguous(), v.contiguous(), q_pos, k_pos, valid, causal)
+    rules: list[str] = []
+    kernel_call = native.chunk_attend
+
+    def counted(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        rules.append(args[6])
+        return kernel_call(*args)
+
+    monkeypatch.setattr(native, "chunk_attend", counted)
+    with torch.no_grad():  # an eval forward's fused path (no autograd)
+        got = lsh_fused.local_window_attend(q, k, v, q_pos, k_pos, valid, causal)
+        assert rules == ["up_to" if causal else "any"]  # the C kernel ran, with local attention's rule
+        monkeypatch.setattr(lsh_fused, "_native_cpu", lambda kernel, q: None)
+        want = lsh_fused.local_window_attend(q, k.contiguous(), v.contiguous(), q_pos, k_pos, valid, causal)
     rows = torch.ones(b, h, n, c, dtype=torch.bool) if real is None else real  # padding queries are never read
     assert (got - want)[rows].abs().max().item() <= 1e-5
 
 
-def test_a_build_without_avx512_gives_the_same_results(native: cpu_kernels.WindowKernel, tmp_path: Path,
+def test_the_plain_loops_give_the_vector_paths_results(native: cpu_kernels.WindowKernel, tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """The plain C loops (a CPU without AVX-512, built here for AVX2) against this build's."""
-    if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("the AVX2 build is an x86-64 target")  # elsewhere the plain loops are the only build
+    """A build of chunk_attend.c's plain loops (what a CPU without AVX-512 runs; CHUNK_PLAIN_LOOPS forces
+    them) against this build's (its AVX-512 paths where this CPU has them)."""
     compiler = shutil.which("cc") or shutil.which("gcc")
     assert compiler is not None
-    monkeypatch.setattr(cpu_kernels, "FLAGS", tuple("-march=x86-64-v3" if f == "-march=native" else f
-                                                    for f in cpu_kernels.FLAGS))
-    target = tmp_path / "window_attend-avx2.so"
+    monkeypatch.setattr(cpu_kernels, "FLAGS", (*cpu_kernels.FLAGS, "-DCHUNK_PLAIN_LOOPS"))
+    target = tmp_path / "window_attend-plain-loops.so"
     cpu_kernels._build(compiler, target)
     plain = cpu_kernels.WindowKernel(target)
     for c, d in ((64, 32), (12, 20)):
