@@ -1,0 +1,59 @@
+"""bench/step_cost.py's arithmetic: the window bytes a row reads, the distinct share of its LSH windows'
+slots, and the straight-line fit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import bench.step_cost as step_cost
+from model import ReformerLM
+from model.decode import DecodeCache, decode_step, prefill
+from tests.conftest import tiny_config, tiny_model
+
+
+def test_window_bytes_count_every_slot_of_every_layer() -> None:
+    cfg = tiny_config()  # a local layer and an LSH layer, 2 heads of 16, chunks of 8, 2 rounds, 1 chunk before
+    lsh = 2 * 2 * (2 * 8) * (2 * 16 * 4 + 4)  # heads x rounds x (2 chunks of 8) x (key + value rows + norm)
+    local = 2 * (8 + 8 / 2) * (2 * 16 * 4)  # heads x (the chunk before + half of its own) x (key + value)
+    assert step_cost.window_bytes_per_row(cfg, 4) == pytest.approx(lsh + local)
+    assert step_cost.window_bytes_per_row(cfg, 4, 0.5) == pytest.approx(lsh / 2 + local)
+
+
+def test_fit_line_recovers_a_line() -> None:
+    a, b = step_cost.fit_line([1.0, 2.0, 4.0, 8.0], [3.0 + 0.5 * x for x in (1.0, 2.0, 4.0, 8.0)])
+    assert (a, b) == pytest.approx((3.0, 0.5))
+
+
+def _running(lm: ReformerLM, rows: int, length: int) -> tuple[DecodeCache, list, list[int]]:
+    cache = DecodeCache.for_tokens(lm, length + 8, slots=rows)
+    states: list = []
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for _ in range(rows):
+            states += prefill(lm, cache, [torch.randint(3, 258, (length,), generator=gen)], [length + 8])[1]
+    return cache, states, [5] * rows
+
+
+def test_one_round_windows_hold_distinct_rows_and_the_cache_is_left_as_it_was() -> None:
+    # one hash round: a window is two neighbouring chunks of one sorted order, so no position twice. After 64
+    # prompt tokens the new position makes the order 65 items long: 8 full chunks of 8 and a ninth holding one
+    # item and 7 padding slots (which hold no row). A window is two full chunks (16 rows) or holds the ninth
+    # (9 rows), so with k of the 2 rows x 2 heads holding the ninth the share is ((4 - k) * 16 + k * 9) / 64.
+    lm = tiny_model(num_hashes=1)
+    cache, states, tokens = _running(lm, 2, 64)
+    kernel, fused = cache.window_kernel, cache.fused_step
+    share = step_cost.lsh_distinct_share(lm, cache, states, tokens)
+    assert share in {((4 - k) * 16 + k * 9) / 64 for k in range(5)}
+    assert cache.window_kernel is kernel and cache.fused_step is fused
+    assert "gather_keys" not in vars(cache)
+    assert all(s.length == 65 for s in states)  # the step it watched was a real step
+
+
+def test_two_rounds_share_rows() -> None:
+    lm = tiny_model()
+    cache, states, tokens = _running(lm, 2, 64)
+    share = step_cost.lsh_distinct_share(lm, cache, states, tokens)
+    assert share is not None and 0.5 <= share < 1.0  # each round's window alone is distinct
+    with torch.inference_mode():
+        decode_step(lm, tokens, cache, states)  # the cache still steps after the watched one
