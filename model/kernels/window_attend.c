@@ -156,17 +156,57 @@ static inline __m512 widen16(const uint16_t *h, int kind) {
 }
 #endif
 
+#ifdef __AVX512F__
+/* q . k for a float32 row of d elements (d a multiple of 32) as 16 lanes before their sum: two chains of
+ * 16 lanes, added */
+static inline __m512 dot_lanes(const float *q, const float *k, int64_t d) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    for (int64_t j = 0; j < d; j += 32) {
+        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q + j), _mm512_loadu_ps(k + j), a0);
+        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(q + j + 16), _mm512_loadu_ps(k + j + 16), a1);
+    }
+    return _mm512_add_ps(a0, a1);
+}
+
+/* the sum of 16 lanes as a tree: lane i + lane i+8, then i + i+4, i + i+2, i + i+1 (the order GCC's
+ * _mm512_reduce_add_ps adds them in, written out so that dots16 below adds in the same order whatever the
+ * compiler) */
+static inline float sum_lanes(__m512 v) {
+    const __m256 t3 = _mm256_add_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)),
+                                    _mm512_castps512_ps256(v));
+    const __m128 t6 = _mm_add_ps(_mm256_extractf128_ps(t3, 1), _mm256_castps256_ps128(t3));
+    const __m128 t8 = _mm_add_ps(t6, _mm_shuffle_ps(t6, t6, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtss_f32(_mm_add_ss(t8, _mm_shuffle_ps(t8, t8, _MM_SHUFFLE(1, 1, 1, 1))));
+}
+
+/* q . keys[at[s]] for 16 float32 rows at once, each summed as sum_lanes(dot_lanes(...)) sums it (the same
+ * additions of the same values: the same bits), but the 16 sums are done together: pairs of rows'
+ * lanes are interleaved and added level by level, 15 adds for the 16 rows instead of 4 each */
+static inline void dots16(const float *q, const float *keys, int64_t d, const int64_t *at, float *out) {
+    __m512 v[16], u[8], w[4], z[2];
+    for (int s = 0; s < 16; s++) v[s] = dot_lanes(q, keys + at[s] * d, d);
+    for (int p = 0; p < 8; p++) /* each row's lane i + lane i+8: rows 2p, 2p+1 in 8 lanes each */
+        u[p] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int p = 0; p < 4; p++) /* + lane i+4: rows 4p .. 4p+3, one per 128-bit quarter */
+        w[p] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * p], u[2 * p + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(u[2 * p], u[2 * p + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    for (int p = 0; p < 2; p++) /* + lane i+2: quarter L holds rows 8p+L and 8p+4+L, two lanes each */
+        z[p] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * p], w[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(w[2 * p], w[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    /* + lane i+1: element 4L + m holds row 4m + L */
+    const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_ps(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    static const int32_t order[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
+    _mm512_storeu_ps(out, _mm512_permutexvar_ps(_mm512_loadu_si512((const void *)order), r));
+}
+#endif
+
 static inline float dot_row(const float *q, const void *pool, int kind, int64_t at, int64_t d, float *buf) {
 #ifdef __AVX512F__
     if (kind == KIND_F32 && d % 32 == 0) {
         /* two chains of 16 lanes, reduced in registers (the generic loop's lanes went through the stack) */
-        const float *k = (const float *)pool + at * d;
-        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-        for (int64_t j = 0; j < d; j += 32) {
-            a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q + j), _mm512_loadu_ps(k + j), a0);
-            a1 = _mm512_fmadd_ps(_mm512_loadu_ps(q + j + 16), _mm512_loadu_ps(k + j + 16), a1);
-        }
-        return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+        return sum_lanes(dot_lanes(q, (const float *)pool + at * d, d));
     }
     if (kind != KIND_F32 && d % 16 == 0) {
         const uint16_t *h = (const uint16_t *)pool + at * d;
@@ -212,7 +252,42 @@ static int attend_slots(const float *q, int64_t dim, int64_t rounds, int64_t wid
             prefetch_row(values, row_bytes, flat[i]);
             if (norms) __builtin_prefetch(norms + flat[i], 0, LOCALITY);
         }
-    for (int64_t i = 0; i < n; i++) {
+    int64_t i = 0;
+#ifdef __AVX512F__
+    if (kind == KIND_F32 && D % 32 == 0) {
+        /* 16 slots at a time (dots16): the same scores as the loop below, with fewer instructions. In-process
+         * A/B against the loop alone (three runs; scratch script, load not recorded): bench config, 8 rows
+         * after 1K, 8.38 / 7.06 / 8.15 -> 7.95 / 6.32 / 7.08 ms a step; shipped model, 8 rows, 1.32 / 0.96 /
+         * 1.13 -> 1.25 / 0.93 / 1.09 ms; bit-identical logits over every step */
+        for (; i + 16 <= n; i += 16) {
+            int64_t at[16];
+            float dots[16];
+            for (int s = 0; s < 16; s++) {
+                const int64_t k = i + s;
+                if (k + AHEAD < n && !absent[k + AHEAD]) {
+                    prefetch_row(keys, row_bytes, flat[k + AHEAD]);
+                    prefetch_row(values, row_bytes, flat[k + AHEAD]);
+                    if (norms) __builtin_prefetch(norms + flat[k + AHEAD], 0, LOCALITY);
+                }
+                at[s] = absent[k] ? 0 : flat[k]; /* a padding slot's score is the mask: any row will do */
+            }
+            dots16(q, (const float *)keys, D, at, dots);
+            for (int s = 0; s < 16; s++) {
+                const int64_t k = i + s;
+                float v = dots[s];
+                if (absent[k]) {
+                    v = mask;
+                } else if (pos && pos[k] == self) {
+                    v = self_mask;
+                } else if (norms) {
+                    v *= norms[flat[k]];
+                }
+                score[k] = v;
+            }
+        }
+    }
+#endif
+    for (; i < n; i++) {
         if (i + AHEAD < n && !absent[i + AHEAD]) {
             /* the value row too: by the weighted sum below it is in cache, fetched alongside the key */
             prefetch_row(keys, row_bytes, flat[i + AHEAD]);

@@ -85,6 +85,22 @@ def test_window_attention_equals_the_plain_formula(kernel: cpu_kernels.WindowKer
     torch.testing.assert_close(got, _plain_attention(**alive), atol=tol, rtol=1e-5)
 
 
+def test_slots_scored_sixteen_at_a_time_get_the_bits_of_slots_scored_alone(kernel: cpu_kernels.WindowKernel) -> None:
+    # float32 rows of a multiple of 32 elements: a window's slots are scored 16 at a time, the last n % 16
+    # one at a time. 15 absent slots in front of a 16-slot window (absent slots weigh exactly 0, and the
+    # sums over them add exact zeros) move its last 15 slots from the first way to the second; the output
+    # keeps its bits only if both score every slot alike.
+    masks: dict[str, Any] = dict(self_mask=self_mask_value(torch.float32), mask=mask_value(torch.float32))
+    for d in (32, 64):
+        for seed in range(3):
+            x = _inputs(b=4, h=3, r=1, w=16, d=d, seed=seed)  # one block of 16 per (row, head)
+            pad = (4, 3, 1, 15)
+            padded = dict(x, flat=torch.cat([torch.zeros(pad, dtype=torch.long), x["flat"]], -1),
+                          absent=torch.cat([torch.ones(pad, dtype=torch.bool), x["absent"]], -1),
+                          pos=torch.cat([torch.zeros(pad, dtype=torch.long), x["pos"]], -1))
+            assert torch.equal(kernel.attend(**padded, **masks), kernel.attend(**x, **masks))
+
+
 def test_a_row_gets_the_same_bits_whatever_its_batch_and_threads(kernel: cpu_kernels.WindowKernel) -> None:
     x = _inputs(b=24)  # 72 (row, head) items: two threads take 36 each (a thread per 32 items at most)
     masks: dict[str, Any] = dict(self_mask=self_mask_value(torch.float32), mask=mask_value(torch.float32))
