@@ -234,9 +234,14 @@ def test_a_prefill_projects_and_hashes_each_layer_once(monkeypatch: pytest.Monke
         assert len(linears) == projections, prompts
 
 
-def test_sliced_prefill_yields_between_slices_and_computes_the_same() -> None:
+@pytest.mark.parametrize("index_items", [None, 1], ids=["heads-together", "head-by-head"])
+def test_sliced_prefill_yields_between_slices_and_computes_the_same(index_items: int | None,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from model import decode
     from model.decode import prefill_steps
 
+    if index_items is not None:  # an index past INDEX_BUILD_ITEMS (head, position) pairs: one sort per head
+        monkeypatch.setattr(decode, "INDEX_BUILD_ITEMS", index_items)
     torch.manual_seed(0)
     lm = ReformerLM(tiny_config(vocab_size=258, initializer_range=0.3, chunk_size_feed_forward=16)).eval()
     prompt = torch.randint(3, 258, (40,), generator=torch.Generator().manual_seed(3))
@@ -253,10 +258,11 @@ def test_sliced_prefill_yields_between_slices_and_computes_the_same() -> None:
             break
     # the embeddings; per layer: the attention's projections, shared by the cache and the attention
     # (model/prefill_slices.py `projections`; local: 3; LSH: 2 and the hashing), the cache write, (LSH) the
-    # index build from the attention's buckets (1, then one sort per head: 1 + 2), the attention's slices
-    # (local: its windows in 1 slice; LSH: the sort, then its 2 heads' windows together in 1 slice), the
-    # output projection, the residual, 3 feed-forward slices of 16
-    assert slices == 1 + 2 * ((3 + 1 + 1 + 1 + 1 + 3) + (3 + 1 + (1 + 2) + 1 + 1 + 1 + 1 + 3))
+    # index build from the attention's buckets (1, then one sort of both heads, or one per head: 1 + 2), the
+    # attention's slices (local: its windows in 1 slice; LSH: the sort, then its 2 heads' windows together in
+    # 1 slice), the output projection, the residual, 3 feed-forward slices of 16
+    sorts = 1 if index_items is None else 2
+    assert slices == 1 + 2 * ((3 + 1 + 1 + 1 + 1 + 3) + (3 + 1 + (1 + sorts) + 1 + 1 + 1 + 1 + 3))
     assert torch.equal(sliced, whole)
     with torch.no_grad():
         assert (lm(prompt[None]).logits[0, -1] - whole[0]).abs().max().item() <= 1e-5
@@ -410,3 +416,24 @@ def test_invariant_steps_run_in_fixed_blocks_only_where_rows_are_not_independent
         assert not fast.rows_independent() and rows_per_call(fast, 40, invariant=True) == INVARIANT_ROWS
     finally:
         torch.set_num_threads(before)
+
+
+def test_an_index_built_head_by_head_equals_one_built_at_once() -> None:
+    """The prefill builds a short prompt's index with one sort of every head, a long one's head by head
+    (`decode.INDEX_BUILD_ITEMS`): the same orders and counts either way."""
+    from model.decode_index import LSHIndex
+
+    g = torch.Generator().manual_seed(1)
+    heads, rounds, nb, length = 3, 2, 6, 50
+    buckets = torch.randint(0, nb, (heads, rounds, length), generator=g)
+    rows = torch.arange(length) + 8
+    together = LSHIndex(2, heads, rounds, nb, 64, torch.device("cpu"), recent=8)
+    by_head = LSHIndex(2, heads, rounds, nb, 64, torch.device("cpu"), recent=8)
+    together.build(1, rows, buckets)
+    for h in range(heads):
+        by_head.build(1, rows, buckets[h : h + 1], heads=slice(h, h + 1))
+    assert torch.equal(together.order[rows], by_head.order[rows])  # the rows it owns (the rest is unwritten)
+    assert torch.equal(together.main_counts, by_head.main_counts)
+    assert torch.equal(together.recent_counts, by_head.recent_counts)
+    want = torch.argsort(buckets * length + torch.arange(length), dim=-1).reshape(heads * rounds, length)
+    assert torch.equal(together.order[rows].long().t() - together.shift, want)
