@@ -157,15 +157,26 @@ static inline __m512 widen16(const uint16_t *h, int kind) {
 #endif
 
 #ifdef __AVX512F__
-/* q . k for a float32 row of d elements (d a multiple of 32) as 16 lanes before their sum: two chains of
- * 16 lanes, added */
-static inline __m512 dot_lanes(const float *q, const float *k, int64_t d) {
-    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-    for (int64_t j = 0; j < d; j += 32) {
-        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q + j), _mm512_loadu_ps(k + j), a0);
-        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(q + j + 16), _mm512_loadu_ps(k + j + 16), a1);
+/* whether dot_lanes reads a pool row of `kind` and d elements: float32 rows of a multiple of 32 elements,
+ * half rows of a multiple of 16 */
+static inline int lanes_fit(int kind, int64_t d) { return kind == KIND_F32 ? d % 32 == 0 : d % 16 == 0; }
+
+/* q . pool row `at` as 16 lanes before their sum: a float32 row in two chains of 16 lanes, added; a half
+ * row in one chain, widened as it is read */
+static inline __m512 dot_lanes(const float *q, const void *pool, int kind, int64_t at, int64_t d) {
+    if (kind == KIND_F32) {
+        const float *k = (const float *)pool + at * d;
+        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+        for (int64_t j = 0; j < d; j += 32) {
+            a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q + j), _mm512_loadu_ps(k + j), a0);
+            a1 = _mm512_fmadd_ps(_mm512_loadu_ps(q + j + 16), _mm512_loadu_ps(k + j + 16), a1);
+        }
+        return _mm512_add_ps(a0, a1);
     }
-    return _mm512_add_ps(a0, a1);
+    const uint16_t *h = (const uint16_t *)pool + at * d;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t j = 0; j < d; j += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + j), widen16(h + j, kind), acc);
+    return acc;
 }
 
 /* the sum of 16 lanes as a tree: lane i + lane i+8, then i + i+4, i + i+2, i + i+1 (the order GCC's
@@ -179,12 +190,12 @@ static inline float sum_lanes(__m512 v) {
     return _mm_cvtss_f32(_mm_add_ss(t8, _mm_shuffle_ps(t8, t8, _MM_SHUFFLE(1, 1, 1, 1))));
 }
 
-/* q . keys[at[s]] for 16 float32 rows at once, each summed as sum_lanes(dot_lanes(...)) sums it (the same
+/* q . keys[at[s]] for 16 pool rows at once, each summed as sum_lanes(dot_lanes(...)) sums it (the same
  * additions of the same values: the same bits), but the 16 sums are done together: pairs of rows'
  * lanes are interleaved and added level by level, 15 adds for the 16 rows instead of 4 each */
-static inline void dots16(const float *q, const float *keys, int64_t d, const int64_t *at, float *out) {
+static inline void dots16(const float *q, const void *keys, int kind, int64_t d, const int64_t *at, float *out) {
     __m512 v[16], u[8], w[4], z[2];
-    for (int s = 0; s < 16; s++) v[s] = dot_lanes(q, keys + at[s] * d, d);
+    for (int s = 0; s < 16; s++) v[s] = dot_lanes(q, keys, kind, at[s], d);
     for (int p = 0; p < 8; p++) /* each row's lane i + lane i+8: rows 2p, 2p+1 in 8 lanes each */
         u[p] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
                              _mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
@@ -204,18 +215,8 @@ static inline void dots16(const float *q, const float *keys, int64_t d, const in
 
 static inline float dot_row(const float *q, const void *pool, int kind, int64_t at, int64_t d, float *buf) {
 #ifdef __AVX512F__
-    if (kind == KIND_F32 && d % 32 == 0) {
-        /* two chains of 16 lanes, reduced in registers (the generic loop's lanes went through the stack) */
-        return sum_lanes(dot_lanes(q, (const float *)pool + at * d, d));
-    }
-    if (kind != KIND_F32 && d % 16 == 0) {
-        const uint16_t *h = (const uint16_t *)pool + at * d;
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t j = 0; j < d; j += 16) {
-            acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + j), widen16(h + j, kind), acc);
-        }
-        return _mm512_reduce_add_ps(acc);
-    }
+    /* reduced in registers (the generic loop's lanes went through the stack) */
+    if (lanes_fit(kind, d)) return sum_lanes(dot_lanes(q, pool, kind, at, d));
 #endif
     return dot(q, row_f32(pool, kind, at, d, buf), d);
 }
@@ -254,11 +255,12 @@ static int attend_slots(const float *q, int64_t dim, int64_t rounds, int64_t wid
         }
     int64_t i = 0;
 #ifdef __AVX512F__
-    if (kind == KIND_F32 && D % 32 == 0) {
+    if (lanes_fit(kind, D)) {
         /* 16 slots at a time (dots16): the same scores as the loop below, with fewer instructions. In-process
          * A/B against the loop alone (three runs; scratch script, load not recorded): bench config, 8 rows
          * after 1K, 8.38 / 7.06 / 8.15 -> 7.95 / 6.32 / 7.08 ms a step; shipped model, 8 rows, 1.32 / 0.96 /
-         * 1.13 -> 1.25 / 0.93 / 1.09 ms; bit-identical logits over every step */
+         * 1.13 -> 1.25 / 0.93 / 1.09 ms; bit-identical logits over every step. With a float16 cache the
+         * same A/B showed no gain (bench config, 8 rows: 5.13 / 5.22 -> 5.03 / 5.21 ms), same bits too */
         for (; i + 16 <= n; i += 16) {
             int64_t at[16];
             float dots[16];
@@ -271,7 +273,7 @@ static int attend_slots(const float *q, int64_t dim, int64_t rounds, int64_t wid
                 }
                 at[s] = absent[k] ? 0 : flat[k]; /* a padding slot's score is the mask: any row will do */
             }
-            dots16(q, (const float *)keys, D, at, dots);
+            dots16(q, keys, kind, D, at, dots);
             for (int s = 0; s < 16; s++) {
                 const int64_t k = i + s;
                 float v = dots[s];

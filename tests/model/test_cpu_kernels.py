@@ -86,14 +86,17 @@ def test_window_attention_equals_the_plain_formula(kernel: cpu_kernels.WindowKer
 
 
 def test_slots_scored_sixteen_at_a_time_get_the_bits_of_slots_scored_alone(kernel: cpu_kernels.WindowKernel) -> None:
-    # float32 rows of a multiple of 32 elements: a window's slots are scored 16 at a time, the last n % 16
-    # one at a time. 15 absent slots in front of a 16-slot window (absent slots weigh exactly 0, and the
-    # sums over them add exact zeros) move its last 15 slots from the first way to the second; the output
-    # keeps its bits only if both score every slot alike.
+    # float32 rows of a multiple of 32 elements and half rows of a multiple of 16: a window's slots are
+    # scored 16 at a time, the last n % 16 one at a time. 15 absent slots in front of a 16-slot window
+    # (absent slots weigh exactly 0, and the sums over them add exact zeros) move its last 15 slots from the
+    # first way to the second; the output keeps its bits only if both score every slot alike.
     masks: dict[str, Any] = dict(self_mask=self_mask_value(torch.float32), mask=mask_value(torch.float32))
-    for d in (32, 64):
+    cases = [(torch.float32, 32), (torch.float32, 64)]
+    cases += [(dtype, d) for dtype in (torch.bfloat16, torch.float16) if dtype in kernel.reads for d in (16, 48)]
+    for dtype, d in cases:
         for seed in range(3):
             x = _inputs(b=4, h=3, r=1, w=16, d=d, seed=seed)  # one block of 16 per (row, head)
+            x.update(keys=x["keys"].to(dtype), values=x["values"].to(dtype))
             pad = (4, 3, 1, 15)
             padded = dict(x, flat=torch.cat([torch.zeros(pad, dtype=torch.long), x["flat"]], -1),
                           absent=torch.cat([torch.ones(pad, dtype=torch.bool), x["absent"]], -1),
