@@ -19,7 +19,8 @@ faster), and gives b_floor = those bytes / that bandwidth. Against issue 12's ba
 the per-row cost each one needs, with t(B) = t(1) + (B - 1) * b_B: a step at batch 8 at most 2x batch 1
 needs b_8 <= t(1) / 7; tokens/s at batch 32 at least 8x batch 1 needs b_32 <= 3 * t(1) / 31.
 
-Writes bench/results/step_cost.json and prints a table with the machine's load.
+Writes bench/results/step_cost.json and a plot beside it (time per step with the fit and the floor, and
+tokens/s, against batch size), and prints a table with the machine's load.
 """
 
 from __future__ import annotations
@@ -223,8 +224,39 @@ def main(argv: list[str] | None = None) -> int:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
+    plot(result, args.out.with_suffix(".png"))
     _print(result)
     return 0
+
+
+def plot(r: dict[str, Any], path: Path) -> None:
+    """Time per step (measured, the fit, and t(1) plus the added rows at the floor) and tokens/s against B."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = [row["batch"] for row in r["rows"]]
+    one = r["rows"][0]["ms_per_step"] if xs and xs[0] == 1 else None
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.5))
+    a.plot(xs, [row["ms_per_step"] for row in r["rows"]], marker="o", label="measured (median)")
+    a.plot(xs, [row["fit_ms"] for row in r["rows"]], linestyle="--", label="fit a + b*B")
+    if one is not None:
+        a.plot(xs, [one + (x - 1) * r["per_row_floor_ms"] for x in xs], linestyle=":",
+               label="t(1) + added rows at the read floor")
+    a.set(xscale="log", yscale="log", xlabel="running requests (batch)", ylabel="ms per step",
+          title="time per decode step")
+    b.plot(xs, [row["tokens_per_s"] for row in r["rows"]], marker="o")
+    b.set(xscale="log", xlabel="running requests (batch)", ylabel="tokens/s (all requests)",
+          title="decode throughput")
+    for ax in (a, b):
+        ax.set_xticks(xs, [str(x) for x in xs])
+        ax.grid(alpha=0.3)
+    a.legend(fontsize=7)
+    fig.suptitle(f"{r['model']}, {r['prompt']}-token prompts, cache {r['kv_cache_dtype']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def _print(r: dict[str, Any]) -> None:

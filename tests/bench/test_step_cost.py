@@ -3,6 +3,9 @@ slots, and the straight-line fit."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -57,3 +60,28 @@ def test_two_rounds_share_rows() -> None:
     assert share is not None and 0.5 <= share < 1.0  # each round's window alone is distinct
     with torch.inference_mode():
         decode_step(lm, tokens, cache, states)  # the cache still steps after the watched one
+
+
+def test_main_reports_the_per_row_cost_each_target_allows(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # steps of 1 ms plus 0.5 ms per added row: batch 8 takes 4.5 ms (4.5x), batch 32 16.5 ms
+    times = {1: [0.001], 2: [0.0015], 8: [0.0045], 32: [0.0165]}
+    monkeypatch.setattr(step_cost, "read_bandwidth", lambda: 1e10)
+    monkeypatch.setattr(step_cost, "_model", lambda artifact: tiny_model())
+    monkeypatch.setattr(step_cost, "time_steps", lambda *args: (times, 0.5))
+    monkeypatch.setattr(step_cost, "_print", lambda result: None)
+    monkeypatch.setattr(step_cost, "tune_cpu_runtime", lambda: {})  # process-wide: not in a test worker
+    out = tmp_path / "cost.json"
+    threads = torch.get_num_threads()
+    try:
+        assert step_cost.main(["--batch-sizes", "1,2,8,32", "--out", str(out), "--threads", str(threads)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    r = json.loads(out.read_text())
+    assert r["fixed_ms"] == pytest.approx(0.5) and r["per_row_ms"] == pytest.approx(0.5)
+    assert r["window_bytes_per_row"] == pytest.approx(step_cost.window_bytes_per_row(tiny_config(), 4, 0.5))
+    assert r["per_row_floor_ms"] == pytest.approx(1000 * r["window_bytes_per_row"] / 1e10)
+    eight, many = r["targets"]["step_8_vs_1"], r["targets"]["tokens_32_vs_1"]
+    assert eight["measured"] == pytest.approx(4.5) and eight["per_row_measured_ms"] == pytest.approx(0.5)
+    assert eight["per_row_needed_ms"] == pytest.approx(1 / 7)  # 1 + 7 b <= 2
+    assert many["measured"] == pytest.approx(32 / 16.5) and many["per_row_needed_ms"] == pytest.approx(3 / 31)
+    assert out.with_suffix(".png").stat().st_size > 0
