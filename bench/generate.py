@@ -28,6 +28,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -168,16 +169,29 @@ def plot_batches(rows: list[dict], path: Path, artifact: str | None = None) -> N
         mine = [r for r in ok if r.get("threads_rule", "service") == rule]
         a.plot([r["batch"] for r in mine], [r["tokens_per_s"] for r in mine], marker="o", label=labels[rule])
         b.plot([r["batch"] for r in mine], [r["ms_per_step"] for r in mine], marker="o", label=labels[rule])
-    a.set(xscale="log", xlabel="running requests (batch)", ylabel="tokens/s (all requests)",
-          title="decode throughput")
-    b.set(xscale="log", xlabel="running requests (batch)", ylabel="ms per step", title="time per decode step")
-    for ax in (a, b):
+    finish_batch_plot(fig, a, b, xs, f"{artifact or 'bench/generate.py config'}, {ok[0]['length']}-token prompts",
+                      path, legend=a)
+
+
+def finish_batch_plot(fig: Any, throughput: Any, step: Any, xs: list[int], title: str, path: Path,
+                      step_yscale: str = "linear", legend: Any = None) -> None:
+    """Label a figure's tokens/s and ms-per-step axes against the batch sizes `xs`, title it, save it to
+    `path` and close it (this benchmark's and bench/step_cost.py's plots)."""
+    import matplotlib.pyplot as plt
+
+    throughput.set(xscale="log", xlabel="running requests (batch)", ylabel="tokens/s (all requests)",
+                   title="decode throughput")
+    step.set(xscale="log", yscale=step_yscale, xlabel="running requests (batch)", ylabel="ms per step",
+             title="time per decode step")
+    for ax in (throughput, step):
         ax.set_xticks(xs, [str(x) for x in xs])
         ax.grid(alpha=0.3)
-    a.legend(fontsize=7)
-    fig.suptitle(f"{artifact or 'bench/generate.py config'}, {ok[0]['length']}-token prompts")
+    if legend is not None:
+        legend.legend(fontsize=7)
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def _subprocess_row(cmd: list[str], timeout: float, fallback: dict) -> dict:

@@ -40,7 +40,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.generate import hf_config  # noqa: E402
+from bench.generate import finish_batch_plot, hf_config  # noqa: E402
 from model import ReformerConfig, ReformerLM  # noqa: E402
 from model.cpu_runtime import tune_cpu_runtime  # noqa: E402
 from model.decode import DecodeCache, decode_step, prefill, step_threads  # noqa: E402
@@ -244,19 +244,9 @@ def plot(r: dict[str, Any], path: Path) -> None:
     if one is not None:
         a.plot(xs, [one + (x - 1) * r["per_row_floor_ms"] for x in xs], linestyle=":",
                label="t(1) + added rows at the read floor")
-    a.set(xscale="log", yscale="log", xlabel="running requests (batch)", ylabel="ms per step",
-          title="time per decode step")
     b.plot(xs, [row["tokens_per_s"] for row in r["rows"]], marker="o")
-    b.set(xscale="log", xlabel="running requests (batch)", ylabel="tokens/s (all requests)",
-          title="decode throughput")
-    for ax in (a, b):
-        ax.set_xticks(xs, [str(x) for x in xs])
-        ax.grid(alpha=0.3)
-    a.legend(fontsize=7)
-    fig.suptitle(f"{r['model']}, {r['prompt']}-token prompts, cache {r['kv_cache_dtype']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    finish_batch_plot(fig, b, a, xs, f"{r['model']}, {r['prompt']}-token prompts, cache {r['kv_cache_dtype']}",
+                      path, step_yscale="log", legend=a)
 
 
 def _print(r: dict[str, Any]) -> None:
