@@ -129,6 +129,15 @@ static inline void prefetch_row(const void *pool, int64_t row_bytes, int64_t at)
     for (int64_t c = 0; c < row_bytes; c += 64) __builtin_prefetch(p + c, 0, LOCALITY);
 }
 
+/* a window slot's key row, value row (by the weighted sum it is in cache, fetched alongside the key) and key
+ * norm, if any */
+static inline void prefetch_slot(const void *keys, const void *values, const float *norms, int64_t row_bytes,
+                                 int64_t at) {
+    prefetch_row(keys, row_bytes, at);
+    prefetch_row(values, row_bytes, at);
+    if (norms) __builtin_prefetch(norms + at, 0, LOCALITY);
+}
+
 /* independent lanes, so the compiler vectorises it without reassociating one sum; the lanes are added
  * pairwise (a few shuffles), not in one chain of LANES dependent adds (in-process A/B, 8 rows after 4K:
  * 12-19% less kernel time per step) */
@@ -248,11 +257,7 @@ static int attend_slots(const float *q, int64_t dim, int64_t rounds, int64_t wid
         if (!absent[i] && (flat[i] < 0 || flat[i] >= pool_len)) return BAD_INDEX;
     /* the first AHEAD slots, which the loop's look-ahead never reaches */
     for (int64_t i = 0; i < AHEAD && i < n; i++)
-        if (!absent[i]) {
-            prefetch_row(keys, row_bytes, flat[i]);
-            prefetch_row(values, row_bytes, flat[i]);
-            if (norms) __builtin_prefetch(norms + flat[i], 0, LOCALITY);
-        }
+        if (!absent[i]) prefetch_slot(keys, values, norms, row_bytes, flat[i]);
     int64_t i = 0;
 #ifdef __AVX512F__
     if (lanes_fit(kind, D)) {
@@ -266,11 +271,7 @@ static int attend_slots(const float *q, int64_t dim, int64_t rounds, int64_t wid
             float dots[16];
             for (int s = 0; s < 16; s++) {
                 const int64_t k = i + s;
-                if (k + AHEAD < n && !absent[k + AHEAD]) {
-                    prefetch_row(keys, row_bytes, flat[k + AHEAD]);
-                    prefetch_row(values, row_bytes, flat[k + AHEAD]);
-                    if (norms) __builtin_prefetch(norms + flat[k + AHEAD], 0, LOCALITY);
-                }
+                if (k + AHEAD < n && !absent[k + AHEAD]) prefetch_slot(keys, values, norms, row_bytes, flat[k + AHEAD]);
                 at[s] = absent[k] ? 0 : flat[k]; /* a padding slot's score is the mask: any row will do */
             }
             dots16(q, keys, kind, D, at, dots);
@@ -290,12 +291,7 @@ static int attend_slots(const float *q, int64_t dim, int64_t rounds, int64_t wid
     }
 #endif
     for (; i < n; i++) {
-        if (i + AHEAD < n && !absent[i + AHEAD]) {
-            /* the value row too: by the weighted sum below it is in cache, fetched alongside the key */
-            prefetch_row(keys, row_bytes, flat[i + AHEAD]);
-            prefetch_row(values, row_bytes, flat[i + AHEAD]);
-            if (norms) __builtin_prefetch(norms + flat[i + AHEAD], 0, LOCALITY);
-        }
+        if (i + AHEAD < n && !absent[i + AHEAD]) prefetch_slot(keys, values, norms, row_bytes, flat[i + AHEAD]);
         float s;
         if (absent[i]) {
             s = mask;
