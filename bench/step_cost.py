@@ -6,8 +6,9 @@
 Times one decode step over B running requests (each after its own `--prompt`-token prompt) for every B, as
 the service's model runner runs it (`model.decode.step_threads`), at bench/generate.py's config (or
 `--artifact`'s model); the batch sizes take turns in `--rounds` rounds in one process, so a swing in the
-machine's speed falls on all of them. It fits t(B) = a + b * B by least squares: a is what a step costs
-whatever its rows, b what each row adds.
+machine's speed falls on all of them. It fits t(B) = a + b * B by least squares (for the plot and the
+slope b; the intercept a is no measured cost and comes out below zero where t(B) bends upward), and gives
+each added row's measured cost, (t(B) - t(1)) / (B - 1).
 
 A row's share cannot fall below the time to read the bytes only it needs: the pool rows of its attention
 windows, a key row and a value row (and an LSH slot's key norm) per layer, head and hash round, each row
@@ -44,9 +45,9 @@ from bench.generate import finish_batch_plot, hf_config  # noqa: E402
 from model import ReformerConfig, ReformerLM  # noqa: E402
 from model.cpu_runtime import tune_cpu_runtime  # noqa: E402
 from model.decode import DecodeCache, decode_step, prefill, step_threads  # noqa: E402
+from service.backends import DTYPES  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
-KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BANDWIDTH_BYTES = 512 * 2**20
 
 
@@ -128,9 +129,8 @@ def lsh_distinct_share(lm: ReformerLM, cache: DecodeCache, states: list[Any], to
 
 def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     """Least-squares a, b of y = a + b * x."""
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    return my - b * mx, b
+    b, a = statistics.linear_regression(xs, ys)
+    return a, b
 
 
 def _model(artifact: str | None) -> ReformerLM:
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2, help="PyTorch's intra-op threads (the step takes its own)")
     p.add_argument("--artifact", help="an artifact's model (e.g. export/default_artifact) instead of the config")
-    p.add_argument("--kv-cache-dtype", default="float32", choices=sorted(KV_DTYPES))
+    p.add_argument("--kv-cache-dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--out", type=Path, default=RESULTS / "step_cost.json")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()[0]
     bandwidth = read_bandwidth()
     lm = _model(args.artifact)
-    kv = KV_DTYPES[args.kv_cache_dtype]
+    kv = DTYPES[args.kv_cache_dtype]
     sizes = [int(x) for x in args.batch_sizes.split(",") if x]
     times, distinct = time_steps(lm, sizes, args.prompt, args.steps, args.rounds, kv)
     median = {b: statistics.median(ts) for b, ts in times.items()}
@@ -265,7 +265,7 @@ def _print(r: dict[str, Any]) -> None:
                   "" if added is None else f"{added:.3f}", f"{row['tokens_per_s']:.0f}")
     console.print(t)
     s = Table(title="a row's share against the memory it must read")
-    for col in ("fixed a ms", "per row b ms", "window MB per row (every slot)", "LSH slots distinct",
+    for col in ("fit intercept a ms", "fit slope b ms", "window MB per row (every slot)", "LSH slots distinct",
                 "distinct MB per row", "read GB/s (1 thread)", "b floor ms", "b / floor"):
         s.add_column(col)
     share = r["lsh_distinct_share"]
@@ -283,6 +283,7 @@ def _print(r: dict[str, Any]) -> None:
             g.add_row(label, got["target"], f"{got['measured']:.2f}x", f"{got['per_row_needed_ms']:.3f}",
                       f"{got['per_row_measured_ms']:.3f}")
     console.print(g)
+
 
 if __name__ == "__main__":
     with contextlib.suppress(KeyboardInterrupt):
