@@ -103,7 +103,7 @@ def step_threads(rows: int, device: torch.device | None = None) -> contextlib.Ab
 # at concurrency 1 and 8 within the spread between runs of either code.
 SINGLE_THREAD_PREFILL_TOKENS = 2048
 # An LSH index is built with one sort of all heads when they hold at most this many (head, position) pairs
-# (a piece of 1.5 ms at 16K pairs, shipped model, one thread), one sort per head past it. Per head, the
+# (a piece of 1.5 ms at 16K pairs, shipped model, one thread, timed by hand), one sort per head past it. Per head, the
 # builds were 7% of a 256-token prompt's prefill; all heads at once took them from 1.05 to 0.77 ms for one
 # such prompt and from 7.4 to 3.7 ms for eight prefilled together (scratch timing, load not recorded).
 INDEX_BUILD_ITEMS = 16384
