@@ -60,6 +60,7 @@ def test_two_rounds_share_rows() -> None:
     assert share is not None and 0.5 <= share < 1.0  # each round's window alone is distinct
     with torch.inference_mode():
         decode_step(lm, tokens, cache, states)  # the cache still steps after the watched one
+    assert all(s.length == 66 for s in states)
 
 
 def test_main_reports_the_per_row_cost_each_target_allows(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
