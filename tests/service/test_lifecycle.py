@@ -25,6 +25,7 @@ from tests.service.helpers import metric_value, running_app
 pytestmark = pytest.mark.xdist_group("service-lifecycle")
 
 EXIT_AFTER_DRAIN_S = 2.0  # "within a couple of seconds" of the last in-flight request completing
+DRAINED_TOKENS = 1800  # the tiny artifact holds 2,048 positions
 
 
 def test_not_ready_until_warm_up_is_done(artifact: Any, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -124,19 +125,21 @@ def test_queue_full_gets_429_and_queue_timeout_gets_504(server_factory: Any) -> 
 
 
 def test_sigterm_drains_in_flight_requests_answers_503_and_exits_0(tiny_artifact: Path, tmp_path: Path) -> None:
-    server = ServerProcess(tiny_artifact, tmp_path / "server.log", backend="torch", max_new_tokens=200,
+    # Long enough (seconds, even on a fast machine) that the drain is still under way when /ready and a late
+    # request are checked: with 200 tokens the stream once finished, and the process exited, before them.
+    server = ServerProcess(tiny_artifact, tmp_path / "server.log", backend="torch", max_new_tokens=DRAINED_TOKENS,
                            grace_period_s=60)
     try:
         server.wait_ready()
-        body = {"inputs": "drain me", "parameters": {"max_new_tokens": 200, "ignore_eos": True}}
+        body = {"inputs": "drain me", "parameters": {"max_new_tokens": DRAINED_TOKENS, "ignore_eos": True}}
         with httpx.Client(base_url=server.url, timeout=60) as c, c.stream("POST", "/generate_stream",
                                                                           json=body) as stream:
             lines = stream.iter_lines()
             next(lines)  # in flight
             server.proc.send_signal(signal.SIGTERM)
+            assert httpx.get(server.url + "/ready", timeout=30).status_code == 503
             refused = httpx.post(server.url + "/generate", json={"inputs": "late"}, timeout=30)
             assert refused.status_code == 503 and refused.json()["error_type"] == "unavailable"
-            assert httpx.get(server.url + "/ready", timeout=30).status_code == 503
             rest = [line for line in lines if line.startswith("data: ")]
             completed = time.monotonic()
         assert '"finish_reason": "length"' in rest[-1]  # the in-flight request completed
