@@ -129,6 +129,22 @@ def _require(what: str, *wants: tuple[Tensor, torch.dtype | tuple[torch.dtype, .
                              f"{x.device}{'' if x.is_contiguous() else ', not contiguous'}")
 
 
+def pool_stride(what: str, keys: Tensor, values: Tensor) -> int:
+    """The elements from one row of the key and value pools to the next, (N, D) rows or (N, H, D) rows of
+    (position, head): CPU views with contiguous rows, evenly spaced, the same spacing in both (the decode
+    cache keeps a row's key and value side by side, so each is a view with a stride of 2 * D)."""
+    for x in (keys, values):
+        if x.dim() not in (2, 3) or not x.is_cpu or x.stride(-1) != 1 or x.dim() == 3 and (
+                x.stride(0) != x.shape[1] * x.stride(1)):
+            raise ValueError(f"{what}: a pool must be a CPU tensor of evenly spaced contiguous rows, got "
+                             f"{tuple(x.shape)} with strides {x.stride()} on {x.device}")
+    stride = keys.stride(-2)
+    if values.stride() != keys.stride() or stride < keys.shape[-1]:
+        raise ValueError(f"{what}: key and value pools with strides {keys.stride()} and {values.stride()} for rows of "
+                         f"{keys.shape[-1]}")
+    return int(stride)
+
+
 def check_status(status: int, what: str) -> None:
     """Raise for a C function's non-zero status (the codes of kernels/step_kernels.h)."""
     if status & _BAD_KIND:
@@ -153,13 +169,13 @@ class WindowKernel:
             fn.argtypes, fn.restype = argtypes, ctypes.c_int
             return fn
 
-        self._fn = declare("window_attend", [i64] * 6 + [ptr] * 4 + [i64, ptr, ptr, i64, i64, ptr, ptr, ptr, f32, f32,
-                                                                   ptr, i64])
-        self._lsh = declare("lsh_attend", [i64] * 10 + [ptr] * 4 + [i64] + [ptr] * 5 + [i64] * 4
+        self._fn = declare("window_attend", [i64] * 6 + [ptr] * 4 + [i64, i64, ptr, ptr, i64, i64, ptr, ptr, ptr, f32,
+                                                                   f32, ptr, i64])
+        self._lsh = declare("lsh_attend", [i64] * 10 + [ptr] * 4 + [i64, i64] + [ptr] * 5 + [i64] * 4
                             + [ptr, i64, i64, i64, f32, f32, ptr, i64])
         self._chunk = declare("chunk_attend", [i64] * 6 + [ptr] * 12 + [i64, f32] + [ptr] * 4 + [i64])
         self._merge = declare("lsh_merge", [i64] * 5 + [ptr, i64, i64] + [ptr] * 4)
-        self._write = declare("decode_write", [i64] * 5 + [ptr] * 6 + [f32, f32])
+        self._write = declare("decode_write", [i64] * 6 + [ptr] * 6 + [f32, f32])
         self._append = declare("lsh_append", [i64] * 5 + [ptr] * 4 + [i64] * 3)
         # the product and layer-tail functions as ctypes exposes them: their arguments are not checked, so
         # callers pass what `pack` made (model/step_linear.py checks its packings when it makes them)
@@ -192,7 +208,8 @@ class WindowKernel:
 
     def attend(self, q: Tensor, keys: Tensor, norms: Tensor | None, values: Tensor, flat: Tensor, absent: Tensor,
                pos: Tensor | None, t: Tensor | None, dead: Tensor | None, self_mask: float, mask: float) -> Tensor:
-        """q (B, H, D) float32; keys, values (N, D) pools of one dtype of `reads`; norms (N,) float32;
+        """q (B, H, D) float32; keys, values (N, D) pools of one dtype of `reads` (rows evenly spaced, as
+        `pool_stride` checks); norms (N,) float32;
         flat (B, H, R, W) int64 indices into them; absent (B, H or 1, R, W) bool; pos (B, H, R, W) int64 and
         t (B,) int64, or None (no self mask); dead (B, R) bool rounds of weight 0, or None. Returns (B, H, D)
         float32."""
@@ -203,8 +220,8 @@ class WindowKernel:
         if absent.shape not in ((b, h, r, w), (b, 1, r, w)):
             raise ValueError(f"window kernel: absent {tuple(absent.shape)} for windows {tuple(flat.shape)}")
         kind = self._kind("window kernel", keys, values)
-        _require("window kernel", (q, torch.float32), (keys, keys.dtype), (values, keys.dtype),
-                 *(() if norms is None else ((norms, torch.float32),)))
+        stride = pool_stride("window kernel", keys, values)
+        _require("window kernel", (q, torch.float32), *(() if norms is None else ((norms, torch.float32),)))
         flat = flat.contiguous()
         absent = absent.contiguous()
         head_stride = 0 if absent.shape[1] == 1 and h > 1 else r * w
@@ -219,7 +236,7 @@ class WindowKernel:
             raise ValueError(f"window kernel: pools {tuple(keys.shape)} and {tuple(values.shape)}")
         out = torch.empty(b, h, d, dtype=torch.float32)
         status = self._fn(b, h, r, w, d, kind, q.data_ptr(), keys.data_ptr(), 0 if norms is None else norms.data_ptr(),
-                          values.data_ptr(), keys.shape[0], flat.data_ptr(), absent.data_ptr(),
+                          values.data_ptr(), keys.shape[0], stride, flat.data_ptr(), absent.data_ptr(),
                           absent.shape[1] * r * w, head_stride,
                           0 if pos is None else pos.data_ptr(), 0 if t is None else t.data_ptr(),
                           0 if dead is None else dead.data_ptr(), self_mask, mask, out.data_ptr(),
@@ -241,14 +258,16 @@ class WindowKernel:
                              f"meta {tuple(meta.shape)}")
         main, recent, items = index.main_counts, index.recent_counts, index.items
         kind = self._kind("lsh kernel", keys, values)
-        _require("lsh kernel", (q, torch.float32), (keys, keys.dtype), (norms, torch.float32),
-                 (values, keys.dtype), (meta, torch.int64), (buckets, torch.int64), (main, torch.int32),
-                 (recent, torch.int16), (block_table, torch.int64), (items, (torch.int16, torch.int32)))
+        stride = pool_stride("lsh kernel", keys, values)
+        _require("lsh kernel", (q, torch.float32), (norms, torch.float32), (meta, torch.int64), (buckets, torch.int64),
+                 (main, torch.int32), (recent, torch.int16), (block_table, torch.int64),
+                 (items, (torch.int16, torch.int32)))
         if keys.shape != values.shape or keys.shape[0] % h or norms.shape != keys.shape[:1]:
             raise ValueError(f"lsh kernel: pools {tuple(keys.shape)}, {tuple(values.shape)}, {tuple(norms.shape)}")
         out = torch.empty(b, h, d, dtype=torch.float32)
         status = self._lsh(b, h, rounds, main.shape[-1], chunk, before, after, d, index.recent_size, kind, q.data_ptr(),
-                           keys.data_ptr(), norms.data_ptr(), values.data_ptr(), keys.shape[0] // h, meta.data_ptr(),
+                           keys.data_ptr(), norms.data_ptr(), values.data_ptr(), keys.shape[0] // h, stride,
+                           meta.data_ptr(),
                            buckets.data_ptr(), main.data_ptr(), recent.data_ptr(), items.data_ptr(), items.numel(),
                            items.element_size(), index.shift,
                            index.recent_offset, block_table.data_ptr(), block_table.shape[1], block_size, scratch_slot,
@@ -296,7 +315,8 @@ class WindowKernel:
         b, h, d = key.shape
         rows = rows.contiguous()
         kind = self._kind("write kernel", keys, values)
-        _require("write kernel", (rows, torch.int64), (keys, keys.dtype), (values, keys.dtype),
+        stride = pool_stride("write kernel", keys, values)
+        _require("write kernel", (rows, torch.int64),
                  *((x, torch.float32) for x in (key, value, *(() if norms is None else (norms,)))))
         if value.shape != key.shape or keys.shape[1:] != (h, d) or values.shape != keys.shape:
             raise ValueError(f"write kernel: key {tuple(key.shape)} into pools {tuple(keys.shape)}")
@@ -304,7 +324,7 @@ class WindowKernel:
             raise ValueError(f"write kernel: norms {tuple(norms.shape)} for pools {tuple(keys.shape)}")
         if rows.shape != (b,):
             raise ValueError(f"write kernel: rows {tuple(rows.shape)} for {b} keys")
-        status = self._write(b, h, d, kind, keys.shape[0], rows.data_ptr(), key.data_ptr(), value.data_ptr(),
+        status = self._write(b, h, d, kind, keys.shape[0], stride, rows.data_ptr(), key.data_ptr(), value.data_ptr(),
                              keys.data_ptr(), values.data_ptr(), 0 if norms is None else norms.data_ptr(), eps,
                              math.sqrt(d))
         check_status(status, "write kernel")

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from .attention import LSHSelfAttention
 from .chunking import mask_value, self_mask_value
-from .cpu_kernels import KIND, MAX_ROUNDS, check_status
+from .cpu_kernels import KIND, MAX_ROUNDS, check_status, pool_stride
 from .embeddings import AxialPositionEmbeddings, PositionEmbeddings
 from .step_linear import StepLinears, act_code, norm_params, parameter_stamp
 
@@ -38,10 +38,10 @@ if TYPE_CHECKING:
     from .reformer import ReformerLM
 
 # StepLayer's fields (step_layers.c), in order: every one 8 bytes
-FIELDS = ("lsh", "heads", "dim", "kind", "pool_rows", "ln_w", "ln_b", "proj_w", "proj_b", "keys", "values", "norms",
-          "rounds", "buckets", "recent_size", "items_len", "item_bytes", "shift", "recent_offset", "main_counts",
-          "recent_counts", "items", "chunk", "before", "after", "ff", "act", "w_out", "b_out", "ff_ln_w", "ff_ln_b",
-          "w_dense", "b_dense", "w_ff", "b_ff")
+FIELDS = ("lsh", "heads", "dim", "kind", "pool_rows", "stride", "ln_w", "ln_b", "proj_w", "proj_b", "keys", "values",
+          "norms", "rounds", "buckets", "recent_size", "items_len", "item_bytes", "shift", "recent_offset",
+          "main_counts", "recent_counts", "items", "chunk", "before", "after", "ff", "act", "w_out", "b_out", "ff_ln_w",
+          "ff_ln_b", "w_dense", "b_dense", "w_ff", "b_ff")
 
 
 META_WORDS = 7  # a row's facts (model/decode.py `_row_facts`), as step_layers.c reads meta[b * 7 + k]
@@ -199,6 +199,7 @@ class FusedStep:
                 raise ValueError(f"fused step: layer {li}'s weights do not fit hidden size {hidden}")
             f = dict.fromkeys(FIELDS, 0)
             f.update(heads=att.heads, dim=att.head_size, kind=KIND[keys.dtype], pool_rows=keys.shape[0],
+                     stride=pool_stride("fused step", keys, values),
                      ln_w=norm[0], ln_b=norm[1], proj_w=proj.weight_ptr, proj_b=proj.bias_ptr, keys=keys.data_ptr(),
                      values=values.data_ptr(), chunk=att.chunk, before=att.before, ff=dense.n, act=act,
                      w_out=out.weight_ptr, b_out=out.bias_ptr, ff_ln_w=ff_norm[0], ff_ln_b=ff_norm[1],

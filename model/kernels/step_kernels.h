@@ -27,21 +27,21 @@ void step_activate(float *u, int64_t n, int64_t act);
 int lsh_hash(int64_t m, int64_t heads, int64_t rounds, int64_t dim, int64_t half, int64_t nfactors,
              const int64_t *factors, const float *q, const float *packed, int64_t *buckets);
 void layer_norm_rows(int64_t m, int64_t n, const float *x, const float *w, const float *b, float eps, float *y);
-int decode_write(int64_t rows, int64_t heads, int64_t dim, int64_t kind, int64_t pool_rows, const int64_t *at,
-                 const float *key, const float *value, void *keys, void *values, float *norms, float eps,
-                 float sqrt_dim);
+int decode_write(int64_t rows, int64_t heads, int64_t dim, int64_t kind, int64_t pool_rows, int64_t stride,
+                 const int64_t *at, const float *key, const float *value, void *keys, void *values, float *norms,
+                 float eps, float sqrt_dim);
 int lsh_append(int64_t rows, int64_t heads, int64_t rounds, int64_t buckets, int64_t recent_size,
                const int64_t *meta, const int64_t *bucket_of, int16_t *recent_counts, void *items,
                int64_t item_bytes, int64_t shift, int64_t recent_offset);
 int lsh_attend_items(int64_t heads, int64_t rounds, int64_t buckets, int64_t chunk, int64_t before, int64_t after,
                      int64_t dim, int64_t recent_size, int64_t kind, const float *q, const void *keys,
-                     const float *norms, const void *values, int64_t pool_rows, const int64_t *meta,
+                     const float *norms, const void *values, int64_t pool_rows, int64_t stride, const int64_t *meta,
                      const int64_t *bucket_of, const int32_t *main_counts, const int16_t *recent_counts,
                      const void *items, int64_t items_len, int64_t item_bytes, int64_t shift, int64_t recent_offset,
                      const int64_t *block_table, int64_t table_width, int64_t block_size, int64_t skip_slot,
                      float self_mask, float mask, float *out, int64_t begin, int64_t end);
 int window_attend_items(int64_t heads, int64_t rounds, int64_t width, int64_t dim, int64_t kind, const float *q,
-                        const void *keys, const float *norms, const void *values, int64_t pool_len,
+                        const void *keys, const float *norms, const void *values, int64_t pool_len, int64_t stride,
                         const int64_t *flat, const uint8_t *absent, int64_t absent_row_stride,
                         int64_t absent_head_stride, const int64_t *pos, const int64_t *t, const uint8_t *dead,
                         float self_mask, float mask, float *out, int64_t begin, int64_t end);

@@ -66,11 +66,11 @@ int64_t window_kinds(void) {
 
 static inline int kind_ok(int64_t kind) { return kind >= 0 && kind < 3 && ((window_kinds() >> kind) & 1); }
 
-/* d elements of a pool row as float32: a float32 row is used in place, a half one is widened into buf
- * (exactly: every binary16 and bfloat16 value is a float32 value) */
-static inline const float *row_f32(const void *pool, int kind, int64_t at, int64_t d, float *buf) {
-    if (kind == KIND_F32) return (const float *)pool + at * d;
-    const uint16_t *h = (const uint16_t *)pool + at * d;
+/* d elements of pool row `at` (rows `stride` elements apart) as float32: a float32 row is used in place, a
+ * half one is widened into buf (exactly: every binary16 and bfloat16 value is a float32 value) */
+static inline const float *row_f32(const void *pool, int kind, int64_t at, int64_t stride, int64_t d, float *buf) {
+    if (kind == KIND_F32) return (const float *)pool + at * stride;
+    const uint16_t *h = (const uint16_t *)pool + at * stride;
     if (kind == KIND_BF16) {
         for (int64_t j = 0; j < d; j++) {
             const uint32_t u = (uint32_t)h[j] << 16;
@@ -87,12 +87,12 @@ static inline const float *row_f32(const void *pool, int kind, int64_t at, int64
 }
 
 /* float32 -> the pool's kind, rounding to nearest even as PyTorch's casts do (bfloat16: NaN stays a NaN) */
-static inline void store_row(void *pool, int kind, int64_t at, const float *x, int64_t d) {
+static inline void store_row(void *pool, int kind, int64_t at, int64_t stride, const float *x, int64_t d) {
     if (kind == KIND_F32) {
-        memcpy((float *)pool + at * d, x, (size_t)d * sizeof(float));
+        memcpy((float *)pool + at * stride, x, (size_t)d * sizeof(float));
         return;
     }
-    uint16_t *h = (uint16_t *)pool + at * d;
+    uint16_t *h = (uint16_t *)pool + at * stride;
     if (kind == KIND_BF16) {
         for (int64_t j = 0; j < d; j++) {
             uint32_t u;
@@ -114,7 +114,7 @@ typedef struct {
     int kind;
     const float *q, *norms;
     const void *keys, *values;
-    int64_t pool_len; /* rows of dim elements in keys and values */
+    int64_t pool_len, stride; /* rows of dim elements in keys and values, stride elements apart */
     const int64_t *flat, *pos, *t;
     const uint8_t *absent, *dead;
     int64_t absent_row_stride, absent_head_stride;
@@ -124,17 +124,18 @@ typedef struct {
     int status;
 } Job;
 
-static inline void prefetch_row(const void *pool, int64_t row_bytes, int64_t at) {
-    const char *p = (const char *)pool + at * row_bytes;
+/* row_bytes from pool row `at`, rows stride_bytes apart */
+static inline void prefetch_row(const void *pool, int64_t row_bytes, int64_t stride_bytes, int64_t at) {
+    const char *p = (const char *)pool + at * stride_bytes;
     for (int64_t c = 0; c < row_bytes; c += 64) __builtin_prefetch(p + c, 0, LOCALITY);
 }
 
 /* a window slot's key row, value row (by the weighted sum it is in cache, fetched alongside the key) and key
  * norm, if any */
 static inline void prefetch_slot(const void *keys, const void *values, const float *norms, int64_t row_bytes,
-                                 int64_t at) {
-    prefetch_row(keys, row_bytes, at);
-    prefetch_row(values, row_bytes, at);
+                                 int64_t stride_bytes, int64_t at) {
+    prefetch_row(keys, row_bytes, stride_bytes, at);
+    prefetch_row(values, row_bytes, stride_bytes, at);
     if (norms) __builtin_prefetch(norms + at, 0, LOCALITY);
 }
 
@@ -172,9 +173,9 @@ static inline int lanes_fit(int kind, int64_t d) { return kind == KIND_F32 ? d %
 
 /* q . pool row `at` as 16 lanes before their sum: a float32 row in two chains of 16 lanes, added; a half
  * row in one chain, widened as it is read */
-static inline __m512 dot_lanes(const float *q, const void *pool, int kind, int64_t at, int64_t d) {
+static inline __m512 dot_lanes(const float *q, const void *pool, int kind, int64_t at, int64_t stride, int64_t d) {
     if (kind == KIND_F32) {
-        const float *k = (const float *)pool + at * d;
+        const float *k = (const float *)pool + at * stride;
         __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
         for (int64_t j = 0; j < d; j += 32) {
             a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q + j), _mm512_loadu_ps(k + j), a0);
@@ -182,7 +183,7 @@ static inline __m512 dot_lanes(const float *q, const void *pool, int kind, int64
         }
         return _mm512_add_ps(a0, a1);
     }
-    const uint16_t *h = (const uint16_t *)pool + at * d;
+    const uint16_t *h = (const uint16_t *)pool + at * stride;
     __m512 acc = _mm512_setzero_ps();
     for (int64_t j = 0; j < d; j += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + j), widen16(h + j, kind), acc);
     return acc;
@@ -202,9 +203,10 @@ static inline float sum_lanes(__m512 v) {
 /* q . keys[at[s]] for 16 pool rows at once, each summed as sum_lanes(dot_lanes(...)) sums it (the same
  * additions of the same values: the same bits), but the 16 sums are done together: pairs of rows'
  * lanes are interleaved and added level by level, 15 adds for the 16 rows instead of 4 each */
-static inline void dots16(const float *q, const void *keys, int kind, int64_t d, const int64_t *at, float *out) {
+static inline void dots16(const float *q, const void *keys, int kind, int64_t stride, int64_t d, const int64_t *at,
+                          float *out) {
     __m512 v[16], u[8], w[4], z[2];
-    for (int s = 0; s < 16; s++) v[s] = dot_lanes(q, keys, kind, at[s], d);
+    for (int s = 0; s < 16; s++) v[s] = dot_lanes(q, keys, kind, at[s], stride, d);
     for (int p = 0; p < 8; p++) /* each row's lane i + lane i+8: rows 2p, 2p+1 in 8 lanes each */
         u[p] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
                              _mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
@@ -222,18 +224,20 @@ static inline void dots16(const float *q, const void *keys, int kind, int64_t d,
 }
 #endif
 
-static inline float dot_row(const float *q, const void *pool, int kind, int64_t at, int64_t d, float *buf) {
+static inline float dot_row(const float *q, const void *pool, int kind, int64_t at, int64_t stride, int64_t d,
+                            float *buf) {
 #ifdef __AVX512F__
     /* reduced in registers (the generic loop's lanes went through the stack) */
-    if (lanes_fit(kind, d)) return sum_lanes(dot_lanes(q, pool, kind, at, d));
+    if (lanes_fit(kind, d)) return sum_lanes(dot_lanes(q, pool, kind, at, stride, d));
 #endif
-    return dot(q, row_f32(pool, kind, at, d, buf), d);
+    return dot(q, row_f32(pool, kind, at, stride, d, buf), d);
 }
 
-static inline void add_row(float *out, float p, const void *pool, int kind, int64_t at, int64_t d, float *buf) {
+static inline void add_row(float *out, float p, const void *pool, int kind, int64_t at, int64_t stride, int64_t d,
+                           float *buf) {
 #ifdef __AVX512F__
     if (kind != KIND_F32 && d % 16 == 0) {
-        const uint16_t *h = (const uint16_t *)pool + at * d;
+        const uint16_t *h = (const uint16_t *)pool + at * stride;
         const __m512 pp = _mm512_set1_ps(p);
         for (int64_t j = 0; j < d; j += 16) {
             _mm512_storeu_ps(out + j, _mm512_fmadd_ps(pp, widen16(h + j, kind), _mm512_loadu_ps(out + j)));
@@ -241,23 +245,26 @@ static inline void add_row(float *out, float p, const void *pool, int kind, int6
         return;
     }
 #endif
-    const float *v = row_f32(pool, kind, at, d, buf);
+    const float *v = row_f32(pool, kind, at, stride, d, buf);
     for (int64_t j = 0; j < d; j++) out[j] += p * v[j];
 }
 
 /* The attention of one (row, head) over its n = R * W window slots: flat pool indices, positions (or NULL:
- * no self mask) and padding flags; keys and values hold pool_len rows of dim elements of `kind`; score
- * holds n floats, lse 2 * R, row dim. */
+ * no self mask) and padding flags; keys and values hold pool_len rows of dim elements of `kind`, `stride`
+ * elements apart (the cache keeps a row's key and value side by side: model/decode_cache.py); score holds n
+ * floats, lse 2 * R, row dim. */
 static int attend_slots(const float *q, int64_t dim, int64_t rounds, int64_t width, const int64_t *flat,
                          const int64_t *pos, int64_t self, const uint8_t *absent, const uint8_t *dead,
                          const void *keys, const float *norms, const void *values, int kind, int64_t pool_len,
-                         float self_mask, float mask, float *out, float *score, float *lse, float *row) {
+                         int64_t stride, float self_mask, float mask, float *out, float *score, float *lse,
+                         float *row) {
     const int64_t R = rounds, W = width, D = dim, n = R * W, row_bytes = D * kind_bytes(kind);
+    const int64_t stride_bytes = stride * kind_bytes(kind);
     for (int64_t i = 0; i < n; i++)
         if (!absent[i] && (flat[i] < 0 || flat[i] >= pool_len)) return BAD_INDEX;
     /* the first AHEAD slots, which the loop's look-ahead never reaches */
     for (int64_t i = 0; i < AHEAD && i < n; i++)
-        if (!absent[i]) prefetch_slot(keys, values, norms, row_bytes, flat[i]);
+        if (!absent[i]) prefetch_slot(keys, values, norms, row_bytes, stride_bytes, flat[i]);
     int64_t i = 0;
 #ifdef __AVX512F__
     if (lanes_fit(kind, D)) {
@@ -271,10 +278,11 @@ static int attend_slots(const float *q, int64_t dim, int64_t rounds, int64_t wid
             float dots[16];
             for (int s = 0; s < 16; s++) {
                 const int64_t k = i + s;
-                if (k + AHEAD < n && !absent[k + AHEAD]) prefetch_slot(keys, values, norms, row_bytes, flat[k + AHEAD]);
+                if (k + AHEAD < n && !absent[k + AHEAD]) prefetch_slot(keys, values, norms, row_bytes, stride_bytes,
+                                                                       flat[k + AHEAD]);
                 at[s] = absent[k] ? 0 : flat[k]; /* a padding slot's score is the mask: any row will do */
             }
-            dots16(q, keys, kind, D, at, dots);
+            dots16(q, keys, kind, stride, D, at, dots);
             for (int s = 0; s < 16; s++) {
                 const int64_t k = i + s;
                 float v = dots[s];
@@ -291,14 +299,14 @@ static int attend_slots(const float *q, int64_t dim, int64_t rounds, int64_t wid
     }
 #endif
     for (; i < n; i++) {
-        if (i + AHEAD < n && !absent[i + AHEAD]) prefetch_slot(keys, values, norms, row_bytes, flat[i + AHEAD]);
+        if (i + AHEAD < n && !absent[i + AHEAD]) prefetch_slot(keys, values, norms, row_bytes, stride_bytes, flat[i + AHEAD]);
         float s;
         if (absent[i]) {
             s = mask;
         } else if (pos && pos[i] == self) {
             s = self_mask;
         } else {
-            s = dot_row(q, keys, kind, flat[i], D, row);
+            s = dot_row(q, keys, kind, flat[i], stride, D, row);
             if (norms) s *= norms[flat[i]];
         }
         score[i] = s;
@@ -331,10 +339,10 @@ static int attend_slots(const float *q, int64_t dim, int64_t rounds, int64_t wid
         const int64_t parts = D / 16;
         for (int64_t c = 0; c < parts; c++) acc[c] = _mm512_setzero_ps();
         for (int64_t i = 0; i < n; i++) {
-            if (i + AHEAD < n && score[i + AHEAD] != 0.0f) prefetch_row(values, row_bytes, flat[i + AHEAD]);
+            if (i + AHEAD < n && score[i + AHEAD] != 0.0f) prefetch_row(values, row_bytes, stride_bytes, flat[i + AHEAD]);
             const float p = score[i];
             if (p == 0.0f) continue;
-            const float *v = (const float *)values + flat[i] * D;
+            const float *v = (const float *)values + flat[i] * stride;
             const __m512 pp = _mm512_set1_ps(p);
             for (int64_t c = 0; c < parts; c++) acc[c] = _mm512_fmadd_ps(pp, _mm512_loadu_ps(v + 16 * c), acc[c]);
         }
@@ -344,10 +352,10 @@ static int attend_slots(const float *q, int64_t dim, int64_t rounds, int64_t wid
 #endif
     memset(out, 0, (size_t)D * sizeof(float));
     for (int64_t i = 0; i < n; i++) {
-        if (i + AHEAD < n && score[i + AHEAD] != 0.0f) prefetch_row(values, row_bytes, flat[i + AHEAD]);
+        if (i + AHEAD < n && score[i + AHEAD] != 0.0f) prefetch_row(values, row_bytes, stride_bytes, flat[i + AHEAD]);
         const float p = score[i];
         if (p == 0.0f) continue;
-        add_row(out, p, values, kind, flat[i], D, row);
+        add_row(out, p, values, kind, flat[i], stride, D, row);
     }
     return 0;
 }
@@ -361,7 +369,7 @@ static int attend_item(const Job *job, int64_t item, float *score, float *lse, f
     return attend_slots(job->q + item * D, D, job->rounds, job->width, job->flat + item * n,
                  job->pos ? job->pos + item * n : NULL, job->t ? job->t[b] : -1,
                  job->absent + b * job->absent_row_stride + h * job->absent_head_stride, job->dead ? dead : NULL,
-                 job->keys, job->norms, job->values, job->kind, job->pool_len, job->self_mask, job->mask,
+                 job->keys, job->norms, job->values, job->kind, job->pool_len, job->stride, job->self_mask, job->mask,
                  job->out + item * D, score, lse, row);
 }
 
@@ -407,7 +415,7 @@ static int64_t clamp_threads(int64_t threads, int64_t items) {
 /* Returns 0; NO_MEMORY, BAD_INDEX (a window index outside the pools) or BAD_KIND leave out undefined. */
 int window_attend(int64_t rows, int64_t heads, int64_t rounds, int64_t width, int64_t dim, int64_t kind,
                   const float *q, const void *keys, const float *norms, const void *values, int64_t pool_len,
-                  const int64_t *flat,
+                  int64_t stride, const int64_t *flat,
                   const uint8_t *absent, int64_t absent_row_stride, int64_t absent_head_stride,
                   const int64_t *pos, const int64_t *t, const uint8_t *dead, float self_mask, float mask,
                   float *out, int64_t threads) {
@@ -416,7 +424,7 @@ int window_attend(int64_t rows, int64_t heads, int64_t rounds, int64_t width, in
     threads = clamp_threads(threads, items);
     Job jobs[MAX_THREADS];
     for (int64_t k = 0; k < threads; k++) {
-        jobs[k] = (Job){heads, rounds, width, dim, (int)kind, q, norms, keys, values, pool_len, flat, pos, t,
+        jobs[k] = (Job){heads, rounds, width, dim, (int)kind, q, norms, keys, values, pool_len, stride, flat, pos, t,
                         absent, dead,
                         absent_row_stride, absent_head_stride, self_mask, mask, out,
                         items * k / threads, items * (k + 1) / threads, 1};
@@ -430,12 +438,13 @@ int window_attend(int64_t rows, int64_t heads, int64_t rounds, int64_t width, in
 /* window_attend for the (row, head) items begin .. end-1 only, on the calling thread (step_layers.c splits a
  * step's items between its threads). */
 int window_attend_items(int64_t heads, int64_t rounds, int64_t width, int64_t dim, int64_t kind, const float *q,
-                        const void *keys, const float *norms, const void *values, int64_t pool_len,
+                        const void *keys, const float *norms, const void *values, int64_t pool_len, int64_t stride,
                         const int64_t *flat, const uint8_t *absent, int64_t absent_row_stride,
                         int64_t absent_head_stride, const int64_t *pos, const int64_t *t, const uint8_t *dead,
                         float self_mask, float mask, float *out, int64_t begin, int64_t end) {
     if (!kind_ok(kind)) return BAD_KIND;
-    Job job = {heads, rounds, width, dim, (int)kind, q, norms, keys, values, pool_len, flat, pos, t, absent, dead,
+    Job job = {heads, rounds, width, dim, (int)kind, q, norms, keys, values, pool_len, stride, flat, pos, t, absent,
+               dead,
                absent_row_stride, absent_head_stride, self_mask, mask, out, begin, end, 1};
     if (begin < end) run_job(&job);
     return begin < end ? job.status : 0;
@@ -449,6 +458,7 @@ typedef struct {
     const float *q, *norms;
     const void *keys, *values;
     int64_t pool_rows;         /* positions in the pools (keys and values hold pool_rows * heads rows) */
+    int64_t stride;            /* elements from one pool row to the next */
     const int64_t *meta;       /* (B, 7): slot, t, hashed, chunks, local dense, index slot, appends */
     const int64_t *bucket_of;  /* (B, H, R): the new position's bucket in each round */
     const int32_t *main_counts;
@@ -615,7 +625,8 @@ static void *run_lsh_job(void *arg) {
         if (!job->status)
             job->status = attend_slots(job->q + item * job->dim, job->dim, R, W, flat, pos, job->meta[b * 7 + 1],
                                        absent, dead, job->keys, job->norms, job->values, job->kind,
-                                       job->pool_rows * job->heads, job->self_mask, job->mask, out, score, lse, row);
+                                       job->pool_rows * job->heads, job->stride, job->self_mask, job->mask, out, score,
+                                       lse, row);
     }
     free(buffer);
     return NULL;
@@ -626,20 +637,20 @@ static void *run_lsh_job(void *arg) {
  * insert), then attend_slots. Returns as window_attend does. */
 static LshJob lsh_job(int64_t heads, int64_t rounds, int64_t buckets, int64_t chunk, int64_t before,
                       int64_t after, int64_t dim, int64_t recent_size, int64_t kind, const float *q, const void *keys,
-                      const float *norms, const void *values, int64_t pool_rows, const int64_t *meta,
+                      const float *norms, const void *values, int64_t pool_rows, int64_t stride, const int64_t *meta,
                       const int64_t *bucket_of, const int32_t *main_counts, const int16_t *recent_counts,
                       const void *items, int64_t items_len, int64_t item_bytes, int64_t shift, int64_t recent_offset,
                       const int64_t *block_table, int64_t table_width, int64_t block_size, int64_t skip_slot,
                       float self_mask, float mask, float *out, int64_t begin, int64_t end) {
     return (LshJob){heads, rounds, buckets, chunk, before, after, dim, recent_size, (int)kind, q, norms, keys, values,
-                    pool_rows, meta, bucket_of, main_counts, recent_counts, items, items_len, item_bytes, shift,
+                    pool_rows, stride, meta, bucket_of, main_counts, recent_counts, items, items_len, item_bytes, shift,
                     recent_offset, block_table, table_width, block_size, skip_slot, self_mask, mask, out, begin, end,
                     1};
 }
 
 int lsh_attend(int64_t rows, int64_t heads, int64_t rounds, int64_t buckets, int64_t chunk, int64_t before,
                int64_t after, int64_t dim, int64_t recent_size, int64_t kind, const float *q, const void *keys,
-               const float *norms, const void *values, int64_t pool_rows, const int64_t *meta,
+               const float *norms, const void *values, int64_t pool_rows, int64_t stride, const int64_t *meta,
                const int64_t *bucket_of, const int32_t *main_counts, const int16_t *recent_counts,
                const void *items, int64_t items_len, int64_t item_bytes,
                int64_t shift, int64_t recent_offset, const int64_t *block_table, int64_t table_width,
@@ -650,7 +661,7 @@ int lsh_attend(int64_t rows, int64_t heads, int64_t rounds, int64_t buckets, int
     LshJob jobs[MAX_THREADS];
     for (int64_t k = 0; k < threads; k++)
         jobs[k] = lsh_job(heads, rounds, buckets, chunk, before, after, dim, recent_size, kind, q, keys, norms, values,
-                          pool_rows, meta, bucket_of, main_counts, recent_counts, items, items_len, item_bytes, shift,
+                          pool_rows, stride, meta, bucket_of, main_counts, recent_counts, items, items_len, item_bytes, shift,
                           recent_offset, block_table, table_width, block_size, skip_slot, self_mask, mask, out,
                           items_n * k / threads, items_n * (k + 1) / threads);
     run_parallel(run_lsh_job, (char *)jobs, sizeof(LshJob), threads);
@@ -662,7 +673,7 @@ int lsh_attend(int64_t rows, int64_t heads, int64_t rounds, int64_t buckets, int
 /* lsh_attend for the (row, head) items begin .. end-1 only, on the calling thread (step_layers.c). */
 int lsh_attend_items(int64_t heads, int64_t rounds, int64_t buckets, int64_t chunk, int64_t before, int64_t after,
                      int64_t dim, int64_t recent_size, int64_t kind, const float *q, const void *keys,
-                     const float *norms, const void *values, int64_t pool_rows, const int64_t *meta,
+                     const float *norms, const void *values, int64_t pool_rows, int64_t stride, const int64_t *meta,
                      const int64_t *bucket_of, const int32_t *main_counts, const int16_t *recent_counts,
                      const void *items, int64_t items_len, int64_t item_bytes, int64_t shift, int64_t recent_offset,
                      const int64_t *block_table, int64_t table_width, int64_t block_size, int64_t skip_slot,
@@ -670,7 +681,7 @@ int lsh_attend_items(int64_t heads, int64_t rounds, int64_t buckets, int64_t chu
     if (!kind_ok(kind)) return BAD_KIND;
     if (begin >= end) return 0;
     LshJob job = lsh_job(heads, rounds, buckets, chunk, before, after, dim, recent_size, kind, q, keys, norms, values,
-                         pool_rows, meta, bucket_of, main_counts, recent_counts, items, items_len, item_bytes, shift,
+                         pool_rows, stride, meta, bucket_of, main_counts, recent_counts, items, items_len, item_bytes, shift,
                          recent_offset, block_table, table_width, block_size, skip_slot, self_mask, mask, out, begin,
                          end);
     run_lsh_job(&job);
@@ -735,19 +746,22 @@ int lsh_merge(int64_t columns, int64_t buckets, int64_t main_len, int64_t recent
 
 /* ---- a decode step's writes: the new keys and values, and each LSH index's recent order --------------- */
 
-/* rows (B,) pool rows; key and value (B, heads, dim) float32, stored as the pools' kind; norms (pool, heads)
- * or NULL: the float32 key's length-normalisation factor rsqrt(mean(k * k) + eps) / sqrt(dim), as
- * model/decode_cache.py key_norm computes it. Returns 0, or BAD_INDEX for a row outside the pool. */
-int decode_write(int64_t rows, int64_t heads, int64_t dim, int64_t kind, int64_t pool_rows, const int64_t *at,
-                 const float *key, const float *value, void *keys, void *values, float *norms, float eps,
-                 float sqrt_dim) {
+/* rows (B,) positions' pool rows; key and value (B, heads, dim) float32, stored as the pools' kind at the
+ * (position, head) rows at * heads + h, `stride` elements apart; norms (pool, heads) or NULL: the float32
+ * key's length-normalisation factor rsqrt(mean(k * k) + eps) / sqrt(dim), as model/decode_cache.py key_norm
+ * computes it. Returns 0, or BAD_INDEX for a row outside the pool. */
+int decode_write(int64_t rows, int64_t heads, int64_t dim, int64_t kind, int64_t pool_rows, int64_t stride,
+                 const int64_t *at, const float *key, const float *value, void *keys, void *values, float *norms,
+                 float eps, float sqrt_dim) {
     if (!kind_ok(kind)) return BAD_KIND;
     for (int64_t b = 0; b < rows; b++)
         if (at[b] < 0 || at[b] >= pool_rows) return BAD_INDEX;
     const int64_t row = heads * dim;
     for (int64_t b = 0; b < rows; b++) {
-        store_row(keys, (int)kind, at[b], key + b * row, row);
-        store_row(values, (int)kind, at[b], value + b * row, row);
+        for (int64_t h = 0; h < heads; h++) {
+            store_row(keys, (int)kind, at[b] * heads + h, stride, key + b * row + h * dim, dim);
+            store_row(values, (int)kind, at[b] * heads + h, stride, value + b * row + h * dim, dim);
+        }
         if (!norms) continue;
         for (int64_t h = 0; h < heads; h++) {
             const float *k = key + b * row + h * dim;

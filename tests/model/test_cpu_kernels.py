@@ -62,6 +62,20 @@ def _inputs(b: int = 5, h: int = 3, r: int = 4, w: int = 24, d: int = 20, seed: 
                 pos=pos, t=t, dead=None)
 
 
+@pytest.mark.parametrize("d", [20, 64])
+def test_pools_with_each_key_beside_its_value_read_as_separate_pools(kernel: cpu_kernels.WindowKernel,
+                                                                    d: int) -> None:
+    """The decode cache keeps a (position, head)'s key and value side by side (rows 2 * d apart): the kernel
+    reads such views as it reads two contiguous pools, bit for bit."""
+    x = _inputs(d=d)
+    kv = torch.stack([x["keys"], x["values"]], dim=1)  # (N, 2, d)
+    masks: dict[str, Any] = dict(self_mask=self_mask_value(torch.float32), mask=mask_value(torch.float32))
+    apart = kernel.attend(**x, **masks)
+    beside = kernel.attend(**dict(x, keys=kv[:, 0], values=kv[:, 1]), **masks)
+    assert kv[:, 0].stride() == (2 * d, 1)
+    assert torch.equal(beside, apart)
+
+
 # head sizes through each of the kernel's float32 loops: 20 the generic ones; 48 the output summed in
 # registers; 64 that and the two-chain dot product; 160 the dot product with the generic output loop
 @pytest.mark.parametrize("d", [20, 48, 64, 160])
@@ -238,5 +252,7 @@ def test_tensors_the_c_side_cannot_read_are_refused(kernel: cpu_kernels.WindowKe
     masks: dict[str, Any] = dict(self_mask=self_mask_value(torch.float32), mask=mask_value(torch.float32))
     with pytest.raises(ValueError, match="contiguous torch.float32 CPU tensor, got torch.float64"):
         kernel.attend(**dict(x, q=x["q"].double()), **masks)
-    with pytest.raises(ValueError, match="not contiguous"):
+    with pytest.raises(ValueError, match="evenly spaced contiguous rows"):
         kernel.attend(**dict(x, keys=torch.randn(20, x["keys"].shape[0]).t()), **masks)
+    with pytest.raises(ValueError, match="key and value pools with strides"):  # each its own row spacing
+        kernel.attend(**dict(x, keys=torch.randn(x["keys"].shape[0], 40)[:, :20]), **masks)
