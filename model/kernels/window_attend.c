@@ -224,6 +224,31 @@ static inline void dots16(const float *q, const void *keys, int kind, int64_t st
 }
 #endif
 
+#ifdef __AVX512F__
+/* exp of 16 floats of at most 0 (a score less the window's top): Cephes' single-precision polynomial,
+ * scaled by 2**n: within 1 ulp of glibc's expf at 6.25M points of [-90, 0] (checked by hand), exactly 1 at 0,
+ * and exactly 0 below -87.3, where expf is 0 or subnormal, so a masked slot still weighs exactly nothing.
+ * Scalar expf per slot was about a sixth of the attention's perf samples in a shipped-model step of 8 rows;
+ * in-process A/B of the step: shipped model 8 rows 0.752 -> 0.662 ms, 1 row 0.146 -> 0.135; bench config 8
+ * rows after 1K 5.44 -> 5.00 (same greedy tokens, logits within 2.1e-5). */
+static inline __m512 exp16(__m512 x) {
+    const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.33654f), _CMP_LT_OQ);
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.33654f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_maskz_mov_ps((__mmask16)~tiny, _mm512_scalef_ps(p, n));
+}
+#endif
+
 static inline float dot_row(const float *q, const void *pool, int kind, int64_t at, int64_t stride, int64_t d,
                             float *buf) {
 #ifdef __AVX512F__
@@ -317,7 +342,20 @@ static int attend_slots(const float *q, int64_t dim, int64_t rounds, int64_t wid
         float top = e[0];
         for (int64_t w = 1; w < W; w++) top = e[w] > top ? e[w] : top;
         float total = 0.0f;
-        for (int64_t w = 0; w < W; w++) {
+        int64_t w = 0;
+#ifdef __AVX512F__
+        if (W % 16 == 0) { /* 16 slots at a time; their sum in 16 lanes, added as sum_lanes adds */
+            const __m512 at_top = _mm512_set1_ps(top);
+            __m512 lanes = _mm512_setzero_ps();
+            for (; w < W; w += 16) {
+                const __m512 v = exp16(_mm512_sub_ps(_mm512_loadu_ps(e + w), at_top));
+                _mm512_storeu_ps(e + w, v);
+                lanes = _mm512_add_ps(lanes, v);
+            }
+            total = sum_lanes(lanes);
+        }
+#endif
+        for (; w < W; w++) {
             e[w] = expf(e[w] - top);
             total += e[w];
         }

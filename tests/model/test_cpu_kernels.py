@@ -78,12 +78,14 @@ def test_pools_with_each_key_beside_its_value_read_as_separate_pools(kernel: cpu
 
 # head sizes through each of the kernel's float32 loops: 20 the generic ones; 48 the output summed in
 # registers; 64 that and the two-chain dot product; 160 the dot product with the generic output loop
+# widths: 24 takes the softmax's one-slot-at-a-time expf, 32 (a multiple of 16) exp16's 16 at a time
+@pytest.mark.parametrize("w", [24, 32])
 @pytest.mark.parametrize("d", [20, 48, 64, 160])
-def test_window_attention_equals_the_plain_formula(kernel: cpu_kernels.WindowKernel, d: int) -> None:
+def test_window_attention_equals_the_plain_formula(kernel: cpu_kernels.WindowKernel, d: int, w: int) -> None:
     # the float32 formula's own rounding grows with its dot products (~sqrt(d)): at d=160 it is 1.4e-5 from
     # the kernel, which is 1.3e-6 from the same formula in float64 (measured by hand)
     tol = 1e-5 * max(1.0, (d / 64) ** 0.5)
-    x = _inputs(d=d)
+    x = _inputs(d=d, w=w)
     got = kernel.attend(**x, self_mask=self_mask_value(torch.float32), mask=mask_value(torch.float32))
     torch.testing.assert_close(got, _plain_attention(**x), atol=tol, rtol=1e-5)
     # local layers: no key factors, no self mask, padding shared by the heads, one round
@@ -100,18 +102,20 @@ def test_window_attention_equals_the_plain_formula(kernel: cpu_kernels.WindowKer
 
 
 def test_slots_scored_sixteen_at_a_time_get_the_bits_of_slots_scored_alone(kernel: cpu_kernels.WindowKernel) -> None:
-    # float32 rows of a multiple of 32 elements and half rows of a multiple of 16: a window's slots are
-    # scored 16 at a time, the last n % 16 one at a time. 15 absent slots in front of a 16-slot window
-    # (absent slots weigh exactly 0, and the sums over them add exact zeros) move its last 15 slots from the
-    # first way to the second; the output keeps its bits only if both score every slot alike.
+    # float32 rows of a multiple of 32 elements and half rows of a multiple of 16: the n = R * W slots of a
+    # (row, head)'s windows are scored 16 at a time, the last n % 16 one at a time. Two rounds of 24 slots
+    # (48: all 16 at a time); 15 absent slots in front of each round's window (absent slots weigh exactly 0,
+    # and the sums over them add exact zeros) make 78 and move the second round's last 14 slots to the
+    # second way; the output keeps its bits only if both score every slot alike. (Both widths take the
+    # softmax's one-slot-at-a-time exp: a width of a multiple of 16 takes exp16, other bits.)
     masks: dict[str, Any] = dict(self_mask=self_mask_value(torch.float32), mask=mask_value(torch.float32))
     cases = [(torch.float32, 32), (torch.float32, 64)]
     cases += [(dtype, d) for dtype in (torch.bfloat16, torch.float16) if dtype in kernel.reads for d in (16, 48)]
     for dtype, d in cases:
         for seed in range(3):
-            x = _inputs(b=4, h=3, r=1, w=16, d=d, seed=seed)  # one block of 16 per (row, head)
+            x = _inputs(b=4, h=3, r=2, w=24, d=d, seed=seed)  # three blocks of 16 per (row, head)
             x.update(keys=x["keys"].to(dtype), values=x["values"].to(dtype))
-            pad = (4, 3, 1, 15)
+            pad = (4, 3, 2, 15)
             padded = dict(x, flat=torch.cat([torch.zeros(pad, dtype=torch.long), x["flat"]], -1),
                           absent=torch.cat([torch.ones(pad, dtype=torch.bool), x["absent"]], -1),
                           pos=torch.cat([torch.zeros(pad, dtype=torch.long), x["pos"]], -1))
