@@ -5,7 +5,7 @@
 
 bench/generate.py times each prompt length in its own process, one after another, so a swing in this
 machine's memory speed between two cases reads as a difference between lengths: its 32K case took 1.25 to
-2.34 ms a token in four runs of the same code within half an hour (by hand, load 0.02-0.70). Here every
+2.34 ms a token in six runs of the same code one after another (by hand, load 0.02-0.70). Here every
 length has its own request in one decode cache, prefilled first; then the lengths take turns, `--rounds`
 rounds of `--steps` steps each, as the service's model runner runs a one-row step (`step_threads`), so a
 swing falls on all of them alike. Each step is timed alone.
@@ -15,8 +15,9 @@ the LSH index's recent order into its main order included: one every 64 steps, O
 slowest step and the position it wrote, and each mean against the shortest length's. An automatic bucket
 count that doubles while a request decodes (at padded lengths of 32 * 2**k for bench/generate.py's config)
 rebuilds that request's index in one step, O(L log L): a prompt right below such a length shows it as its
-slowest step, and `--lengths` values are used as given (`--below-boundary` moves each one past the
-boundary it would cross, so no rebuild falls in the timing).
+slowest step. `--lengths` values are used as given, except that each is cut to leave room for the timed
+steps in max_position_embeddings (`--below-boundary` also moves each one past a boundary it would cross,
+so no rebuild falls in the timing).
 
 Writes bench/results/length_cost.json and prints a table with the machine's load.
 """
@@ -38,7 +39,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.step_cost import _model  # noqa: E402
+from bench.step_cost import load_model  # noqa: E402
 from model import ReformerLM  # noqa: E402
 from model.attention import LSHSelfAttention  # noqa: E402
 from model.cpu_runtime import tune_cpu_runtime  # noqa: E402
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     tune_cpu_runtime()
     load_before = os.getloadavg()[0]
-    lm = _model(args.artifact)
+    lm = load_model(args.artifact)
     total = args.rounds * (args.steps + 1) + 2
     lengths = [int(x) for x in args.lengths.split(",") if x]
     limit = lm.config.max_position_embeddings - total

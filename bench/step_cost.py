@@ -133,7 +133,8 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return a, b
 
 
-def _model(artifact: str | None) -> ReformerLM:
+def load_model(artifact: str | None) -> ReformerLM:
+    """bench/generate.py's config (seed 0), or an artifact's model with the C kernels on."""
     if artifact is None:
         torch.manual_seed(0)
         return ReformerLM(ReformerConfig.from_hf(hf_config())).eval()
@@ -190,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     tune_cpu_runtime()
     load_before = os.getloadavg()[0]
     bandwidth = read_bandwidth()
-    lm = _model(args.artifact)
+    lm = load_model(args.artifact)
     kv = DTYPES[args.kv_cache_dtype]
     sizes = [int(x) for x in args.batch_sizes.split(",") if x]
     times, distinct = time_steps(lm, sizes, args.prompt, args.steps, args.rounds, kv)

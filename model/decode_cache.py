@@ -151,8 +151,9 @@ class DecodeCache:
         # empty, not zeros: pages are touched only when written (only the scratch block is cleared); a read
         # never reaches a position that was not written (windows point masked slots at position 0).
         # A (position, head)'s key and value side by side, one run of 2 * head_size: a window slot reads both,
-        # and one run from memory is cheaper than two rows in two pools (in-process A/B of the step, bench
-        # config, 8 rows after 1K: 6.18 / 6.16 -> 5.39 / 5.56 ms; bit-identical logits). keys and values
+        # and one run from memory is cheaper than two rows in two pools (in-process A/B of the step, scratch
+        # script, load not recorded; bench config, 8 rows after 1K: 6.18 / 6.16 -> 5.39 / 5.56 ms;
+        # bit-identical logits). keys and values
         # are views into it, each (rows, heads, head_size) with rows 2 * head_size elements apart.
         self.kv = [torch.empty(rows, self.heads, 2, self.head_size, dtype=self.kv_dtype, device=self.device)
                    for _ in self.indexes]

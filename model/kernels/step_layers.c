@@ -243,8 +243,8 @@ int decode_layers(int64_t m, int64_t hidden, int64_t nlayers, const StepLayer *l
                     }
                 }
                 int st = status ? status
-                                : decode_write(m, L->heads, L->dim, L->kind, L->pool_rows, L->stride, new_rows, key, value,
-                                               L->keys, L->values, L->lsh ? L->norms : NULL, WRITE_EPS, scale);
+                                : decode_write(m, L->heads, L->dim, L->kind, L->pool_rows, L->stride, new_rows, key,
+                                               value, L->keys, L->values, L->lsh ? L->norms : NULL, WRITE_EPS, scale);
                 if (L->lsh) {
                     const int64_t per_row = L->heads * L->rounds;
                     for (int64_t b = 0; b < m && !st; b++) {
@@ -272,15 +272,15 @@ int decode_layers(int64_t m, int64_t hidden, int64_t nlayers, const StepLayer *l
             int st = 0;
             if (L->lsh)
                 st = lsh_attend_items(L->heads, L->rounds, L->buckets, L->chunk, L->before, L->after, L->dim,
-                                      L->recent_size, L->kind, key, L->keys, L->norms, L->values, L->pool_rows, L->stride, meta,
-                                      bucket_of, L->main_counts, L->recent_counts, L->items, L->items_len,
-                                      L->item_bytes, L->shift, L->recent_offset, table, table_width, block_size,
-                                      scratch_slot, fl[2], fl[3], out, begin, end);
+                                      L->recent_size, L->kind, key, L->keys, L->norms, L->values, L->pool_rows,
+                                      L->stride, meta, bucket_of, L->main_counts, L->recent_counts, L->items,
+                                      L->items_len, L->item_bytes, L->shift, L->recent_offset, table, table_width,
+                                      block_size, scratch_slot, fl[2], fl[3], out, begin, end);
             else {
                 const int64_t w = (L->before + 1) * L->chunk;
                 st = window_attend_items(L->heads, 1, w, L->dim, L->kind, value, L->keys, NULL, L->values,
-                                         L->pool_rows * L->heads, L->stride, flat, absent, w, L->heads > 1 ? 0 : w, NULL, NULL,
-                                         NULL, 0.0f, fl[3], out, begin, end);
+                                         L->pool_rows * L->heads, L->stride, flat, absent, w, L->heads > 1 ? 0 : w,
+                                         NULL, NULL, NULL, 0.0f, fl[3], out, begin, end);
             }
             if (st) {
 #pragma omp atomic

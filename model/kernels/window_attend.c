@@ -324,7 +324,8 @@ static int attend_slots(const float *q, int64_t dim, int64_t rounds, int64_t wid
     }
 #endif
     for (; i < n; i++) {
-        if (i + AHEAD < n && !absent[i + AHEAD]) prefetch_slot(keys, values, norms, row_bytes, stride_bytes, flat[i + AHEAD]);
+        if (i + AHEAD < n && !absent[i + AHEAD])
+            prefetch_slot(keys, values, norms, row_bytes, stride_bytes, flat[i + AHEAD]);
         float s;
         if (absent[i]) {
             s = mask;
@@ -377,7 +378,8 @@ static int attend_slots(const float *q, int64_t dim, int64_t rounds, int64_t wid
         const int64_t parts = D / 16;
         for (int64_t c = 0; c < parts; c++) acc[c] = _mm512_setzero_ps();
         for (int64_t i = 0; i < n; i++) {
-            if (i + AHEAD < n && score[i + AHEAD] != 0.0f) prefetch_row(values, row_bytes, stride_bytes, flat[i + AHEAD]);
+            if (i + AHEAD < n && score[i + AHEAD] != 0.0f)
+                prefetch_row(values, row_bytes, stride_bytes, flat[i + AHEAD]);
             const float p = score[i];
             if (p == 0.0f) continue;
             const float *v = (const float *)values + flat[i] * stride;
@@ -390,7 +392,8 @@ static int attend_slots(const float *q, int64_t dim, int64_t rounds, int64_t wid
 #endif
     memset(out, 0, (size_t)D * sizeof(float));
     for (int64_t i = 0; i < n; i++) {
-        if (i + AHEAD < n && score[i + AHEAD] != 0.0f) prefetch_row(values, row_bytes, stride_bytes, flat[i + AHEAD]);
+        if (i + AHEAD < n && score[i + AHEAD] != 0.0f)
+            prefetch_row(values, row_bytes, stride_bytes, flat[i + AHEAD]);
         const float p = score[i];
         if (p == 0.0f) continue;
         add_row(out, p, values, kind, flat[i], stride, D, row);
@@ -681,9 +684,9 @@ static LshJob lsh_job(int64_t heads, int64_t rounds, int64_t buckets, int64_t ch
                       const int64_t *block_table, int64_t table_width, int64_t block_size, int64_t skip_slot,
                       float self_mask, float mask, float *out, int64_t begin, int64_t end) {
     return (LshJob){heads, rounds, buckets, chunk, before, after, dim, recent_size, (int)kind, q, norms, keys, values,
-                    pool_rows, stride, meta, bucket_of, main_counts, recent_counts, items, items_len, item_bytes, shift,
-                    recent_offset, block_table, table_width, block_size, skip_slot, self_mask, mask, out, begin, end,
-                    1};
+                    pool_rows, stride, meta, bucket_of, main_counts, recent_counts, items, items_len, item_bytes,
+                    shift, recent_offset, block_table, table_width, block_size, skip_slot, self_mask, mask, out, begin,
+                    end, 1};
 }
 
 int lsh_attend(int64_t rows, int64_t heads, int64_t rounds, int64_t buckets, int64_t chunk, int64_t before,
@@ -699,9 +702,9 @@ int lsh_attend(int64_t rows, int64_t heads, int64_t rounds, int64_t buckets, int
     LshJob jobs[MAX_THREADS];
     for (int64_t k = 0; k < threads; k++)
         jobs[k] = lsh_job(heads, rounds, buckets, chunk, before, after, dim, recent_size, kind, q, keys, norms, values,
-                          pool_rows, stride, meta, bucket_of, main_counts, recent_counts, items, items_len, item_bytes, shift,
-                          recent_offset, block_table, table_width, block_size, skip_slot, self_mask, mask, out,
-                          items_n * k / threads, items_n * (k + 1) / threads);
+                          pool_rows, stride, meta, bucket_of, main_counts, recent_counts, items, items_len,
+                          item_bytes, shift, recent_offset, block_table, table_width, block_size, skip_slot,
+                          self_mask, mask, out, items_n * k / threads, items_n * (k + 1) / threads);
     run_parallel(run_lsh_job, (char *)jobs, sizeof(LshJob), threads);
     int status = 0;
     for (int64_t k = 0; k < threads; k++) status |= jobs[k].status;
@@ -719,9 +722,9 @@ int lsh_attend_items(int64_t heads, int64_t rounds, int64_t buckets, int64_t chu
     if (!kind_ok(kind)) return BAD_KIND;
     if (begin >= end) return 0;
     LshJob job = lsh_job(heads, rounds, buckets, chunk, before, after, dim, recent_size, kind, q, keys, norms, values,
-                         pool_rows, stride, meta, bucket_of, main_counts, recent_counts, items, items_len, item_bytes, shift,
-                         recent_offset, block_table, table_width, block_size, skip_slot, self_mask, mask, out, begin,
-                         end);
+                         pool_rows, stride, meta, bucket_of, main_counts, recent_counts, items, items_len,
+                         item_bytes, shift, recent_offset, block_table, table_width, block_size, skip_slot,
+                         self_mask, mask, out, begin, end);
     run_lsh_job(&job);
     return job.status;
 }

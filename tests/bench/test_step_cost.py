@@ -67,7 +67,7 @@ def test_main_reports_the_per_row_cost_each_target_allows(monkeypatch: pytest.Mo
     # steps of 1 ms plus 0.5 ms per added row: batch 8 takes 4.5 ms (4.5x), batch 32 16.5 ms
     times = {1: [0.001], 2: [0.0015], 8: [0.0045], 32: [0.0165]}
     monkeypatch.setattr(step_cost, "read_bandwidth", lambda: 1e10)
-    monkeypatch.setattr(step_cost, "_model", lambda artifact: tiny_model())
+    monkeypatch.setattr(step_cost, "load_model", lambda artifact: tiny_model())
     monkeypatch.setattr(step_cost, "time_steps", lambda *args: (times, 0.5))
     monkeypatch.setattr(step_cost, "_print", lambda result: None)
     monkeypatch.setattr(step_cost, "tune_cpu_runtime", lambda: {})  # process-wide: not in a test worker
