@@ -19,6 +19,9 @@ With an automatic bucket count (num_buckets=None) the bucket counts grow, for ev
 request reaches a length with more buckets. The budget therefore reserves, per slot, the counts of the
 longest request the cache is built for (`max_tokens`), and refuses longer ones, so growth never takes memory
 the capacity does not count.
+
+On a Linux CPU the pools are mapped on transparent huge pages (model/huge_pages.py): a long request's windows
+read rows scattered over the whole pool.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from .attention import LSHSelfAttention
 from .cpu_kernels import WindowKernel
 from .cpu_kernels import load as load_window_kernel
 from .decode_index import RECENT, BlockLookup, LSHIndex
+from .huge_pages import pool_empty
 from .step_fused import FusedStep
 from .step_linear import StepLinears
 
@@ -155,13 +159,13 @@ class DecodeCache:
         # script, load not recorded; bench config, 8 rows after 1K: 6.18 / 6.16 -> 5.39 / 5.56 ms;
         # bit-identical logits). keys and values
         # are views into it, each (rows, heads, head_size) with rows 2 * head_size elements apart.
-        self.kv = [torch.empty(rows, self.heads, 2, self.head_size, dtype=self.kv_dtype, device=self.device)
+        self.kv = [pool_empty((rows, self.heads, 2, self.head_size), self.kv_dtype, self.device)
                    for _ in self.indexes]
         self.keys = [kv[:, :, 0] for kv in self.kv]
         self.values = [kv[:, :, 1] for kv in self.kv]
         # LSH layers: each cached key's length-normalisation factor divided by sqrt(head size), so a step
         # scales its dot products instead of normalising every gathered key again
-        self.norms = [torch.empty(rows, self.heads, dtype=self.dtype, device=self.device) if ix is not None
+        self.norms = [pool_empty((rows, self.heads), self.dtype, self.device) if ix is not None
                       else None for ix in self.indexes]
         for pool in (*self.keys, *self.values, *(n for n in self.norms if n is not None)):
             pool[:block_size].zero_()

@@ -35,6 +35,8 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from torch import Tensor
 
+from .huge_pages import pool_empty
+
 if TYPE_CHECKING:
     from .cpu_kernels import WindowKernel
 
@@ -72,7 +74,7 @@ class LSHIndex:
         # all written by a build or merge (the scratch block, which padding rows read, is filled by the
         # cache); every recent item holds a valid position (0 until written): a masked slot still reads one
         self.recent_offset = rows * heads * rounds
-        self._items = torch.empty(self.recent_offset + slots * heads * rounds * recent, dtype=self.dtype, device=device)
+        self._items = pool_empty((self.recent_offset + slots * heads * rounds * recent,), self.dtype, device)
         self.order = self._items[: self.recent_offset].view(rows, heads * rounds)
         self.recent = self._items[self.recent_offset :].view(slots, heads, rounds, recent)
         self.recent.fill_(self.shift)
