@@ -181,6 +181,8 @@ class WindowKernel:
         # callers pass what `pack` made (model/step_linear.py checks its packings when it makes them)
         self.linear_raw = declare("step_linear", [i64] * 3 + [ptr, i64] + [ptr] * 3)
         self._hash = declare("lsh_hash", [i64] * 6 + [ptr] * 4)
+        self._buckets = lib.lsh_buckets
+        self._buckets.argtypes, self._buckets.restype = [i64] * 4 + [ptr] * 3, None
         self.tail_raw = declare("step_tail", [i64] * 4 + [ptr] * 7 + [f32] + [ptr] * 2 + [i64] + [ptr] * 2)
         # a whole step's layers (model/step_fused.py builds the layer array; unchecked here, as the two above)
         self.layers_raw = declare("decode_layers", [i64] * 3 + [ptr] * 2 + [i64, ptr, ptr] + [ptr] * 6 + [i64] * 4
@@ -381,6 +383,21 @@ class WindowKernel:
         status = self._hash(b, h, rounds, d, half, len(factors), fs.data_ptr(), q.data_ptr(), packed.data_ptr(),
                             out.data_ptr())
         check_status(status, "hash kernel")
+        return out
+
+    def lsh_buckets(self, rotated: Tensor, factors: Sequence[int]) -> Tensor:
+        """The buckets (..., R) int64 of rotated rows (..., R, rot/2) float32: per round, the argmax over [x, -x]
+        of each factor's f/2 values, combined as model/attention.py's `hash` combines them (ties and NaNs
+        included: the comparisons are the same)."""
+        half = sum(f // 2 for f in factors)
+        if rotated.shape[-1] != half or any(f < 2 or f % 2 for f in factors):
+            raise ValueError(f"bucket kernel: rotated {tuple(rotated.shape)} for factors {list(factors)}")
+        x = rotated.contiguous()
+        _require("bucket kernel", (x, torch.float32))
+        fs = torch.tensor(list(factors), dtype=torch.int64)
+        out = torch.empty(x.shape[:-1], dtype=torch.int64)
+        self._buckets(x.numel() // half // x.shape[-2], x.shape[-2], half, len(factors), fs.data_ptr(), x.data_ptr(),
+                      out.data_ptr())
         return out
 
     def merge(self, index: LSHIndex, slot: int, rows: Tensor, main_len: int, recent_len: int) -> None:

@@ -165,6 +165,17 @@ def _native_cpu(kernel: WindowKernel, q: Tensor) -> Any:
     return load()
 
 
+def native_hash_kernel(rotated: Tensor) -> Any:
+    """The C kernels for a hash's bucket choice over float32 CPU rotations (an export's trace or a compile
+    keeps PyTorch's ops), else None."""
+    if rotated.dtype != torch.float32 or not rotated.is_cpu or torch.jit.is_tracing() \
+            or torch.compiler.is_compiling():
+        return None
+    from .cpu_kernels import load
+
+    return load()
+
+
 def window_bias(q_pos: Tensor, k_pos: Tensor, k_valid: Tensor | None, causal: bool, dtype: torch.dtype,
                 alignment: int) -> Tensor:
     """q_pos (B, H, N, C), k_pos and k_valid (B, H, N, W*C) -> additive bias (B*H, N, C, W*C): 0 where the

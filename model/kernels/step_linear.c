@@ -169,6 +169,60 @@ int lsh_hash(int64_t m, int64_t heads, int64_t rounds, int64_t dim, int64_t half
     return 0;
 }
 
+#ifdef __AVX512F__
+/* extremes() of n (a multiple of 16) values without NaNs, 16 lanes at a time: the largest and smallest values
+ * and the first index of each (an equality test finds it, so -0 and +0 give the index scalar code gives);
+ * returns 0 when a value is NaN (the caller then runs extremes(), whose NaN rule is PyTorch's). */
+static int extremes16(const float *x, int64_t n, float *hi, int64_t *hi_at, float *lo, int64_t *lo_at) {
+    __m512 mx = _mm512_loadu_ps(x), mn = mx;
+    __mmask16 nan = _mm512_cmp_ps_mask(mx, mx, _CMP_UNORD_Q);
+    for (int64_t j = 16; j < n; j += 16) {
+        const __m512 v = _mm512_loadu_ps(x + j);
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        mx = _mm512_max_ps(mx, v);
+        mn = _mm512_min_ps(mn, v);
+    }
+    if (nan) return 0;
+    *hi = _mm512_reduce_max_ps(mx);
+    *lo = _mm512_reduce_min_ps(mn);
+    const __m512 h = _mm512_set1_ps(*hi), l = _mm512_set1_ps(*lo);
+    *hi_at = *lo_at = -1;
+    for (int64_t j = 0; j < n && (*hi_at < 0 || *lo_at < 0); j += 16) {
+        const __m512 v = _mm512_loadu_ps(x + j);
+        const __mmask16 eh = _mm512_cmp_ps_mask(v, h, _CMP_EQ_OQ), el = _mm512_cmp_ps_mask(v, l, _CMP_EQ_OQ);
+        if (*hi_at < 0 && eh) *hi_at = j + __builtin_ctz(eh);
+        if (*lo_at < 0 && el) *lo_at = j + __builtin_ctz(el);
+    }
+    return 1;
+}
+#endif
+
+/* buckets (m, rounds) int64 of rotated rows (m, rounds, half) float32, as lsh_hash's second half: a forward's
+ * hash (model/attention.py) after its rotation matmul. PyTorch's max and min over the factors' short slices,
+ * a `where` and the sums, ~70% of a 64K prompt's hash, become one pass over the rows; the bits are comparisons,
+ * the same on any number of threads. */
+void lsh_buckets(int64_t m, int64_t rounds, int64_t half, int64_t nfactors, const int64_t *factors,
+                 const float *rotated, int64_t *buckets) {
+#pragma omp parallel for schedule(static) if (m * rounds * half > (1 << 16))
+    for (int64_t row = 0; row < m * rounds; row++) {
+        const float *x = rotated + row * half;
+        int64_t bucket = 0, scale = 1, start = 0;
+        for (int64_t i = 0; i < nfactors; i++) {
+            const int64_t f = factors[i];
+            float hi, lo;
+            int64_t hi_at, lo_at;
+#ifdef __AVX512F__
+            if (!((f / 2) % 16 == 0 && extremes16(x + start, f / 2, &hi, &hi_at, &lo, &lo_at)))
+#endif
+                extremes(x + start, f / 2, &hi, &hi_at, &lo, &lo_at);
+            bucket += scale * (hi >= -lo ? hi_at : lo_at + f / 2);
+            start += f / 2;
+            scale *= f;
+        }
+        buckets[row] = bucket;
+    }
+}
+
 /* ---- a layer's tail's pieces (the tail itself: step_layers.c's step_tail) ---- */
 
 #define ACT_RELU 0

@@ -184,11 +184,42 @@ def test_the_hash_kernel_gives_the_attentions_buckets(num_buckets: int | list[in
     for rows in (1, 3, 8, 13):
         qk = torch.randn(rows, att.heads, att.head_size)
         qk[0, 0] = 0.0  # every rotated value 0: ties resolve to the first index, x before -x
+        att.c_kernel = False  # PyTorch's bucket choice (tested against the C one below)
         want = att.hash(qk.unsqueeze(2), num_buckets, None)[..., 0]  # (B, H, R)
+        att.c_kernel = True
         with mock.patch.object(att, "hash", side_effect=AssertionError("the PyTorch hash ran")):
             got = linears.hash(att, qk, num_buckets)  # through the kernel, not att.hash
         assert got.dtype == torch.int64 and torch.equal(got, want)
         assert torch.equal(got[1:2], linears.hash(att, qk[1:2], num_buckets))  # alone as batched
+
+
+@pytest.mark.parametrize("num_buckets", [8, 64, [4, 8], [2, 16, 4], [32, 64]])
+def test_a_forwards_bucket_choice_in_c_is_pytorchs(num_buckets: int | list[int]) -> None:
+    torch.manual_seed(8)
+    lm = ReformerLM(tiny_config(attn_layers=["lsh"], num_hashes=3, num_buckets=None)).eval()
+    att = lm.layers[0].attention.self_attention
+    qk = torch.randn(2, att.heads, 37, att.head_size)
+    qk[0, 0, :5] = 0.0  # rotated values all 0: ties go to the first index, x before -x
+    qk[0, 1, 5] = float("nan")
+    qk[1, 0, 6] = float("inf")
+    qk[1, 1, 7, 0] = -float("inf")
+    valid = torch.ones(2, 37, dtype=torch.bool)
+    valid[1, 30:] = False
+    att.c_kernel = False
+    want = [att.hash(qk, num_buckets, v) for v in (None, valid)]
+    att.c_kernel = True
+    calls = []
+    real = cpu_kernels.WindowKernel.lsh_buckets
+
+    def spy(self: cpu_kernels.WindowKernel, rotated: torch.Tensor, factors: list[int]) -> torch.Tensor:
+        calls.append(tuple(rotated.shape))
+        return real(self, rotated, factors)
+
+    with mock.patch.object(cpu_kernels.WindowKernel, "lsh_buckets", spy):
+        got = [att.hash(qk, num_buckets, v) for v in (None, valid)]
+    assert len(calls) == 2  # the C pass ran
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == torch.int64 and g.shape == (2, att.heads, 3, 37) and torch.equal(g, w)
 
 
 def test_a_packing_is_never_taken_for_another_layer(kernel: cpu_kernels.WindowKernel) -> None:
