@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import rehash_ahead
 from .attention import AttentionContext, LocalSelfAttention, LSHSelfAttention
 from .batch import prepare_batch
 from .chunking import mask_value, round_weights, self_mask_value
@@ -186,6 +187,12 @@ def prefill_steps(lm: ReformerLM, cache: DecodeCache, prompts: Sequence[Tensor],
             states.append(cache.allocate(max(n, w)))
         with torch.no_grad():
             result = yield from _prefill_layers(lm, cache, prompts, lengths, states, slice_chunks)
+            lsh = [(li, att) for li, layer in enumerate(_layers(lm))
+                   if isinstance(att := layer.attention.self_attention, LSHSelfAttention)]
+            for state in states:  # close to a bucket-count change: hashed ahead now (model/rehash_ahead.py)
+                coming = _coming_count(lm, cache, state, lsh)
+                while coming is not None and rehash_ahead.advance(cache, state, lsh, coming):
+                    yield
     except BaseException:
         for s in states:
             cache.free(s)
@@ -263,18 +270,20 @@ def _row_buckets(att: LSHSelfAttention, buckets: Tensor | None, ctx: AttentionCo
     return buckets[row] if str(used) == str(nb) else None
 
 
-def _build_index_steps(cache: DecodeCache, layer: int, att: LSHSelfAttention, state: DecodeState, keys: Tensor,
-                       nb: int | list[int], buckets: Tensor | None = None) -> Generator[None, None, None]:
+def _build_index_steps(cache: DecodeCache, layer: int, att: LSHSelfAttention, state: DecodeState,
+                       keys: Tensor | None, nb: int | list[int], buckets: Tensor | None = None
+                       ) -> Generator[None, None, None]:
     """(Re)build a request's LSH index of one layer from its keys (H, L, D): one full hash (or its `buckets`
-    (H, R, L) already hashed with `nb`), then one sort of every head at once for a prompt of at most
-    INDEX_BUILD_ITEMS (head, position) pairs, else one per head, yielding after each (a 60K-token prompt's
-    sort of every head at once is a ~200 ms piece)."""
+    (H, R, L) already hashed with `nb`; then `keys` may be None), then one sort of every head at once for a
+    prompt of at most INDEX_BUILD_ITEMS (head, position) pairs, else one per head, yielding after each (a
+    60K-token prompt's sort of every head at once is a ~200 ms piece)."""
     index = cache.indexes[layer]
     assert index is not None
     index.grow_buckets(_flat(nb))
-    length = keys.shape[1]
     if buckets is None:
+        assert keys is not None
         buckets = att.hash(keys.unsqueeze(0), nb, None)[0]  # (H, R, L)
+    length = buckets.shape[-1]
     rows = _slot_rows(cache, state, length)
     yield
     heads = buckets.shape[0]
@@ -310,6 +319,7 @@ def _maintain_indexes(lm: ReformerLM, cache: DecodeCache, states: Sequence[Decod
     for state in states:
         nb = _index_buckets(lsh[0][1], lm.config.padded_length(state.length + 1))
         rows: Tensor | None = None  # the row's pool rows, looked up once for all its layers
+        rebuilt = False
         for li, att in lsh:
             index = cache.indexes[li]
             assert index is not None
@@ -320,12 +330,49 @@ def _maintain_indexes(lm: ReformerLM, cache: DecodeCache, states: Sequence[Decod
             rows = _slot_rows(cache, state, state.length) if rows is None else rows
             if rebuild:
                 assert nb is not None
-                keys = cache.keys[li].index_select(0, rows).transpose(0, 1)  # (H, L, D)
-                _build_index(cache, li, att, state, keys, nb)
+                rebuilt = True
+                hashed = rehash_ahead.take(cache, state, li, att, nb, rows)
+                if hashed is None:
+                    keys = cache.keys[li].index_select(0, rows).transpose(0, 1)  # (H, L, D)
+                    _build_index(cache, li, att, state, keys, nb)
+                else:
+                    for _ in _build_index_steps(cache, li, att, state, None, nb, hashed):
+                        pass
             else:
                 index.merge(state.slot, rows, state.index_len[li], state.length - state.index_len[li],
                             cache.window_kernel)
                 state.index_len[li] = state.length
+        if rebuilt:
+            state.rehash = None
+        coming = _coming_count(lm, cache, state, lsh)
+        if coming is not None:  # a count change near: one slice of its hashing now, not all of it in one step
+            rehash_ahead.advance(cache, state, lsh, coming)
+
+
+def _coming_count(lm: ReformerLM, cache: DecodeCache, state: DecodeState,
+                  lsh: Sequence[tuple[int, LSHSelfAttention]]) -> int | list[int] | None:
+    """The automatic bucket count the request changes to within rehash_ahead's lead, else None."""
+    if not lsh or lsh[0][1].config.num_buckets is not None:
+        return None
+    last = min(state.capacity * cache.block_size, lm.config.max_position_embeddings) - 1  # the last it may write
+    return _next_count(lsh[0][1], lm.config, state.length,
+                       min(rehash_ahead.lead(len(lsh), state.length), last - state.length))
+
+
+def _next_count(att: LSHSelfAttention, cfg: ReformerConfig, length: int, within: int) -> int | list[int] | None:
+    """The automatic bucket count a request of `length` positions changes to first in its next `within` steps,
+    or None (a binary search: the count only grows with the length)."""
+    def count(n: int) -> str:  # the count of the step that writes position n
+        return str(_index_buckets(att, cfg.padded_length(n + 1)))
+
+    now = count(length)
+    lo, hi = length, length + within
+    if within < 1 or count(hi) == now:
+        return None
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if count(mid) == now else (lo, mid)
+    return _index_buckets(att, cfg.padded_length(hi + 1))
 
 
 @torch.no_grad()

@@ -42,6 +42,9 @@ from .step_fused import FusedStep
 from .step_linear import StepLinears
 
 if TYPE_CHECKING:
+    from .rehash_ahead import RehashAhead
+
+if TYPE_CHECKING:
     from .reformer import ReformerLM
 
 
@@ -83,6 +86,8 @@ class DecodeState:
     length: int = 0
     num_buckets: list[int | list[int] | None] = field(default_factory=list)  # per layer: what its index holds
     index_len: list[int] = field(default_factory=list)  # per layer: positions in its index's main order
+    # its keys hashed ahead for the automatic bucket count it reaches next (model/rehash_ahead.py)
+    rehash: RehashAhead | None = None
 
     @property
     def capacity(self) -> int:
