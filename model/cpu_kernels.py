@@ -182,6 +182,7 @@ class WindowKernel:
         self.linear_raw = declare("step_linear", [i64] * 3 + [ptr, i64] + [ptr] * 3)
         self._hash = declare("lsh_hash", [i64] * 6 + [ptr] * 4)
         self._buckets = lib.lsh_buckets
+        self._order = declare("lsh_order", [i64] * 3 + [ptr] * 2)
         self._buckets.argtypes, self._buckets.restype = [i64] * 4 + [ptr] * 3, None
         self.tail_raw = declare("step_tail", [i64] * 4 + [ptr] * 7 + [f32] + [ptr] * 2 + [i64] + [ptr] * 2)
         # a whole step's layers (model/step_fused.py builds the layer array; unchecked here, as the two above)
@@ -398,6 +399,19 @@ class WindowKernel:
         out = torch.empty(x.shape[:-1], dtype=torch.int64)
         self._buckets(x.numel() // half // x.shape[-2], x.shape[-2], half, len(factors), fs.data_ptr(), x.data_ptr(),
                       out.data_ptr())
+        return out
+
+    def lsh_order(self, buckets: Tensor, count: int) -> Tensor:
+        """Positions (..., L) int64 of every series of buckets (..., L) int64 sorted by (bucket, position): a
+        counting sort, what `argsort(buckets * L + position)` gives; buckets must lie in [0, count)."""
+        b = buckets.contiguous()
+        _require("order kernel", (b, torch.int64))
+        length = b.shape[-1]
+        out = torch.empty_like(b)
+        status = self._order(b.numel() // length, length, count, b.data_ptr(), out.data_ptr()) if b.numel() else 0
+        if status & _BAD_INDEX:
+            raise ValueError(f"order kernel: a bucket outside [0, {count})")
+        check_status(status, "order kernel")
         return out
 
     def merge(self, index: LSHIndex, slot: int, rows: Tensor, main_len: int, recent_len: int) -> None:

@@ -289,7 +289,7 @@ def _build_index_steps(cache: DecodeCache, layer: int, att: LSHSelfAttention, st
     heads = buckets.shape[0]
     group = heads if heads * length <= INDEX_BUILD_ITEMS else 1
     for h in range(0, heads, group):
-        index.build(state.slot, rows, buckets[h : h + group], heads=slice(h, h + group))
+        index.build(state.slot, rows, buckets[h : h + group], heads=slice(h, h + group), kernel=cache.window_kernel)
         yield
     state.num_buckets[layer] = nb
     state.index_len[layer] = length

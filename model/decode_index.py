@@ -125,17 +125,21 @@ class LSHIndex:
         """Positions as the index holds them."""
         return (positions + self.shift).to(self.dtype)
 
-    def build(self, slot: int, rows: Tensor, buckets: Tensor, heads: slice = slice(None)) -> None:
+    def build(self, slot: int, rows: Tensor, buckets: Tensor, heads: slice = slice(None),
+              kernel: WindowKernel | None = None) -> None:
         """Fill `slot`'s main order from the buckets (H, R, L) of positions 0..L-1 (one full sort, as the
         prefill does) and empty its recent order; `rows` (L,) are the slot's pool rows of positions 0..L-1,
         `heads` which of its heads `buckets` holds (all by default), so a long prompt's index can be built
-        one head at a time."""
+        one head at a time. With the CPU `kernel` the sort is a counting sort in C, the same order."""
         h, r, length = buckets.shape
         device = buckets.device
         counts = torch.zeros(h, r, self.buckets, dtype=torch.long, device=device).scatter_add_(
             -1, buckets, torch.ones_like(buckets))
-        pos = torch.arange(length, device=device)
-        order = torch.argsort(buckets * length + pos, dim=-1)  # (H, R, L): the (bucket, position) order
+        if kernel is not None and buckets.is_cpu:
+            order = kernel.lsh_order(buckets, self.buckets)  # (H, R, L)
+        else:
+            pos = torch.arange(length, device=device)
+            order = torch.argsort(buckets * length + pos, dim=-1)  # (H, R, L): the (bucket, position) order
         columns = torch.arange(self.shape[1] * r, device=device).view(-1, r)[heads].reshape(-1)  # (H*R,)
         self.order[rows.view(-1, 1), columns.view(1, -1)] = self.store(order.reshape(h * r, length).t())
         self.main_counts[slot, heads] = counts.int()

@@ -223,6 +223,45 @@ void lsh_buckets(int64_t m, int64_t rounds, int64_t half, int64_t nfactors, cons
     }
 }
 
+/* order (series, length) int64: for each series of buckets (series, length) int64 in [0, buckets), its positions
+ * sorted by (bucket, position), a counting sort: what argsort of bucket * length + position gives (the keys are
+ * distinct), in O(length + buckets) per series instead of a comparison sort (an LSH index's build,
+ * model/decode_index.py). Returns 0, NO_MEMORY, or BAD_INDEX for a bucket outside [0, buckets) (the order is
+ * then undefined). */
+int lsh_order(int64_t series, int64_t length, int64_t buckets, const int64_t *b, int64_t *order) {
+    int status = 0;
+#pragma omp parallel for schedule(static) if (series * length > (1 << 16))
+    for (int64_t s = 0; s < series; s++) {
+        int64_t *next = calloc((size_t)buckets, sizeof(int64_t));
+        if (!next) {
+#pragma omp atomic write
+            status = NO_MEMORY;
+            continue;
+        }
+        const int64_t *bs = b + s * length;
+        int64_t *out = order + s * length, bad = 0;
+        for (int64_t i = 0; i < length; i++) {
+            const int64_t k = bs[i];
+            if (k < 0 || k >= buckets) { bad = 1; break; }
+            next[k]++;
+        }
+        if (!bad) {
+            int64_t at = 0;
+            for (int64_t k = 0; k < buckets; k++) {
+                const int64_t c = next[k];
+                next[k] = at;
+                at += c;
+            }
+            for (int64_t i = 0; i < length; i++) out[next[bs[i]]++] = i;
+        } else {
+#pragma omp atomic write
+            status = BAD_INDEX;
+        }
+        free(next);
+    }
+    return status;
+}
+
 /* ---- a layer's tail's pieces (the tail itself: step_layers.c's step_tail) ---- */
 
 #define ACT_RELU 0

@@ -260,3 +260,22 @@ def test_tensors_the_c_side_cannot_read_are_refused(kernel: cpu_kernels.WindowKe
         kernel.attend(**dict(x, keys=torch.randn(20, x["keys"].shape[0]).t()), **masks)
     with pytest.raises(ValueError, match="key and value pools with strides"):  # each its own row spacing
         kernel.attend(**dict(x, keys=torch.randn(x["keys"].shape[0], 40)[:, :20]), **masks)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_counting_sort_orders_positions_as_argsort(kernel: cpu_kernels.WindowKernel, threads: int) -> None:
+    g = torch.Generator().manual_seed(9)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for series, length, count in ((1, 1, 1), (3, 50, 1), (16, 70000, 2048), (8, 300, 64), (2, 0, 4)):
+            buckets = torch.randint(0, count, (series, length), generator=g)
+            want = torch.argsort(buckets * length + torch.arange(length), dim=-1)
+            assert torch.equal(kernel.lsh_order(buckets, count), want)
+            if length:  # a non-contiguous view orders as its copy
+                assert torch.equal(kernel.lsh_order(buckets.t().contiguous().t(), count), want)
+    finally:
+        torch.set_num_threads(before)
+    for bad in (4, -1):
+        with pytest.raises(ValueError, match="a bucket outside"):
+            kernel.lsh_order(torch.tensor([[0, bad, 1]]), 4)
