@@ -166,8 +166,9 @@ def _native_cpu(kernel: WindowKernel, q: Tensor) -> Any:
 
 
 def native_hash_kernel(rotated: Tensor) -> Any:
-    """The C kernels for a hash's bucket choice over float32 CPU rotations (an export's trace or a compile
-    keeps PyTorch's ops), else None."""
+    """The C kernels for float32 CPU work of a forward's hashing (the bucket choice over the rotations) and
+    of a prefill's bucket sort (model/prefill_slices.py), else None (an export's trace or a compile keeps
+    PyTorch's ops)."""
     if rotated.dtype != torch.float32 or not rotated.is_cpu or torch.jit.is_tracing() \
             or torch.compiler.is_compiling():
         return None
