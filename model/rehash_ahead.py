@@ -31,8 +31,8 @@ if TYPE_CHECKING:
     from .decode_cache import DecodeCache, DecodeState
 
 # cached keys hashed per step and request while a bucket-count change is near (one LSH layer's, heads
-# together): the bench config's 4 heads of 64 with [32, 64] buckets hash 2048 keys in ~6.7 ms on one thread
-# (timed by hand), so a slice of 512 adds ~1.7 ms to each of the ~830 steps before a 64K request's change
+# together): the bench config's 4 heads of 64 with [32, 64] buckets hash 512 keys in 0.95-1.00 ms on one
+# thread (timed by hand; 2,048 in ~6.7 ms), added to each of the ~830 steps before a 64K request's change
 SLICE = 512
 # steps to spare beyond the slices' count: the request's positions written meanwhile are hashed too
 MARGIN = 64
