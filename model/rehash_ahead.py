@@ -34,7 +34,8 @@ if TYPE_CHECKING:
 # together): the bench config's 4 heads of 64 with [32, 64] buckets hash 512 keys in 0.95-1.00 ms on one
 # thread (timed by hand; 2,048 in ~6.7 ms), added to each of the ~830 steps before a 64K request's change
 SLICE = 512
-# steps to spare beyond the slices' count: the request's positions written meanwhile are hashed too
+# steps to spare beyond the slices' count: positions written meanwhile are hashed too (a slice once SLICE of
+# them are waiting, the rest in the crossing step)
 MARGIN = 64
 
 
