@@ -22,7 +22,7 @@ from .chunking import (
     window_chunk_index,
 )
 from .config import ReformerConfig
-from .lsh_fused import fused_lsh_attend, local_window_attend, native_hash_kernel, window_kernel_for
+from .lsh_fused import fused_lsh_attend, local_window_attend, native_kernels, window_kernel_for
 
 
 @dataclass
@@ -136,7 +136,7 @@ class LSHSelfAttention(nn.Module):
         rotated = rotated.view(*qk.shape[:3], rr, kk)  # (B, H, L, R, rot/2)
         factors = [num_buckets] if isinstance(num_buckets, int) else list(num_buckets)
         scale = math.prod(factors)
-        native = native_hash_kernel(rotated) if self.c_kernel else None
+        native = native_kernels(rotated) if self.c_kernel else None
         if native is not None:  # the same comparisons in one C pass over the rows (model/cpu_kernels.py)
             chosen = native.lsh_buckets(rotated, factors).transpose(2, 3)  # (B, H, R, L)
             return chosen if valid is None else chosen.masked_fill(~valid[:, None, None, :], scale)

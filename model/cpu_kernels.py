@@ -181,9 +181,9 @@ class WindowKernel:
         # callers pass what `pack` made (model/step_linear.py checks its packings when it makes them)
         self.linear_raw = declare("step_linear", [i64] * 3 + [ptr, i64] + [ptr] * 3)
         self._hash = declare("lsh_hash", [i64] * 6 + [ptr] * 4)
-        self._buckets = lib.lsh_buckets
-        self._order = declare("lsh_order", [i64] * 3 + [ptr] * 2)
+        self._buckets = lib.lsh_buckets  # no status: it reads and writes only what it is given
         self._buckets.argtypes, self._buckets.restype = [i64] * 4 + [ptr] * 3, None
+        self._order = declare("lsh_order", [i64] * 3 + [ptr] * 2)
         self.tail_raw = declare("step_tail", [i64] * 4 + [ptr] * 7 + [f32] + [ptr] * 2 + [i64] + [ptr] * 2)
         # a whole step's layers (model/step_fused.py builds the layer array; unchecked here, as the two above)
         self.layers_raw = declare("decode_layers", [i64] * 3 + [ptr] * 2 + [i64, ptr, ptr] + [ptr] * 6 + [i64] * 4

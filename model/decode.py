@@ -295,17 +295,16 @@ def _build_index_steps(cache: DecodeCache, layer: int, att: LSHSelfAttention, st
     state.index_len[layer] = length
 
 
-def _build_index(cache: DecodeCache, layer: int, att: LSHSelfAttention, state: DecodeState, keys: Tensor,
-                 nb: int | list[int]) -> None:
+def _build_index(cache: DecodeCache, layer: int, att: LSHSelfAttention, state: DecodeState,
+                 keys: Tensor | None, nb: int | list[int], buckets: Tensor | None = None) -> None:
     """`_build_index_steps` in one go."""
-    for _ in _build_index_steps(cache, layer, att, state, keys, nb):
+    for _ in _build_index_steps(cache, layer, att, state, keys, nb, buckets):
         pass
 
 
 def _slot_rows(cache: DecodeCache, state: DecodeState, length: int) -> Tensor:
     """Pool rows (length,) of a request's positions 0..length-1."""
-    slot = torch.tensor([state.slot], device=cache.device)
-    return cache.rows(slot, torch.arange(length, device=cache.device).view(1, -1)).view(-1)
+    return cache.slot_rows(state, 0, length)
 
 
 def _maintain_indexes(lm: ReformerLM, cache: DecodeCache, states: Sequence[DecodeState]) -> None:
@@ -332,12 +331,8 @@ def _maintain_indexes(lm: ReformerLM, cache: DecodeCache, states: Sequence[Decod
                 assert nb is not None
                 rebuilt = True
                 hashed = rehash_ahead.take(cache, state, li, att, nb, rows)
-                if hashed is None:
-                    keys = cache.keys[li].index_select(0, rows).transpose(0, 1)  # (H, L, D)
-                    _build_index(cache, li, att, state, keys, nb)
-                else:
-                    for _ in _build_index_steps(cache, li, att, state, None, nb, hashed):
-                        pass
+                keys = None if hashed is not None else cache.keys[li].index_select(0, rows).transpose(0, 1)
+                _build_index(cache, li, att, state, keys, nb, hashed)  # keys (H, L, D) or buckets (H, R, L)
             else:
                 index.merge(state.slot, rows, state.index_len[li], state.length - state.index_len[li],
                             cache.window_kernel)

@@ -42,10 +42,8 @@ from .step_fused import FusedStep
 from .step_linear import StepLinears
 
 if TYPE_CHECKING:
-    from .rehash_ahead import RehashAhead
-
-if TYPE_CHECKING:
     from .reformer import ReformerLM
+    from .rehash_ahead import RehashAhead
 
 
 # positions per block: a request wastes under one block of its reservation (on average half); 8 keeps that
@@ -268,6 +266,11 @@ class DecodeCache:
         """Row of each (slot, position) in the flattened pools; positions (B, ...) with slots (B,)."""
         lookup = BlockLookup(self.block_table, slots, self.block_size)
         return lookup.rows(positions.reshape(slots.shape[0], -1)).view(positions.shape)
+
+    def slot_rows(self, state: DecodeState, start: int, stop: int) -> Tensor:
+        """Pool rows (stop - start,) of a request's positions start..stop-1."""
+        slot = torch.tensor([state.slot], device=self.device)
+        return self.rows(slot, torch.arange(start, stop, device=self.device).view(1, -1)).view(-1)
 
     def write(self, layer: int, rows: Tensor, key: Tensor, value: Tensor) -> None:
         """rows (B,), key/value (B, H, D)."""

@@ -49,6 +49,16 @@ def position_storage(max_positions: int) -> tuple[torch.dtype, int]:
     return (torch.int16, -32768) if max_positions <= 2**16 else (torch.int32, 0)
 
 
+def bucket_order(buckets: Tensor, count: int | None = None, kernel: WindowKernel | None = None) -> Tensor:
+    """Positions (..., L) of each series of buckets (..., L) int64 sorted by (bucket, position): through the
+    CPU `kernel`'s counting sort where given (buckets in [0, count); count None: their maximum + 1), else
+    PyTorch's argsort of bucket * L + position. The same order either way (the keys are distinct)."""
+    length = buckets.shape[-1]
+    if kernel is not None and buckets.is_cpu and length:
+        return kernel.lsh_order(buckets, count if count is not None else int(buckets.max()) + 1)
+    return torch.argsort(buckets * length + torch.arange(length, device=buckets.device), dim=-1)
+
+
 class StepCounts(NamedTuple):
     """A step's rows' bucket counts (B, H, R, NB) after its insert, and their inclusive prefix sums."""
 
@@ -135,11 +145,7 @@ class LSHIndex:
         device = buckets.device
         counts = torch.zeros(h, r, self.buckets, dtype=torch.long, device=device).scatter_add_(
             -1, buckets, torch.ones_like(buckets))
-        if kernel is not None and buckets.is_cpu:
-            order = kernel.lsh_order(buckets, self.buckets)  # (H, R, L)
-        else:
-            pos = torch.arange(length, device=device)
-            order = torch.argsort(buckets * length + pos, dim=-1)  # (H, R, L): the (bucket, position) order
+        order = bucket_order(buckets, self.buckets, kernel)  # (H, R, L)
         columns = torch.arange(self.shape[1] * r, device=device).view(-1, r)[heads].reshape(-1)  # (H*R,)
         self.order[rows.view(-1, 1), columns.view(1, -1)] = self.store(order.reshape(h * r, length).t())
         self.main_counts[slot, heads] = counts.int()

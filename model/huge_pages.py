@@ -23,7 +23,7 @@ MIN_BYTES = 2 * 2**20
 
 def pool_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
     """An uninitialised tensor of `shape`, on huge pages where the host allows (see the module docstring)."""
-    nbytes = math.prod(shape) * (torch.finfo(dtype).bits if dtype.is_floating_point else torch.iinfo(dtype).bits) // 8
+    nbytes = math.prod(shape) * dtype.itemsize
     if device.type != "cpu" or not sys.platform.startswith("linux") or nbytes < max(MIN_BYTES, 1) \
             or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.empty(shape, dtype=dtype, device=device)

@@ -165,11 +165,11 @@ def _native_cpu(kernel: WindowKernel, q: Tensor) -> Any:
     return load()
 
 
-def native_hash_kernel(rotated: Tensor) -> Any:
-    """The C kernels for float32 CPU work of a forward's hashing (the bucket choice over the rotations) and
-    of a prefill's bucket sort (model/prefill_slices.py), else None (an export's trace or a compile keeps
-    PyTorch's ops)."""
-    if rotated.dtype != torch.float32 or not rotated.is_cpu or torch.jit.is_tracing() \
+def native_kernels(x: Tensor) -> Any:
+    """The C kernels (model/cpu_kernels.py) for a forward's work on float32 CPU tensors beside the window
+    attention (its hash's bucket choice, a prefill's bucket sort), else None (an export's trace or a compile
+    keeps PyTorch's ops)."""
+    if x.dtype != torch.float32 or not x.is_cpu or torch.jit.is_tracing() \
             or torch.compiler.is_compiling():
         return None
     from .cpu_kernels import load

@@ -42,7 +42,8 @@ from .attention import (
     split_heads,
 )
 from .chunking import attend, attention_bias, fusable, strided_windows, window_chunk_index
-from .lsh_fused import fused_lsh_attend, local_window_attend, native_hash_kernel, window_kernel_for
+from .decode_index import bucket_order
+from .lsh_fused import fused_lsh_attend, local_window_attend, native_kernels, window_kernel_for
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -212,12 +213,8 @@ def _lsh_chunked(att: LSHSelfAttention, qk: Tensor, v: Tensor, buckets: Tensor, 
     r, c = att.rounds, att.chunk
     n = t // c
     device = qk.device
-    pos = torch.arange(t, device=device)
-    native = native_hash_kernel(qk) if att.c_kernel else None
-    if native is not None and t:  # the same order by a counting sort in C (a 60K prompt's argsort: 37-230 ms)
-        order = native.lsh_order(buckets, int(buckets.max()) + 1)  # (B, H, R, L): the whole prompt's sort
-    else:
-        order = torch.argsort(buckets * t + pos, dim=-1)  # (B, H, R, L): the whole prompt's sort
+    # the whole prompt's sort, in C on the CPU (a 60K prompt's argsort took 37-230 ms)
+    order = bucket_order(buckets, None, native_kernels(qk) if att.c_kernel else None)  # (B, H, R, L)
     sorted_pos = order.reshape(b, h, r * t)
     own_chunks = torch.clamp((ctx.own_length + c - 1) // c, min=1)
     win = window_chunk_index(own_chunks, r, n, att.before, att.after)  # (B, R*N, W)

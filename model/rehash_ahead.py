@@ -77,9 +77,7 @@ def advance(cache: DecodeCache, state: DecodeState, lsh: Sequence[tuple[int, LSH
     done = plan.hashed(layer)
     if done and state.length - done < SLICE:
         return False
-    end = min(done + SLICE, state.length)
-    positions = torch.arange(done, end, device=cache.device).view(1, -1)
-    rows = cache.rows(torch.tensor([state.slot], device=cache.device), positions).view(-1)  # (n,)
+    rows = cache.slot_rows(state, done, min(done + SLICE, state.length))
     plan.slices.setdefault(layer, []).append(_hash_positions(cache, layer, att, rows, num_buckets))
     return True
 
