@@ -51,7 +51,7 @@ from .chunking import mask_value, round_weights, self_mask_value
 from .decode_cache import CacheFull, DecodeCache, DecodeState, _flat
 from .decode_index import BlockLookup, LSHIndex, WindowGeometry
 from .feedforward import EVAL_CHUNK
-from .prefill_slices import DEFAULT_SLICE_CHUNKS, layer_f_slices, projections
+from .prefill_slices import DEFAULT_SLICE_CHUNKS, at_positions, layer_f_slices, projections
 from .step_graphs import StepGraphs
 
 if TYPE_CHECKING:
@@ -217,7 +217,9 @@ def _prefill_layers(lm: ReformerLM, cache: DecodeCache, prompts: Sequence[Tensor
     slots = torch.tensor([s.slot for s in states], device=cache.device)
     rows = cache.rows(slots, pos.expand(len(prompts), longest))  # (N, L)
     real = mask.bool()
-    for li, layer in enumerate(_layers(lm)):
+    last = torch.tensor(lengths, device=cache.device) - 1
+    layers = _layers(lm)
+    for li, layer in enumerate(layers):
         att = layer.attention.self_attention
         assert isinstance(att, LSHSelfAttention | LocalSelfAttention)
         # the attention's projections (and an LSH layer's hashing) of the padded batch, computed once: the
@@ -237,7 +239,13 @@ def _prefill_layers(lm: ReformerLM, cache: DecodeCache, prompts: Sequence[Tensor
                     hashed = _row_buckets(att, given.buckets, ctx, i, nb)
                     yield from _build_index_steps(cache, li, att, state, keys[i, :, : lengths[i]], nb,
                                                   None if hashed is None else hashed[:, :, : lengths[i]])
-        # the layer as ReformerLayer.forward computes it (eval, no dropout), its attention in slices of chunks
+        # the layer as ReformerLayer.forward computes it (eval, no dropout), its attention in slices of chunks.
+        # The last layer's outputs feed only the logits after each prompt: its output projection and
+        # feed-forward run on those positions alone (its keys and values, above, cover every position)
+        if li == len(layers) - 1:
+            x1 = at_positions(x1, last) + (yield from layer_f_slices(layer, x2, ctx, slice_chunks, given, last))
+            x2 = at_positions(x2, last) + layer.feed_forward(x1)  # (N, 1, hidden)
+            break
         f_out = yield from layer_f_slices(layer, x2, ctx, slice_chunks, given)
         x1 = x1 + f_out
         yield
@@ -251,8 +259,7 @@ def _prefill_layers(lm: ReformerLM, cache: DecodeCache, prompts: Sequence[Tensor
                 parts.append(ff(part))
                 yield
             x2 = x2 + torch.cat(parts, dim=1)
-    last = torch.tensor(lengths, device=cache.device) - 1
-    hidden = torch.cat([x1, x2], dim=-1)[torch.arange(len(prompts), device=cache.device), last]  # (N, 2*hidden)
+    hidden = torch.cat([x1, x2], dim=-1)[:, 0]  # (N, 2*hidden): after each prompt's last position
     for state, n in zip(states, lengths):
         state.length = n
     return lm.lm_head(lm.final_layer_norm(hidden)), states

@@ -105,17 +105,28 @@ def projections(att: LSHSelfAttention | LocalSelfAttention, x: Tensor, ctx: Atte
 
 
 def layer_f_slices(layer: ReformerLayer, x2: Tensor, ctx: AttentionContext,
-                   slice_chunks: int = DEFAULT_SLICE_CHUNKS, given: Projections | None = None) -> Slices:
+                   slice_chunks: int = DEFAULT_SLICE_CHUNKS, given: Projections | None = None,
+                   only: Tensor | None = None) -> Slices:
     """`layer.f(x2, ctx, None)[0]` (eval) in slices: yields after each projection, the hashing and the sort,
     each `slice_chunks` window attentions, and before the output projection. `given`: the attention's
-    `projections` of `layer.attention.layer_norm(x2)`, already computed. Returns (B, L, hidden)."""
+    `projections` of `layer.attention.layer_norm(x2)`, already computed. Returns (B, L, hidden), or with
+    `only` (B,) positions, (B, 1, hidden): the output projection of row b's position only[b] alone (the last
+    layer of a prefill needs no other; the attention still runs over every chunk)."""
     block = layer.attention
     if layer.training or torch.is_grad_enabled():
-        return layer.f(x2, ctx, None)[0]  # dropout masks and autograd want the forward's own layout
+        out = layer.f(x2, ctx, None)[0]  # dropout masks and autograd want the forward's own layout
+        return out if only is None else at_positions(out, only)
     x = None if given is not None else block.layer_norm(x2)
     h = yield from attention_slices(block.self_attention, x, ctx, slice_chunks, given)
+    if only is not None:
+        return block.output(at_positions(h, only))  # type: ignore[no-any-return]
     yield  # the output projection is a piece of its own: a (L, H*D) x (H*D, hidden) matmul
     return block.output(h)  # type: ignore[no-any-return]
+
+
+def at_positions(x: Tensor, positions: Tensor) -> Tensor:
+    """Row b's position positions[b] of x (B, L, F) -> (B, 1, F)."""
+    return x[torch.arange(x.shape[0], device=x.device), positions].unsqueeze(1)
 
 
 def attention_slices(att: torch.nn.Module, x: Tensor | None, ctx: AttentionContext,

@@ -263,9 +263,12 @@ def test_sliced_prefill_yields_between_slices_and_computes_the_same(index_items:
     # (model/prefill_slices.py `projections`; local: 3; LSH: 2 and the hashing), the cache write, (LSH) the
     # index build from the attention's buckets (1, then one sort of both heads, or one per head: 1 + 2), the
     # attention's slices (local: its windows in 1 slice; LSH: the sort, then its 2 heads' windows together in
-    # 1 slice), the output projection, the residual, 3 feed-forward slices of 16
+    # 1 slice), the output projection, the residual, 3 feed-forward slices of 16; the last layer (LSH) stops
+    # after its attention: its output projection and feed-forward run on the last position only, in the piece
+    # that ends the prefill
     sorts = 1 if index_items is None else 2
-    assert slices == 1 + 2 * ((3 + 1 + 1 + 1 + 1 + 3) + (3 + 1 + (1 + sorts) + 1 + 1 + 1 + 1 + 3))
+    local, lsh = 3 + 1 + 1 + 1 + 1 + 3, 3 + 1 + (1 + sorts) + 1 + 1
+    assert slices == 1 + 2 * local + lsh + (lsh + 1 + 1 + 3)
     assert torch.equal(sliced, whole)
     with torch.no_grad():
         assert (lm(prompt[None]).logits[0, -1] - whole[0]).abs().max().item() <= 1e-5
@@ -440,3 +443,28 @@ def test_an_index_built_head_by_head_equals_one_built_at_once() -> None:
     assert torch.equal(together.recent_counts, by_head.recent_counts)
     want = torch.argsort(buckets * length + torch.arange(length), dim=-1).reshape(heads * rounds, length)
     assert torch.equal(together.order[rows].long().t() - together.shift, want)
+
+
+def test_prefill_runs_the_last_layers_tail_on_the_last_positions_only() -> None:
+    """The last layer's output projection and feed-forward feed only the logits after each prompt: they see
+    one row per prompt; the layers before see every position. The logits still match the full forward."""
+    torch.manual_seed(0)
+    lm = ReformerLM(tiny_config(attn_layers=["lsh", "local", "lsh"], vocab_size=258, initializer_range=0.3)).eval()
+    prompts = [torch.randint(3, 258, (n,), generator=torch.Generator().manual_seed(n)) for n in (30, 19)]
+    rows: dict[str, list[int]] = {}
+
+    def watch(name: str, module: torch.nn.Module) -> None:
+        module.register_forward_hook(lambda _m, args, _out: rows.setdefault(name, []).append(
+            args[0].reshape(-1, args[0].shape[-1]).shape[0]))
+
+    for i, layer in enumerate(lm.layers):
+        watch(f"output{i}", layer.attention.output)
+        watch(f"ff{i}", layer.feed_forward.dense)
+    cache = DecodeCache.for_tokens(lm, 40, slots=2)
+    logits, _ = prefill(lm, cache, prompts, [40, 40])
+    assert sum(rows["output2"]) == sum(rows["ff2"]) == 2
+    padded = lm.config.padded_length(30)  # the batch, padded to its longest prompt's padded length
+    assert sum(rows["output0"]) == sum(rows["ff0"]) == sum(rows["ff1"]) == 2 * padded
+    with torch.no_grad():
+        for i, p in enumerate(prompts):
+            assert (lm(p[None]).logits[0, -1] - logits[i]).abs().max().item() <= 1e-5
