@@ -34,6 +34,17 @@ CLOSE_CONNECTIONS_S = 2.0
 SWITCH_INTERVAL_S = 0.0005
 
 
+def apply_process_settings() -> dict[str, bool]:
+    """The process-wide settings `reformer serve` runs the engine under (benchmarks that drive the engine in
+    their own process apply them too, bench/prefill_gap.py); returns what tune_cpu_runtime took effect.
+
+    The model worker thread holds the GIL between torch calls; at Python's default 5 ms switch interval
+    every await of the event loop can wait that long for it back (a convoy), which made answers that need
+    no model at all (429, 503, /health) take seconds under load. 0.5 ms keeps the loop responsive."""
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
+    return tune_cpu_runtime()  # denormals flushed, large blocks kept (model/cpu_runtime.py)
+
+
 class DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, state: ServiceState, grace_period_s: float):
         super().__init__(config)
@@ -100,11 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         log.critical("cannot serve the artifact: %s", err)
         print(f"reformer serve: cannot load the artifact: {err}", file=sys.stderr)
         return 2
-    # The model worker thread holds the GIL between torch calls; at Python's default 5 ms switch interval
-    # every await of the event loop can wait that long for it back (a convoy), which made answers that need
-    # no model at all (429, 503, /health) take seconds under load. 0.5 ms keeps the loop responsive.
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
-    log.info("cpu runtime: %s", tune_cpu_runtime())  # denormals flushed, large blocks kept (model/cpu_runtime.py)
+    log.info("cpu runtime: %s", apply_process_settings())
     fitted = fit_threads_to_container()
     if fitted is not None:
         log.info("intra-op threads lowered to the container's CPU quota: %d", fitted)
