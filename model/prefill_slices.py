@@ -41,7 +41,7 @@ from .attention import (
     merge_heads,
     split_heads,
 )
-from .chunking import attend, attention_bias, fusable, strided_windows, window_chunk_index
+from .chunking import attend, attention_bias, fusable, round_weights, strided_windows, window_chunk_index
 from .decode_index import bucket_order
 from .lsh_fused import fused_lsh_attend, local_window_attend, native_kernels, window_kernel_for
 
@@ -110,16 +110,16 @@ def layer_f_slices(layer: ReformerLayer, x2: Tensor, ctx: AttentionContext,
     """`layer.f(x2, ctx, None)[0]` (eval) in slices: yields after each projection, the hashing and the sort,
     each `slice_chunks` window attentions, and before the output projection. `given`: the attention's
     `projections` of `layer.attention.layer_norm(x2)`, already computed. Returns (B, L, hidden), or with
-    `only` (B,) positions, (B, 1, hidden): the output projection of row b's position only[b] alone (the last
-    layer of a prefill needs no other; the attention still runs over every chunk)."""
+    `only` (B,) positions, (B, 1, hidden): row b's output at position only[b] alone (the last layer of a
+    prefill needs no other; see `attention_slices`)."""
     block = layer.attention
     if layer.training or torch.is_grad_enabled():
         out = layer.f(x2, ctx, None)[0]  # dropout masks and autograd want the forward's own layout
         return out if only is None else at_positions(out, only)
     x = None if given is not None else block.layer_norm(x2)
-    h = yield from attention_slices(block.self_attention, x, ctx, slice_chunks, given)
+    h = yield from attention_slices(block.self_attention, x, ctx, slice_chunks, given, only)
     if only is not None:
-        return block.output(at_positions(h, only))  # type: ignore[no-any-return]
+        return block.output(h)  # type: ignore[no-any-return]
     yield  # the output projection is a piece of its own: a (L, H*D) x (H*D, hidden) matmul
     return block.output(h)  # type: ignore[no-any-return]
 
@@ -130,9 +130,13 @@ def at_positions(x: Tensor, positions: Tensor) -> Tensor:
 
 
 def attention_slices(att: torch.nn.Module, x: Tensor | None, ctx: AttentionContext,
-                     slice_chunks: int = DEFAULT_SLICE_CHUNKS, given: Projections | None = None) -> Slices:
+                     slice_chunks: int = DEFAULT_SLICE_CHUNKS, given: Projections | None = None,
+                     only: Tensor | None = None) -> Slices:
     """`att(x, ctx)[0]` for an eval LSHSelfAttention or LocalSelfAttention, in slices, from `x` or from its
-    `projections` already computed (`given`). Returns (B, L, H*D)."""
+    `projections` already computed (`given`). Returns (B, L, H*D), or with `only` (B,) positions (B, 1, H*D):
+    row b's output at only[b]. An LSH layer over rows longer than a chunk then attends only the chunks that
+    hold those positions (one per head and round) and combines their rounds; otherwise every chunk is
+    attended and the positions picked."""
     if slice_chunks < 1:
         raise ValueError("slice_chunks must be at least 1")
     if not isinstance(att, LSHSelfAttention | LocalSelfAttention):
@@ -141,8 +145,13 @@ def attention_slices(att: torch.nn.Module, x: Tensor | None, ctx: AttentionConte
         assert x is not None
         given = yield from projections(att, x, ctx)
     if isinstance(att, LSHSelfAttention):
-        return (yield from _lsh_slices(att, given, ctx, slice_chunks))
-    return (yield from _local_slices(att, given, ctx, slice_chunks))
+        if only is not None and given.buckets is not None and bool((ctx.own_length > att.chunk).all()):
+            out = yield from _lsh_chunked(att, given.key, given.value, given.buckets, ctx, slice_chunks, only)
+            return merge_heads(out)  # (B, 1, H*D)
+        out = yield from _lsh_slices(att, given, ctx, slice_chunks)
+    else:
+        out = yield from _local_slices(att, given, ctx, slice_chunks)
+    return out if only is None else at_positions(out, only)
 
 
 def _lsh_slices(att: LSHSelfAttention, given: Projections, ctx: AttentionContext, slice_chunks: int) -> Slices:
@@ -214,12 +223,13 @@ def _window_rows(x: Tensor, win: Tensor, n: int) -> Tensor:
 
 
 def _lsh_chunked(att: LSHSelfAttention, qk: Tensor, v: Tensor, buckets: Tensor, ctx: AttentionContext,
-                 slice_chunks: int) -> Slices:
+                 slice_chunks: int, only: Tensor | None = None) -> Slices:
     """LSHSelfAttention._chunked (eval), the heads in groups, each group's R*N chunks cut into slices.
     (B, H, L, D) -> (B, H, L, D). The forward runs one head at a time; a group holds as many heads as fit in
     one slice of `slice_chunks` window attentions (every head of a short prompt, one head of a long one),
     so a short prompt makes one kernel call per layer, not one per head: each (row, head, chunk) is computed
-    alone either way, with the same bits (tests/model/test_prefill_slices.py)."""
+    alone either way, with the same bits (tests/model/test_prefill_slices.py). With `only` (B,) positions:
+    (B, H, 1, D), row b's output at only[b], from the one chunk per head and round that holds it."""
     b, h, t, d = qk.shape
     r, c = att.rounds, att.chunk
     n = t // c
@@ -239,6 +249,12 @@ def _lsh_chunked(att: LSHSelfAttention, qk: Tensor, v: Tensor, buckets: Tensor, 
     # heads per group: the windows of rows with different lengths are gathered for one head at a time
     g = max(1, min(h, slice_chunks // (b * r * n))) if uniform and kernel is not None else 1
     step = max(1, slice_chunks // (b * g))  # chunks of the group's heads per slice, every batch row
+    if only is not None:
+        # where only[b] sits in each round's sorted order: its chunk on the R*N axis and its row in it
+        rank = (order == only.view(b, 1, 1, 1)).to(torch.int32).argmax(dim=-1)  # (B, H, R)
+        chunk_at = torch.arange(r, device=device).view(1, 1, r) * n + torch.div(rank, c, rounding_mode="floor")
+        row_at = torch.remainder(rank, c)
+        out = torch.zeros(b, h, 1, d, dtype=qk.dtype, device=device)
     yield
     for i0 in range(0, h, g):
         i1 = min(i0 + g, h)
@@ -253,6 +269,26 @@ def _lsh_chunked(att: LSHSelfAttention, qk: Tensor, v: Tensor, buckets: Tensor, 
             k_all = strided_windows(k_c.reshape(b, gh, r * t, d), c, att.before, att.after)  # views
             v_all = strided_windows(v_c.reshape(b, gh, r * t, d), c, att.before, att.after)
             kp_all = strided_windows(sp, c, att.before, att.after)
+        if only is not None:
+            pick = (batch.view(b, 1, 1), torch.arange(i1 - i0, device=device).view(1, -1, 1),
+                    chunk_at[:, i0:i1])  # (B, g, R) each: one chunk per row, head and round
+            if uniform and kernel is not None:
+                k_w, v_w, kp = k_all[pick], v_all[pick], kp_all[pick]  # (B, g, R, W*C[, D])
+            else:  # g == 1
+                w_s = torch.gather(win, 1, chunk_at[:, i0].unsqueeze(-1).expand(-1, -1, win.shape[-1]))  # (B, R, W)
+                k_w = _window_rows(k_c.reshape(b, r * t, d), w_s, r * n).unsqueeze(1)  # (B, 1, R, W*C, D)
+                v_w = _window_rows(v_c.reshape(b, r * t, d), w_s, r * n).unsqueeze(1)
+                kp = _window_rows(sp.reshape(b, r * t), w_s, r * n).unsqueeze(1)  # (B, 1, R, W*C)
+            kv = None if valid is None else valid[batch, kp]
+            if kernel is not None:
+                o, lse = fused_lsh_attend(q_c[pick], k_w, v_w, v_c[pick], qp[pick], kp, kv, att.causal, kernel,
+                                          att.c_kernel)
+            else:
+                bias = attention_bias(qp[pick], kp, kv, att.causal, True, qk.dtype)
+                o, lse = attend(q_c[pick], k_w, v_w, bias, 0.0, ctx.generator)
+            out[:, i0:i1, 0] = _combine_at(o, lse, row_at[:, i0:i1])
+            yield
+            continue
         outs, lses = [], []
         for j0 in range(0, r * n, step):
             j1 = min(j0 + step, r * n)
@@ -280,6 +316,20 @@ def _lsh_chunked(att: LSHSelfAttention, qk: Tensor, v: Tensor, buckets: Tensor, 
         out[:, i0:i1] = att._combine_rounds(o_all.reshape(b, gh, r, t, d), lse_all.reshape(b, gh, r, t),
                                             order[:, i0:i1])
     return out
+
+
+def _combine_at(o: Tensor, lse: Tensor, row: Tensor) -> Tensor:
+    """LSHSelfAttention._combine_rounds for one position per (batch row, head): o (B, g, R, C, D) and lse
+    (B, g, R, C) of the R chunks that hold it, `row` (B, g, R) its row in each -> (B, g, D). The same
+    weights (round_weights in fp32), the rounds added in order from zero as the scatter_add there adds them."""
+    at = row.unsqueeze(-1)
+    lse_r = torch.gather(lse.float(), 3, at).squeeze(-1)  # (B, g, R)
+    o_r = torch.gather(o, 3, at.unsqueeze(-1).expand(*at.shape, o.shape[-1])).squeeze(3).float()  # (B, g, R, D)
+    weights = round_weights(lse_r, dim=2)
+    total = torch.zeros_like(o_r[:, :, 0])
+    for k in range(o_r.shape[2]):
+        total = total + o_r[:, :, k] * weights[:, :, k, None]
+    return total.to(o.dtype)
 
 
 def _local_chunked(att: LocalSelfAttention, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext,

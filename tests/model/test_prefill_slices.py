@@ -123,3 +123,47 @@ def test_prefill_steps_equals_prefill(layers: list[str]) -> None:
     with torch.no_grad():
         for i, p in enumerate(prompts):  # and it is the full forward's result
             assert (lm(p[None]).logits[0, -1] - whole[i]).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("kind", ["local", "lsh"])
+@pytest.mark.parametrize("lengths", LENGTHS, ids=["-".join(map(str, x)) for x in LENGTHS])
+@pytest.mark.parametrize("fused,c_kernel", [(True, True), (True, False), (False, False)],
+                         ids=["c-kernel", "flash", "plain"])
+def test_attention_at_the_last_positions_equals_the_full_attention_there(
+        kind: str, lengths: list[int], fused: bool, c_kernel: bool) -> None:
+    """`only`: what a prefill's last layer computes (each row's output at its last position); an LSH layer
+    over rows longer than a chunk attends only the chunks holding those positions. Same values as the whole
+    attention picked there (bit for bit on the C kernel, which computes each chunk alone)."""
+    lm = _model(attn_layers=[kind, kind], num_hashes=3)
+    att = _layer(lm, 1).attention.self_attention
+    att.fused, att.c_kernel = fused, c_kernel
+    x, ctx = _inputs(lm, lengths)
+    last = torch.tensor(lengths) - 1
+    with torch.no_grad():
+        whole, _ = _drain(attention_slices(att, x, ctx, 3))
+        at_last, _ = _drain(attention_slices(att, x, ctx, 3, only=last))
+    want = whole[torch.arange(len(lengths)), last].unsqueeze(1)  # (B, 1, H*D)
+    assert at_last.shape == want.shape
+    if c_kernel:
+        assert torch.equal(at_last, want)
+    else:
+        assert (at_last - want).abs().max().item() <= 1e-6
+
+
+def test_last_position_attention_runs_one_chunk_per_head_and_round(monkeypatch: pytest.MonkeyPatch) -> None:
+    from model import prefill_slices
+
+    lm = _model(attn_layers=["lsh", "lsh"], num_hashes=3)
+    att = _layer(lm, 1).attention.self_attention
+    x, ctx = _inputs(lm, [200, 131])
+    seen: list[int] = []
+    real = prefill_slices.fused_lsh_attend
+
+    def count(q: Tensor, *args: Any, **kwargs: Any) -> Any:
+        seen.append(q.shape[0] * q.shape[1] * q.shape[2])  # window attentions: rows x heads x chunks
+        return real(q, *args, **kwargs)
+
+    monkeypatch.setattr(prefill_slices, "fused_lsh_attend", count)
+    with torch.no_grad():
+        _drain(attention_slices(att, x, ctx, 3, only=torch.tensor([199, 130])))
+    assert sum(seen) == 2 * att.heads * att.rounds
