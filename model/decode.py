@@ -109,6 +109,12 @@ SINGLE_THREAD_PREFILL_TOKENS = 2048
 # such prompt and from 7.4 to 3.7 ms for eight prefilled together (scratch timing, load not recorded).
 INDEX_BUILD_ITEMS = 16384
 
+# A prefill writes its keys and values into the cache this many positions at a time, yielding between: the
+# first prompt to reach fresh pool pages faults them in as it writes (a 60K prompt's write of one layer took
+# 160-180 ms in one piece, 30-50 ms once the pages were there: a scratch slice-by-slice timing of the prefill,
+# shipped model, one thread, load not recorded)
+WRITE_ROWS = 8192
+
 
 def prefill_threads(tokens: int, device: torch.device | None = None) -> contextlib.AbstractContextManager[None]:
     """One intra-op thread for a CPU prefill of at most SINGLE_THREAD_PREFILL_TOKENS padded tokens, the
@@ -229,9 +235,12 @@ def _prefill_layers(lm: ReformerLM, cache: DecodeCache, prompts: Sequence[Tensor
         keys, values = given.key[:, :, :longest], given.value[:, :, :longest]  # (N, H, L, D)
         # padding positions of the shorter prompts are written to the scratch block, never read
         at = torch.where(real, rows, 0).reshape(-1)
-        cache.write(li, at, keys.transpose(1, 2).reshape(-1, att.heads, att.head_size),
-                    values.transpose(1, 2).reshape(-1, att.heads, att.head_size))
-        yield
+        flat_keys = keys.transpose(1, 2).reshape(-1, att.heads, att.head_size)  # (N*L, H, D)
+        flat_values = values.transpose(1, 2).reshape(-1, att.heads, att.head_size)
+        for p0 in range(0, at.shape[0], WRITE_ROWS):
+            p1 = p0 + WRITE_ROWS
+            cache.write(li, at[p0:p1], flat_keys[p0:p1], flat_values[p0:p1])
+            yield
         if isinstance(att, LSHSelfAttention):
             for i, state in enumerate(states):
                 nb = _index_buckets(att, lm.config.padded_length(lengths[i]))
@@ -254,11 +263,13 @@ def _prefill_layers(lm: ReformerLM, cache: DecodeCache, prompts: Sequence[Tensor
         if x1.shape[1] <= size:
             x2 = x2 + ff(x1)
         else:
-            parts = []
-            for part in x1.split(size, dim=1):  # the slices the chunked feed-forward runs anyway
-                parts.append(ff(part))
+            # the slices the chunked feed-forward runs anyway, each added into its part of the new x2 (no
+            # whole-prompt concatenation and sum in one piece)
+            summed = torch.empty_like(x2)
+            for a in range(0, x1.shape[1], size):
+                torch.add(x2[:, a : a + size], ff(x1[:, a : a + size]), out=summed[:, a : a + size])
                 yield
-            x2 = x2 + torch.cat(parts, dim=1)
+            x2 = summed
     hidden = torch.cat([x1, x2], dim=-1)[:, 0]  # (N, 2*hidden): after each prompt's last position
     for state, n in zip(states, lengths):
         state.length = n

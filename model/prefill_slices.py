@@ -37,13 +37,12 @@ from .attention import (
     AttentionContext,
     LocalSelfAttention,
     LSHSelfAttention,
-    length_normalize,
     merge_heads,
     split_heads,
 )
-from .chunking import attend, attention_bias, fusable, round_weights, strided_windows, window_chunk_index
-from .decode_index import bucket_order
-from .lsh_fused import fused_lsh_attend, local_window_attend, native_kernels, window_kernel_for
+from .chunking import window_chunk_index
+from .lsh_fused import local_window_attend
+from .prefill_lsh import lsh_chunked
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -146,7 +145,7 @@ def attention_slices(att: torch.nn.Module, x: Tensor | None, ctx: AttentionConte
         given = yield from projections(att, x, ctx)
     if isinstance(att, LSHSelfAttention):
         if only is not None and given.buckets is not None and bool((ctx.own_length > att.chunk).all()):
-            out = yield from _lsh_chunked(att, given.key, given.value, given.buckets, ctx, slice_chunks, only)
+            out = yield from lsh_chunked(att, given.key, given.value, given.buckets, ctx, slice_chunks, only)
             return merge_heads(out)  # (B, 1, H*D)
         out = yield from _lsh_slices(att, given, ctx, slice_chunks)
     else:
@@ -165,8 +164,8 @@ def _lsh_slices(att: LSHSelfAttention, given: Projections, ctx: AttentionContext
 
     def chunked(rows: Tensor | None, sub: AttentionContext) -> Slices:
         if rows is None:
-            return (yield from _lsh_chunked(att, qk, v, buckets, sub, slice_chunks))
-        return (yield from _lsh_chunked(att, qk[rows], v[rows], buckets[rows], sub, slice_chunks))
+            return (yield from lsh_chunked(att, qk, v, buckets, sub, slice_chunks))
+        return (yield from lsh_chunked(att, qk[rows], v[rows], buckets[rows], sub, slice_chunks))
 
     out = yield from _split_short_rows(v, ctx, c, dense, chunked)
     return merge_heads(out)
@@ -220,116 +219,6 @@ def _window_rows(x: Tensor, win: Tensor, n: int) -> Tensor:
     flat = x.reshape(b * n, c, *rest)
     base = torch.arange(b, device=x.device).view(b, 1, 1) * n
     return flat[(win + base).reshape(-1)].reshape(b, s, w * c, *rest)
-
-
-def _lsh_chunked(att: LSHSelfAttention, qk: Tensor, v: Tensor, buckets: Tensor, ctx: AttentionContext,
-                 slice_chunks: int, only: Tensor | None = None) -> Slices:
-    """LSHSelfAttention._chunked (eval), the heads in groups, each group's R*N chunks cut into slices.
-    (B, H, L, D) -> (B, H, L, D). The forward runs one head at a time; a group holds as many heads as fit in
-    one slice of `slice_chunks` window attentions (every head of a short prompt, one head of a long one),
-    so a short prompt makes one kernel call per layer, not one per head: each (row, head, chunk) is computed
-    alone either way, with the same bits (tests/model/test_prefill_slices.py). With `only` (B,) positions:
-    (B, H, 1, D), row b's output at only[b], from the one chunk per head and round that holds it."""
-    b, h, t, d = qk.shape
-    r, c = att.rounds, att.chunk
-    n = t // c
-    device = qk.device
-    # the whole prompt's sort, in C on the CPU (a 60K prompt's argsort took 37-230 ms)
-    order = bucket_order(buckets, None, native_kernels(qk) if att.c_kernel else None)  # (B, H, R, L)
-    sorted_pos = order.reshape(b, h, r * t)
-    own_chunks = torch.clamp((ctx.own_length + c - 1) // c, min=1)
-    win = window_chunk_index(own_chunks, r, n, att.before, att.after)  # (B, R*N, W)
-    uniform = bool((own_chunks == n).all())
-    kernel = window_kernel_for(qk, fusable(0.0, att.fused))
-    k = length_normalize(qk) / math.sqrt(att.head_size)
-    qkv = torch.cat([qk, k, v], dim=-1)  # (B, H, L, 3D)
-    valid = ctx.valid
-    out = torch.zeros_like(qk)
-    batch = torch.arange(b, device=device).view(b, 1, 1, 1)
-    # heads per group: the windows of rows with different lengths are gathered for one head at a time
-    g = max(1, min(h, slice_chunks // (b * r * n))) if uniform and kernel is not None else 1
-    step = max(1, slice_chunks // (b * g))  # chunks of the group's heads per slice, every batch row
-    if only is not None:
-        # where only[b] sits in each round's sorted order: its chunk on the R*N axis and its row in it
-        rank = (order == only.view(b, 1, 1, 1)).to(torch.int32).argmax(dim=-1)  # (B, H, R)
-        chunk_at = torch.arange(r, device=device).view(1, 1, r) * n + torch.div(rank, c, rounding_mode="floor")
-        row_at = torch.remainder(rank, c)
-        out = torch.zeros(b, h, 1, d, dtype=qk.dtype, device=device)
-    yield
-    for i0 in range(0, h, g):
-        i1 = min(i0 + g, h)
-        gh = i1 - i0
-        sp = sorted_pos[:, i0:i1]  # (B, g, R*L)
-        flat = qkv[:, i0:i1].reshape(b * gh * t, 3 * d)
-        base = torch.arange(b * gh, device=device).view(b, gh, 1) * t  # each (row, head)'s first flat row
-        picked = flat.index_select(0, (sp + base).reshape(-1)).view(b, gh, r * t, 3 * d)
-        q_c, k_c, v_c = (x.reshape(b, gh, r * n, c, d) for x in picked.split(d, dim=-1))
-        qp = sp.view(b, gh, r * n, c)
-        if uniform and kernel is not None:
-            k_all = strided_windows(k_c.reshape(b, gh, r * t, d), c, att.before, att.after)  # views
-            v_all = strided_windows(v_c.reshape(b, gh, r * t, d), c, att.before, att.after)
-            kp_all = strided_windows(sp, c, att.before, att.after)
-        if only is not None:
-            pick = (batch.view(b, 1, 1), torch.arange(i1 - i0, device=device).view(1, -1, 1),
-                    chunk_at[:, i0:i1])  # (B, g, R) each: one chunk per row, head and round
-            if uniform and kernel is not None:
-                k_w, v_w, kp = k_all[pick], v_all[pick], kp_all[pick]  # (B, g, R, W*C[, D])
-            else:  # g == 1
-                w_s = torch.gather(win, 1, chunk_at[:, i0].unsqueeze(-1).expand(-1, -1, win.shape[-1]))  # (B, R, W)
-                k_w = _window_rows(k_c.reshape(b, r * t, d), w_s, r * n).unsqueeze(1)  # (B, 1, R, W*C, D)
-                v_w = _window_rows(v_c.reshape(b, r * t, d), w_s, r * n).unsqueeze(1)
-                kp = _window_rows(sp.reshape(b, r * t), w_s, r * n).unsqueeze(1)  # (B, 1, R, W*C)
-            kv = None if valid is None else valid[batch, kp]
-            if kernel is not None:
-                o, lse = fused_lsh_attend(q_c[pick], k_w, v_w, v_c[pick], qp[pick], kp, kv, att.causal, kernel,
-                                          att.c_kernel)
-            else:
-                bias = attention_bias(qp[pick], kp, kv, att.causal, True, qk.dtype)
-                o, lse = attend(q_c[pick], k_w, v_w, bias, 0.0, ctx.generator)
-            out[:, i0:i1, 0] = _combine_at(o, lse, row_at[:, i0:i1])
-            yield
-            continue
-        outs, lses = [], []
-        for j0 in range(0, r * n, step):
-            j1 = min(j0 + step, r * n)
-            if uniform and kernel is not None:
-                k_w, v_w, kp = k_all[:, :, j0:j1], v_all[:, :, j0:j1], kp_all[:, :, j0:j1]
-            else:
-                # one head (g == 1): the forward's look_adjacent (uniform) and gather_chunks pick these chunks
-                w_s = win[:, j0:j1]
-                k_w = _window_rows(k_c.reshape(b, r * t, d), w_s, r * n).unsqueeze(1)  # (B, 1, S, W*C, D)
-                v_w = _window_rows(v_c.reshape(b, r * t, d), w_s, r * n).unsqueeze(1)
-                kp = _window_rows(sp.reshape(b, r * t), w_s, r * n).unsqueeze(1)  # (B, 1, S, W*C)
-            kv = None if valid is None else valid[batch, kp]
-            qs, qps = q_c[:, :, j0:j1], qp[:, :, j0:j1]
-            if kernel is not None:
-                o, lse = fused_lsh_attend(qs, k_w, v_w, v_c[:, :, j0:j1], qps, kp, kv, att.causal, kernel,
-                                          att.c_kernel)
-            else:
-                bias = attention_bias(qps, kp, kv, att.causal, True, qk.dtype)
-                o, lse = attend(qs, k_w, v_w, bias, 0.0, ctx.generator)
-            outs.append(o)
-            lses.append(lse)
-            yield
-        o_all = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]  # (B, g, R*N, C, D)
-        lse_all = torch.cat(lses, dim=2) if len(lses) > 1 else lses[0]
-        out[:, i0:i1] = att._combine_rounds(o_all.reshape(b, gh, r, t, d), lse_all.reshape(b, gh, r, t),
-                                            order[:, i0:i1])
-    return out
-
-
-def _combine_at(o: Tensor, lse: Tensor, row: Tensor) -> Tensor:
-    """LSHSelfAttention._combine_rounds for one position per (batch row, head): o (B, g, R, C, D) and lse
-    (B, g, R, C) of the R chunks that hold it, `row` (B, g, R) its row in each -> (B, g, D). The same
-    weights (round_weights in fp32), the rounds added in order from zero as the scatter_add there adds them."""
-    at = row.unsqueeze(-1)
-    lse_r = torch.gather(lse.float(), 3, at).squeeze(-1)  # (B, g, R)
-    o_r = torch.gather(o, 3, at.unsqueeze(-1).expand(*at.shape, o.shape[-1])).squeeze(3).float()  # (B, g, R, D)
-    weights = round_weights(lse_r, dim=2)
-    total = torch.zeros_like(o_r[:, :, 0])
-    for k in range(o_r.shape[2]):
-        total = total + o_r[:, :, k] * weights[:, :, k, None]
-    return total.to(o.dtype)
 
 
 def _local_chunked(att: LocalSelfAttention, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext,

@@ -263,12 +263,12 @@ def test_sliced_prefill_yields_between_slices_and_computes_the_same(index_items:
     # (model/prefill_slices.py `projections`; local: 3; LSH: 2 and the hashing), the cache write, (LSH) the
     # index build from the attention's buckets (1, then one sort of both heads, or one per head: 1 + 2), the
     # attention's slices (local: its windows in 1 slice; LSH: the sort, then its 2 heads' windows together in
-    # 1 slice), the output projection, the residual, 3 feed-forward slices of 16; the last layer (LSH) stops
-    # after its attention: its output projection and feed-forward run on the last position only, in the piece
-    # that ends the prefill
+    # 1 slice and their rounds combined in 1), the output projection, the residual, 3 feed-forward slices of
+    # 16; the last layer (LSH) stops after its attention at the last position (the sort, 1 slice): its output
+    # projection and feed-forward run on that position only, in the piece that ends the prefill
     sorts = 1 if index_items is None else 2
-    local, lsh = 3 + 1 + 1 + 1 + 1 + 3, 3 + 1 + (1 + sorts) + 1 + 1
-    assert slices == 1 + 2 * local + lsh + (lsh + 1 + 1 + 3)
+    local, lsh = 3 + 1 + 1 + 1 + 1 + 3, 3 + 1 + (1 + sorts)
+    assert slices == 1 + 2 * local + (lsh + 3 + 1 + 1 + 3) + (lsh + 2)
     assert torch.equal(sliced, whole)
     with torch.no_grad():
         assert (lm(prompt[None]).logits[0, -1] - whole[0]).abs().max().item() <= 1e-5

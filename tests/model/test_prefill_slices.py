@@ -88,9 +88,10 @@ def test_slices_are_bounded_in_window_attentions() -> None:
         for size in (8, 32, 128):
             _, yields = _drain(attention_slices(att, h, ctx, size))
             counts.append(yields)
-    # one yield after each projection, the hashing and the sort, then ceil(64 / size) per head; at 128 both
-    # heads' 64 fit in one slice, which takes them together
-    assert counts == [4 + 2 * 8, 4 + 2 * 2, 4 + 1]
+    # one yield after each projection, the hashing and the sort, then per head ceil(64 / size) attention
+    # slices and as many slices combining the rounds (size * 8 / 2 positions each: as many rows as an
+    # attention slice's queries); at 128 both heads' 64 fit in one slice, which takes them together
+    assert counts == [4 + 2 * (8 + 8), 4 + 2 * (2 + 2), 4 + 1 + 1]
 
 
 def test_training_mode_is_not_sliced() -> None:
@@ -151,19 +152,19 @@ def test_attention_at_the_last_positions_equals_the_full_attention_there(
 
 
 def test_last_position_attention_runs_one_chunk_per_head_and_round(monkeypatch: pytest.MonkeyPatch) -> None:
-    from model import prefill_slices
+    from model import prefill_lsh
 
     lm = _model(attn_layers=["lsh", "lsh"], num_hashes=3)
     att = _layer(lm, 1).attention.self_attention
     x, ctx = _inputs(lm, [200, 131])
     seen: list[int] = []
-    real = prefill_slices.fused_lsh_attend
+    real = prefill_lsh.fused_lsh_attend
 
     def count(q: Tensor, *args: Any, **kwargs: Any) -> Any:
         seen.append(q.shape[0] * q.shape[1] * q.shape[2])  # window attentions: rows x heads x chunks
         return real(q, *args, **kwargs)
 
-    monkeypatch.setattr(prefill_slices, "fused_lsh_attend", count)
+    monkeypatch.setattr(prefill_lsh, "fused_lsh_attend", count)
     with torch.no_grad():
         _drain(attention_slices(att, x, ctx, 3, only=torch.tensor([199, 130])))
     assert sum(seen) == 2 * att.heads * att.rounds
