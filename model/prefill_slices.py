@@ -4,14 +4,15 @@ A long prompt's prefill runs between decode steps (model/decode.py `prefill_step
 may take much longer than a decode step. A layer's attention over a 60K-token prompt is one such unit in the
 full forward (`ReformerLayer.f`); here it is cut up without changing what it computes:
 
-- the projections, the LSH hashing and the bucket sort (`argsort` of every hash round) see the whole prompt
-  at once, as in the full forward: they are the cheap, global part;
+- the projections, the LSH hashing and the bucket sort (every hash round's (bucket, position) order) see the
+  whole prompt at once, as in the full forward: they are the cheap, global part;
 - the chunk windows are attended `slice_chunks` window attentions (row x head x chunk) at a time, with a
   `yield` after each slice. A chunk's window attention depends only on its own queries and its window's keys,
   so computing the chunks in groups changes nothing: the window kernel runs on the same rows with the same
-  keys in the same order;
-- LSH rounds are combined per head once every chunk of that head is done, and the output projection runs on
-  the whole sequence (F.linear's bits depend on the number of rows).
+  keys in the same order. An LSH slice gathers just its own windows' rows (model/prefill_lsh.py);
+- LSH rounds are combined in slices of positions once every chunk of a head group is done
+  (model/prefill_lsh.py), and the output projection runs on the whole sequence (F.linear's bits depend on the
+  number of rows).
 
 Exactness: the result is bit-identical (`torch.equal`) to `layer.f(x2, ctx, None)[0]` in eval mode: the same
 kernels on the same rows. tests/model/test_prefill_slices.py checks it with `torch.equal` on CPU for the fused
@@ -19,8 +20,12 @@ window kernel and the plain softmax, uniform and mixed-length padded batches, an
 (the CUDA kernel's path is the same code, untested here). Training (dropout,
 autograd) is not sliced: `layer_f_slices` then runs `layer.f` in one piece.
 
+A prefill's last layer asks for its output at each prompt's last position only (`only`): an LSH layer then
+attends just the chunks holding that position (one per head and round), bit-identical on the C kernel to the
+whole attention picked there (tests/model/test_prefill_slices.py).
+
 The primitives are the attention modules' own (model/attention.py, model/chunking.py, model/lsh_fused.py);
-the loops below mirror `LSHSelfAttention._chunked` and `LocalSelfAttention._chunked` with the chunk axis cut.
+the loops mirror `LSHSelfAttention._chunked` and `LocalSelfAttention._chunked` with the chunk axis cut.
 """
 
 from __future__ import annotations

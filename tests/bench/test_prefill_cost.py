@@ -1,0 +1,26 @@
+"""bench/prefill_cost.py: another commit's model package imported beside this tree's, and a tiny A/B run."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import bench.prefill_cost as prefill_cost
+
+
+def test_a_run_against_head_times_both_and_compares_their_logits(tmp_path: Path) -> None:
+    out = tmp_path / "prefill_cost.json"
+    try:
+        assert prefill_cost.main(["--against", "HEAD", "--cases", "1x100,2x70", "--reps", "2",
+                                  "--out", str(out)]) == 0
+    finally:  # the imported package stays importable by name only inside this test
+        for name in [m for m in sys.modules if m == prefill_cost.OLD or m.startswith(prefill_cost.OLD + ".")]:
+            del sys.modules[name]
+    result = json.loads(out.read_text())
+    assert len(result["against_commit"]) == 40
+    assert [(r["prompts"], r["bytes"], r["reps"]) for r in result["rows"]] == [(1, 100, 2), (2, 70, 2)]
+    for row in result["rows"]:
+        assert row["this_tree_ms"] > 0 and row["against_ms"] > 0
+        # HEAD's model code is this tree's, give or take uncommitted edits: the same logits within rounding
+        assert row["logits_max_abs_diff"] <= 1e-4
