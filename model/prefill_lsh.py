@@ -76,8 +76,9 @@ def lsh_chunked(att: LSHSelfAttention, qk: Tensor, v: Tensor, buckets: Tensor, c
             outs.append(o)
             lses.append(lse)
             yield
+        # the rounds combined in slices of as many rows as an attention slice's queries
         yield from _combine_in_slices(out, i0, torch.cat(outs, dim=2), torch.cat(lses, dim=2), order[:, i0:i1],
-                                   max(c, step * c // r))
+                                      max(c, step * c // r))
     return out
 
 

@@ -11,9 +11,10 @@ import bench.prefill_cost as prefill_cost
 
 def test_a_run_against_head_times_both_and_compares_their_logits(tmp_path: Path) -> None:
     out = tmp_path / "prefill_cost.json"
+    (tmp_path / prefill_cost.BOOK).write_text("It was the best of times, it was the worst of times. " * 400)
     try:
         assert prefill_cost.main(["--against", "HEAD", "--cases", "1x100,2x70", "--reps", "2",
-                                  "--out", str(out)]) == 0
+                                  "--data", str(tmp_path), "--out", str(out)]) == 0
     finally:  # the imported package stays importable by name only inside this test
         for name in [m for m in sys.modules if m == prefill_cost.OLD or m.startswith(prefill_cost.OLD + ".")]:
             del sys.modules[name]
