@@ -159,3 +159,22 @@ def test_a_plain_request_whose_client_leaves_is_dropped(server: Any) -> None:
     wait_for(lambda: _idle(server.url))
     text = scrape(server.url)
     assert metric_value(text, "reformer_requests_total", {"route": "/generate", "status": "499"}) >= 1
+
+
+def test_process_settings_are_the_ones_serve_runs_under() -> None:
+    """`apply_process_settings` (what `reformer serve` calls, and bench/prefill_gap.py with it): the GIL switch
+    interval and the CPU runtime's settings."""
+    import sys
+
+    import torch
+
+    from service.server import SWITCH_INTERVAL_S, apply_process_settings
+
+    before = sys.getswitchinterval()
+    try:
+        done = apply_process_settings()
+        assert sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL_S)
+        assert set(done) == {"flush_denormal", "malloc_thresholds"}
+    finally:  # the rest of this test process keeps Python's and torch's defaults
+        sys.setswitchinterval(before)
+        torch.set_flush_denormal(False)
