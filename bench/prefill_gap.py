@@ -2,7 +2,8 @@
 tokens while it is prefilled, and its prefill time against its time alone.
 
     python bench/prefill_gap.py [MODEL] [--data ../shared/data] [--long-bytes 60000] [--streams 8]
-                                [--stream-bytes 256] [--threads 2] [--out bench/results/prefill_gap.json]
+                                [--stream-bytes 256] [--threads 2] [--prefill-budget-ms 100]
+                                [--out bench/results/prefill_gap.json]
 
 MODEL is an artifact directory (default: the shipped export/default_artifact). Everything runs in this
 process through the service's own `Engine` (service/engine.py: its worker thread, its decode steps and its
@@ -57,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stream-bytes", type=int, default=256)
     p.add_argument("--warm-tokens", type=int, default=24, help="tokens per stream before the long prompt arrives")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--prefill-budget-ms", type=float, default=EngineConfig.prefill_budget_ms,
+                   help="the engine's budget for prefill slices between decode steps (REFORMER_PREFILL_BUDGET_MS)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "prefill_gap.json")
     return p
 
@@ -177,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     stream_ids = [tok.encode(_text(args.data, BOOKS[1], 50_000 + 7_919 * i, args.stream_bytes)
                              .decode("utf-8", "ignore")) for i in range(args.streams)]
     engine = Engine(artifact.model, tok, backend=None,  # type: ignore[arg-type]  # no embedding requests here
-                    device=torch.device("cpu"), config=EngineConfig(warmup=False), metrics=ServiceMetrics())
+                    device=torch.device("cpu"), metrics=ServiceMetrics(),
+                    config=EngineConfig(warmup=False, prefill_budget_ms=args.prefill_budget_ms))
     load_before = [round(v, 2) for v in os.getloadavg()]
     t0 = time.perf_counter()
     engine.start()
@@ -192,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     out = {"benchmark": "prefill_gap", "model": str(args.model or "export/default_artifact"),
            "long_prompt_tokens": len(long_ids), "streams": args.streams,
            "stream_prompt_tokens": [len(s) for s in stream_ids], "threads": args.threads,
+           "prefill_budget_ms": args.prefill_budget_ms,
            "process_settings": {**process, "switch_interval_s": sys.getswitchinterval()}, **result,
            "prefill_ratio_vs_alone": round(ws["prefill_s"] / alone, 2),
            "seconds": round(time.perf_counter() - t0, 1), "load_before": load_before,
@@ -200,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(out, indent=2) + "\n")
     b, d, s = ws["gaps_before"], ws["gaps_during"], result["sliced_alone"]
     print(f"long prompt {len(long_ids)} tokens, {args.streams} streams of {len(stream_ids[0])}-token prompts, "
-          f"{args.threads} threads")
+          f"{args.threads} threads, prefill budget {args.prefill_budget_ms:g} ms")
     print(f"{'':28}{'p50 ms':>10}{'p90 ms':>10}{'max ms':>10}{'gaps':>8}")
     for name, g in (("gaps before it arrives", b), ("gaps while it is prefilled", d)):
         print(f"{name:28}{g.get('p50_ms', '-'):>10}{g.get('p90_ms', '-'):>10}{g.get('max_ms', '-'):>10}"

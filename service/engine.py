@@ -46,13 +46,6 @@ log = logging.getLogger("service.engine")
 
 # A prefill group of more padded tokens than this is sliced between decode steps while generations run.
 CHUNKED_PREFILL_TOKENS = 2048
-# Between two decode steps, sliced prefills run slice after slice while the next one, if it takes as long as
-# the longest of the last few (service/policy.py another_slice_fits), still ends within this much time (at
-# least one slice per step). A running stream's gap is then about one decode step plus this
-# (model/prefill_slices.py bounds a slice), and the prefill keeps about budget / (budget + decode step) of
-# the time: one slice per step would leave it a small share when slices are short (bench/prefill_gap.py
-# measures both).
-PREFILL_BUDGET_S = 0.1
 
 # Reservation lives in service/admission.py and GenerationStream in service/jobs_runtime.py; importers of
 # service.engine keep them.
@@ -73,6 +66,12 @@ class EngineConfig:
     cuda_graphs: bool = False  # on CUDA, decode steps replay captured graphs (model/step_graphs.py)
     cpu_kernels: bool = True  # on CPU, decode steps attend through the C window kernel (model/cpu_kernels.py)
     kv_cache_dtype: torch.dtype | None = None  # the decode cache's keys and values; None: the model's dtype
+    # Between two decode steps, sliced prefills run slice after slice while the next one, if it takes as long
+    # as the longest of the last few (service/policy.py another_slice_fits), still ends within this much time
+    # (at least one slice per step; 0: one slice per step). A running stream's gap is then about one decode
+    # step plus this (model/prefill_slices.py bounds a slice), and the prefill keeps about budget / (budget +
+    # decode step) of the time (bench/prefill_gap.py measures both; REFORMER_PREFILL_BUDGET_MS)
+    prefill_budget_ms: float = 100.0
 
 
 class Engine:
@@ -316,9 +315,10 @@ class Engine:
                 self._prefill(members)
 
     def _advance_prefills(self) -> None:
-        """Slices of the prefills in progress, oldest first, within PREFILL_BUDGET_S (at least one slice each);
-        a finished one joins the running generations."""
+        """Slices of the prefills in progress, oldest first, within the config's prefill_budget_ms (at least one
+        slice each); a finished one joins the running generations."""
         start = time.monotonic()
+        budget_s = self.config.prefill_budget_ms / 1000.0
         for entry in list(self._prefilling):
             jobs, slices, recent = entry
             try:
@@ -327,7 +327,7 @@ class Engine:
                     next(slices)
                     now = time.monotonic()
                     recent.append(now - began)
-                    if not another_slice_fits(now - start, recent, PREFILL_BUDGET_S):
+                    if not another_slice_fits(now - start, recent, budget_s):
                         break
                 continue
             except StopIteration as done:

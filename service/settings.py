@@ -64,6 +64,13 @@ class Settings(BaseSettings):
     max_wait_ms: float = Field(
         5.0, ge=0, description="How long an embedding request may wait for company before its batch runs."
     )
+    prefill_budget_ms: float = Field(
+        100.0, ge=0,
+        description="How long a long prompt's sliced prefill may run between two decode steps of the running "
+        "generations (chunked prefill; at least one slice per step, 0: one slice per step). Smaller: shorter "
+        "gaps between the running streams' tokens while a long prompt is prefilled, and a longer prefill. "
+        "bench/prefill_gap.py measures both (bench/README.md).",
+    )
     cache_bytes: int | None = Field(
         None, ge=0,
         description="Decode-cache capacity in bytes (keys, values and LSH bookkeeping of running generations, in "

@@ -131,7 +131,8 @@ class ServiceState:
         ).set(1)
         config = EngineConfig(
             max_batch_size=s.max_batch_size, max_batch_tokens=s.max_batch_tokens, max_wait_ms=s.max_wait_ms,
-            max_queue_size=s.max_queue_size, request_timeout_s=s.request_timeout_s, warmup=s.warmup,
+            prefill_budget_ms=s.prefill_budget_ms, max_queue_size=s.max_queue_size,
+            request_timeout_s=s.request_timeout_s, warmup=s.warmup,
             cache_bytes=s.cache_bytes, batch_invariant=s.batch_invariant, cuda_graphs=s.cuda_graphs,
             cpu_kernels=s.cpu_kernels, kv_cache_dtype=kv_cache_dtype(s.kv_cache_dtype, dtype),
             max_request_tokens=min(self.limits.max_input_tokens + self.limits.max_new_tokens, positions),
@@ -174,7 +175,8 @@ class ServiceState:
             "limits": dataclasses.asdict(self.limits) if self.limits else {},
             "batching": {
                 "max_batch_size": s.max_batch_size, "max_batch_tokens": s.max_batch_tokens,
-                "max_wait_ms": s.max_wait_ms, "max_queue_size": s.max_queue_size,
+                "max_wait_ms": s.max_wait_ms, "prefill_budget_ms": s.prefill_budget_ms,
+                "max_queue_size": s.max_queue_size,
                 "request_timeout_s": s.request_timeout_s,
                 # bit-identical to a request alone (fixed row blocks), or the same greedy tokens within 1e-4
                 "batch_invariant": s.batch_invariant,

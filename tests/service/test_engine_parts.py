@@ -4,6 +4,7 @@ are counted for completed requests only, and admission goes by decode-cache byte
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -133,13 +134,13 @@ def _run_raising(engine: Engine, spec: GenerationSpec) -> None:
 
 
 def _record_slices(engine: Engine, monkeypatch: pytest.MonkeyPatch, budget_s: float) -> list[str]:
-    """Long prompts (over 50 tokens) sliced, PREFILL_BUDGET_S set; returns the calls as they happen:
+    """Long prompts (over 50 tokens) sliced, the prefill budget set; returns the calls as they happen:
     "d" a decode step that includes the first request decoding after the list is cleared (the stream),
     "x" one without it, "s" a prefill slice."""
     import service.engine as engine_module
 
     monkeypatch.setattr(engine_module, "CHUNKED_PREFILL_TOKENS", 50)
-    monkeypatch.setattr(engine_module, "PREFILL_BUDGET_S", budget_s)
+    monkeypatch.setattr(engine, "config", dataclasses.replace(engine.config, prefill_budget_ms=1000.0 * budget_s))
     calls: list[str] = []
     real_decode, real_slices = engine.runner.decode, engine.runner.prefill_slices
 

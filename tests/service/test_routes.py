@@ -194,3 +194,10 @@ def test_a_float16_decode_cache_is_reported_and_decodes_near_float32(client: Tes
         if a["id"] != b["id"]:
             break
         assert abs(a["logprob"] - b["logprob"]) <= 1e-2  # float16 keeps 11 significant bits
+
+
+def test_the_prefill_budget_setting_reaches_the_engine_and_info(client: TestClient, artifact: Any) -> None:
+    assert client.get("/info").json()["batching"]["prefill_budget_ms"] == 100.0
+    with running_app(artifact, max_new_tokens=8, max_input_tokens=256, prefill_budget_ms=25.0) as tight:
+        assert tight.get("/info").json()["batching"]["prefill_budget_ms"] == 25.0
+        assert tight.app.state.service.engine.config.prefill_budget_ms == 25.0

@@ -48,6 +48,8 @@ def test_invalid_settings_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
         settings_from_argv(["--device", "tpu"])
     with pytest.raises(ValidationError):
         Settings(kv_cache_dtype="int8")
+    with pytest.raises(ValidationError):
+        Settings(prefill_budget_ms=-1)
 
 
 def test_kv_cache_dtype_auto_is_the_models_and_half_needs_a_float32_model() -> None:
