@@ -7,7 +7,8 @@ tokens while it is prefilled, and its prefill time against its time alone.
 
 MODEL is an artifact directory (default: the shipped export/default_artifact). Everything runs in this
 process through the service's own `Engine` (service/engine.py: its worker thread, its decode steps and its
-interleaving of sliced prefills), without HTTP:
+interleaving of sliced prefills), without HTTP, under the service's process settings
+(`service.server.apply_process_settings`):
 
 1. alone: the long prompt (`--long-bytes` bytes of a book) prefilled by the engine with nothing else running
    (one piece, `ModelRunner.prefill`), timed from submission to its first token; then the same prompt

@@ -45,8 +45,8 @@ def lsh_chunked(att: LSHSelfAttention, qk: Tensor, v: Tensor, buckets: Tensor, c
     own_chunks = torch.clamp((ctx.own_length + c - 1) // c, min=1)
     win = window_chunk_index(own_chunks, r, n, att.before, att.after)  # (B, R*N, W): chunks on the R*N axis
     kernel = window_kernel_for(qk, fusable(0.0, att.fused))
-    # each (row, position, head)'s query-key and value rows: (B, L, H, D) is how the projections lay them out,
-    # so these are views, not copies
+    # each (row, position, head)'s query-key and value rows: views when qk and v are laid out (B, L, H, D) as
+    # the projections produce them (model/attention.py split_heads), a copy of the prompt's rows otherwise
     rows = (qk.transpose(1, 2).contiguous().view(-1, d), v.transpose(1, 2).contiguous().view(-1, d))
     g = max(1, min(h, slice_chunks // (b * r * n)))
     step = max(1, slice_chunks // (b * g))  # chunks of the group's heads per slice, every batch row
