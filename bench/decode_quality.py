@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from model.decode import DecodeCache, decode_step, prefill
+from model.decoding import DecodeCache, decode_step, prefill
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -10,7 +10,7 @@ forward benchmark's config (6 LSH layers, hidden 256, 4 heads x 64, chunk 64, 4 
 Each (model, length) runs in its own subprocess. Then, for this project only, one batched decode step over B
 running requests (each after a `--batch-prompt`-token prompt) for every B in `--batch-sizes`: time per step
 and total tokens/s, plotted against B, with the step's intra-op threads as the service's model runner sets
-them (`model.decode.step_threads`) and, with `--batch-all-threads`, again on every thread; with
+them (`model.decoding.step_threads`) and, with `--batch-all-threads`, again on every thread; with
 `--batch-artifact`, on that artifact's model instead of the config above. `--kv-cache-dtype` keeps this
 project's cached keys and values in that dtype (REFORMER_KV_CACHE_DTYPE; default float32, the model's, which
 is the exact cache). `--decode-all-threads` also times our batch-1 decode with its steps on every thread (the
@@ -57,7 +57,7 @@ def run_case(kind: str, length: int, new_tokens: int, threads: int, kv: str = "f
     import torch
 
     torch.set_num_threads(threads)
-    from model.cpu_runtime import tune_cpu_runtime
+    from model.decoding.runtime import tune_cpu_runtime
 
     tune_cpu_runtime()  # as `reformer serve` runs, for every model in the table
     torch.manual_seed(0)
@@ -66,7 +66,7 @@ def run_case(kind: str, length: int, new_tokens: int, threads: int, kv: str = "f
     with torch.no_grad():
         if kind == "ours":
             from model import ReformerConfig, ReformerLM
-            from model.decode import DecodeCache, decode_step, prefill, step_threads
+            from model.decoding import DecodeCache, decode_step, prefill, step_threads
 
             lm = ReformerLM(ReformerConfig.from_hf(hf_config())).eval()
             dc = DecodeCache.for_tokens(lm, prompt.shape[0] + new_tokens + 2, kv_dtype=_kv_dtype(kv))
@@ -120,10 +120,10 @@ def run_batch_case(batch: int, length: int, steps: int, threads: int, all_thread
     import torch
 
     from model import ReformerConfig, ReformerLM
-    from model.decode import DecodeCache, decode_step, prefill, step_threads
+    from model.decoding import DecodeCache, decode_step, prefill, step_threads
 
     torch.set_num_threads(threads)
-    from model.cpu_runtime import tune_cpu_runtime
+    from model.decoding.runtime import tune_cpu_runtime
 
     tune_cpu_runtime()  # as `reformer serve` runs, for every model in the table
     torch.manual_seed(0)
@@ -219,10 +219,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--case", nargs=2, metavar=("MODEL", "LENGTH"), help=argparse.SUPPRESS)
     p.add_argument("--decode-all-threads", action="store_true",
                    help="also time our batch-1 decode with its steps on all --threads (the service runs a one-row "
-                        "step on one: model.decode.step_threads)")
+                        "step on one: model.decoding.step_threads)")
     p.add_argument("--batch-all-threads", action="store_true",
                    help="also time every batch size with the step on all --threads (the service leaves one core "
-                        "to its event loop: model.decode.step_threads)")
+                        "to its event loop: model.decoding.step_threads)")
     p.add_argument("--batch-artifact", help="run the batch cases on this artifact's model (e.g. "
                    "export/default_artifact) instead of the benchmark's config")
     p.add_argument("--kv-cache-dtype", default="float32", choices=["float32", "bfloat16", "float16"],

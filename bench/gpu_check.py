@@ -306,14 +306,15 @@ def forward_rates(args: argparse.Namespace, sizes: Sizes, check: Check) -> dict[
 
 
 def graph_decode(args: argparse.Namespace, sizes: Sizes, check: Check) -> dict[str, Any]:
-    """Decode steps of the served model replayed as CUDA graphs (model/step_graphs.py, REFORMER_CUDA_GRAPHS)
+    """Decode steps of the served model replayed as CUDA graphs (model/decoding/steps/cuda_graphs.py,
+    REFORMER_CUDA_GRAPHS)
     against the same steps run eagerly: the logits of every step within 1e-4 (float32), greedy tokens equal,
     graphs actually replayed, and the time per step both ways. The dry run replays by calling the step again
     (the CPU has no graphs), which checks the plumbing only."""
     import torch
 
     from export import load_artifact
-    from model.step_graphs import StepGraphs
+    from model.decoding.steps.cuda_graphs import StepGraphs
     from service.runner import ModelRunner
 
     device = torch.device(sizes.device)

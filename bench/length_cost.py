@@ -42,8 +42,8 @@ sys.path.insert(0, str(ROOT))
 from bench.step_cost import load_model  # noqa: E402
 from model import ReformerLM  # noqa: E402
 from model.attention import LSHSelfAttention  # noqa: E402
-from model.cpu_runtime import tune_cpu_runtime  # noqa: E402
-from model.decode import DecodeCache, decode_step, prefill, step_threads  # noqa: E402
+from model.decoding import DecodeCache, decode_step, prefill, step_threads  # noqa: E402
+from model.decoding.runtime import tune_cpu_runtime  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 

@@ -7,7 +7,7 @@ This machine's speed moves by up to 2x between runs minutes apart, so two code v
 process, their calls alternating: `git archive REV model` is unpacked into a temporary directory as the
 package `model_at_rev` (the model package imports itself only relatively), both packages build the same
 artifact's weights (default: the shipped one) and each case (N prompts of L bytes of a book, `NxL`) is
-prefilled by `model.decode.prefill` of each, in turns, `--reps` times (4 for prompts past 20,000 bytes). The
+prefilled by `model.decoding.prefill` of each, in turns, `--reps` times (4 for prompts past 20,000 bytes). The
 table gives the median of each and the largest difference of their logits. Writes the JSON and prints a table
 with the load average (run it through ../shared/tools/quiet-run).
 """
@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from export import load_artifact  # noqa: E402
-from model.cpu_runtime import tune_cpu_runtime  # noqa: E402
+from model.decoding.runtime import tune_cpu_runtime  # noqa: E402
 
 BOOK = "war_and_peace_pg2600.txt"
 OLD = "model_at_rev"
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     torch.set_num_threads(args.threads)
     tune_cpu_runtime()  # as `reformer serve` runs
-    import model.decode as new
+    import model.decoding as new
 
     cases = [tuple(int(v) for v in c.split("x")) for c in args.cases.split(",")]
     text = (args.data / BOOK).read_bytes()

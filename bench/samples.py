@@ -3,7 +3,7 @@
     python bench/samples.py [MODEL] [--new-bytes 80] [--out bench/results/default_model_samples.json]
 
 MODEL is an artifact directory (default: export/default_artifact) or a training checkpoint. Decoding is
-greedy with the decode cache (`model.generate.generate`), as the service decodes a request with
+greedy with the decode cache (`model.decoding.generate.generate`), as the service decodes a request with
 temperature 0, so the samples are the same on every run."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from model.generate import generate  # noqa: E402
+from model.decoding.generate import generate  # noqa: E402
 from train.evaluation import load_lm  # noqa: E402
 
 PROMPTS = ["The prince said", "It was a bright cold day in April, and", "When the evening came, she"]

@@ -4,7 +4,7 @@
                               [--artifact DIR] [--kv-cache-dtype float32|bfloat16|float16] [--out FILE]
 
 Times one decode step over B running requests (each after its own `--prompt`-token prompt) for every B, as
-the service's model runner runs it (`model.decode.step_threads`), at bench/generate.py's config (or
+the service's model runner runs it (`model.decoding.step_threads`), at bench/generate.py's config (or
 `--artifact`'s model); the batch sizes take turns in `--rounds` rounds in one process, so a swing in the
 machine's speed falls on all of them. It fits t(B) = a + b * B by least squares (for the plot and the
 slope b; the intercept a is no measured cost and comes out below zero where t(B) bends upward), and gives
@@ -43,8 +43,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench.generate import finish_batch_plot, hf_config  # noqa: E402
 from model import ReformerConfig, ReformerLM  # noqa: E402
-from model.cpu_runtime import tune_cpu_runtime  # noqa: E402
-from model.decode import DecodeCache, decode_step, prefill, step_threads  # noqa: E402
+from model.decoding import DecodeCache, decode_step, prefill, step_threads  # noqa: E402
+from model.decoding.runtime import tune_cpu_runtime  # noqa: E402
 from service.backends import DTYPES  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
@@ -67,7 +67,7 @@ def read_bandwidth(nbytes: int = BANDWIDTH_BYTES, repeats: int = 5) -> float:
 
 def window_bytes_per_row(cfg: ReformerConfig, kv_bytes: int, lsh_distinct: float = 1.0) -> float:
     """Bytes of keys, values and (LSH) key norms one row's decode step reads from its own cache: each slot of
-    every layer's windows, per head and hash round (model/kernels/window_attend.c reads each slot's key, and
+    every layer's windows, per head and hash round (model/kernels/csrc/window_attend.c reads each slot's key, and
     its value unless its probability is exactly 0). `lsh_distinct`: the share of an LSH layer's slots that
     hold a pool row no earlier slot of the same (row, head) holds (a row in two rounds' windows needs reading
     once). A causal local window holds its previous chunks and, on average, half of its own."""
@@ -139,7 +139,7 @@ def load_model(artifact: str | None) -> ReformerLM:
         torch.manual_seed(0)
         return ReformerLM(ReformerConfig.from_hf(hf_config())).eval()
     from export import load_artifact
-    from model import lsh_fused
+    from model import fused_attention as lsh_fused
 
     lm = load_artifact(artifact).model.eval()
     lsh_fused.use_c_kernels(lm, True)

@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from model import ReformerConfig, ReformerLM  # noqa: E402
-from model.cpu_runtime import tune_cpu_runtime  # noqa: E402
+from model.decoding.runtime import tune_cpu_runtime  # noqa: E402
 from train.step import make_loss_fn  # noqa: E402
 
 

@@ -3,7 +3,7 @@ torch on fresh random inputs.
 
 The eager model picks code paths in Python from shapes and data (dense attention for sequences that fit
 one chunk, fast paths for unpadded batches, feed-forward chunking by length), which a traced graph cannot
-keep. `OnnxForward` traces the model's static-shape forward (model/static_attention.py `static_forward`),
+keep. `OnnxForward` traces the model's static-shape forward (export/onnx_graph.py `static_forward`),
 the one path valid for every shape, with the model's batch preparation inside the graph: the mask may pad
 rows on the left, the right or both. A graph cannot raise, so a mask with a hole (a 0 between real tokens)
 is refused before the graph runs (`run_ort`, and the service's onnxruntime backend) with the ValueError
@@ -43,7 +43,8 @@ from torch import Tensor, nn
 from model import ReformerLM
 from model.batch import check_attention_mask
 from model.pooling import pool_hidden
-from model.static_attention import static_forward
+
+from .onnx_graph import static_forward
 
 OPSET = 20
 PARITY_TOLERANCE = 1e-4

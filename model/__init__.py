@@ -1,8 +1,8 @@
-"""A Reformer language model for long documents: LSH and local attention, reversible layers."""
+"""A Reformer language model for long documents: LSH and local attention, reversible layers. Cached decoding is
+model.decoding; the C kernels model.kernels."""
 
 from .config import ReformerConfig
-from .decode import DecodeState
 from .reformer import ReformerLM, ReformerOutput
 from .tokenizer import ByteTokenizer, IncrementalDecoder
 
-__all__ = ["ByteTokenizer", "DecodeState", "IncrementalDecoder", "ReformerConfig", "ReformerLM", "ReformerOutput"]
+__all__ = ["ByteTokenizer", "IncrementalDecoder", "ReformerConfig", "ReformerLM", "ReformerOutput"]

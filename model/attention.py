@@ -22,7 +22,7 @@ from .chunking import (
     window_chunk_index,
 )
 from .config import ReformerConfig
-from .lsh_fused import fused_lsh_attend, local_window_attend, native_kernels, window_kernel_for
+from .fused_attention import fused_lsh_attend, local_window_attend, native_kernels, window_kernel_for
 
 
 @dataclass
@@ -80,7 +80,7 @@ class LSHSelfAttention(nn.Module):
         # eval forwards on CPU may use PyTorch's fused attention kernel (chunking.can_fuse)
         self.fused = fused
         # a float32 eval forward on CPU attends its chunk windows through the C kernel where it builds
-        # (model/lsh_fused.py; `use_c_kernels` turns it off for a model)
+        # (model/fused_attention.py; `use_c_kernels` turns it off for a model)
         self.c_kernel = True
         self.heads = config.num_attention_heads
         self.head_size = config.attention_head_size
@@ -137,7 +137,7 @@ class LSHSelfAttention(nn.Module):
         factors = [num_buckets] if isinstance(num_buckets, int) else list(num_buckets)
         scale = math.prod(factors)
         native = native_kernels(rotated) if self.c_kernel else None
-        if native is not None:  # the same comparisons in one C pass over the rows (model/cpu_kernels.py)
+        if native is not None:  # the same comparisons in one C pass over the rows (model/kernels/bindings.py)
             chosen = native.lsh_buckets(rotated, factors).transpose(2, 3)  # (B, H, R, L)
             return chosen if valid is None else chosen.masked_fill(~valid[:, None, None, :], scale)
         buckets: Tensor | None = None

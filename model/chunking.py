@@ -122,7 +122,7 @@ def attention_bias(
 def fusable(dropout: float, fused: bool) -> bool:
     """Whether a forward may use a fused kernel on any device: asked for by the layer (`fused`, a
     constructor argument), no dropout, no autograd, no tracing. Training, dropout and tracing use the plain
-    formulation in `attend`. (Chunked LSH attention picks its kernel by device: model/lsh_fused.py.)"""
+    formulation in `attend`. (Chunked LSH attention picks its kernel by device: model/fused_attention.py.)"""
     return (fused and dropout == 0.0 and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
             and not torch.jit.is_tracing())
 

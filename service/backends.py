@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from model.batch import check_attention_mask
-from model.decode_cache import kv_dtype_for
+from model.decoding.cache import kv_dtype_for
 from model.pooling import EmbeddingStats, pool_hidden, standardize_pooled
 
 log = logging.getLogger("service.backends")
@@ -39,7 +39,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype | None:
     """The decode cache's key and value dtype for REFORMER_KV_CACHE_DTYPE: None (the model's) for auto or the
-    model's own dtype, else what model.decode_cache.kv_dtype_for accepts; anything else is refused at
+    model's own dtype, else what model.decoding.cache.kv_dtype_for accepts; anything else is refused at
     start-up."""
     if name == "auto" or DTYPES[name] == model_dtype:
         return None

@@ -63,13 +63,13 @@ class EngineConfig:
     cache_bytes: int | None = None  # decode-cache capacity; None: service/runner.py's default share
     batch_invariant: bool = False  # decode steps in fixed row blocks: bit-identical to a request alone
     max_request_tokens: int | None = None  # longest prompt plus max_new_tokens admitted; None: max positions
-    cuda_graphs: bool = False  # on CUDA, decode steps replay captured graphs (model/step_graphs.py)
-    cpu_kernels: bool = True  # on CPU, decode steps attend through the C window kernel (model/cpu_kernels.py)
+    cuda_graphs: bool = False  # on CUDA, decode steps replay captured graphs (model/decoding/steps/cuda_graphs.py)
+    cpu_kernels: bool = True  # on CPU, decode steps attend through the C window kernel (model/kernels/bindings.py)
     kv_cache_dtype: torch.dtype | None = None  # the decode cache's keys and values; None: the model's dtype
     # Between two decode steps, sliced prefills run slice after slice while the next one, if it takes as long
     # as the longest of the last few (service/policy.py another_slice_fits), still ends within this much time
     # (at least one slice per step; 0: one slice per step). A running stream's gap is then about one decode
-    # step plus this (model/prefill_slices.py bounds a slice), and the prefill keeps about budget / (budget +
+    # step plus this (model/decoding/prefill/slices.py bounds a slice), and the prefill keeps about budget / (budget +
     # decode step) of the time (bench/prefill_gap.py measures both; REFORMER_PREFILL_BUDGET_MS)
     prefill_budget_ms: float = 100.0
 

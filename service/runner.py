@@ -11,7 +11,7 @@ from typing import Any
 import psutil
 import torch
 
-from model.decode import (
+from model.decoding import (
     DecodeCache,
     DecodeState,
     decode_step,
@@ -22,7 +22,7 @@ from model.decode import (
     sampling_threads,
     step_threads,
 )
-from model.step_graphs import StepGraphs
+from model.decoding.steps.cuda_graphs import StepGraphs
 
 log = logging.getLogger("service.engine")
 
@@ -50,10 +50,11 @@ class ModelRunner:
                  invariant: bool = False, max_tokens: int | None = None, cuda_graphs: bool = False,
                  cpu_kernel: bool = True, kv_dtype: torch.dtype | None = None) -> None:
         """`max_tokens`: the longest prompt plus max_new_tokens the service admits (default: the model's
-        positions); an automatic bucket count's LSH bucket counts are reserved for it (model/decode_cache.py).
-        `cuda_graphs`: on CUDA, decode steps replay captured graphs (`graphs`, model/step_graphs.py; tests set
+        positions); an automatic bucket count's LSH bucket counts are reserved for it (model/decoding/cache.py).
+        `cuda_graphs`: on CUDA, decode steps replay captured graphs (`graphs`, model/decoding/steps/cuda_graphs.py;
+        tests set
         their own). `cpu_kernel`: a float32 model's CPU cache attends through the C window kernel when it builds
-        (model/cpu_kernels.py). `kv_dtype`: the cache's keys and values (None: the model's dtype)."""
+        (model/kernels/bindings.py). `kv_dtype`: the cache's keys and values (None: the model's dtype)."""
         self.model = model
         self.device = device if device is not None else next(model.parameters()).device
         self.invariant = invariant
@@ -89,14 +90,14 @@ class ModelRunner:
     def prefill(self, prompts: Sequence[Sequence[int]], reserve: Sequence[int]
                 ) -> tuple[torch.Tensor, list[DecodeState]]:
         tensors = [torch.tensor(list(p), dtype=torch.long, device=self.device) for p in prompts]
-        # small prefills on one intra-op thread (model.decode.prefill_threads)
+        # small prefills on one intra-op thread (model.decoding.prefill_threads)
         with prefill_threads(max((len(p) for p in prompts), default=0) * len(prompts), self.device):
             logits, states = prefill(self.model, self.cache, tensors, [min(n, self.max_positions) for n in reserve])
         return logits.float().cpu(), states
 
     def prefill_slices(self, prompts: Sequence[Sequence[int]], reserve: Sequence[int]
                        ) -> Generator[None, None, tuple[torch.Tensor, list[DecodeState]]]:
-        """`prefill` in slices (model.decode.prefill_steps): each next() runs one slice; closing it frees the
+        """`prefill` in slices (model.decoding.prefill_steps): each next() runs one slice; closing it frees the
         cache it holds."""
         with torch.inference_mode():
             tensors = [torch.tensor(list(p), dtype=torch.long, device=self.device) for p in prompts]
@@ -116,7 +117,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def decode(self, tokens: Sequence[int], states: Sequence[DecodeState]) -> torch.Tensor:
-        # small steps on one intra-op thread (process-wide, restored after: model.decode.step_threads). In
+        # small steps on one intra-op thread (process-wide, restored after: model.decoding.step_threads). In
         # invariant mode, every step where one thread makes the CPU kernels compute each row alone
         # (DecodeCache.rows_independent: the per-layer path's products take the C kernel on one thread and
         # PyTorch's matmul on more, so a thread count that followed the batch size, on a host with more than
@@ -130,7 +131,7 @@ class ModelRunner:
         return logits if logits.dtype == torch.float32 and logits.device.type == "cpu" else logits.float().cpu()
 
     def sampling_scope(self) -> contextlib.AbstractContextManager[None]:
-        """Where the engine samples from a call's logits: one intra-op thread (model.decode.sampling_threads)."""
+        """Where the engine samples from a call's logits: one intra-op thread (model.decoding.sampling_threads)."""
         return sampling_threads(self.device)
 
     def can_step(self, state: DecodeState) -> bool:

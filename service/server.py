@@ -20,7 +20,7 @@ from typing import NoReturn
 import uvicorn
 from pydantic import ValidationError
 
-from model.cpu_runtime import fit_threads_to_container, tune_cpu_runtime
+from model.decoding.runtime import fit_threads_to_container, tune_cpu_runtime
 from service.app import create_app
 from service.backends import kv_cache_dtype, resolve_device, resolve_dtype
 from service.logs import configure_logging
@@ -43,7 +43,7 @@ def apply_process_settings() -> dict[str, bool]:
     every await of the event loop can wait that long for it back (a convoy), which made answers that need
     no model at all (429, 503, /health) take seconds under load. 0.5 ms keeps the loop responsive."""
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    return tune_cpu_runtime()  # denormals flushed, large blocks kept (model/cpu_runtime.py)
+    return tune_cpu_runtime()  # denormals flushed, large blocks kept (model/decoding/runtime.py)
 
 
 class DrainingServer(uvicorn.Server):

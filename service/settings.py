@@ -104,7 +104,8 @@ class Settings(BaseSettings):
     cuda_graphs: bool = Field(
         False,
         description="On CUDA, replay each decode step shape as a captured CUDA graph (one launch instead of "
-        "hundreds of small kernels; model/step_graphs.py): a shape runs eagerly once, is captured the next time "
+        "hundreds of small kernels; model/decoding/steps/cuda_graphs.py): a shape runs eagerly once, is captured "
+        "the next time "
         "and replayed after; steps whose rows hash with different bucket counts, and any shape whose capture "
         "fails, run eagerly. Off by default: it has not yet run on a GPU (the GPU check, bench/gpu_check.py, "
         "compares its logits with eager steps). No effect on CPU.",
@@ -113,7 +114,8 @@ class Settings(BaseSettings):
         True,
         description="On CPU (float32 models), a decode step runs in C, in one call: its embeddings, every layer's "
         "layer norm, projections, cache write, LSH hash and index insert, attention window and feed-forward, then "
-        "the LM head (model/kernels/step_layers.c over window_attend.c and step_linear.c, built on first use with the "
+        "the LM head (model/kernels/csrc/step_layers.c over window_attend.c and step_linear.c, built on first use "
+        "with the "
         "C compiler named by CC, or cc, into $XDG_CACHE_HOME or ~/.cache, under reformer-serve/kernels, or into "
         "REFORMER_KERNEL_DIR). Weights are packed once and each output is one chain of multiply-adds, so a "
         "row's results depend neither on the batch nor on the thread count (on several intra-op threads the "
@@ -123,7 +125,7 @@ class Settings(BaseSettings):
         "1e-5 of the PyTorch ops with a float32 cache over the tests' decodes (tests/model/test_step_linear.py; "
         "a half cache, kv_cache_dtype, within 1e-3: tests/model/test_kv_cache_dtype.py). When the build fails "
         "or no compiler is found it falls back to the PyTorch ops, with a warning. A float32 forward (a "
-        "prefill, an embedding) attends its chunk windows through model/kernels/chunk_attend.c too (the masks "
+        "prefill, an embedding) attends its chunk windows through model/kernels/csrc/chunk_attend.c too (the masks "
         "from the positions; within 1e-5 of PyTorch's flash kernel: tests/model/test_chunk_attend.py); off, it "
         "takes the flash kernel. /info's batching.cpu_window_kernel, cpu_step_kernel and cpu_chunk_kernel say "
         "which runs. No effect on GPU.",

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-from model.lsh_fused import c_kernel_runs, use_c_kernels
+from model.fused_attention import c_kernel_runs, use_c_kernels
 from model.pooling import STANDARDIZED_POOLINGS
 from service.backends import (
     OnnxBackend,
@@ -106,7 +106,7 @@ class ServiceState:
         device = resolve_device(s.device)
         dtype = resolve_dtype(s.dtype, device)
         model = artifact.model.to(device=device, dtype=dtype).eval()
-        use_c_kernels(model, s.cpu_kernels)  # a forward's chunk windows too (model/lsh_fused.py)
+        use_c_kernels(model, s.cpu_kernels)  # a forward's chunk windows too (model/fused_attention.py)
         self.backend_name = resolve_backend(s.backend, device, getattr(artifact, "onnx_path", None))
         self.embedding_stats = getattr(artifact, "embedding_stats", None) if s.embed_standardize else None
         backend = (
@@ -186,11 +186,11 @@ class ServiceState:
                 # whether decode steps attend through the C window kernel (False: PyTorch ops; on GPU always)
                 "cpu_window_kernel": self.engine.runner.cache.window_kernel is not None if self.engine else False,
                 # whether the C step kernels (step_linear.c, step_layers.c) are loaded: a float32 CPU step runs
-                # its layers in them (model/step_fused.py)
+                # its layers in them (model/decoding/steps/fused.py)
                 "cpu_step_kernel": self.engine.runner.cache.step_linears.kernel is not None if self.engine
                 else False,
                 # whether a forward (prefill, embeddings) attends its chunk windows through the C kernel
-                # (model/kernels/chunk_attend.c; float32 on CPU)
+                # (model/kernels/csrc/chunk_attend.c; float32 on CPU)
                 "cpu_chunk_kernel": c_kernel_runs(self.engine.model) if self.engine else False,
                 "kv_cache_dtype": str(self.engine.runner.cache.kv_dtype).removeprefix("torch.") if self.engine
                 else None,

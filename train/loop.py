@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from model.config import ReformerConfig
-from model.cpu_runtime import tune_cpu_runtime
+from model.decoding.runtime import tune_cpu_runtime
 from model.reformer import ReformerLM
 
 from .checkpoint import TrainerState, code_version, load_training_state, save_checkpoint

@@ -11,7 +11,7 @@ import torch
 
 import bench.step_cost as step_cost
 from model import ReformerLM
-from model.decode import DecodeCache, decode_step, prefill
+from model.decoding import DecodeCache, decode_step, prefill
 from tests.conftest import tiny_config, tiny_model
 
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from export import onnx_export as ox
+from export.onnx_graph import static_forward
 from model import ReformerConfig, ReformerLM
 from model.batch import InvalidAttentionMask
-from model.static_attention import static_forward
 from tests.model.helpers import tiny_config
 
 ALONE_TOL = 1e-5  # eager batched vs eager alone: the same kernels, so float rounding only

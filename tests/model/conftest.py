@@ -7,12 +7,12 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from model import cpu_kernels
+from model.kernels import CpuKernels, kernels
 
 
 @pytest.fixture(scope="module")
-def kernel() -> cpu_kernels.WindowKernel:
-    k = cpu_kernels.load()
+def kernel() -> CpuKernels:
+    k = kernels()
     if k is None:
         pytest.fail("the CPU kernels did not build (a C compiler is part of the test environment)")
     return k
@@ -20,7 +20,7 @@ def kernel() -> cpu_kernels.WindowKernel:
 
 @pytest.fixture
 def one_thread() -> Iterator[None]:
-    """One intra-op thread, as a decode step of a few rows runs (model.decode.step_threads)."""
+    """One intra-op thread, as a decode step of a few rows runs (model.decoding.step_threads)."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

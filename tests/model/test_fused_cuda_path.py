@@ -1,4 +1,4 @@
-"""The fused chunk-window path as CUDA runs it, on CPU: model/lsh_fused.py shares everything but the kernel
+"""The fused chunk-window path as CUDA runs it, on CPU: model/fused_attention.py shares everything but the kernel
 call (bias padded to the CUDA kernel's alignment, (B, H, L, D) layout, log-sum-exp unpacking, rows that
 see only themselves), and `reference_kernel` (plain softmax held to the CUDA kernel's input contract)
 stands in for torch's memory-efficient CUDA kernel. The last test runs the real kernel where CUDA exists."""
@@ -10,10 +10,18 @@ from typing import Any
 import pytest
 import torch
 
-from model import ReformerLM, lsh_fused
+from model import ReformerLM, fused_attention
 from model.attention import LocalSelfAttention
 from model.chunking import attend, attention_bias, mask_value
-from model.lsh_fused import CPU, CUDA, REFERENCE, fused_lsh_attend, reference_kernel, window_bias, window_kernel_for
+from model.fused_attention import (
+    CPU,
+    CUDA,
+    REFERENCE,
+    fused_lsh_attend,
+    reference_kernel,
+    window_bias,
+    window_kernel_for,
+)
 
 from .helpers import random_ids, tiny_config
 
@@ -47,7 +55,8 @@ def reference_on_cpu(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         calls.append(1)
         return reference_kernel(*args)
 
-    monkeypatch.setitem(lsh_fused.KERNELS, "cpu", lsh_fused.WindowKernel("counted", counted, REFERENCE.dtypes,
+    monkeypatch.setitem(fused_attention.KERNELS, "cpu", fused_attention.FusedKernel("counted", counted,
+                                                                                     REFERENCE.dtypes,
                                                                           REFERENCE.bias_alignment))
     return calls
 
@@ -151,7 +160,7 @@ def test_kernel_is_chosen_by_device_and_dtype() -> None:
     assert window_kernel_for(x.bfloat16(), True) is CPU
     assert window_kernel_for(x.half(), True) is None  # the CPU flash kernel is not used in fp16
     assert window_kernel_for(x, False) is None
-    assert lsh_fused.KERNELS["cuda"] is CUDA and torch.float16 in CUDA.dtypes
+    assert fused_attention.KERNELS["cuda"] is CUDA and torch.float16 in CUDA.dtypes
     assert window_kernel_for(torch.zeros(1, device="meta"), True) is None
 
 

@@ -20,7 +20,7 @@ import torch
 from model import ReformerLM
 from model.attention import AttentionContext, LSHSelfAttention, length_normalize, split_heads
 from model.chunking import mask_value, self_mask_value
-from model.decode import DecodeCache, decode_step, prefill
+from model.decoding import DecodeCache, decode_step, prefill
 
 from .helpers import random_ids, tiny_config
 

@@ -331,11 +331,11 @@ def test_invariant_steps_keep_their_bits_on_a_host_with_more_cores() -> None:
 
 
 def test_small_prefills_run_on_one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
-    """model.decode.prefill_threads: a prefill of at most SINGLE_THREAD_PREFILL_TOKENS padded tokens runs on
+    """model.decoding.prefill_threads: a prefill of at most SINGLE_THREAD_PREFILL_TOKENS padded tokens runs on
     one intra-op thread, a larger one on every thread, and the count is restored after."""
     import service.runner as runner_module
     from model import ReformerLM
-    from model.decode import SINGLE_THREAD_PREFILL_TOKENS
+    from model.decoding import SINGLE_THREAD_PREFILL_TOKENS
     from service.runner import ModelRunner
     from tests.model.helpers import tiny_config
 
@@ -363,7 +363,7 @@ def test_small_prefills_run_on_one_thread(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def test_sampling_after_a_model_call_runs_on_one_thread(artifact: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """model.decode.sampling_threads: the batch's greedy choices and each row's own sampling, after a prefill
+    """model.decoding.sampling_threads: the batch's greedy choices and each row's own sampling, after a prefill
     and after every decode step, run on one intra-op thread (a few-microsecond op on two threads costs an
     OpenMP hand-off far larger than itself), and the count is restored after."""
     import service.engine as engine_module

@@ -1,0 +1,314 @@
+"""The decode cache: keys and values of every running request in preallocated blocks (a paged KV cache, as
+vLLM's), plus each LSH layer's bucket order (model/decoding/lsh_index.py): its main part in the same blocks, a
+small fixed part per request slot.
+
+Each layer's keys and values (and an LSH layer's key factors and main bucket order) live in one pool of
+`blocks` blocks of `block_size` positions; a request owns a list of blocks (its row of `block_table`). A
+request reserves, when it is admitted, the blocks for its prompt plus its `max_new_tokens`, so joining or
+leaving copies nobody's cache and growing never copies.
+Block 0 and the last slot are scratch: padding rows of a bucketed step read and write there.
+
+Keys and values are kept in the model's dtype by default (`kv_dtype=None`), as the forward computes them. A
+float32 model may keep them in bfloat16 or float16 instead (as vLLM's kv_cache_dtype): half the bytes of the
+keys and values (the LSH bookkeeping and key factors are not halved), so about twice the tokens in the same
+capacity, at the price of the rounding of every cached key and value (the key factors of LSH layers are
+still taken from the unrounded key). tests/model/test_kv_cache_dtype.py bounds that difference on tiny
+models, and bench/decode_quality.py measures it on the shipped one.
+
+With an automatic bucket count (num_buckets=None) the bucket counts grow, for every slot at once, when a
+request reaches a length with more buckets. The budget therefore reserves, per slot, the counts of the
+longest request the cache is built for (`max_tokens`), and refuses longer ones, so growth never takes memory
+the capacity does not count.
+
+On a Linux CPU the pools are mapped on transparent huge pages (model/decoding/huge_pages.py): a long request's windows
+read rows scattered over the whole pool.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from ..attention import LSHSelfAttention
+from ..kernels import CpuKernels
+from .huge_pages import pool_empty
+from .lsh_index import RECENT, BlockLookup, LSHIndex
+from .steps import StepBackends
+from .steps.fused import FusedStep
+from .steps.linear import StepLinears
+
+if TYPE_CHECKING:
+    from ..reformer import ReformerLM
+    from .rehash_ahead import RehashAhead
+
+
+# positions per block: a request wastes under one block of its reservation (on average half); 8 keeps that
+# under 1% of a 1K-token request's bytes. A step reads blocks through a flat lookup, so smaller blocks cost it
+# nothing but a wider block table (8 bytes per block of the longest request, per slot)
+BLOCK_SIZE = 8
+
+# what cached keys and values may be kept in
+KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def kv_dtype_for(model_dtype: torch.dtype, kv_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype a cache keeps keys and values in: the model's for None; one of KV_DTYPES, and other than the
+    model's only for a float32 model (ValueError otherwise)."""
+    chosen = model_dtype if kv_dtype is None else kv_dtype
+    if chosen not in KV_DTYPES:
+        raise ValueError(f"kv_dtype must be one of {', '.join(str(d) for d in KV_DTYPES)}; got {chosen}")
+    if chosen != model_dtype and model_dtype != torch.float32:
+        raise ValueError(f"a {model_dtype} model keeps its cache in {model_dtype} (a separate kv_dtype needs a "
+                         "float32 model)")
+    return chosen
+
+
+class CacheFull(Exception):
+    """Not enough free blocks or slots now; `never` when the request could not fit even in an empty cache."""
+
+    def __init__(self, message: str, never: bool = False) -> None:
+        super().__init__(message)
+        self.never = never
+
+
+@dataclass
+class DecodeState:
+    """One request's place in a `DecodeCache`: its slot, its blocks and its length so far."""
+
+    slot: int
+    blocks: list[int]
+    length: int = 0
+    num_buckets: list[int | list[int] | None] = field(default_factory=list)  # per layer: what its index holds
+    index_len: list[int] = field(default_factory=list)  # per layer: positions in its index's main order
+    # its keys hashed ahead for the automatic bucket count it reaches next (model/decoding/rehash_ahead.py)
+    rehash: RehashAhead | None = None
+
+    @property
+    def capacity(self) -> int:
+        return len(self.blocks)
+
+
+def key_norm(key: Tensor, eps: float = 1e-6) -> Tensor:
+    """(..., D) -> (...) float32: what `length_normalize` multiplies a key by, divided by sqrt(D). The mean
+    square is taken in float32: squaring a half-precision key overflows fp16 past ~256."""
+    k = key.float()
+    return torch.rsqrt(torch.mean(k * k, dim=-1) + eps) / math.sqrt(key.shape[-1])
+
+
+def flat_buckets(nb: int | list[int]) -> int:
+    return nb if isinstance(nb, int) else math.prod(nb)
+
+
+class DecodeCache:
+    def __init__(self, lm: ReformerLM, capacity_bytes: int, max_slots: int, block_size: int = BLOCK_SIZE,
+                 max_tokens: int | None = None, recent: int = RECENT, cpu_kernel: bool = True,
+                 kv_dtype: torch.dtype | None = None) -> None:
+        """`recent`: the size of each LSH index's recent order (model/decoding/lsh_index.py; small in tests, so
+        merges happen within a few steps). `cpu_kernel`: a float32 model's CPU steps attend through the C
+        window kernel (model/kernels/bindings.py) when it can be built and reads `kv_dtype`; False keeps the PyTorch
+        path. `kv_dtype`: the dtype of cached keys and values (None: the model's; see the module docstring)."""
+        cfg = lm.config
+        # the longest request (prompt plus new tokens) served: what an automatic bucket count is reserved for
+        self.max_tokens = min(max_tokens or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        param = next(lm.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.kv_dtype = kv_dtype_for(self.dtype, kv_dtype)
+        # the step's backends, chosen once (model/decoding/steps/); tests may replace `fused_step` (None keeps
+        # the call per layer), `step_linears` or `window_kernel`
+        backends = StepBackends.choose(self.device, self.dtype, self.kv_dtype, cpu_kernel)
+        self.window_kernel: CpuKernels | None = backends.window
+        self.step_linears: StepLinears = backends.linears
+        self.fused_step: FusedStep | None = backends.fused
+        self.block_size = block_size
+        self.max_slots = max_slots
+        self.heads, self.head_size = cfg.num_attention_heads, cfg.attention_head_size
+        # per LSH layer (None for local ones): heads, rounds, the buckets its index starts with and the most it
+        # can need
+        specs: list[tuple[int, int, int, int] | None] = []
+        for layer in lm.layers:
+            att = layer.attention.self_attention  # type: ignore[union-attr]
+            if isinstance(att, LSHSelfAttention):
+                fixed = att.config.num_buckets
+                most = flat_buckets(fixed if fixed is not None
+                                    else att.num_buckets_for(cfg.padded_length(self.max_tokens)))
+                specs.append((att.heads, att.rounds, flat_buckets(fixed) if fixed is not None else 2, most))
+            else:
+                specs.append(None)
+        kv_elt, elt = torch.finfo(self.kv_dtype).bits // 8, torch.finfo(self.dtype).bits // 8
+        positions = cfg.max_position_embeddings
+        lsh = [spec for spec in specs if spec is not None]
+        # keys and values of every layer, LSH layers' key factors and main bucket order (decode_index.py)
+        self.bytes_per_token = ((2 * len(specs) * self.head_size * kv_elt + len(lsh) * elt) * self.heads
+                                + sum(LSHIndex.token_bytes(h, r, positions) for h, r, _, _ in lsh))
+        self.bytes_per_block = self.bytes_per_token * block_size
+        self.reserved_bytes_per_slot = sum(LSHIndex.slot_bytes(h, r, most, positions, recent) for h, r, _, most in lsh)
+        usable = capacity_bytes - self.reserved_bytes_per_slot * (max_slots + 1)
+        self.blocks = max(usable // self.bytes_per_block, 0) + 1  # + the scratch block 0
+        rows = self.blocks * block_size
+        self.indexes: list[LSHIndex | None] = [
+            None if spec is None else LSHIndex(max_slots + 1, spec[0], spec[1], spec[2], rows, self.device, positions,
+                                               recent)
+            for spec in specs]
+        # empty, not zeros: pages are touched only when written (only the scratch block is cleared); a read
+        # never reaches a position that was not written (windows point masked slots at position 0).
+        # A (position, head)'s key and value side by side, one run of 2 * head_size: a window slot reads both,
+        # and one run from memory is cheaper than two rows in two pools (in-process A/B of the step, scratch
+        # script, load not recorded; bench config, 8 rows after 1K: 6.18 / 6.16 -> 5.39 / 5.56 ms;
+        # bit-identical logits). keys and values
+        # are views into it, each (rows, heads, head_size) with rows 2 * head_size elements apart.
+        self.kv = [pool_empty((rows, self.heads, 2, self.head_size), self.kv_dtype, self.device)
+                   for _ in self.indexes]
+        self.keys = [kv[:, :, 0] for kv in self.kv]
+        self.values = [kv[:, :, 1] for kv in self.kv]
+        # LSH layers: each cached key's length-normalisation factor divided by sqrt(head size), so a step
+        # scales its dot products instead of normalising every gathered key again
+        self.norms = [pool_empty((rows, self.heads), self.dtype, self.device) if ix is not None
+                      else None for ix in self.indexes]
+        for pool in (*self.keys, *self.values, *(n for n in self.norms if n is not None)):
+            pool[:block_size].zero_()
+        for ix in self.indexes:
+            if ix is not None:
+                ix.order[:block_size].fill_(ix.shift)  # position 0
+        # a window's padding slots reach the padded length of the longest row, past max_position_embeddings
+        # when that is not a multiple of the chunks' common length
+        self.max_blocks = -(-cfg.padded_length(cfg.max_position_embeddings) // block_size)
+        self.block_table = torch.zeros(max_slots + 1, self.max_blocks, dtype=torch.long, device=self.device)
+        self.scratch_slot = max_slots
+        self._free_blocks = list(range(self.blocks - 1, 0, -1))
+        self._free_slots = list(range(max_slots - 1, -1, -1))
+
+    def rows_independent(self, threads: int | None = None) -> bool:
+        """Whether a step on `threads` intra-op threads (None: the count now) computes each row alone, its bits
+        independent of the batch: true when the C window kernel attends and the C product kernel runs the
+        linear layers, layer norms, hashes and layer tails, which the per-layer path does on one thread
+        (model/decoding/steps/linear.py); its remaining PyTorch ops (embeddings, sums) work row by row
+        (tests/model/test_decode.py checks the whole step). The one-call step (model/decoding/steps/fused.py) computes
+        each row alone on any thread count; this answers for the per-layer path, which it falls back to."""
+        return self.window_kernel is not None and self.step_linears.runs_kernel(self.dtype, self.device, threads)
+
+    @property
+    def bytes_per_slot(self) -> int:
+        """LSH bookkeeping one request slot holds now. With an automatic bucket count it grows (for every
+        slot) up to `reserved_bytes_per_slot`, which the capacity counts."""
+        return sum(ix.nbytes_per_slot() for ix in self.indexes if ix is not None)
+
+    @classmethod
+    def for_tokens(cls, lm: ReformerLM, tokens: int, slots: int = 1, block_size: int = BLOCK_SIZE,
+                   recent: int = RECENT, cpu_kernel: bool = True, kv_dtype: torch.dtype | None = None) -> DecodeCache:
+        """A cache just large enough for `slots` requests of `tokens` positions each."""
+        probe = cls(lm, 0, slots, block_size, max_tokens=tokens, recent=recent, cpu_kernel=False, kv_dtype=kv_dtype)
+        need = (slots * (-(-tokens // block_size) * probe.bytes_per_block + probe.reserved_bytes_per_slot)
+                + probe.reserved_bytes_per_slot)
+        return cls(lm, need, slots, block_size, max_tokens=tokens, recent=recent, cpu_kernel=cpu_kernel,
+                   kv_dtype=kv_dtype)
+
+    # ---- accounting --------------------------------------------------------------------------------------
+    @property
+    def capacity_bytes(self) -> int:
+        return (self.blocks - 1) * self.bytes_per_block + self.max_slots * self.reserved_bytes_per_slot
+
+    @property
+    def allocated_bytes(self) -> int:
+        used_blocks = self.blocks - 1 - len(self._free_blocks)
+        return used_blocks * self.bytes_per_block + (self.max_slots - len(self._free_slots)) * self.bytes_per_slot
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free_blocks)
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free_slots)
+
+    def bytes_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size) * self.bytes_per_block + self.reserved_bytes_per_slot
+
+    def fits_ever(self, tokens: int) -> bool:
+        return (-(-tokens // self.block_size) <= self.blocks - 1 and self.max_slots > 0
+                and tokens <= self.max_tokens)
+
+    def fits_now(self, tokens: int) -> bool:
+        return -(-tokens // self.block_size) <= len(self._free_blocks) and bool(self._free_slots)
+
+    # ---- allocation --------------------------------------------------------------------------------------
+    def allocate(self, tokens: int) -> DecodeState:
+        """A slot and the blocks for `tokens` positions (prompt plus new tokens), or CacheFull."""
+        need = -(-tokens // self.block_size)
+        if not self.fits_ever(tokens):
+            if tokens > self.max_tokens:
+                raise CacheFull(f"{tokens} tokens are more than the {self.max_tokens} this decode cache was built "
+                                "for", never=True)
+            raise CacheFull(f"{tokens} tokens need {self.bytes_for(tokens)} bytes of decode cache; its capacity "
+                            f"is {self.capacity_bytes} bytes", never=True)
+        if not self.fits_now(tokens):
+            raise CacheFull(f"decode cache full: {tokens} tokens do not fit now")
+        blocks = [self._free_blocks.pop() for _ in range(need)]
+        slot = self._free_slots.pop()
+        self.block_table[slot, :need] = torch.tensor(blocks, dtype=torch.long).to(self.device)
+        return DecodeState(slot=slot, blocks=blocks, num_buckets=[None] * len(self.indexes),
+                           index_len=[0] * len(self.indexes))
+
+    def free(self, state: DecodeState) -> None:
+        if state.slot < 0:
+            return
+        self._free_blocks.extend(reversed(state.blocks))
+        self._free_slots.append(state.slot)
+        state.blocks, state.slot = [], -1
+
+    # ---- tensors -----------------------------------------------------------------------------------------
+    def rows(self, slots: Tensor, positions: Tensor) -> Tensor:
+        """Row of each (slot, position) in the flattened pools; positions (B, ...) with slots (B,)."""
+        lookup = BlockLookup(self.block_table, slots, self.block_size)
+        return lookup.rows(positions.reshape(slots.shape[0], -1)).view(positions.shape)
+
+    def slot_rows(self, state: DecodeState, start: int, stop: int) -> Tensor:
+        """Pool rows (stop - start,) of a request's positions start..stop-1."""
+        slot = torch.tensor([state.slot], device=self.device)
+        return self.rows(slot, torch.arange(start, stop, device=self.device).view(1, -1)).view(-1)
+
+    def write(self, layer: int, rows: Tensor, key: Tensor, value: Tensor) -> None:
+        """rows (B,), key/value (B, H, D)."""
+        self.keys[layer].index_copy_(0, rows, key.to(self.kv_dtype))
+        self.values[layer].index_copy_(0, rows, value.to(self.kv_dtype))
+        norms = self.norms[layer]
+        if norms is not None:
+            norms.index_copy_(0, rows, key_norm(key).to(self.dtype))
+
+    def write_step(self, layer: int, rows: Tensor, key: Tensor, value: Tensor) -> None:
+        """A decode step's `write`: through the C kernel when the cache has it (one call instead of six
+        index copies and the key factor's five ops)."""
+        if self.window_kernel is None:
+            self.write(layer, rows, key, value)
+            return
+        self.window_kernel.write(rows, key.contiguous(), value.contiguous(), self.keys[layer], self.values[layer],
+                                 self.norms[layer])
+
+    def gather_keys(self, layer: int, flat: Tensor) -> tuple[Tensor, Tensor | None]:
+        """flat (row * heads + head) indices (...) -> keys (..., D) and, for LSH layers, the key factors (...)."""
+        d = self.head_size
+        # index_select on the flat index is the cheapest row gather on CPU (timed once by hand, torch 2.13,
+        # 2048 rows of 64: ~90 us against ~113 us for an embedding lookup and ~400 us for pool[flat])
+        at = flat.reshape(-1)
+        keys = self.keys[layer].view(-1, d).index_select(0, at).view(*flat.shape, d)
+        norms = self.norms[layer]
+        return keys, None if norms is None else norms.view(-1).index_select(0, at).view(flat.shape)
+
+    def weighted_values(self, layer: int, flat: Tensor, weights: Tensor) -> Tensor:
+        """sum over the last dim of weights (..., N) (float32) times the values at flat indices (..., N):
+        (..., D) float32. A float32 pool runs it as one `embedding_bag` (a bag per leading index), which
+        never materialises the gathered values (timed by hand, 16,384 rows of 64, one thread: 70 us against
+        160 us for the gather alone); other dtypes gather and multiply in float32."""
+        d, n = self.head_size, flat.shape[-1]
+        if self.kv_dtype == torch.float32:
+            # over the contiguous (key, value) rows, where flat index f's value is row 2f + 1 (embedding_bag
+            # copies a strided weight whole first: 68 ms for a 100K-position pool, timed by hand)
+            out = torch.nn.functional.embedding_bag(flat.reshape(-1, n) * 2 + 1, self.kv[layer].view(-1, d),
+                                                    mode="sum", per_sample_weights=weights.reshape(-1, n))
+            return out.view(*flat.shape[:-1], d)
+        pool = self.values[layer].view(-1, d)
+        values = pool.index_select(0, flat.reshape(-1)).view(*flat.shape, d).float()
+        return torch.matmul(weights.unsqueeze(-2), values).squeeze(-2)

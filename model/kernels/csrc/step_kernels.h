@@ -1,0 +1,93 @@
+/* The kernels' shared definitions: the columns of a decode step's row facts, the fused step's structs, and every
+ * function one kernel file calls in another or Python calls (the C files are built into one library,
+ * model/kernels/build.py). Each defining file includes this, so the compiler checks a definition against its
+ * declaration; model/kernels/abi.py is the Python side, and tests/model/kernels/test_abi.py checks the two agree. */
+#ifndef STEP_KERNELS_H
+#define STEP_KERNELS_H
+
+#include <stdint.h>
+
+#define PANEL 32 /* step_linear.c's columns per packed panel (abi.PANEL) */
+
+/* every kernel's status codes (abi.py; bindings.check_status reads them) */
+#define NO_MEMORY 1
+#define BAD_INDEX 2
+#define BAD_KIND 4 /* pools of a kind this build does not read */
+
+/* The pool row of `position` of `slot` through a block table (width blocks a slot, block_size positions a
+ * block), or -1 outside the table or the pools' pool_rows rows. The slot itself is the caller's to check. */
+/* a decode step's facts of one row, META_COLUMNS int64 each (abi.Meta; model/decoding/step.py row_facts) */
+#define META_SLOT 0        /* the row's request slot */
+#define META_POSITION 1    /* the new position */
+#define META_HASHED 2      /* its LSH layers hash (padded length past one chunk) */
+#define META_LSH_CHUNKS 3  /* chunks of its padded length at the LSH chunk size */
+#define META_LOCAL_DENSE 4 /* its local layers attend every position */
+#define META_INDEX_SLOT 5  /* the slot whose LSH index it appends to */
+#define META_KEEPS_INDEX 6 /* it keeps an LSH index */
+#define META_COLUMNS 7
+
+/* One layer of a fused decode step (abi.StepLayer): every field one 8-byte word. */
+typedef struct {
+    int64_t lsh;                      /* 1: LSH layer (query-key, value), 0: local (query, key, value) */
+    int64_t heads, dim, kind, pool_rows; /* pool_rows: positions in the pools, each heads rows of dim elements */
+    int64_t stride;                   /* elements from one (position, head) row of the pools to the next */
+    const float *ln_w, *ln_b;         /* the attention's layer norm (NULL: none) */
+    const float *proj_w, *proj_b;     /* the projections packed side by side (step_linear), their bias */
+    void *keys, *values;              /* the layer's pools */
+    float *norms;                     /* LSH: each key's length factor (pool_rows, heads) */
+    /* LSH: the hash rounds and the index (the hash's rotations come per step: `hashes` below) */
+    int64_t rounds, buckets, recent_size, items_len, item_bytes, shift, recent_offset;
+    const int32_t *main_counts;
+    int16_t *recent_counts;
+    void *items;
+    int64_t chunk, before, after;     /* the attention's chunk and windows */
+    /* the tail (step_tail) */
+    int64_t ff, act;
+    const float *w_out, *b_out, *ff_ln_w, *ff_ln_b, *w_dense, *b_dense, *w_ff, *b_ff;
+} StepLayer;
+
+/* The token and position embeddings (model/embeddings.py), read as 8 int64 words as StepLayer is: a token's
+ * row of `word` plus its position's row of `pos0` (a plain table of hidden columns: pos1 NULL), or axial,
+ * [pos0[t / s1], pos1[t % s1]] of d0 and d1 columns. */
+typedef struct {
+    const float *word;
+    int64_t word_rows;
+    const float *pos0;
+    int64_t pos0_rows, d0;
+    const float *pos1;
+    int64_t s1, d1;
+} StepEmbedding;
+
+static inline int64_t block_pool_row(const int64_t *table, int64_t width, int64_t block_size, int64_t slot,
+                                     int64_t position, int64_t pool_rows) {
+    if (position < 0 || position >= width * block_size) return -1;
+    const int64_t row = table[slot * width + position / block_size] * block_size + position % block_size;
+    return row >= 0 && row < pool_rows ? row : -1;
+}
+
+void step_linear_panels(int64_t m, int64_t n, int64_t k, const float *x, int64_t x_stride, const float *packed,
+                        const float *bias, float *y, int64_t p0, int64_t p1);
+void step_activate(float *u, int64_t n, int64_t act);
+int lsh_hash(int64_t m, int64_t heads, int64_t rounds, int64_t dim, int64_t half, int64_t nfactors,
+             const int64_t *factors, const float *q, const float *packed, int64_t *buckets);
+void layer_norm_rows(int64_t m, int64_t n, const float *x, const float *w, const float *b, float eps, float *y);
+int decode_write(int64_t rows, int64_t heads, int64_t dim, int64_t kind, int64_t pool_rows, int64_t stride,
+                 const int64_t *at, const float *key, const float *value, void *keys, void *values, float *norms,
+                 float eps, float sqrt_dim);
+int lsh_append(int64_t rows, int64_t heads, int64_t rounds, int64_t buckets, int64_t recent_size,
+               const int64_t *meta, const int64_t *bucket_of, int16_t *recent_counts, void *items,
+               int64_t item_bytes, int64_t shift, int64_t recent_offset);
+int lsh_attend_items(int64_t heads, int64_t rounds, int64_t buckets, int64_t chunk, int64_t before, int64_t after,
+                     int64_t dim, int64_t recent_size, int64_t kind, const float *q, const void *keys,
+                     const float *norms, const void *values, int64_t pool_rows, int64_t stride, const int64_t *meta,
+                     const int64_t *bucket_of, const int32_t *main_counts, const int16_t *recent_counts,
+                     const void *items, int64_t items_len, int64_t item_bytes, int64_t shift, int64_t recent_offset,
+                     const int64_t *block_table, int64_t table_width, int64_t block_size, int64_t skip_slot,
+                     float self_mask, float mask, float *out, int64_t begin, int64_t end);
+int window_attend_items(int64_t heads, int64_t rounds, int64_t width, int64_t dim, int64_t kind, const float *q,
+                        const void *keys, const float *norms, const void *values, int64_t pool_len, int64_t stride,
+                        const int64_t *flat, const uint8_t *absent, int64_t absent_row_stride,
+                        int64_t absent_head_stride, const int64_t *pos, const int64_t *t, const uint8_t *dead,
+                        float self_mask, float mask, float *out, int64_t begin, int64_t end);
+
+#endif
