@@ -180,6 +180,13 @@ class ServiceMetrics:
             PREFIX + "model_info", "The served model (value 1).",
             ["artifact_sha256", "model", "backend", "decode_backend", "device", "dtype"], registry=r,
         )
+        self.backend_info = Gauge(
+            PREFIX + "backend_info", "What runs (value 1): the decode step (c-fused, c-per-layer, torch, "
+            "cuda-graphs), its attention (c, torch), a forward's chunk-window attention (c, torch-flash, "
+            "torch-cuda-efficient, torch), the device, and the C kernels' build (installed:<variant>, first-use "
+            "build, off, unavailable).",
+            ["decode_step", "decode_attention", "prefill_attention", "device", "kernels"], registry=r,
+        )
         self.decode_cache = DecodeCacheCollector(engine_source)
         self.add_collector(EngineCollector(engine_source), "engine")
         self.add_collector(self.decode_cache, "decode_cache")

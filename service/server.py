@@ -104,6 +104,16 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as err:
         print(f"reformer serve: invalid settings: {err}", file=sys.stderr)
         return 2
+    # the kernels' loader reads the same variable: a flag or .env setting reaches it too
+    os.environ["REFORMER_CPU_KERNELS"] = settings.cpu_kernels
+    if settings.cpu_kernels == "on" and resolve_device(settings.device).type == "cpu":
+        from model.kernels import load as load_kernels
+
+        status = load_kernels()
+        if not status.loaded:
+            print(f"reformer serve: REFORMER_CPU_KERNELS=on but the C kernels cannot load ({status.source}): "
+                  f"{status.reason}", file=sys.stderr)
+            return 2
     from export import ArtifactError, load_artifact
 
     try:

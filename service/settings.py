@@ -110,26 +110,29 @@ class Settings(BaseSettings):
         "fails, run eagerly. Off by default: it has not yet run on a GPU (the GPU check, bench/gpu_check.py, "
         "compares its logits with eager steps). No effect on CPU.",
     )
-    cpu_kernels: bool = Field(
-        True,
-        description="On CPU (float32 models), a decode step runs in C, in one call: its embeddings, every layer's "
-        "layer norm, projections, cache write, LSH hash and index insert, attention window and feed-forward, then "
-        "the LM head (model/kernels/csrc/step_layers.c over window_attend.c and step_linear.c, built on first use "
-        "with the "
-        "C compiler named by CC, or cc, into $XDG_CACHE_HOME or ~/.cache, under reformer-serve/kernels, or into "
-        "REFORMER_KERNEL_DIR). Weights are packed once and each output is one chain of multiply-adds, so a "
-        "row's results depend neither on the batch nor on the thread count (on several intra-op threads the "
-        "call splits its products and attention between OpenMP threads); a model whose activation or layer "
-        "norms the C side does not compute makes a C call per piece instead, with PyTorch ops for those. The "
-        "one-call step gives the per-layer C path's bits (tests/model/test_step_fused.py), which stays within "
-        "1e-5 of the PyTorch ops with a float32 cache over the tests' decodes (tests/model/test_step_linear.py; "
-        "a half cache, kv_cache_dtype, within 1e-3: tests/model/test_kv_cache_dtype.py). When the build fails "
-        "or no compiler is found it falls back to the PyTorch ops, with a warning. A float32 forward (a "
-        "prefill, an embedding) attends its chunk windows through model/kernels/csrc/chunk_attend.c too (the masks "
-        "from the positions; within 1e-5 of PyTorch's flash kernel: tests/model/test_chunk_attend.py); off, it "
-        "takes the flash kernel. /info's batching.cpu_window_kernel, cpu_step_kernel and cpu_chunk_kernel say "
-        "which runs. No effect on GPU.",
+    cpu_kernels: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="The C kernels of the CPU paths (model/kernels/csrc/, compiled when the package is installed, "
+        "one library per CPU variant: portable, and avx2 and avx512 on x86-64; the best the CPU runs is loaded). "
+        "auto: use them when they load, else PyTorch ops; on: refuse to start, naming the reason, when they "
+        "cannot load; off: PyTorch ops only (true/false and 1/0 read as auto/off). With them a float32 decode "
+        "step runs in one C call (embeddings, every layer's norms, projections, cache write, LSH hash and index "
+        "insert, attention window and feed-forward, the LM head; each row computed alone, the same bits in any "
+        "batch and on any thread count) and a float32 forward attends its chunk windows in C (chunk_attend.c). "
+        "Where no installed build exists (a source checkout) one is compiled at first use with the compiler "
+        "named by CC, or cc, into REFORMER_KERNEL_DIR or the user's cache folder. /info's kernels and "
+        "backends, and the reformer_backend_info metric, say what runs. No effect on GPU.",
     )
+
+    @field_validator("cpu_kernels", mode="before")
+    @classmethod
+    def _kernel_mode(cls, value: object) -> object:
+        """The older boolean spellings: true/1/yes mean auto (use them when they load), false/0/no off."""
+        if isinstance(value, bool):
+            return "auto" if value else "off"
+        text = str(value).strip().lower()
+        return {"true": "auto", "1": "auto", "yes": "auto", "false": "off", "0": "off", "no": "off"}.get(text, text)
+
     max_queue_size: int = Field(
         64, ge=1, description="Requests allowed to wait for the model; beyond it requests get 429 at once."
     )

@@ -11,7 +11,11 @@ from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
+import torch
+
+from model.decoding.steps import StepBackends
 from model.fused_attention import c_kernel_runs, use_c_kernels
+from model.kernels import load as load_kernels
 from model.pooling import STANDARDIZED_POOLINGS
 from service.backends import (
     OnnxBackend,
@@ -53,6 +57,16 @@ def position_limits(cfg: Any) -> tuple[int, int]:
         while longest > 1 and padded_length(longest) > positions:
             longest -= 1
     return longest, positions
+
+
+def kernel_report(mode: str) -> dict[str, Any]:
+    """The C kernels as REFORMER_CPU_KERNELS asks (`mode`) and as they loaded: their build (`installed:<variant>`,
+    `first-use build`, `off`, `unavailable`) and, when they did not load, why."""
+    if mode == "off":
+        return {"mode": mode, "loaded": False, "source": "off", "reason": "REFORMER_CPU_KERNELS=off", "path": None}
+    status = load_kernels()
+    return {"mode": mode, "loaded": status.loaded, "source": status.source, "reason": status.reason,
+            "path": status.kernels.path.name if status.kernels is not None else None}
 
 
 class ServiceState:
@@ -106,7 +120,7 @@ class ServiceState:
         device = resolve_device(s.device)
         dtype = resolve_dtype(s.dtype, device)
         model = artifact.model.to(device=device, dtype=dtype).eval()
-        use_c_kernels(model, s.cpu_kernels)  # a forward's chunk windows too (model/fused_attention.py)
+        use_c_kernels(model, s.cpu_kernels != "off")  # a forward's chunk windows too (model/fused_attention.py)
         self.backend_name = resolve_backend(s.backend, device, getattr(artifact, "onnx_path", None))
         self.embedding_stats = getattr(artifact, "embedding_stats", None) if s.embed_standardize else None
         backend = (
@@ -126,15 +140,12 @@ class ServiceState:
             max_stop_sequences=s.max_stop_sequences,
             max_client_batch_size=s.max_client_batch_size,
         )
-        self.metrics.model_info.labels(
-            artifact.sha256, self.model_id, self.backend_name, "torch", self.device, self.dtype
-        ).set(1)
         config = EngineConfig(
             max_batch_size=s.max_batch_size, max_batch_tokens=s.max_batch_tokens, max_wait_ms=s.max_wait_ms,
             prefill_budget_ms=s.prefill_budget_ms, max_queue_size=s.max_queue_size,
             request_timeout_s=s.request_timeout_s, warmup=s.warmup,
             cache_bytes=s.cache_bytes, batch_invariant=s.batch_invariant, cuda_graphs=s.cuda_graphs,
-            cpu_kernels=s.cpu_kernels, kv_cache_dtype=kv_cache_dtype(s.kv_cache_dtype, dtype),
+            cpu_kernels=s.cpu_kernels != "off", kv_cache_dtype=kv_cache_dtype(s.kv_cache_dtype, dtype),
             max_request_tokens=min(self.limits.max_input_tokens + self.limits.max_new_tokens, positions),
         )
         engine = Engine(model, artifact.tokenizer, backend, device, config, self.metrics,
@@ -143,6 +154,27 @@ class ServiceState:
         # published only once its worker runs: between construction and start `alive` is False, and /health
         # would call a loading service dead
         self.engine = engine
+        runs = self.runs()
+        self.metrics.model_info.labels(artifact.sha256, self.model_id, self.backend_name, runs["decode_step"],
+                                       self.device, self.dtype).set(1)
+        self.metrics.backend_info.labels(runs["decode_step"], runs["decode_attention"], runs["prefill_attention"],
+                                         self.device, kernel_report(s.cpu_kernels)["source"]).set(1)
+
+    def runs(self) -> dict[str, str]:
+        """Which code runs each part now (model/decoding/steps `StepBackends.describe`, the forward's kernel)."""
+        if self.engine is None:
+            return {"decode_step": "torch", "decode_attention": "torch", "prefill_attention": "torch"}
+        runner = self.engine.runner
+        cache = runner.cache
+        out = StepBackends(cache.window_kernel, cache.step_linears, cache.fused_step).describe()
+        if runner.graphs is not None:
+            out["decode_step"] = "cuda-graphs"
+        model = self.engine.model
+        param = next(model.parameters())
+        out["prefill_attention"] = ("c" if c_kernel_runs(model) else "torch-cuda-efficient" if param.is_cuda
+                                    else "torch-flash" if param.dtype in (torch.float32, torch.bfloat16)
+                                    else "torch")
+        return out
 
     def info(self) -> dict[str, Any]:
         art = self.artifact
@@ -156,7 +188,11 @@ class ServiceState:
             # The artifact by name and sha256 only: a client has no business knowing the server's filesystem.
             "artifact_name": art.path.name if art is not None else None,
             "backend": self.backend_name,
-            "decode_backend": "torch",
+            # what runs, not what was asked: the decode step (c-fused, c-per-layer, torch, cuda-graphs), its
+            # attention, a forward's chunk-window attention (prefill, embeddings) and the C kernels' build
+            "decode_backend": self.runs().get("decode_step", "torch"),
+            "runs": self.runs(),
+            "kernels": kernel_report(self.settings.cpu_kernels),
             # Which engine runs each stage: embeddings on the chosen backend; prefill and decode steps on torch
             # (the ONNX graph is the plain forward pass, without the LSH window cache decoding needs).
             "backends": {"embeddings": self.backend_name, "prefill": "torch", "decode": "torch"},

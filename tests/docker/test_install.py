@@ -40,7 +40,7 @@ def copy_build_context(stage: list[Instruction], into: Path) -> None:
             into_dir = len(sources) > 1 or target.endswith("/")
             destination = into / target / origin.name if into_dir else into / target
             if origin.is_dir():
-                shutil.copytree(origin, destination, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+                shutil.copytree(origin, destination, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.so"))
             else:
                 destination.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(origin, destination)
@@ -78,8 +78,9 @@ def test_install_script_then_the_image_command_serves_and_passes_its_healthcheck
     env = {**os.environ, "VARIANT": "cpu", "TORCH_VERSION": args["TORCH_VERSION"], "TORCH_INDEX_URL": "",
            "PIP_CONSTRAINT": str(REPO / "constraints-cpu.txt"), "PYTHON": sys.executable,
            "PIP_NO_COMPILE": "1"}  # the image compiles bytecode; here it would only cost time
-    (run,) = [i.argument for i in build if i.keyword == "RUN"]
-    assert run == "docker/install.sh /opt/venv /src"
+    runs = [i.argument for i in build if i.keyword == "RUN"]
+    assert runs[-1] == "docker/install.sh /opt/venv /src"
+    assert "gcc" in runs[0], "the build stage installs the compiler the kernels are built with"
     installed = subprocess.run(["bash", "docker/install.sh", str(venv), str(context)], cwd=context, env=env,
                                capture_output=True, text=True, timeout=600)
     assert installed.returncode == 0, installed.stdout + installed.stderr
@@ -89,6 +90,11 @@ def test_install_script_then_the_image_command_serves_and_passes_its_healthcheck
     home.mkdir()
     port = free_port()
     image = image_env(final, venv, home)
+    # no compiler at run time, as in the image's runtime stage: only the venv's programs, and an empty folder
+    # where a first-use build of the kernels would go
+    image["PATH"] = str(venv / "bin")
+    image["REFORMER_KERNEL_DIR"] = str(tmp_path / "no-first-use-builds")
+    assert shutil.which("cc", path=image["PATH"]) is None and shutil.which("gcc", path=image["PATH"]) is None
     command = with_port(last(final, "ENTRYPOINT").exec_form() + last(final, "CMD").exec_form(), port)
     healthcheck = last(final, "HEALTHCHECK").argument
     probe = with_port(parse_healthcheck(healthcheck), port)
@@ -112,6 +118,12 @@ def test_install_script_then_the_image_command_serves_and_passes_its_healthcheck
             time.sleep(0.5)
         info = httpx.get(url + "/info", timeout=5).json()
         assert info["device"] == "cpu"
+        # the installed package runs the C kernels it was built with, and says so
+        assert info["kernels"]["loaded"] is True and info["kernels"]["source"].startswith("installed:"), info
+        assert info["decode_backend"] == "c-fused" and info["runs"]["prefill_attention"] == "c"
+        assert not (tmp_path / "no-first-use-builds").exists()
+        r = httpx.post(url + "/generate", json={"inputs": "Once", "parameters": {"max_new_tokens": 4}}, timeout=60)
+        assert r.status_code == 200
         assert httpx.post(url + "/embed", json={"inputs": "the image's own model"}, timeout=60).status_code == 200
     finally:
         server.send_signal(signal.SIGTERM)

@@ -16,7 +16,7 @@ def test_info_reports_the_backend_of_each_stage(backend: str) -> None:
     with running_app(artifact, backend=backend, log_level="warning") as client:
         info = client.get("/info").json()
         assert info["backends"] == {"embeddings": backend, "prefill": "torch", "decode": "torch"}
-        assert info["backend"] == backend and info["decode_backend"] == "torch"
+        assert info["backend"] == backend and info["decode_backend"] == "c-fused"
         assert client.post("/embed", json={"inputs": "a few words"}).status_code == 200
         r = client.post("/generate", json={"inputs": "a few words", "parameters": {"max_new_tokens": 2}})
         assert r.status_code == 200

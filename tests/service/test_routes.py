@@ -127,7 +127,7 @@ def test_probes_info_metrics_and_docs(client: TestClient) -> None:
     assert client.get("/health").json() == {"status": "ok"}
     assert client.get("/ready").json() == {"status": "ready"}
     info = client.get("/info").json()
-    assert info["backend"] == "torch" and info["decode_backend"] == "torch"
+    assert info["backend"] == "torch" and info["decode_backend"] == "c-fused"
     assert info["device"] == "cpu" and info["limits"]["max_input_tokens"] == 256
     assert "api_key" not in info["settings"]
     assert client.get("/metrics").text.startswith("# HELP")
@@ -164,10 +164,22 @@ def test_info_says_whether_decoding_attends_through_the_cpu_kernel(client: TestC
     assert batching["cpu_chunk_kernel"] is True
     request = {"inputs": "Once upon a time", "parameters": {"max_new_tokens": 12, "ignore_eos": True}}
     fused = client.post("/generate", json=request).json()["generated_text"]
-    with running_app(artifact, max_new_tokens=64, max_input_tokens=256, cpu_kernels=False) as plain:
+    info = client.get("/info").json()
+    assert info["runs"] == {"decode_step": "c-fused", "decode_attention": "c", "prefill_attention": "c"}
+    assert info["decode_backend"] == "c-fused"
+    assert info["kernels"]["mode"] == "auto" and info["kernels"]["loaded"] is True
+    assert info["kernels"]["source"].startswith(("installed:", "first-use build"))
+    metrics = client.get("/metrics").text
+    assert 'reformer_backend_info{decode_attention="c",decode_step="c-fused",device="cpu",' in metrics
+    with running_app(artifact, max_new_tokens=64, max_input_tokens=256, cpu_kernels="off") as plain:
         batching = plain.get("/info").json()["batching"]
         assert batching["cpu_window_kernel"] is False and batching["cpu_step_kernel"] is False
         assert batching["cpu_chunk_kernel"] is False  # the forward's chunk windows too
+        info = plain.get("/info").json()
+        assert info["runs"]["decode_step"] == "torch" and info["runs"]["prefill_attention"] == "torch-flash"
+        assert info["kernels"] == {"mode": "off", "loaded": False, "source": "off",
+                                   "reason": "REFORMER_CPU_KERNELS=off", "path": None}
+        assert 'decode_step="torch"' in plain.get("/metrics").text
         # greedy: the same tokens through either path
         assert plain.post("/generate", json=request).json()["generated_text"] == fused
 

@@ -76,3 +76,30 @@ def test_an_empty_api_key_means_no_key(monkeypatch: pytest.MonkeyPatch, artifact
     with running_app(artifact, backend="torch") as client:  # the app reads the same environment
         r = client.post("/generate", json={"inputs": "open", "parameters": {"max_new_tokens": 1}})
         assert r.status_code == 200, r.text
+
+
+def test_cpu_kernels_takes_a_mode_and_the_older_booleans(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert Settings().cpu_kernels == "auto"
+    for given, want in (("on", "on"), ("off", "off"), ("auto", "auto"), ("1", "auto"), ("true", "auto"),
+                        ("0", "off"), ("false", "off")):
+        monkeypatch.setenv("REFORMER_CPU_KERNELS", given)
+        assert Settings().cpu_kernels == want, given
+    assert settings_from_argv(["--cpu-kernels", "on"]).cpu_kernels == "on"
+    monkeypatch.setenv("REFORMER_CPU_KERNELS", "sometimes")
+    with pytest.raises(ValidationError, match="cpu_kernels"):
+        Settings()
+
+
+def test_kernels_on_refuses_to_start_naming_the_reason(tmp_path: Any) -> None:
+    """REFORMER_CPU_KERNELS=on where they cannot load (a forced variant that is not installed): exit 2 at once,
+    the reason on stderr, before the artifact is even read."""
+    env = {"PATH": "/usr/bin:/bin", "REFORMER_CPU_KERNELS": "on", "REFORMER_CPU_KERNEL_VARIANT": "avx512",
+           "REFORMER_KERNEL_DIR": str(tmp_path), "HOME": str(tmp_path)}
+    code = ("import sys; from model.kernels import build; "
+            "build.installed = lambda folder=build.HERE: {}; "  # nothing installed, as a broken install
+            "from service.server import main; sys.exit(main(['--device', 'cpu']))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "REFORMER_CPU_KERNELS=on but the C kernels cannot load (unavailable)" in r.stderr
+    assert "REFORMER_CPU_KERNEL_VARIANT=avx512 is not installed" in r.stderr
