@@ -78,16 +78,21 @@ def test_factorised_automatic_bucket_counts() -> None:
     assert _max_step_difference(lm, 250, steps=10) <= 1e-5
 
 
-@pytest.mark.parametrize("layers", [["local", "lsh", "local", "lsh"], ["lsh"] * 6], ids=["shipped-mix", "lsh6"])
-def test_deeper_lsh_stacks_difference_is_measured(layers: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("layers,bound", [(["local", "lsh", "local", "lsh"], 1.0), (["lsh"] * 6, 1.5)],
+                         ids=["shipped-mix", "lsh6"])
+def test_deeper_lsh_stacks_difference_is_bounded(layers: list[str], bound: float,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
     """Not exact by construction (earlier positions keep the states they were computed with): the cached
-    logits are measured against the full forward and printed, and must stay finite."""
+    logits of this random tiny model differ from the full forward's by 0.62 (shipped mix) and 1.01 (six LSH
+    layers) at most over 21 steps, as measured when the bound was set (1.5x that, rounded). The trained
+    shipped model's bound, in bits per byte and greedy agreement, is tests/model/decoding/
+    test_decode_quality.py."""
     torch.manual_seed(0)
     lm = ReformerLM(tiny_config(attn_layers=layers, vocab_size=258, initializer_range=0.3)).eval()
     diff = _max_step_difference(lm, 37, steps=20)
     with capsys.disabled():
         print(f"\n{'-'.join(layers)}: max |cached - full| logits over 21 steps = {diff:.3g}")
-    assert diff == diff and diff < float("inf")
+    assert diff <= bound
 
 
 def _run(lm: ReformerLM, prompts: list[torch.Tensor], steps: int, together: bool, invariant: bool,
