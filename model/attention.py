@@ -34,7 +34,12 @@ class AttentionContext:
     generator: torch.Generator | None = None  # dropout randomness of the current layer (training only)
 
 
-def length_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:
+# the epsilon of a key's length normalisation (the reference's); the C kernels' KEY_NORM_EPS is the same
+# (tests/model/kernels/test_abi.py)
+KEY_NORM_EPS = 1e-6
+
+
+def length_normalize(x: Tensor, eps: float = KEY_NORM_EPS) -> Tensor:
     """x scaled to unit root mean square over the last axis. In half precision the mean square is taken in
     fp32: x*x overflows fp16 from |x| = 256 on."""
     if x.dtype in (torch.float16, torch.bfloat16):

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from ..attention import LSHSelfAttention
+from ..attention import KEY_NORM_EPS, LSHSelfAttention
 from ..kernels import CpuKernels
 from .huge_pages import pool_empty
 from .lsh_index import RECENT, BlockLookup, LSHIndex
@@ -92,7 +92,7 @@ class DecodeState:
         return len(self.blocks)
 
 
-def key_norm(key: Tensor, eps: float = 1e-6) -> Tensor:
+def key_norm(key: Tensor, eps: float = KEY_NORM_EPS) -> Tensor:
     """(..., D) -> (...) float32: what `length_normalize` multiplies a key by, divided by sqrt(D). The mean
     square is taken in float32: squaring a half-precision key overflows fp16 past ~256."""
     k = key.float()

@@ -31,6 +31,7 @@ NO_MEMORY, BAD_INDEX, BAD_KIND = 1, 2, 4
 # the element kinds of key and value pools the kernels read (window_kinds() says which a build has)
 KIND_FLOAT32, KIND_FLOAT16, KIND_BFLOAT16 = 0, 1, 2
 MAX_ROUNDS = 64  # the C side's bound on hash rounds
+KEY_NORM_EPS = 1e-6  # the epsilon of an LSH key's length factor (model/attention.py's, the same value)
 PANEL = 32  # step_linear.c's columns per packed panel
 
 # chunk_attend's rules for which keys a query may see: LSH attention (its own position only when nothing else

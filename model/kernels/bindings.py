@@ -218,7 +218,7 @@ class CpuKernels:
         return out, lse
 
     def write(self, rows: Tensor, key: Tensor, value: Tensor, keys: Tensor, values: Tensor, norms: Tensor | None,
-              eps: float = 1e-6) -> None:
+              eps: float = abi.KEY_NORM_EPS) -> None:
         """A step's new keys and values (B, H, D) float32 into pool rows `rows` (B,) of the pools (N, H, D),
         rounded to the pools' dtype as `Tensor.to` rounds, and for LSH layers each key's factor (from the
         float32 key) into `norms` (N, H) float32, as `DecodeCache.write` does."""

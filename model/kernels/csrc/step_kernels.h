@@ -7,6 +7,9 @@
 
 #include <stdint.h>
 
+/* the epsilon of an LSH key's length factor (model/attention.py KEY_NORM_EPS; abi.KEY_NORM_EPS) */
+#define KEY_NORM_EPS 1e-6f
+
 #define PANEL 32 /* step_linear.c's columns per packed panel (abi.PANEL) */
 
 /* every kernel's status codes (abi.py; bindings.check_status reads them) */

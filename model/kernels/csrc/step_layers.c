@@ -31,7 +31,6 @@
 
 #include "step_kernels.h"
 
-#define WRITE_EPS 1e-6f /* DecodeCache.write's epsilon of an LSH key's length factor */
 
 
 int64_t step_layer_words(void) { return (int64_t)(sizeof(StepLayer) / sizeof(int64_t)); }
@@ -215,7 +214,7 @@ int decode_layers(int64_t m, int64_t hidden, int64_t nlayers, const StepLayer *l
                 }
                 int st = status ? status
                                 : decode_write(m, L->heads, L->dim, L->kind, L->pool_rows, L->stride, new_rows, key,
-                                               value, L->keys, L->values, L->lsh ? L->norms : NULL, WRITE_EPS, scale);
+                                               value, L->keys, L->values, L->lsh ? L->norms : NULL, KEY_NORM_EPS, scale);
                 if (L->lsh) {
                     const int64_t per_row = L->heads * L->rounds;
                     for (int64_t b = 0; b < m && !st; b++) {

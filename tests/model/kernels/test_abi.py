@@ -91,3 +91,11 @@ def test_a_changed_struct_is_caught() -> None:
 def test_the_loaded_library_agrees(kernel: object) -> None:
     assert kernel.layer_words * 8 == ctypes.sizeof(abi.StepLayer)  # type: ignore[attr-defined]
     assert kernel.embedding_words * 8 == ctypes.sizeof(abi.StepEmbedding)  # type: ignore[attr-defined]
+
+
+def test_one_key_norm_epsilon_on_both_sides() -> None:
+    from model.attention import KEY_NORM_EPS
+
+    m = re.search(r"#define KEY_NORM_EPS ([0-9.e-]+)f", _header())
+    assert m is not None and float(m.group(1)) == abi.KEY_NORM_EPS == KEY_NORM_EPS
+    assert "1e-6" not in re.sub(r"#define KEY_NORM_EPS[^\n]*", "", _sources())
