@@ -187,8 +187,10 @@ class Settings(BaseSettings):
     )
     debug_memory: bool = Field(
         False,
-        description="Also export reformer_python_objects and reformer_live_tensor_bytes, computed at each scrape "
-        "from gc.get_objects() (tens of ms with the GIL held: for diagnosis and bench/soak.py, not production).",
+        description="Also export reformer_python_objects, reformer_live_tensor_bytes and "
+        "reformer_live_tensor_resident_bytes, from a walk over gc.get_objects() at most every 30 s (a scrape in "
+        "between reuses the figures): about 0.2 s with the GIL held, for diagnosis and bench/soak.py, not for "
+        "production.",
     )
     warmup: bool = Field(True, description="Run a warm-up embedding and generation before reporting ready.")
     log_level: LogLevel = Field("info", description="Log level; prompts are logged only at debug.")

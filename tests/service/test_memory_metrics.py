@@ -61,6 +61,36 @@ def test_the_debug_view_counts_objects_and_live_tensor_bytes(artifact: Any) -> N
         text = client.get("/metrics").text
     assert metric_value(text, "reformer_python_objects") > 1000
     assert metric_value(text, "reformer_live_tensor_bytes") >= weights  # at least the model's weights
+    if memory_metrics._MINCORE is not None:  # the weights are written, so resident
+        assert metric_value(text, "reformer_live_tensor_resident_bytes") >= weights
+
+
+def test_the_debug_view_is_computed_at_most_every_interval(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+
+    def figures() -> tuple[int, int, int | None]:
+        calls.append(1)
+        return len(calls), 10, 5
+
+    monkeypatch.setattr(memory_metrics, "debug_figures", figures)
+    metrics = ServiceMetrics(debug_memory=True)
+    first, second = metrics.render().decode(), metrics.render().decode()
+    assert len(calls) == 1 and "reformer_python_objects 1.0" in first and "reformer_python_objects 1.0" in second
+    assert "reformer_live_tensor_resident_bytes 5.0" in second
+
+
+@pytest.mark.skipif(memory_metrics._MINCORE is None, reason="mincore only")
+def test_resident_bytes_counts_written_pages_only() -> None:
+    import mmap
+
+    region = mmap.mmap(-1, 64 * mmap.PAGESIZE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    untouched = torch.frombuffer(region, dtype=torch.uint8)
+    address = untouched.data_ptr()
+    assert memory_metrics.resident_bytes(address, len(region)) == 0  # mapped, never written
+    untouched[: 3 * mmap.PAGESIZE] = 1
+    assert memory_metrics.resident_bytes(address, len(region)) == 3 * mmap.PAGESIZE
+    assert memory_metrics.resident_bytes(address, 0) is None
+    del untouched
 
 
 def test_live_tensor_bytes_counts_a_storage_once() -> None:
