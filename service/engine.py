@@ -101,7 +101,8 @@ class Engine:
         self.runner = ModelRunner(model, device, config.max_batch_size, config.cache_bytes, config.batch_invariant,
                                   config.max_request_tokens, config.cuda_graphs, config.cpu_kernels,
                                   config.kv_cache_dtype)
-        self.memory = HeapKeeper(config.idle_trim_s, config.memory_budget_bytes)
+        self.memory = HeapKeeper(config.idle_trim_s, config.memory_budget_bytes,
+                                 release=self.runner.release_free_pages)
         self._stopping = False
         self._dead = False
         self.ready = threading.Event()

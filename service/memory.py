@@ -7,12 +7,17 @@ with prompts of many sizes the free chunks between live ones add up: resident me
 fragmentation, not with load. `malloc_trim(0)` returns the pages of every free chunk (madvise), in every
 arena, without moving anything; the chunks stay free in the heap and fault in again when reused.
 
-`HeapKeeper` decides when the model worker trims (service/engine.py calls it between its turns, never
-during a model step): once per idle spell, when nothing has run or waited for `idle_trim_s`; and, with a
-memory budget, between two turns while the RSS is above it (at most once every `BUDGET_TRIM_INTERVAL_S`,
-so that a budget under the working set cannot make every step fault its memory in again).
+The decode cache's pools (model/huge_pages.py) are mapped whole and stay resident wherever a request ever
+wrote them; once no request holds any of the cache, their pages can go back too (service/runner.py
+`release_free_pages`).
 
-Everything here degrades to "unavailable" off glibc (musl, macOS): nothing raises, nothing is trimmed.
+`HeapKeeper` decides when the model worker trims (service/engine.py calls it between its turns, never
+during a model step): once per idle spell, when nothing has run or waited for `idle_trim_s`, the heap and
+the decode cache's pools; and, with a memory budget, the heap alone between two turns while the RSS is
+above it (at most once every `BUDGET_TRIM_INTERVAL_S`, so that a budget under the working set cannot make
+every step fault its memory in again).
+
+The heap's part degrades to "unavailable" off glibc (musl, macOS): nothing raises, nothing is trimmed.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import mmap
 import os
 import threading
 import time
@@ -52,15 +58,21 @@ class HeapStats:
 
 
 class _Libc:
-    """glibc's malloc_trim and mallinfo2 when this process runs on glibc, else None for each."""
+    """glibc's malloc_trim and mallinfo2 when this process runs on glibc, else None for each; madvise where
+    the C library has it (any Linux libc)."""
 
     def __init__(self) -> None:
         self.trim: Callable[[int], int] | None = None
         self.mallinfo2: Callable[[], _Mallinfo2] | None = None
+        self.madvise: Callable[[int, int, int], int] | None = None
         try:
             libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         except OSError:
             return
+        advise = getattr(libc, "madvise", None)
+        if advise is not None and hasattr(mmap, "MADV_DONTNEED"):
+            advise.argtypes, advise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+            self.madvise = advise
         trim = getattr(libc, "malloc_trim", None)
         if trim is not None:
             trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
@@ -96,6 +108,22 @@ def malloc_trim() -> bool:
 
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_HUGE_PAGE = 2 * 2**20
+
+
+def release_pages(address: int, nbytes: int) -> int:
+    """Give back the pages of [address, address + nbytes) that whole 2 MiB huge pages cover (MADV_DONTNEED:
+    they read as zeros when next touched, and count in RSS only once written again); returns the bytes
+    advised, 0 where madvise is unavailable. Only the huge pages wholly inside: a huge page is never split
+    and no byte outside the range is touched. For memory whose contents are dead (a decode-cache pool's
+    free rows), never for live data."""
+    if _LIBC.madvise is None:
+        return 0
+    start = -(-address // _HUGE_PAGE) * _HUGE_PAGE
+    end = (address + nbytes) // _HUGE_PAGE * _HUGE_PAGE
+    if end <= start or _LIBC.madvise(start, end - start, mmap.MADV_DONTNEED) != 0:
+        return 0
+    return end - start
 
 
 def rss_bytes() -> int:
@@ -113,11 +141,16 @@ class HeapKeeper:
     scrapes read the counters from another thread (plain attribute reads)."""
 
     def __init__(self, idle_trim_s: float, budget_bytes: int = 0, trim: Callable[[], bool] | None = None,
-                 rss: Callable[[], int] = rss_bytes, clock: Callable[[], float] = time.monotonic) -> None:
+                 rss: Callable[[], int] = rss_bytes, clock: Callable[[], float] = time.monotonic,
+                 release: Callable[[], int] | None = None) -> None:
+        """`trim`: the heap's trim (default malloc_trim where glibc has it); `release`: what else an idle trim
+        gives back, memory whose contents are dead once nothing runs (the engine passes its runner's
+        `release_free_pages`, the decode cache's pools)."""
         self.idle_trim_s = idle_trim_s
         self.budget_bytes = budget_bytes
         self.trim_function: Callable[[], bool] | None = trim if trim is not None else (
             malloc_trim if trim_available() else None)
+        self.release_function = release
         self.rss_function = rss
         self.clock = clock
         self.last_busy = clock()
@@ -133,7 +166,7 @@ class HeapKeeper:
 
     @property
     def idle_enabled(self) -> bool:
-        return self.trim_function is not None and self.idle_trim_s > 0
+        return (self.trim_function is not None or self.release_function is not None) and self.idle_trim_s > 0
 
     def idle_turn(self, idle: bool) -> bool:
         """The worker has nothing to run; `idle`: nothing queued either. True: trim now (once per spell)."""
@@ -170,15 +203,19 @@ class HeapKeeper:
         goes on; the spell counts as trimmed so that a failing trim is not retried in a loop."""
         if reason == "idle":
             self.trimmed_this_spell = True
-        if self.trim_function is None:
+        # under load (budget) only the heap: the decode cache's pools hold running requests
+        steps = [self.trim_function, self.release_function if reason == "idle" else None]
+        if not any(steps):
             return
         before = self.rss_function()
         began = time.perf_counter()
         try:
-            self.trim_function()
+            for step in steps:
+                if step is not None:
+                    step()
         except Exception:
             self._failures += 1
-            log.warning("malloc_trim failed (%d so far); the heap keeps its free pages", self._failures,
+            log.warning("memory trim failed (%d so far); the process keeps the memory", self._failures,
                         exc_info=self._failures == 1)
             return
         took = time.perf_counter() - began
@@ -199,4 +236,5 @@ class HeapKeeper:
         """What /info reports."""
         return {"idle_trim_s": self.idle_trim_s, "memory_budget_bytes": self.budget_bytes or None,
                 "malloc_trim_available": self.trim_function is not None,
+                "decode_cache_release": self.release_function is not None,
                 "heap_stats_available": _LIBC.mallinfo2 is not None}

@@ -9,10 +9,8 @@ it back (`reformer_heap_last_trim_released_bytes`).
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
+import bisect
 import gc
-import mmap
 import time
 import typing
 from collections.abc import Callable, Iterator
@@ -33,37 +31,47 @@ BUDGET = "reformer_memory_budget_bytes"
 PYTHON_OBJECTS = "reformer_python_objects"
 LIVE_TENSORS = "reformer_live_tensor_bytes"
 LIVE_TENSORS_RESIDENT = "reformer_live_tensor_resident_bytes"
-_PAGE = mmap.PAGESIZE
 # the debug view walks every object: a scrape reuses figures younger than this (Prometheus scrapes every 15 s)
 DEBUG_MIN_INTERVAL_S = 30.0
+_HEX = frozenset("0123456789abcdef")
 
 
-def _mincore() -> Callable[..., int] | None:
+def mappings(smaps: str = "/proc/self/smaps") -> list[tuple[int, int, int]] | None:
+    """(start, end, resident bytes) of each of this process's mappings, None without /proc. smaps' Rss, not
+    mincore: a page only ever read is mapped to the shared zero page, which mincore calls resident and RSS
+    does not count (the decode cache's pools have such pages)."""
+    out: list[tuple[int, int, int]] = []
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        fn = libc.mincore
-    except (OSError, AttributeError):
+        with open(smaps) as f:
+            for line in f:
+                if line[0] in _HEX:  # a mapping's header: "start-end perms offset dev inode path"
+                    lo, _, hi = line.split(" ", 1)[0].partition("-")
+                    out.append((int(lo, 16), int(hi, 16), 0))
+                elif line.startswith("Rss:") and out:
+                    lo_, hi_, _ = out[-1]
+                    out[-1] = (lo_, hi_, int(line.split()[1]) * 1024)
+    except (OSError, ValueError):
         return None
-    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p], ctypes.c_int
-    return typing.cast(Callable[..., int], fn)
+    return out
 
 
-_MINCORE = _mincore()
-
-
-def resident_bytes(address: int, nbytes: int) -> int | None:
-    """Bytes of [address, address + nbytes) in resident pages (mincore), None where it cannot be told. A
-    decode-cache pool is mapped whole and becomes resident only as it is written: its storage's size says
-    nothing of its memory."""
-    if _MINCORE is None or nbytes <= 0:
-        return None
-    start = address - address % _PAGE
-    pages = -(-(address + nbytes - start) // _PAGE)
-    vec = (ctypes.c_ubyte * pages)()
-    if _MINCORE(start, pages * _PAGE, vec) != 0:
-        return None
-    # bit 0 of each byte: the page is resident (the other bits are reserved); counted in C, not in Python
-    return int(torch.frombuffer(vec, dtype=torch.uint8).bitwise_and(1).sum()) * _PAGE
+def attributed_resident(storages: dict[int, int], maps: list[tuple[int, int, int]]) -> int:
+    """Resident bytes of the storages: each mapping's Rss shared out by the bytes of it they cover. Exact for
+    a storage mapped on its own (a decode-cache pool, model/huge_pages.py); pro rata for the tensors inside
+    the heap's mappings, which share them with other allocations."""
+    spans = sorted((address, address + nbytes) for address, nbytes in storages.items())
+    starts = [lo for lo, _ in spans]
+    total = 0.0
+    for lo, hi, rss in maps:
+        if rss == 0 or hi <= lo:
+            continue
+        covered = 0
+        i = max(bisect.bisect_right(starts, lo) - 1, 0)
+        while i < len(spans) and spans[i][0] < hi:
+            covered += max(0, min(spans[i][1], hi) - max(spans[i][0], lo))
+            i += 1
+        total += rss * min(covered, hi - lo) / (hi - lo)
+    return int(total)
 
 
 def live_storages(objects: list[object]) -> dict[int, int]:
@@ -140,8 +148,9 @@ class MemoryCollector(Collector):
         yield GaugeMetricFamily(LIVE_TENSORS, "Bytes of the distinct storages of the tensors Python holds, the "
                                 "decode cache's whole pools included (REFORMER_DEBUG_MEMORY).", value=float(tensors))
         if resident is not None:
-            yield GaugeMetricFamily(LIVE_TENSORS_RESIDENT, "Of those bytes, the ones in resident pages (mincore; "
-                                    "REFORMER_DEBUG_MEMORY).", value=float(resident))
+            yield GaugeMetricFamily(LIVE_TENSORS_RESIDENT, "Of those bytes, the resident ones (/proc/self/smaps Rss of "
+                                    "their mappings, pro rata where a mapping is shared; REFORMER_DEBUG_MEMORY).",
+                                    value=float(resident))
 
 
 def debug_figures() -> tuple[int, int, int | None]:
@@ -150,8 +159,8 @@ def debug_figures() -> tuple[int, int, int | None]:
     model loaded, on the project's 2-core machine under load."""
     objects = gc.get_objects()
     storages = live_storages(objects)
-    # read while `objects` still holds the tensors: none of these storages is freed meanwhile
-    resident = [resident_bytes(address, nbytes) for address, nbytes in storages.items()]
+    # read while `objects` still holds the tensors: none of these storages is unmapped meanwhile
+    maps = mappings()
     count = len(objects)
     del objects
-    return count, sum(storages.values()), sum(r or 0 for r in resident) if _MINCORE is not None else None
+    return count, sum(storages.values()), None if maps is None else attributed_resident(storages, maps)

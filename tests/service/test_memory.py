@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+import torch
 
 from model.sampling import SamplingParams
 from service import memory
@@ -18,6 +19,8 @@ from service.engine import Engine, EngineConfig
 from service.jobs import GenerationSpec
 from service.memory import BUDGET_CHECK_S, BUDGET_TRIM_INTERVAL_S, HeapKeeper
 from service.metrics import ServiceMetrics
+from service.runner import ModelRunner
+from tests.conftest import tiny_model
 
 
 class FakeClock:
@@ -80,7 +83,7 @@ def test_a_failing_trim_is_logged_not_raised_and_not_retried_in_the_spell(caplog
     assert keeper.idle_turn(True)
     with caplog.at_level(logging.WARNING, logger="service.memory"):
         keeper.trim("idle")
-    assert "malloc_trim failed" in caplog.text and keeper.trims["idle"] == 0
+    assert "memory trim failed" in caplog.text and keeper.trims["idle"] == 0
     assert not keeper.idle_turn(True)
 
 
@@ -238,3 +241,36 @@ def test_over_the_budget_the_busy_engine_trims_between_steps(artifact: Any, star
     assert len(_generate(engine, 8)) == 8
     assert engine.memory.trims == {"idle": 0, "budget": 1}  # at most one per BUDGET_TRIM_INTERVAL_S
     assert recorder.busy_at_calls == [1]  # between two steps of the running generation
+
+
+# ---- the decode cache's pools --------------------------------------------------------------------------
+
+
+def _greedy_run(runner: ModelRunner, prompt: list[int], new: int) -> tuple[list[int], torch.Tensor]:
+    logits, states = runner.prefill([prompt], [len(prompt) + new])
+    tokens, last = [], logits[0]
+    try:
+        for _ in range(new):
+            tokens.append(int(last.argmax()))
+            last = runner.decode([tokens[-1]], states)[0]
+    finally:
+        runner.free(states[0])
+    return tokens, last
+
+
+@pytest.mark.skipif(memory.rss_bytes() == 0 or memory._LIBC.madvise is None, reason="Linux /proc and madvise")
+def test_idle_release_gives_the_pools_pages_back_and_changes_no_result() -> None:
+    # heads x head size of 256 floats: 2 KB of keys and values per token and layer, so a 1,900-token request
+    # writes past the first 2 MiB huge page of each pool
+    model = tiny_model(num_attention_heads=4, attention_head_size=64)
+    runner = ModelRunner(model, torch.device("cpu"), max_slots=2, cache_bytes=64 * 2**20, cpu_kernel=False)
+    prompt = [2 + (i * 7) % 250 for i in range(1900)]
+    first = _greedy_run(runner, prompt, 8)  # writes about 7.6 MB of keys and values, then frees them
+    held = runner.cache.allocate(16)  # a request holds blocks: nothing is released
+    assert runner.release_free_pages() == 0
+    runner.free(held)
+    before = memory.rss_bytes()
+    assert runner.release_free_pages() > 0
+    assert before - memory.rss_bytes() >= 4 * 2**20  # block 0's huge page and the unaligned ends stay
+    again = _greedy_run(runner, prompt, 8)
+    assert again[0] == first[0] and torch.equal(again[1], first[1])  # the same tokens and the same bits
