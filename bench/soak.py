@@ -208,7 +208,11 @@ async def timed_soak(url: str, minutes: float, clients: int, window_s: float, sa
                 for k in itertools.count():
                     at = min(k * sample_s, duration)
                     await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
-                    samples.append(await _scrape(scraper, time.perf_counter() - t0))
+                    # stamped with its scheduled time, so the last one is the run's end (t_s == duration) and
+                    # the windows and the verdict's reference points fall on the schedule; late_s says by how much
+                    # the scrape started after it
+                    late = time.perf_counter() - t0 - at
+                    samples.append({**await _scrape(scraper, at), "late_s": round(late, 3)})
                     _progress(samples[-1], records)
                     if at >= duration:
                         return
