@@ -32,6 +32,7 @@ from service.embed_batches import EmbedBatches
 from service.errors import InputTooLong, InternalError, Overloaded, ServiceError, Unavailable
 from service.jobs import EmbeddingResult, EmbeddingSpec, GenerationSpec, TokenEvent
 from service.jobs_runtime import EmbedJob, Event, GenerationJob, GenerationStream, Job, JobState, deliver_together
+from service.memory import HeapKeeper
 from service.metrics import ServiceMetrics
 from service.policy import (
     SLICE_HISTORY,
@@ -72,6 +73,8 @@ class EngineConfig:
     # step plus this (model/decoding/prefill/slices.py bounds a slice), and the prefill keeps about budget / (budget +
     # decode step) of the time (bench/prefill_gap.py measures both; REFORMER_PREFILL_BUDGET_MS)
     prefill_budget_ms: float = 100.0
+    idle_trim_s: float = 2.0  # idle this long: the heap's free pages go back to the system (service/memory.py)
+    memory_budget_bytes: int = 0  # RSS above which the worker trims between turns too; 0: only when idle
 
 
 class Engine:
@@ -98,6 +101,8 @@ class Engine:
         self.runner = ModelRunner(model, device, config.max_batch_size, config.cache_bytes, config.batch_invariant,
                                   config.max_request_tokens, config.cuda_graphs, config.cpu_kernels,
                                   config.kv_cache_dtype)
+        self.memory = HeapKeeper(config.idle_trim_s, config.memory_budget_bytes,
+                                 release=self.runner.release_free_pages)
         self._stopping = False
         self._dead = False
         self.ready = threading.Event()
@@ -197,10 +202,17 @@ class Engine:
                     self._drop_cancelled()
                     prefills = self._take_prefills()
                     batch, wake_at = self.embeds.take(self._start, flush=self._stopping)
+                    trim = False
                     if not prefills and not self._running and not self._prefilling and batch is None:
                         timeout = None if wake_at is None else max(wake_at - time.monotonic(), 0.0)
-                        self._cond.wait(timeout)
-                        continue
+                        # idle with nothing queued either: once per idle spell the heap is trimmed
+                        trim = self.memory.idle_turn(not self._gen_queue and not self.embeds.items)
+                        if not trim:
+                            self._cond.wait(self.memory.idle_wait(timeout))
+                            continue
+                if trim:  # outside the lock, so requests are admitted meanwhile; never raises
+                    self.memory.trim("idle")
+                    continue
                 if prefills:
                     self._prefill_all(prefills)
                 if self._prefilling:
@@ -209,6 +221,7 @@ class Engine:
                     self._decode_step()
                 if batch is not None:
                     self.embeds.run(batch, self._fail_jobs)
+                self.memory.after_work()  # the idle spell restarts; over the memory budget, a trim
         except BaseException as exc:  # the worker must never die silently
             self._die(exc)
             return

@@ -1,7 +1,8 @@
 """Prometheus metrics (DESIGN.md section 6), on the service's own registry.
 
-Engine gauges and GPU memory are read at scrape time by collectors; every collector is wrapped so that one
-that fails is logged and skipped instead of failing the scrape. GPU series exist only where CUDA does.
+Engine gauges, GPU memory and the heap (service/memory_metrics.py) are read at scrape time by collectors;
+every collector is wrapped so that one that fails is logged and skipped instead of failing the scrape. GPU
+series exist only where CUDA does, heap series only on glibc.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from service.gpu_metrics import GPU_FAMILIES, GpuCollector
+from service.memory_metrics import MemoryCollector
 
 log = logging.getLogger("service.metrics")
 
@@ -125,7 +127,7 @@ class DecodeCacheCollector(Collector):
 class ServiceMetrics:
     """Every metric the service exports, registered on one registry."""
 
-    def __init__(self, engine_source: Callable[[], EngineStats | None] = lambda: None):
+    def __init__(self, engine_source: Callable[[], EngineStats | None] = lambda: None, debug_memory: bool = False):
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)
         r = self.registry
@@ -191,6 +193,8 @@ class ServiceMetrics:
         self.add_collector(EngineCollector(engine_source), "engine")
         self.add_collector(self.decode_cache, "decode_cache")
         self.add_collector(GpuCollector(), "gpu")
+        # the engine's HeapKeeper (service/memory.py) once it exists; heap series, trims, the memory budget
+        self.add_collector(MemoryCollector(lambda: getattr(engine_source(), "memory", None), debug_memory), "memory")
         for reason in REJECT_REASONS:
             self.rejected.labels(reason)
         for stage in DROP_STAGES:

@@ -23,6 +23,7 @@ from model.decoding import (
     step_threads,
 )
 from model.decoding.steps.cuda_graphs import StepGraphs
+from service.memory import release_pages
 
 log = logging.getLogger("service.engine")
 
@@ -140,6 +141,25 @@ class ModelRunner:
     def free(self, state: DecodeState | None) -> None:
         if state is not None:
             self.cache.free(state)
+
+    def release_free_pages(self) -> int:
+        """When no generation holds any of the decode cache: give the pages of its key/value and norm pools
+        back to the system, all but the scratch block 0 (service/memory.py release_pages); returns the bytes
+        advised. The pools are mapped whole (model/huge_pages.py) and stay resident wherever they were ever
+        written, so without this the cache's RSS is the high-water mark of every request it ever held (a
+        64K-token prompt writes 260 MB of the shipped model's pools). Safe by model/decode_cache.py's rule
+        that a read never reaches a pool row not written since its allocation: a released row reads as
+        zeros only where nothing reads it. Key/value and norm pools only (98% of a token's bytes): the LSH
+        index's order is left as it is. The engine's worker calls it (service/memory.py HeapKeeper), idle."""
+        cache = self.cache
+        if self.device.type != "cpu" or cache.allocated_bytes != 0 or cache.free_blocks != cache.blocks - 1:
+            return 0
+        released = 0
+        for pool in (*cache.kv, *(n for n in cache.norms if n is not None)):
+            storage = pool.untyped_storage()
+            scratch = cache.block_size * pool.stride(0) * pool.element_size()  # block 0: rows written at start
+            released += release_pages(storage.data_ptr() + scratch, storage.nbytes() - scratch)
+        return released
 
     def stats(self) -> dict[str, int]:
         return {"cache_bytes": self.cache.allocated_bytes, "cache_capacity_bytes": self.cache.capacity_bytes}

@@ -172,6 +172,31 @@ class Settings(BaseSettings):
         "effect on pooling last or on an artifact without the file. Off: raw mean-pooled states. /info's "
         "embedding_standardization says which is applied.",
     )
+    idle_trim_s: float = Field(
+        2.0, ge=0, le=86_400, allow_inf_nan=False,  # the worker waits this long: a finite, sane timeout
+        description="When the model worker has had nothing running or queued for this many seconds, it returns "
+        "the free pages of the heap (glibc malloc_trim) and of the decode cache's pools to the system once, then "
+        "waits for work; 0: never. The service keeps freed memory in the heap while it works (model/cpu_runtime.py's "
+        "malloc thresholds, which spare large tensors a page fault per use) and the pools stay resident wherever "
+        "a request wrote them, so resident memory otherwise only grows. The first request after a trim faults in "
+        "the pages it reuses. reformer_heap_trims_total{reason=\"idle\"} counts the trims.",
+    )
+    memory_budget_mb: int = Field(
+        0, ge=0,
+        description="Resident memory (RSS, MiB) above which the model worker also trims the heap while busy: "
+        "between two of its turns (never during a model step), at most once every 10 s; 0 (default): only the "
+        "idle trim. Each such trim costs the running requests a pause (the trim itself, tens of ms per GB "
+        "returned) and page faults as the memory is reused: set it above the working set, as a bound on "
+        "fragmentation, not below it. reformer_memory_budget_bytes shows it, process_resident_memory_bytes "
+        "what it bounds, reformer_heap_trims_total{reason=\"budget\"} the trims.",
+    )
+    debug_memory: bool = Field(
+        False,
+        description="Also export reformer_python_objects, reformer_live_tensor_bytes and "
+        "reformer_live_tensor_resident_bytes, from a walk over gc.get_objects() at most every 30 s (a scrape in "
+        "between reuses the figures): about 0.2 s with the GIL held, for diagnosis and bench/soak.py, not for "
+        "production.",
+    )
     warmup: bool = Field(True, description="Run a warm-up embedding and generation before reporting ready.")
     log_level: LogLevel = Field("info", description="Log level; prompts are logged only at debug.")
     log_json: bool = Field(True, description="Structured JSON logs (one object per line) rather than plain text.")

@@ -74,7 +74,7 @@ class ServiceState:
 
     def __init__(self, settings: Settings):
         self.settings = settings
-        self.metrics = ServiceMetrics(engine_source=lambda: self.engine)
+        self.metrics = ServiceMetrics(engine_source=lambda: self.engine, debug_memory=settings.debug_memory)
         self.artifact: Any = None
         self.engine: Engine | None = None
         self.limits: Limits | None = None
@@ -142,7 +142,8 @@ class ServiceState:
         )
         config = EngineConfig(
             max_batch_size=s.max_batch_size, max_batch_tokens=s.max_batch_tokens, max_wait_ms=s.max_wait_ms,
-            prefill_budget_ms=s.prefill_budget_ms, max_queue_size=s.max_queue_size,
+            prefill_budget_ms=s.prefill_budget_ms, max_queue_size=s.max_queue_size, idle_trim_s=s.idle_trim_s,
+            memory_budget_bytes=s.memory_budget_mb * 2**20,
             request_timeout_s=s.request_timeout_s, warmup=s.warmup,
             cache_bytes=s.cache_bytes, batch_invariant=s.batch_invariant, cuda_graphs=s.cuda_graphs,
             cpu_kernels=s.cpu_kernels != "off", kv_cache_dtype=kv_cache_dtype(s.kv_cache_dtype, dtype),
@@ -231,6 +232,8 @@ class ServiceState:
                 "kv_cache_dtype": str(self.engine.runner.cache.kv_dtype).removeprefix("torch.") if self.engine
                 else None,
             },
+            # when the worker returns the heap's free pages (service/memory.py), and whether it can here
+            "memory": self.engine.memory.describe() if self.engine else {},
             "version": package_version(),
             "settings": public_settings(s),
         }

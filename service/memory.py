@@ -1,0 +1,240 @@
+"""The process's heap: glibc's own statistics, giving its free pages back to the system, and when to do it.
+
+`reformer serve` sets glibc's mmap and trim thresholds to 2 GB (model/cpu_runtime.py): a freed large tensor
+stays in the heap, so the next one of that size is not page-faulted in again (a 4x speed-up of large
+elementwise passes measured there). The price is that glibc never gives freed memory back by itself, and
+with prompts of many sizes the free chunks between live ones add up: resident memory (RSS) grows with
+fragmentation, not with load. `malloc_trim(0)` returns the pages of every free chunk (madvise), in every
+arena, without moving anything; the chunks stay free in the heap and fault in again when reused.
+
+The decode cache's pools (model/huge_pages.py) are mapped whole and stay resident wherever a request ever
+wrote them; once no request holds any of the cache, their pages can go back too (service/runner.py
+`release_free_pages`).
+
+`HeapKeeper` decides when the model worker trims (service/engine.py calls it between its turns, never
+during a model step): once per idle spell, when nothing has run or waited for `idle_trim_s`, the heap and
+the decode cache's pools; and, with a memory budget, the heap alone between two turns while the RSS is
+above it (at most once every `BUDGET_TRIM_INTERVAL_S`, so that a budget under the working set cannot make
+every step fault its memory in again).
+
+The heap's part degrades to "unavailable" off glibc (musl, macOS): nothing raises, nothing is trimmed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import mmap
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+log = logging.getLogger("service.memory")
+
+# With a budget: how often the worker reads the RSS between turns (a read of /proc/self/statm), and the
+# shortest time between two budget trims.
+BUDGET_CHECK_S = 1.0
+BUDGET_TRIM_INTERVAL_S = 10.0
+TRIM_REASONS = ("idle", "budget")
+
+
+class _Mallinfo2(ctypes.Structure):
+    # glibc >= 2.33 (struct mallinfo2: the same fields as mallinfo, as size_t, so they do not wrap at 2 GB)
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+@dataclass(frozen=True)
+class HeapStats:
+    """glibc's heap, in bytes (mallinfo2, over every arena)."""
+
+    mapped: int  # obtained from the system: arenas (arena) plus mmapped chunks (hblkhd)
+    in_use: int  # allocated and not freed: uordblks plus hblkhd
+    free: int  # free chunks malloc keeps for reuse (fordblks), whether or not their pages are still resident
+    releasable_top: int  # the free top of the main arena (keepcost)
+
+
+class _Libc:
+    """glibc's malloc_trim and mallinfo2 when this process runs on glibc, else None for each; madvise where
+    the C library has it (any Linux libc)."""
+
+    def __init__(self) -> None:
+        self.trim: Callable[[int], int] | None = None
+        self.mallinfo2: Callable[[], _Mallinfo2] | None = None
+        self.madvise: Callable[[int, int, int], int] | None = None
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        except OSError:
+            return
+        advise = getattr(libc, "madvise", None)
+        if advise is not None and hasattr(mmap, "MADV_DONTNEED"):
+            advise.argtypes, advise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+            self.madvise = advise
+        trim = getattr(libc, "malloc_trim", None)
+        if trim is not None:
+            trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+            self.trim = trim
+        info = getattr(libc, "mallinfo2", None)
+        if info is not None:
+            info.argtypes, info.restype = [], _Mallinfo2
+            self.mallinfo2 = info
+
+
+_LIBC = _Libc()
+
+
+def heap_stats() -> HeapStats | None:
+    """The heap's statistics, or None where glibc's mallinfo2 is not available. mallinfo2 walks every
+    arena's free lists under its lock: cheap for a scrape, not for every decode step."""
+    if _LIBC.mallinfo2 is None:
+        return None
+    info = _LIBC.mallinfo2()
+    return HeapStats(mapped=info.arena + info.hblkhd, in_use=info.uordblks + info.hblkhd, free=info.fordblks,
+                     releasable_top=info.keepcost)
+
+
+def trim_available() -> bool:
+    return _LIBC.trim is not None
+
+
+def malloc_trim() -> bool:
+    """Return the pages of the heap's free chunks to the system; True if any were. False where unavailable."""
+    if _LIBC.trim is None:
+        return False
+    return bool(_LIBC.trim(0))
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_HUGE_PAGE = 2 * 2**20
+
+
+def release_pages(address: int, nbytes: int) -> int:
+    """Give back the pages of [address, address + nbytes) that whole 2 MiB huge pages cover (MADV_DONTNEED:
+    they read as zeros when next touched, and count in RSS only once written again); returns the bytes
+    advised, 0 where madvise is unavailable. Only the huge pages wholly inside: a huge page is never split
+    and no byte outside the range is touched. For memory whose contents are dead (a decode-cache pool's
+    free rows), never for live data."""
+    if _LIBC.madvise is None:
+        return 0
+    start = -(-address // _HUGE_PAGE) * _HUGE_PAGE
+    end = (address + nbytes) // _HUGE_PAGE * _HUGE_PAGE
+    if end <= start or _LIBC.madvise(start, end - start, mmap.MADV_DONTNEED) != 0:
+        return 0
+    return end - start
+
+
+def rss_bytes() -> int:
+    """This process's resident set in bytes (/proc/self/statm: one read), 0 where there is no /proc."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+class HeapKeeper:
+    """When the model worker gives the heap's free pages back. The worker (one thread) calls `idle_turn`,
+    `idle_wait` and `trim` while it has nothing to do and `after_work` after each turn that ran something;
+    scrapes read the counters from another thread (plain attribute reads)."""
+
+    def __init__(self, idle_trim_s: float, budget_bytes: int = 0, trim: Callable[[], bool] | None = None,
+                 rss: Callable[[], int] = rss_bytes, clock: Callable[[], float] = time.monotonic,
+                 release: Callable[[], int] | None = None) -> None:
+        """`trim`: the heap's trim (default malloc_trim where glibc has it); `release`: what else an idle trim
+        gives back, memory whose contents are dead once nothing runs (the engine passes its runner's
+        `release_free_pages`, the decode cache's pools)."""
+        self.idle_trim_s = idle_trim_s
+        self.budget_bytes = budget_bytes
+        self.trim_function: Callable[[], bool] | None = trim if trim is not None else (
+            malloc_trim if trim_available() else None)
+        self.release_function = release
+        self.rss_function = rss
+        self.clock = clock
+        self.last_busy = clock()
+        self.trimmed_this_spell = False
+        self.waiting_idle = False  # the last idle_turn found nothing queued
+        self.last_budget_check = float("-inf")
+        self.last_trim_at = float("-inf")
+        self.trims = dict.fromkeys(TRIM_REASONS, 0)
+        self.trim_seconds = 0.0
+        self.last_released_bytes = 0
+        self._failures = 0
+        self._lock = threading.Lock()  # counters change together: a scrape sees a whole trim or none
+
+    @property
+    def idle_enabled(self) -> bool:
+        return (self.trim_function is not None or self.release_function is not None) and self.idle_trim_s > 0
+
+    def idle_turn(self, idle: bool) -> bool:
+        """The worker has nothing to run; `idle`: nothing queued either. True: trim now (once per spell)."""
+        self.waiting_idle = idle
+        if not idle:
+            self.last_busy = self.clock()  # queued work (an embedding waiting for company) is not idleness
+            self.trimmed_this_spell = False
+            return False
+        return (self.idle_enabled and not self.trimmed_this_spell
+                and self.clock() - self.last_busy >= self.idle_trim_s)
+
+    def idle_wait(self, timeout: float | None) -> float | None:
+        """How long the idle worker may wait: `timeout` (None: until notified), shortened to wake when the
+        spell's trim falls due. After the spell's trim it is `timeout` again: no polling while idle."""
+        if not self.idle_enabled or self.trimmed_this_spell or not self.waiting_idle:
+            return timeout
+        due = max(self.last_busy + self.idle_trim_s - self.clock(), 0.0)
+        return due if timeout is None else min(timeout, due)
+
+    def after_work(self) -> None:
+        """After a turn that ran prefills, a decode step or an embedding batch: the idle spell starts again,
+        and over the budget (read at most every BUDGET_CHECK_S) the heap is trimmed now."""
+        now = self.clock()
+        self.last_busy = now
+        self.trimmed_this_spell = False
+        if not self.budget_bytes or self.trim_function is None or now - self.last_budget_check < BUDGET_CHECK_S:
+            return
+        self.last_budget_check = now
+        if now - self.last_trim_at >= BUDGET_TRIM_INTERVAL_S and self.rss_function() > self.budget_bytes:
+            self.trim("budget")
+
+    def trim(self, reason: str) -> None:
+        """Trim once (reason: idle or budget) and count it. Never raises: a failure is logged and the worker
+        goes on; the spell counts as trimmed so that a failing trim is not retried in a loop."""
+        if reason == "idle":
+            self.trimmed_this_spell = True
+        # under load (budget) only the heap: the decode cache's pools hold running requests
+        steps = [self.trim_function, self.release_function if reason == "idle" else None]
+        if not any(steps):
+            return
+        before = self.rss_function()
+        began = time.perf_counter()
+        try:
+            for step in steps:
+                if step is not None:
+                    step()
+        except Exception:
+            self._failures += 1
+            log.warning("memory trim failed (%d so far); the process keeps the memory", self._failures,
+                        exc_info=self._failures == 1)
+            return
+        took = time.perf_counter() - began
+        released = max(before - self.rss_function(), 0)  # another thread may allocate meanwhile
+        self.last_trim_at = self.clock()
+        with self._lock:
+            self.trims[reason] += 1
+            self.trim_seconds += took
+            self.last_released_bytes = released
+        log.debug("heap trimmed (%s): %.1f MB returned in %.1f ms", reason, released / 2**20, took * 1000)
+
+    def counters(self) -> tuple[dict[str, int], float, int]:
+        """(trims by reason, seconds spent trimming, bytes the last trim released), read together."""
+        with self._lock:
+            return dict(self.trims), self.trim_seconds, self.last_released_bytes
+
+    def describe(self) -> dict[str, object]:
+        """What /info reports."""
+        return {"idle_trim_s": self.idle_trim_s, "memory_budget_bytes": self.budget_bytes or None,
+                "malloc_trim_available": self.trim_function is not None,
+                "decode_cache_release": self.release_function is not None,
+                "heap_stats_available": _LIBC.mallinfo2 is not None}
