@@ -1,13 +1,13 @@
 """The process's heap: glibc's own statistics, giving its free pages back to the system, and when to do it.
 
-`reformer serve` sets glibc's mmap and trim thresholds to 2 GB (model/cpu_runtime.py): a freed large tensor
+`reformer serve` sets glibc's mmap and trim thresholds to 2 GB (model/decoding/runtime.py): a freed large tensor
 stays in the heap, so the next one of that size is not page-faulted in again (a 4x speed-up of large
 elementwise passes measured there). The price is that glibc never gives freed memory back by itself, and
 with prompts of many sizes the free chunks between live ones add up: resident memory (RSS) grows with
 fragmentation, not with load. `malloc_trim(0)` returns the pages of every free chunk (madvise), in every
 arena, without moving anything; the chunks stay free in the heap and fault in again when reused.
 
-The decode cache's pools (model/huge_pages.py) are mapped whole and stay resident wherever a request ever
+The decode cache's pools (model/decoding/huge_pages.py) are mapped whole and stay resident wherever a request ever
 wrote them; once no request holds any of the cache, their pages can go back too (service/runner.py
 `release_free_pages`).
 

@@ -57,7 +57,7 @@ def mappings(smaps: str = "/proc/self/smaps") -> list[tuple[int, int, int]] | No
 
 def attributed_resident(storages: dict[int, int], maps: list[tuple[int, int, int]]) -> int:
     """Resident bytes of the storages: each mapping's Rss shared out by the bytes of it they cover. Exact for
-    a storage mapped on its own (a decode-cache pool, model/huge_pages.py); pro rata for the tensors inside
+    a storage mapped on its own (a decode-cache pool, model/decoding/huge_pages.py); pro rata for the tensors inside
     the heap's mappings, which share them with other allocations."""
     spans = sorted((address, address + nbytes) for address, nbytes in storages.items())
     starts = [lo for lo, _ in spans]

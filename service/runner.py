@@ -145,9 +145,9 @@ class ModelRunner:
     def release_free_pages(self) -> int:
         """When no generation holds any of the decode cache: give the pages of its key/value and norm pools
         back to the system, all but the scratch block 0 (service/memory.py release_pages); returns the bytes
-        advised. The pools are mapped whole (model/huge_pages.py) and stay resident wherever they were ever
+        advised. The pools are mapped whole (model/decoding/huge_pages.py) and stay resident wherever they were ever
         written, so without this the cache's RSS is the high-water mark of every request it ever held (a
-        64K-token prompt writes 260 MB of the shipped model's pools). Safe by model/decode_cache.py's rule
+        64K-token prompt writes 260 MB of the shipped model's pools). Safe by model/decoding/cache.py's rule
         that a read never reaches a pool row not written since its allocation: a released row reads as
         zeros only where nothing reads it. Key/value and norm pools only (98% of a token's bytes): the LSH
         index's order is left as it is. The engine's worker calls it (service/memory.py HeapKeeper), idle."""

@@ -176,7 +176,8 @@ class Settings(BaseSettings):
         2.0, ge=0, le=86_400, allow_inf_nan=False,  # the worker waits this long: a finite, sane timeout
         description="When the model worker has had nothing running or queued for this many seconds, it returns "
         "the free pages of the heap (glibc malloc_trim) and of the decode cache's pools to the system once, then "
-        "waits for work; 0: never. The service keeps freed memory in the heap while it works (model/cpu_runtime.py's "
+        "waits for work; 0: never. The service keeps freed memory in the heap while it works "
+        "(model/decoding/runtime.py's "
         "malloc thresholds, which spare large tensors a page fault per use) and the pools stay resident wherever "
         "a request wrote them, so resident memory otherwise only grows. The first request after a trim faults in "
         "the pages it reuses. reformer_heap_trims_total{reason=\"idle\"} counts the trims.",

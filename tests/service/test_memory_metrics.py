@@ -94,7 +94,7 @@ def test_resident_bytes_count_written_pages_not_read_ones() -> None:
 
     size = 64 * 2**20
     region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):  # as model/huge_pages.py maps a pool; the flag keeps it its own mapping
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # as model/decoding/huge_pages.py maps a pool; the flag keeps it its own mapping
         region.madvise(mmap.MADV_HUGEPAGE)
     pool = torch.frombuffer(region, dtype=torch.uint8)
     storages = {pool.data_ptr(): size}
