@@ -60,7 +60,10 @@ def import_model_at(rev: str, into: Path) -> Any:
             member.name = OLD + member.name[len("model"):]
             archive.extract(member, into, filter="data")
     sys.path.insert(0, str(into))
-    return importlib.import_module(f"{OLD}.decode")
+    try:  # the cached-decoding API: model/decoding/ since 3076886, model/decode.py before
+        return importlib.import_module(f"{OLD}.decoding")
+    except ModuleNotFoundError:
+        return importlib.import_module(f"{OLD}.decode")
 
 
 def main(argv: list[str] | None = None) -> int:
