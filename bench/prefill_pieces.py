@@ -14,7 +14,7 @@ A piece is the work between two `yield`s of the generator (what the engine runs 
 labelled by the yields it runs between: the innermost generator's function and line where the previous piece
 stopped and where this one stops (the delegation chain of `yield from` walked down), and the layer it is in.
 Prints the `--top` longest pieces (median over the runs, the longest run, and the median CPU time of the
-thread, which a busy machine inflates less) and the time per label.
+thread, which a busy machine inflates less, and the most minor page faults of a run) and the time per label.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -57,44 +58,58 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# generators that only cut a caller's product into blocks (model/decoding/prefill/row_blocks.py, slices.py): a
+# piece inside them is named by the caller's line, which tells which product it is
+_BLOCK_HELPERS = ("in_blocks", "project")
+
+
 def where(gen: Generator[Any, Any, Any]) -> tuple[str, int | None]:
     """Where a suspended generator stopped: 'function:line' of the innermost generator of its `yield from`
-    chain, and the layer index `li` of the prefill's layer loop if it is inside one."""
+    chain (of its caller, marked '[block]', when that is a block helper), and the layer index `li` of the
+    prefill's layer loop if it is inside one."""
     layer = None
+    frames = []
     inner: Any = gen
-    while True:
+    while inner is not None and getattr(inner, "gi_frame", None) is not None:
         frame = inner.gi_frame
-        if frame is not None and "li" in frame.f_locals and frame.f_code.co_name == "_prefill_layers":
+        frames.append(frame)
+        if frame.f_code.co_name == "_prefill_layers" and "li" in frame.f_locals:
             layer = int(frame.f_locals["li"])
-        sub = inner.gi_yieldfrom
-        if sub is None or not hasattr(sub, "gi_frame") or sub.gi_frame is None:
-            break
-        inner = sub
-    frame = inner.gi_frame
-    return (f"{frame.f_code.co_name}:{frame.f_lineno}" if frame is not None else "end"), layer
+        inner = inner.gi_yieldfrom
+    if not frames:
+        return "end", layer
+    blocks = [f for f in frames if f.f_code.co_name not in _BLOCK_HELPERS]
+    if frames[-1].f_code.co_name in _BLOCK_HELPERS and blocks:
+        return f"{blocks[-1].f_code.co_name}:{blocks[-1].f_lineno}[block]", layer
+    return f"{frames[-1].f_code.co_name}:{frames[-1].f_lineno}", layer
 
 
-def timed_pieces(runner: ModelRunner, ids: list[int]) -> list[tuple[str, float, float]]:
-    """One sliced prefill of `ids`: each piece's label, wall seconds and this thread's CPU seconds (all of the
-    piece's on one intra-op thread; less than the wall time by what other processes took), in order; frees
-    its cache after."""
+def _faults() -> int:
+    """This thread's minor page faults so far (a first touch of fresh memory: a large new tensor)."""
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+
+
+def timed_pieces(runner: ModelRunner, ids: list[int]) -> list[tuple[str, float, float, int]]:
+    """One sliced prefill of `ids`: each piece's label, wall seconds, this thread's CPU seconds (all of the
+    piece's on one intra-op thread; less than the wall time by what other processes took) and its minor page
+    faults, in order; frees its cache after."""
     with torch.inference_mode():
         prompt = torch.tensor(ids, dtype=torch.long)
     steps = prefill_steps(runner.model, runner.cache, [prompt], [len(ids) + 1])
-    pieces: list[tuple[str, float, float]] = []
+    pieces: list[tuple[str, float, float, int]] = []
     start = "start"
     while True:
-        t0, c0 = time.perf_counter(), time.thread_time()
+        t0, c0, f0 = time.perf_counter(), time.thread_time(), _faults()
         try:
             with torch.inference_mode():
                 next(steps)
         except StopIteration as done:
-            pieces.append((f"{start} -> end", time.perf_counter() - t0, time.thread_time() - c0))
+            pieces.append((f"{start} -> end", time.perf_counter() - t0, time.thread_time() - c0, _faults() - f0))
             _, states = done.value
             break
-        seconds, cpu = time.perf_counter() - t0, time.thread_time() - c0
+        seconds, cpu, faults = time.perf_counter() - t0, time.thread_time() - c0, _faults() - f0
         at, layer = where(steps)
-        pieces.append((f"{start} -> {at}" + ("" if layer is None else f" [layer {layer}]"), seconds, cpu))
+        pieces.append((f"{start} -> {at}" + ("" if layer is None else f" [layer {layer}]"), seconds, cpu, faults))
         start = at
     for state in states:
         runner.free(state)
@@ -116,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     assert all([p[0] for p in r] == labels for r in runs), "the pieces differ between runs"
     rows = [{"index": i, "label": label, "median_ms": round(statistics.median(r[i][1] for r in runs) * 1000, 1),
              "max_ms": round(max(r[i][1] for r in runs) * 1000, 1),
-             "cpu_median_ms": round(statistics.median(r[i][2] for r in runs) * 1000, 1)}
+             "cpu_median_ms": round(statistics.median(r[i][2] for r in runs) * 1000, 1),
+             "faults_max": max(r[i][3] for r in runs), "faults": [r[i][3] for r in runs]}
             for i, label in enumerate(labels)]
     key = "cpu_median_ms" if args.sort == "cpu" else "median_ms"
     by_label: dict[str, list[float]] = defaultdict(list)
@@ -129,9 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(ids)} tokens, {len(labels)} pieces, {args.threads} thread(s), runs {args.runs}: total "
           f"{', '.join(f'{t:.2f}' for t in totals)} s (CPU {', '.join(f'{t:.2f}' for t in cpu_totals)} s); "
           f"load average before {load_before}, after {load_after}")
-    print(f"{'#':>5} {'median ms':>10} {'max ms':>8} {'cpu ms':>8}  piece (from yield -> to yield)")
+    print(f"{'#':>5} {'median ms':>10} {'max ms':>8} {'cpu ms':>8} {'faults':>7}  piece (from yield -> to yield)")
     for row in longest:
-        print(f"{row['index']:>5} {row['median_ms']:>10} {row['max_ms']:>8} {row['cpu_median_ms']:>8}  {row['label']}")
+        print(f"{row['index']:>5} {row['median_ms']:>10} {row['max_ms']:>8} {row['cpu_median_ms']:>8} "
+              f"{row['faults_max']:>7}  {row['label']}")
     print(f"\nper label ({'CPU' if args.sort == 'cpu' else 'wall'} medians)\n{'count':>5} {'sum ms':>10} "
           f"{'max ms':>8}  label")
     for label, ms in sorted(by_label.items(), key=lambda kv: -max(kv[1]))[: args.top]:
