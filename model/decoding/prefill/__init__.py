@@ -16,6 +16,7 @@ from .. import rehash_ahead
 from ..cache import DecodeCache, DecodeState
 from ..index_upkeep import build_index_steps, coming_count, index_buckets, row_buckets
 from ..plan import layers_of
+from .row_blocks import in_blocks, position_blocks, rows_in_blocks
 from .slices import DEFAULT_SLICE_CHUNKS, at_positions, layer_f_slices, projections
 
 if TYPE_CHECKING:
@@ -49,8 +50,10 @@ def prefill_steps(lm: ReformerLM, cache: DecodeCache, prompts: Sequence[Tensor],
                   slice_chunks: int = DEFAULT_SLICE_CHUNKS) -> Generator[None, None, tuple[Tensor, list[DecodeState]]]:
     """`prefill` in slices: it yields after the embeddings, each projection and cache write, each LSH index build,
     each `slice_chunks` chunk-window attentions (model/decoding/prefill/slices.py) and each feed-forward slice, so a
-    caller can run decode steps in between (chunked prefill). Hashing and sorting still see the whole prompt;
-    the result is the same bits. Closing it early frees what it allocated."""
+    caller can run decode steps in between (chunked prefill); the embeddings, layer norms, projections and
+    hashing of a long prompt also between blocks of positions (model/decoding/prefill/row_blocks.py). The
+    bucket sort still sees the whole prompt; the result is the same bits. Closing it early frees what it
+    allocated."""
     lengths = [int(p.shape[0]) for p in prompts]
     if min(lengths, default=1) < 1:
         raise ValueError("prefill needs non-empty prompts")
@@ -85,7 +88,12 @@ def _prefill_layers(lm: ReformerLM, cache: DecodeCache, prompts: Sequence[Tensor
         mask[i, : lengths[i]] = 1
     batch = prepare_batch(ids, None if min(lengths) == longest else mask, lm.config)  # right-padded: no shift
     ctx = batch.context
-    x1 = x2 = lm.embeddings(batch.input_ids)
+    n = len(prompts)
+    # the embeddings, layer norms and projections of the whole prompt in blocks of positions, yielding
+    # between (model/decoding/prefill/row_blocks.py: each position's are its own, the same bits)
+    tokens = batch.input_ids  # (N, padded length)
+    x1 = x2 = yield from in_blocks(lambda a, z: lm.embeddings(tokens[:, a:z], start=a), n, tokens.shape[1],
+                                   tokens.device)
     yield
     pos = torch.arange(longest, device=cache.device)
     slots = torch.tensor([s.slot for s in states], device=cache.device)
@@ -99,7 +107,10 @@ def _prefill_layers(lm: ReformerLM, cache: DecodeCache, prompts: Sequence[Tensor
         # the attention's projections (and an LSH layer's hashing) of the padded batch, computed once: the
         # cache keeps what the attention below attends with (a 64K prompt's projections and hash are ~0.6 s
         # a layer on this project's CPU)
-        given = yield from projections(att, layer.attention.layer_norm(x2), ctx)
+        normed = yield from rows_in_blocks(layer.attention.layer_norm, x2)
+        if len(position_blocks(n, x2.shape[1], x2.device)) > 1:
+            yield
+        given = yield from projections(att, normed, ctx)
         keys, values = given.key[:, :, :longest], given.value[:, :, :longest]  # (N, H, L, D)
         # padding positions of the shorter prompts are written to the scratch block, never read
         at = torch.where(real, rows, 0).reshape(-1)

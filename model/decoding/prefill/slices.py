@@ -4,16 +4,16 @@ A long prompt's prefill runs between decode steps (model/decoding/prefill/ `pref
 may take much longer than a decode step. A layer's attention over a 60K-token prompt is one such unit in the
 full forward (`ReformerLayer.f`); here it is cut up without changing what it computes:
 
-- the projections, the LSH hashing and the bucket sort (every hash round's (bucket, position) order) see the
-  whole prompt at once, as in the full forward: they are the cheap, global part;
+- the projections, the LSH hashing and the output projection compute each position alone: they run in
+  blocks of positions (model/decoding/prefill/row_blocks.py, with the bits of one call over the prompt), a
+  `yield` between blocks; the bucket sort (every hash round's (bucket, position) order) sees the whole
+  prompt at once, as in the full forward (a counting sort in C, model/decoding/lsh_index.py);
 - the chunk windows are attended `slice_chunks` window attentions (row x head x chunk) at a time, with a
   `yield` after each slice. A chunk's window attention depends only on its own queries and its window's keys,
   so computing the chunks in groups changes nothing: the window kernel runs on the same rows with the same
   keys in the same order. An LSH slice gathers just its own windows' rows (model/decoding/prefill/lsh_windows.py);
 - LSH rounds are combined in slices of positions once every chunk of a head group is done
-  (model/decoding/prefill/lsh_windows.py), and the output projection runs on the whole sequence (F.linear's bits
-  depend on the
-  number of rows).
+  (model/decoding/prefill/lsh_windows.py).
 
 Exactness: the result is bit-identical (`torch.equal`) to `layer.f(x2, ctx, None)[0]` in eval mode: the same
 kernels on the same rows. tests/model/test_prefill_slices.py checks it with `torch.equal` on CPU for the fused
@@ -49,6 +49,7 @@ from ...attention import (
 from ...chunking import window_chunk_index
 from ...fused_attention import local_window_attend
 from .lsh_windows import lsh_chunked
+from .row_blocks import Blocks, in_blocks, rows_in_blocks
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -82,31 +83,50 @@ class Projections:
 def projections(att: LSHSelfAttention | LocalSelfAttention, x: Tensor, ctx: AttentionContext
                 ) -> Generator[None, None, Projections]:
     """The projections (and an LSH layer's hashing) of `attention_slices`, with its yields: a prefill computes
-    them once for the cache and the attention (model/decoding/prefill/)."""
+    them once for the cache and the attention (model/decoding/prefill/). Each runs in blocks of positions
+    (model/decoding/prefill/row_blocks.py), yielding between them: the same bits as one call over the prompt."""
     long = x.shape[1] > att.chunk  # else one dense piece: nothing to slice
+
+    def project(linear: torch.nn.Module, scale: float = 1.0) -> Blocks:
+        def scaled(rows: Tensor) -> Tensor:
+            out = linear(rows)
+            return out if scale == 1.0 else out / scale  # elementwise: the same bits as the whole product's
+
+        return split_heads((yield from rows_in_blocks(scaled, x)), att.heads, att.head_size)  # (B, H, L, D)
+
     if isinstance(att, LSHSelfAttention):
-        qk = split_heads(att.query_key(x), att.heads, att.head_size)  # (B, H, L, D)
+        qk = yield from project(att.query_key)
         if long:
-            yield  # each projection of a long prompt is a large matmul: one piece each
-        v = split_heads(att.value(x), att.heads, att.head_size)
+            yield  # each projection of a long prompt is a large matmul: a piece (or pieces) of its own
+        v = yield from project(att.value)
         if not long:
             return Projections(qk, v)
         yield
-        buckets = att._hash_rows(qk, ctx)  # the whole prompt's buckets, as the forward hashes them
+        # the whole prompt's buckets, as the forward hashes them, in blocks of positions (each position's
+        # rotations and argmax are its own)
+        buckets = yield from in_blocks(lambda a, z: att._hash_rows(qk[:, :, a:z], _positions(ctx, a, z)),
+                                       x.shape[0], x.shape[1], x.device, dim=3)
         yield
         return Projections(qk, v, buckets=buckets)
     if isinstance(att, LocalSelfAttention):
-        q = split_heads(att.query(x), att.heads, att.head_size)  # (B, H, L, D)
+        q = yield from project(att.query)
         if long:
             yield
-        k = split_heads(att.key(x), att.heads, att.head_size) / math.sqrt(att.head_size)
+        k = yield from project(att.key, math.sqrt(att.head_size))
         if long:
             yield
-        v = split_heads(att.value(x), att.heads, att.head_size)
+        v = yield from project(att.value)
         if long:
             yield
         return Projections(k, v, query=q)
     raise TypeError(f"no sliced attention for {type(att).__name__}")
+
+
+def _positions(ctx: AttentionContext, a: int, z: int) -> AttentionContext:
+    """The context of positions a..z-1 of every row: their padding mask; each row's own length (what an
+    automatic bucket count is chosen by) unchanged."""
+    valid = None if ctx.valid is None else ctx.valid[:, a:z]
+    return AttentionContext(valid=valid, own_length=ctx.own_length, generator=ctx.generator)
 
 
 def layer_f_slices(layer: ReformerLayer, x2: Tensor, ctx: AttentionContext,
@@ -121,12 +141,12 @@ def layer_f_slices(layer: ReformerLayer, x2: Tensor, ctx: AttentionContext,
     if layer.training or torch.is_grad_enabled():
         out = layer.f(x2, ctx, None)[0]  # dropout masks and autograd want the forward's own layout
         return out if only is None else at_positions(out, only)
-    x = None if given is not None else block.layer_norm(x2)
+    x = None if given is not None else (yield from rows_in_blocks(block.layer_norm, x2))
     h = yield from attention_slices(block.self_attention, x, ctx, slice_chunks, given, only)
     if only is not None:
         return block.output(h)  # type: ignore[no-any-return]
-    yield  # the output projection is a piece of its own: a (L, H*D) x (H*D, hidden) matmul
-    return block.output(h)  # type: ignore[no-any-return]
+    yield  # the output projection, a (L, H*D) x (H*D, hidden) matmul, in pieces of its own: blocks of positions
+    return (yield from rows_in_blocks(block.output, h))
 
 
 def at_positions(x: Tensor, positions: Tensor) -> Tensor:
