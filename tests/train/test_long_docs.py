@@ -248,5 +248,12 @@ def test_train_with_the_recipe_logs_answer_loss_and_records_the_recipe(tmp_path:
     assert prov["recipe"]["answer_weight"] == 1.5 and prov["recipe"]["stages"][0] == {
         "window": 300, "batch_size": 2, "gap": 100, "until": 2}
     assert prov["data_files"][0]["folder"] == "corpus" and prov["corpus"]["files"] == []
+    from train.card import data_section, read_provenance, recipe_section
+
+    card = read_provenance(out / "checkpoint")
+    assert f"| corpus | `a.txt` | {(corpus / 'a.txt').stat().st_size:,} | `{prov['data_files'][0]['sha256']}` |" in (
+        data_section(card))
+    assert "| 0 | 300 | 2 | 100 | 2 |" in recipe_section(card) and "--curriculum 300x2@100:2,400x2" in (
+        recipe_section(card))
     assert train_main([str(corpus), "--out", str(tmp_path / "bad"), "--max-steps", "1",
                        "--curriculum", "100x2", *TINY]) == 2  # a window that cannot hold a document
