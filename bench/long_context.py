@@ -38,6 +38,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -234,7 +235,8 @@ def retrieval(args: argparse.Namespace) -> dict[str, Any]:
     if "service" in args.ways and args.url:
         records += run_trials([ServiceWay(args.url)], trials)
     elif "service" in args.ways and served is not None:
-        log = args.out.with_suffix(".service.log")
+        log = Path(tempfile.gettempdir()) / "reformer-long-context-service.log"
+        print(f"service log: {log}", file=sys.stderr)
         with running_service(served, args.port, log, args.threads, max(COPY_NEW, 8)) as url:
             records += run_trials([ServiceWay(url)], trials)
     elif "service" in args.ways:
