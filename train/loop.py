@@ -93,7 +93,7 @@ class Trainer:
             self.phases = self.recipe.phases
         for ph in self.phases:
             if cfg.padded_length(ph.window) > cfg.max_position_embeddings:
-                flag = "--phases window" if args.phases else "--window"
+                flag = "--curriculum window" if args.curriculum else "--phases window" if args.phases else "--window"
                 raise DataError(f"{flag} {ph.window} is longer than the model's max_position_embeddings "
                                 f"{cfg.max_position_embeddings}")
         self.val_window = args.val_window or min(max(ph.window for ph in self.phases), 4096)
@@ -275,6 +275,10 @@ class Trainer:
         bar = tqdm(total=args.max_steps, initial=self.state.step, disable=not info.is_main or args.no_progress,
                    unit="step", dynamic_ncols=True, mininterval=1.0 if sys.stderr.isatty() else 30.0)
         stopped_by = ""
+        if self.recipe is not None and self.state.step == 0:
+            # a first curve row before any step: the starting model's answer loss, to see retrieval form against
+            self.enter_phase(self.recipe.index(0, 0.0, self.state.stage_floor))
+            self.record_val(self.validate(args.val_windows), bar)
         with StopFlag() as stop:
             while True:
                 if args.max_steps is not None and self.state.step >= args.max_steps:

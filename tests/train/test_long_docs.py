@@ -235,11 +235,13 @@ def test_train_with_the_recipe_logs_answer_loss_and_records_the_recipe(tmp_path:
     assert train_main([*common, "--max-steps", "4", "--stop-at-step", "2"]) == 0
     assert train_main([*common, "--max-steps", "4", "--resume"]) == 0
     rows = list(csv.DictReader((out / "curve.csv").open()))
-    # validations at steps 2 (interval, then end of the first run) and 4 (interval, end)
-    assert [r["stage"] for r in rows] == ["0", "0", "1", "1"] and rows[-1]["window"] == "400"
-    assert float(rows[0]["train_answer_loss"]) > 0 and float(rows[2]["train_answer_loss"]) > 0
-    assert rows[1]["train_answer_loss"] == ""  # no step between the two validations at step 2
-    assert 0 <= float(rows[0]["val_passkey_acc"]) <= 1 and float(rows[3]["val_copy_loss"]) > 0
+    # validations at step 0 (the starting model), 2 (interval, then end of the first run), 4 (interval, end)
+    assert [r["step"] for r in rows] == ["0", "2", "2", "4", "4"]
+    assert [r["stage"] for r in rows] == ["0", "0", "0", "1", "1"] and rows[-1]["window"] == "400"
+    assert rows[0]["train_answer_loss"] == "" and float(rows[0]["val_passkey_loss"]) > 0
+    assert float(rows[1]["train_answer_loss"]) > 0 and float(rows[3]["train_answer_loss"]) > 0
+    assert rows[2]["train_answer_loss"] == ""  # no step between the two validations at step 2
+    assert 0 <= float(rows[1]["val_passkey_acc"]) <= 1 and float(rows[4]["val_copy_loss"]) > 0
     meta = json.loads((out / "checkpoint" / "trainer_state.json").read_text())
     assert meta["args"]["answer_weight"] == "1.5"
     from train.checkpoint import read_checkpoint_metadata
