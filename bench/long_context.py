@@ -1,6 +1,9 @@
-"""Long context measured: bits per byte of the last `--tail` bytes of `--passage`-byte validation passages,
-given the whole passage before them vs given only the `--context` bytes just before them. The Reformer's
-reason to exist: with distant text to look at, the long-context figure should be lower.
+"""Long context measured: retrieval (passkey and copy documents) and bits per byte with and without distant text.
+
+Bits per byte (the default, and `--bpb-passages` under `--retrieval`): of the last `--tail` bytes of
+`--passage`-byte validation passages, given the whole passage before them vs given only the `--context` bytes
+just before them. The Reformer's reason to exist: with distant text to look at, the long-context figure
+should be lower.
 
     python bench/long_context.py MODEL [--data ../shared/data] [--passage 16384] [--tail 1024]
                                  [--context 1024] [--max-passages 0] [--threads 2] [--out FILE.json]
@@ -13,24 +16,42 @@ sees exactly `--context` bytes before it, the last one `--context + tail - 1`.
 The two cases score the same bytes at different positions (the end of the passage against the start of a
 short input), so a third, the control, gives the short context at the passage's own positions (position
 offset `passage - context - tail`): whole against control is the effect of distant text alone, control
-against short that of the positions alone."""
+against short that of the positions alone.
+
+Retrieval (`--retrieval`): at each of `--lengths` bytes, `--trials` passkey documents (train/long_docs.py:
+the standard prompt, a random five-digit key at a random depth; correct iff the five greedy bytes after
+"The pass key is " are the key) and as many copy documents (a 140-byte passage, prose, the passage's first
+60 bytes again; score = share of the next 80 bytes equal to the passage's next 80), each with its control
+(the same document with the first occurrence replaced by other prose: what plain prediction scores). Every
+document is exactly the length (prompt + answer), its prose cut from the validation tails of `--data`
+(both shared folders by default), keys, depths and places drawn from `--seed`. Asked three ways
+(bench/long_context_ways.py): full forward, cached decoding in process, and the running service.
+
+    python bench/long_context.py MODEL --retrieval [--lengths 1024,4096,16384,65536] [--trials 20]
+        [--seed 0] [--ways forward,cached,service] [--forward-mode teacher] [--service-artifact DIR]
+        [--port 0 | --url URL] [--bpb-passages 16384,65536] [--out FILE.json]"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
+import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from train.evaluation import add_passage_args, load_lm, nll_bits_of_last, passages, validation_tails  # noqa: E402
+from train.long_docs import LongDoc, copy_control, copy_document, passkey_document, random_key  # noqa: E402
 
 
 def measure(model_path: Path, data: list[str], passage: int, tail: int, context: int, val_fraction: float,
@@ -83,21 +104,200 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------------------------------------- retrieval
+COPY_PASSAGE, COPY_CUE, COPY_NEW = 140, 60, 80  # the cue then the 80 scored bytes
+SHARED = ROOT.parent / "shared"
+
+
+@dataclass(frozen=True)
+class Trial:
+    kind: str  # "passkey", "copy", or "copy_control"
+    length: int
+    index: int
+    doc: LongDoc
+    depth: float | None = None
+
+
+def prose_pool(tails: list[tuple[str, np.ndarray]]) -> bytes:
+    """The validation tails end to end (a long document may cross from one book into the next)."""
+    return b"\n\n".join((ids - 2).astype(np.uint8).tobytes() for _, ids in tails)
+
+
+def make_trials(pool: bytes, length: int, trials: int, seed: int) -> list[Trial]:
+    """`trials` passkey documents, copy documents and their controls of `length` bytes each, a pure function
+    of (pool, length, trials, seed)."""
+    if len(pool) < length + COPY_PASSAGE:
+        raise SystemExit(f"long_context: {len(pool)} bytes of validation prose cannot hold a {length}-byte document")
+    out: list[Trial] = []
+    for i in range(trials):
+        rng = np.random.default_rng([seed, length, i])
+        depth = float(rng.random())
+        start = int(rng.integers(0, len(pool) - length + 1))
+        out.append(Trial("passkey", length, i, passkey_document(pool[start:], random_key(rng), depth, length), depth))
+        start = int(rng.integers(0, len(pool) - length + 1))
+        doc = copy_document(pool[start:], COPY_PASSAGE, length - 2 * COPY_PASSAGE, COPY_CUE)
+        other = int(rng.integers(0, len(pool) - COPY_PASSAGE + 1))
+        out += [Trial("copy", length, i, doc), Trial("copy_control", length, i, copy_control(doc, pool[other:]))]
+    return out
+
+
+def passkey_correct(generated: bytes, key: bytes) -> bool:
+    """The first five generated bytes are the key (what follows them does not matter)."""
+    return generated[:len(key)] == key
+
+
+def copy_score(generated: bytes, target: bytes) -> float:
+    """Share of the target's bytes matched at the same offset by the generated bytes (missing ones miss)."""
+    if not target:
+        raise ValueError("empty copy target")
+    return sum(1 for g, t in zip(generated, target, strict=False) if g == t) / len(target)
+
+
+def score(kind: str, generated: bytes, expected: bytes) -> float:
+    return float(passkey_correct(generated, expected)) if kind == "passkey" else copy_score(generated, expected)
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson interval of a proportion k / n (20 trials leave wide bounds: report them)."""
+    if n == 0:
+        return (math.nan, math.nan)
+    p = k / n
+    centre, half = p + z * z / (2 * n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    lo, hi = (centre - half) / (1 + z * z / n), (centre + half) / (1 + z * z / n)
+    return (max(lo, 0.0), min(hi, 1.0))  # clamped: rounding leaves -1e-17 at k = 0
+
+
+def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (length, way): passkey k/n with its interval, mean copy score, mean control, and copy -
+    control (what the earlier passage adds)."""
+    rows = []
+    for length, way in dict.fromkeys((r["length"], r["way"]) for r in records):
+        mine = [r for r in records if r["length"] == length and r["way"] == way]
+        by = {k: [r["score"] for r in mine if r["kind"] == k] for k in ("passkey", "copy", "copy_control")}
+        k, n = int(sum(by["passkey"])), len(by["passkey"])
+        copy = float(np.mean(by["copy"])) if by["copy"] else math.nan
+        control = float(np.mean(by["copy_control"])) if by["copy_control"] else math.nan
+        lo, hi = wilson(k, n) if n else (0.0, 1.0)
+        rows.append({"length": length, "way": way, "passkey_correct": k, "passkey_trials": n,
+                     "passkey_accuracy": round(k / n, 4) if n else None, "passkey_95ci": [round(lo, 3), round(hi, 3)],
+                     "copy_score": round(copy, 4), "copy_control": round(control, 4),
+                     "copy_minus_control": round(copy - control, 4),
+                     "seconds": round(sum(r["seconds"] for r in mine), 1)})
+    return rows
+
+
+def retrieval_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| bytes | way | passkey | 95% interval | copy score | control | copy - control | seconds |",
+             "|---:|---|---:|---|---:|---:|---:|---:|"]
+    for r in rows:
+        lo, hi = r["passkey_95ci"]
+        lines.append(f"| {r['length']:,} | {r['way']} | {r['passkey_correct']}/{r['passkey_trials']} "
+                     f"| {lo:.2f}-{hi:.2f} | {r['copy_score']:.3f} | {r['copy_control']:.3f} "
+                     f"| {r['copy_minus_control']:+.3f} | {r['seconds']} |")
+    if any(r["way"] == "forward (teacher)" for r in rows):
+        lines.append("\nforward (teacher): the passkey column is greedy exact match (all five argmaxes right); the "
+                     "copy columns are teacher-forced next-byte accuracy, not generated copies.")
+    return "\n".join(lines)
+
+
+def run_trials(ways: list[Any], trials: list[Trial]) -> list[dict[str, Any]]:
+    records = []
+    for way in ways:
+        for t in trials:
+            t0 = time.perf_counter()
+            got = way.answer(t.doc.prompt, t.doc.answer_bytes)
+            records.append({"length": t.length, "way": way.name, "kind": t.kind, "index": t.index,
+                            "depth": None if t.depth is None else round(t.depth, 4), "gap": t.doc.gap,
+                            "expected": t.doc.answer_bytes.decode("utf-8", "replace"),
+                            "got": got.decode("utf-8", "replace"), "score": score(t.kind, got, t.doc.answer_bytes),
+                            "seconds": round(time.perf_counter() - t0, 3)})
+        print(f"  {way.name}: done", file=sys.stderr)
+    return records
+
+
+def retrieval(args: argparse.Namespace) -> dict[str, Any]:
+    from bench.long_context_ways import CachedWay, ForwardWay, ServiceWay, running_service
+    from model.decoding.runtime import tune_cpu_runtime
+
+    tune_cpu_runtime()  # the decoder's CPU settings, as `reformer serve` runs
+    lm, tok = load_lm(args.model)
+    pool = prose_pool(validation_tails(args.data, args.val_fraction, tok))
+    trials = [t for length in args.lengths for t in make_trials(pool, length, args.trials, args.seed)]
+    ways: list[Any] = []
+    if "forward" in args.ways:
+        ways.append(ForwardWay(lm, args.forward_mode))
+    if "cached" in args.ways:
+        ways.append(CachedWay(lm))
+    t0 = time.perf_counter()
+    records = run_trials(ways, trials)
+    served = args.service_artifact or (args.model if (args.model / "manifest.json").exists() else None)
+    service_note = None
+    if "service" in args.ways and args.url:
+        records += run_trials([ServiceWay(args.url)], trials)
+    elif "service" in args.ways and served is not None:
+        log = Path(tempfile.gettempdir()) / "reformer-long-context-service.log"
+        print(f"service log: {log}", file=sys.stderr)
+        with running_service(served, args.port, log, args.threads, max(COPY_NEW, 8)) as url:
+            records += run_trials([ServiceWay(url)], trials)
+    elif "service" in args.ways:
+        service_note = "skipped: MODEL is a checkpoint; give --service-artifact or --url"
+    bpb = []
+    for passage in args.bpb_passages:
+        bpb.append(measure(args.model, args.data, passage, 1024, 1024, args.val_fraction, args.max_passages))
+    rows = summarize(records)
+    return {"benchmark": "long_context_retrieval", "model": str(args.model), "data": [str(d) for d in args.data],
+            "val_fraction": args.val_fraction, "lengths": args.lengths, "trials": args.trials, "seed": args.seed,
+            "forward_mode": args.forward_mode, "service": service_note, "copy": {
+                "passage": COPY_PASSAGE, "cue": COPY_CUE, "scored": COPY_NEW},
+            "rows": rows, "bits_per_byte": bpb, "records": records, "threads": args.threads,
+            "seconds": round(time.perf_counter() - t0, 1), "loadavg_1m": round(os.getloadavg()[0], 2)}
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v.strip()]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_passage_args(p, passage=16384, out=ROOT / "bench" / "results" / "long_context.json")
+    p.set_defaults(data=None, out=None)  # defaults below depend on --retrieval
     p.add_argument("--tail", type=int, default=1024)
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--max-passages", type=int, default=0, help="0: every passage")
+    r = p.add_argument_group("retrieval")
+    r.add_argument("--retrieval", action="store_true", help="passkey and copy retrieval, three ways")
+    r.add_argument("--lengths", type=_ints, default=[1024, 4096, 16384, 65536], help="document bytes")
+    r.add_argument("--trials", type=int, default=20, help="passkey and copy documents per length (each)")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--ways", type=lambda s: s.split(","), default=["forward", "cached", "service"])
+    r.add_argument("--forward-mode", choices=["teacher", "greedy"], default="teacher",
+                   help="full forward: teacher-forced argmax (one forward) or greedy, one forward per byte")
+    r.add_argument("--service-artifact", type=Path, help="artifact to serve (default: MODEL when an artifact)")
+    r.add_argument("--port", type=int, default=0, help="the service's port (0: a free one)")
+    r.add_argument("--url", help="a running service to ask instead of starting one")
+    r.add_argument("--bpb-passages", type=_ints, default=[16384, 65536],
+                   help="passage lengths for bits per byte of the last 1,024 bytes, whole vs preceding 1,024")
     args = p.parse_args(argv)
-    if args.tail + args.context > args.passage:
-        p.error("--tail + --context must fit in --passage")
+    if args.data is None:
+        args.data = [str(SHARED / "data"), str(SHARED / "corpus")] if args.retrieval else [str(SHARED / "data")]
+    if args.out is None:
+        name = "long_context_retrieval.json" if args.retrieval else "long_context.json"
+        args.out = ROOT / "bench" / "results" / name
     torch.set_num_threads(args.threads)
-    result = measure(args.model, args.data, args.passage, args.tail, args.context, args.val_fraction,
-                     args.max_passages)
-    result["table"] = table(result)
-    print(result["table"])
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    if args.retrieval:
+        result = retrieval(args)
+        result["table"] = retrieval_table(result["rows"])
+        print(result["table"])
+        for b in result["bits_per_byte"]:
+            print(f"\n{b['passage_bytes']:,}-byte passages:\n{table(b)}")
+    else:
+        if args.tail + args.context > args.passage:
+            p.error("--tail + --context must fit in --passage")
+        result = measure(args.model, args.data, args.passage, args.tail, args.context, args.val_fraction,
+                         args.max_passages)
+        result["table"] = table(result)
+        print(result["table"])
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nwrote {args.out} ({result['seconds']} s, load {result['loadavg_1m']})")
     return 0

@@ -41,6 +41,7 @@ class TrainerState:
     wall_time_s: float = 0.0
     seed: int = 0
     last_val_bpb: float | None = None
+    stage_floor: int = 0  # the long-range curriculum's stage reached early (train/recipe.py --advance-at)
     history: list[dict[str, Any]] = field(default_factory=list)  # validation results over time
 
     def to_dict(self) -> dict[str, Any]:

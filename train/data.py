@@ -119,7 +119,8 @@ class Corpus:
     cache_dir: Path
 
     def provenance(self) -> list[dict[str, object]]:
-        return [{"name": f.path.name, "sha256": f.sha256, "bytes": f.size} for f in self.files]
+        return [{"name": f.path.name, "folder": f.path.parent.name, "sha256": f.sha256, "bytes": f.size}
+                for f in self.files]
 
 
 def prepare_corpus(sources: list[str | Path], cache_root: Path, val_fraction: float = 0.05) -> Corpus:

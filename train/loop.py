@@ -1,7 +1,9 @@
 """`reformer train`: train a causal byte-level Reformer on a directory (or list) of UTF-8 text files.
 
-    reformer train DATA... --out runs/NAME [--max-steps N] [--time-budget 80m] [--resume]
+    reformer train [DATA...] --out runs/NAME [--max-steps N] [--time-budget 80m] [--resume]
                    [--phases 512x16:70%,16384x1:30%] [--reversible auto] [--compile]
+                   [--corpus data,corpus] [--files GLOBS] [--exclude-files GLOBS]      (train/corpus.py)
+                   [--mix passkey=0.4,copy=0.3,prose=0.3] [--curriculum 512x8:400,1024x4] (train/recipe.py)
     torchrun --nproc_per_node 2 -m service.cli train ...      (DistributedDataParallel: gloo / NCCL)
 
 Windows are sampled as a pure function of (seed, step, micro-step) and dropout is re-seeded per step,
@@ -29,9 +31,14 @@ from model.decoding.runtime import tune_cpu_runtime
 from model.reformer import ReformerLM
 
 from .checkpoint import TrainerState, code_version, load_training_state, save_checkpoint
+from .corpus import check_listed_digests, resolve_sources, select_files
 from .data import Corpus, DataError, WindowSampler, prepare_corpus, validation_windows
 from .evaluation import load_lm
-from .phases import Phase, parse_phases, phase_at
+from .options import build_parser, model_config
+from .phases import Phase, phase_at
+from .recipe import recipe_from_args
+from .recipe_run import CURVE_FIELDS as RECIPE_CURVE_FIELDS
+from .recipe_run import RecipeRun, make_weighted_loss_fn
 from .runtime import (
     DistInfo,
     StopFlag,
@@ -47,102 +54,6 @@ from .step import autocast_dtype, choose_reversible, make_loss_fn
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="reformer train", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("data", nargs="+", help="text files, or directories of *.txt files")
-    p.add_argument("--out", type=Path, required=True, help="run directory (checkpoint/, cache/, train_log.jsonl)")
-    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
-    p.add_argument("--resume-from", type=Path, help="continue from this checkpoint directory")
-    p.add_argument("--init-from", type=Path,
-                   help="fine-tune: start from the weights and config of this artifact directory or training "
-                        "checkpoint, with a fresh optimizer, step count and schedule (not a resume)")
-    m = p.add_argument_group("model (ignored with --resume or --init-from: that model's config is used)")
-    m.add_argument("--config", type=Path, help="ReformerConfig JSON; overrides the flags below")
-    m.add_argument("--hidden-size", type=int, default=128)
-    m.add_argument("--num-heads", type=int, default=4)
-    m.add_argument("--attn-layers", default="local,lsh,local,lsh")
-    m.add_argument("--feed-forward-size", type=int, default=512)
-    m.add_argument("--chunk-length", type=int, default=64, help="LSH and local attention chunk length")
-    m.add_argument("--num-hashes", type=int, default=2)
-    m.add_argument("--num-buckets", type=int, default=64, help="fixed (required for ONNX export)")
-    m.add_argument("--hash-seed", type=int, default=0)
-    m.add_argument("--axial-pos-shape", default="16,4096", help="two factors; product >= max positions")
-    m.add_argument("--max-positions", type=int, default=65536)
-    m.add_argument("--axial-norm-std", type=float, default=0.02,
-                   help="init std of the axial position embeddings (the reference uses 1.0, which buries the "
-                        "0.02-std token embeddings under position noise for hundreds of steps)")
-    m.add_argument("--init-std", type=float, default=0.1,
-                   help="init std of linear and token-embedding weights (the reference's 0.02 leaves attention "
-                        "near-uniform: a small model then sits on the bigram plateau for thousands of steps)")
-    m.add_argument("--dropout", type=float, default=0.0,
-                   help="hidden and attention dropout (0: a small model in a short run underfits, not overfits)")
-    o = p.add_argument_group("optimisation")
-    o.add_argument("--window", type=int, default=512, help="training window in bytes (tokens), without --phases")
-    o.add_argument("--batch-size", type=int, default=16, help="windows per micro-step, per rank, without --phases")
-    o.add_argument("--phases", type=parse_phases,
-                   help="WINDOWxBATCH:SHARE,... e.g. 512x16:70%%,16384x1:30%%: the shares split --max-steps, or "
-                        "without it --time-budget (default: one phase of --window x --batch-size)")
-    o.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
-    o.add_argument("--lr", type=float, default=2e-3)
-    o.add_argument("--min-lr-ratio", type=float, default=0.1, help="final LR as a fraction of --lr")
-    o.add_argument("--warmup-steps", type=int, default=100)
-    o.add_argument("--weight-decay", type=float, default=0.01)
-    o.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm (0: off)")
-    o.add_argument("--random-offsets", action=argparse.BooleanOptionalAction, default=False,
-                   help="shift each micro-batch's positions by a random offset so every axial row is trained")
-    o.add_argument("--zero-offset-prob", type=float, default=0.25, help="probability the offset is 0")
-    o.add_argument("--bf16", action="store_true", help="bf16 autocast (CUDA only; ignored with a note on CPU)")
-    o.add_argument("--reversible", default="auto", choices=["auto", "on", "off"],
-                   help="reversible backward (recomputes each layer, memory flat in depth) or plain autograd "
-                        "(faster); auto: plain when its activations fit in a quarter of free memory, per phase")
-    o.add_argument("--compile", action="store_true",
-                   help="torch.compile the forward and loss (one compile per phase window; pays on long runs)")
-    o.add_argument("--seed", type=int, default=0)
-    r = p.add_argument_group("run")
-    r.add_argument("--max-steps", type=int, help="optimizer steps in total (also the cosine schedule length)")
-    r.add_argument("--stop-at-step", type=int,
-                   help="stop and save at this step without changing the schedule (resume later)")
-    r.add_argument("--time-budget",
-                   help="wall-clock limit for this invocation: 600, 600s, 80m, 1.5h (without --max-steps the "
-                        "cosine schedule follows this clock, so the run is not bit-reproducible)")
-    r.add_argument("--eval-every", type=int, default=200, help="validate every N steps (0: only at the end)")
-    r.add_argument("--eval-every-s", type=float, default=0.0,
-                   help="also validate every this many seconds of wall time (0: off)")
-    r.add_argument("--val-window", type=int,
-                   help="validation window in bytes (default: the longest phase window, at most 4096)")
-    r.add_argument("--val-windows", type=int, default=16, help="validation windows at intervals (0: all)")
-    r.add_argument("--final-val-windows", type=int, default=0, help="validation windows at the end (0: all)")
-    r.add_argument("--save-every", type=int, default=500, help="checkpoint every N steps")
-    r.add_argument("--val-fraction", type=float, default=0.05, help="tail of each document held out")
-    r.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    r.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    r.add_argument("--ddp", default="wrap", choices=["wrap", "allreduce"],
-                   help="multi-process gradient sync: DistributedDataParallel, or an explicit all-reduce")
-    r.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
-    return p
-
-
-def model_config(args: argparse.Namespace) -> ReformerConfig:
-    if args.config is not None:
-        return ReformerConfig.from_json(args.config)
-    hidden, heads = args.hidden_size, args.num_heads
-    shape = tuple(int(v) for v in args.axial_pos_shape.split(","))
-    if hidden % heads or hidden % 2:
-        raise DataError(f"--hidden-size {hidden} must be even and divisible by --num-heads {heads}")
-    p = args.dropout
-    return ReformerConfig(
-        vocab_size=258, hidden_size=hidden, num_attention_heads=heads, attention_head_size=hidden // heads,
-        attn_layers=args.attn_layers.split(","), feed_forward_size=args.feed_forward_size,
-        lsh_attn_chunk_length=args.chunk_length, local_attn_chunk_length=args.chunk_length,
-        num_hashes=args.num_hashes, num_buckets=args.num_buckets, hash_seed=args.hash_seed,
-        axial_pos_shape=shape, axial_pos_embds_dim=(hidden // 2, hidden // 2),  # type: ignore[arg-type]
-        max_position_embeddings=args.max_positions, axial_norm_std=args.axial_norm_std,
-        initializer_range=args.init_std, hidden_dropout_prob=p,
-        lsh_attention_probs_dropout_prob=p, local_attention_probs_dropout_prob=p, is_decoder=True,
-        pad_token_id=0, eos_token_id=1)
 
 
 def resume_source(args: argparse.Namespace) -> Path | None:
@@ -176,9 +87,13 @@ class Trainer:
                  corpus: Corpus, cfg: ReformerConfig, init: ReformerLM | None = None) -> None:
         self.args, self.argv, self.info, self.device, self.corpus = args, argv, info, device, corpus
         self.phases: list[Phase] = args.phases or [Phase(args.window, args.batch_size, 1.0)]
+        recipe = recipe_from_args(args)  # None: the long-range recipe is off and nothing below changes
+        self.recipe = RecipeRun(recipe, self.phases, corpus, args.seed, args.max_steps) if recipe else None
+        if self.recipe is not None:
+            self.phases = self.recipe.phases
         for ph in self.phases:
             if cfg.padded_length(ph.window) > cfg.max_position_embeddings:
-                flag = "--phases window" if args.phases else "--window"
+                flag = "--curriculum window" if args.curriculum else "--phases window" if args.phases else "--window"
                 raise DataError(f"{flag} {ph.window} is longer than the model's max_position_embeddings "
                                 f"{cfg.max_position_embeddings}")
         self.val_window = args.val_window or min(max(ph.window for ph in self.phases), 4096)
@@ -203,9 +118,12 @@ class Trainer:
         if info.enabled and args.ddp == "wrap":
             self.model = DistributedDataParallel(self.lm, device_ids=[device.index] if device.type == "cuda" else None)
         # one sampler per phase, built up front so a window longer than every document fails at start
-        self.samplers = [WindowSampler(corpus.train, ph.window, args.seed) for ph in self.phases]
+        self.samplers = ([] if self.recipe else
+                         [WindowSampler(corpus.train, ph.window, args.seed) for ph in self.phases])
         self.autocast = autocast_dtype(device, args.bf16)
         self.loss_fn = make_loss_fn(self.model, self.autocast, device.type, compile=args.compile)
+        if self.recipe is not None:
+            self.weighted_loss = make_weighted_loss_fn(self.model, self.autocast, device.type, self.recipe.recipe)
         self.budget_s = parse_duration(args.time_budget) if args.time_budget else None
         self.phase = -1  # set by enter_phase
         self.code_version = code_version()  # of the code that starts the run, not of a later save
@@ -234,35 +152,50 @@ class Trainer:
             print(f"phase {index + 1}/{len(self.phases)}: window {ph.window} x batch {ph.batch_size} from step "
                   f"{self.state.step} ({'reversible' if self.lm.reversible else 'plain autograd'})", file=sys.stderr)
 
-    def micro_batch(self, step: int, micro: int) -> tuple[torch.Tensor, int]:
-        """This rank's rows of the global micro-batch, and the position offset (shared by the batch)."""
-        ph, sampler = self.phases[self.phase], self.samplers[self.phase]
-        rng = sampler.rng(step, micro)
+    def micro_batch(self, step: int, micro: int) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+        """This rank's rows of the global micro-batch, the position offset (shared by the batch) and, with
+        the recipe, the answer kind of every target (None without it)."""
+        ph = self.phases[self.phase]
         rows = ph.batch_size * self.info.world_size
-        batch = sampler.global_batch(rng, rows)
-        mine = batch[self.info.rank * ph.batch_size:(self.info.rank + 1) * ph.batch_size]  # (b, window+1)
+        mine_of = slice(self.info.rank * ph.batch_size, (self.info.rank + 1) * ph.batch_size)
+        kinds = None
+        if self.recipe is not None:
+            mixed = self.recipe.samplers[self.phase]
+            rng = mixed.rng(step, micro)
+            batch, all_kinds = mixed.global_batch(rng, rows)
+            kinds = torch.from_numpy(np.ascontiguousarray(all_kinds[mine_of])).to(self.device)
+        else:
+            sampler = self.samplers[self.phase]
+            rng = sampler.rng(step, micro)
+            batch = sampler.global_batch(rng, rows)
+        mine = batch[mine_of]  # (b, window+1)
         offset = 0
         max_offset = self.lm.config.max_position_embeddings - self.lm.config.padded_length(ph.window)
         if self.args.random_offsets and max_offset > 0 and rng.random() >= self.args.zero_offset_prob:
             offset = int(rng.integers(0, max_offset + 1))
-        return torch.from_numpy(np.ascontiguousarray(mine)).to(self.device), offset
+        return torch.from_numpy(np.ascontiguousarray(mine)).to(self.device), offset, kinds
 
     def train_step(self, step: int) -> float:
         args = self.args
         # dropout draws from the global generator: re-seed per step (and rank) so resume is exact
         torch.manual_seed((args.seed * 1_000_003 + step) * 1024 + self.info.rank)
         progress = self.progress(step)
-        self.enter_phase(phase_at(self.phases, progress))
+        self.enter_phase(self.recipe.index(step, progress, self.state.stage_floor) if self.recipe
+                         else phase_at(self.phases, progress))
         lr = args.lr * lr_factor(progress, step, args.warmup_steps, args.min_lr_ratio)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         total = 0.0
         for micro in range(args.grad_accum):
-            ids, offset = self.micro_batch(step, micro)
+            ids, offset, kinds = self.micro_batch(step, micro)
             sync = micro == args.grad_accum - 1 or not isinstance(self.model, DistributedDataParallel)
             ctx = self.model.no_sync() if not sync else _null()  # type: ignore[operator]
             with ctx:
-                loss = self.loss_fn(ids, offset)
+                if self.recipe is None or kinds is None:
+                    loss = self.loss_fn(ids, offset)
+                else:
+                    loss, ce = self.weighted_loss(ids, offset, kinds)
+                    self.recipe.meter.add(ce, kinds)
                 (loss / args.grad_accum).backward()
             total += float(loss.detach()) / args.grad_accum
         if self.info.enabled and args.ddp == "allreduce":
@@ -291,6 +224,9 @@ class Trainer:
             "val_fraction": self.args.val_fraction, "device": self.device.type,
             "ddp": self.args.ddp if self.info.enabled else None,
             "max_weight_divergence_across_ranks": self.rank_divergence,
+            "corpus": {"sets": list(self.args.corpus or ()), "files": list(self.args.files),
+                       "exclude_files": list(self.args.exclude_files)},
+            **({"recipe": self.recipe.provenance()} if self.recipe else {}),
         }
 
     def save(self, val: tuple[float, int] | None = None) -> None:
@@ -315,10 +251,18 @@ class Trainer:
         entry = {"step": self.state.step, "val_bpb": round(val[0], 4), "val_bytes": val[1],
                  "tokens_seen": self.state.tokens_seen, "wall_time_s": round(self.state.wall_time_s, 1),
                  "phase": self.phase, "train_loss": round(self.last_loss, 4) if self.last_loss is not None else None}
+        if self.recipe is not None:
+            extra, floor = self.recipe.validation(self.lm, self.phase, self.state.stage_floor, self.device,
+                                                  self.info, self.autocast)
+            entry.update(extra)
+            if floor != self.state.stage_floor:
+                self.state.stage_floor = floor
+                self.log({"event": "advance", "step": self.state.step, "to_stage": floor})
         self.state.history.append(entry)
         self.log({"event": "validation", **entry})
         if self.info.is_main:
-            write_curve(self.run_dir / "curve.csv", self.state.history)
+            write_curve(self.run_dir / "curve.csv", self.state.history,
+                        CURVE_FIELDS + (RECIPE_CURVE_FIELDS if self.recipe else []))
         if self.info.is_main:
             bar.write(f"step {self.state.step}: validation {val[0]:.4f} bits per byte ({val[1]} bytes)")
 
@@ -331,6 +275,10 @@ class Trainer:
         bar = tqdm(total=args.max_steps, initial=self.state.step, disable=not info.is_main or args.no_progress,
                    unit="step", dynamic_ncols=True, mininterval=1.0 if sys.stderr.isatty() else 30.0)
         stopped_by = ""
+        if self.recipe is not None and self.state.step == 0:
+            # a first curve row before any step: the starting model's answer loss, to see retrieval form against
+            self.enter_phase(self.recipe.index(0, 0.0, self.state.stage_floor))
+            self.record_val(self.validate(args.val_windows), bar)
         with StopFlag() as stop:
             while True:
                 if args.max_steps is not None and self.state.step >= args.max_steps:
@@ -388,10 +336,10 @@ class Trainer:
 CURVE_FIELDS = ["step", "phase", "tokens_seen", "wall_time_s", "val_bpb", "val_bytes", "train_loss"]
 
 
-def write_curve(path: Path, history: list[dict[str, Any]]) -> None:
+def write_curve(path: Path, history: list[dict[str, Any]], fields: list[str] = CURVE_FIELDS) -> None:
     """The validation curve so far as CSV (bench/plot_training.py draws it); rewritten whole each time."""
     with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CURVE_FIELDS, extrasaction="ignore")
+        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         w.writeheader()
         w.writerows(history)
 
@@ -430,12 +378,14 @@ def main(argv: list[str] | None = None) -> int:
             raise DataError("give --max-steps and/or --time-budget, so the run knows when to stop")
         if args.time_budget is not None:
             parse_duration(args.time_budget)
-        if info.is_main:  # rank 0 builds the token cache; the others wait, then read it
-            corpus = prepare_corpus(args.data, args.out / "cache", args.val_fraction)
+        files = select_files(resolve_sources(args.data, args.corpus), args.files, args.exclude_files)
+        if info.is_main:  # rank 0 checks the digests and builds the token cache; the others wait, then read it
+            check_listed_digests(files)
+            corpus = prepare_corpus(list(files), args.out / "cache", args.val_fraction)
         if info.enabled:
             torch.distributed.barrier()
         if not info.is_main:
-            corpus = prepare_corpus(args.data, args.out / "cache", args.val_fraction)
+            corpus = prepare_corpus(list(files), args.out / "cache", args.val_fraction)
         init = None
         if args.init_from is not None:
             if resume_source(args) is not None:
@@ -454,6 +404,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"model: {trainer.lm.num_parameters():,} parameters; data: {corpus.train.num_tokens:,} "
                   f"training / {corpus.val.num_tokens:,} validation bytes from {len(corpus.files)} files; "
                   f"device {device}, {info.world_size} process(es)", file=sys.stderr)
+            for note in trainer.recipe.warnings(trainer.lm.config) if trainer.recipe else []:
+                print(f"reformer train: {note}", file=sys.stderr)
         code = trainer.run()
         if info.enabled:
             # leave together: once, under a loaded CI machine, rank 1 aborted ("terminate called without an

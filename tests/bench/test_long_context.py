@@ -1,0 +1,115 @@
+"""bench/long_context.py's retrieval part: the scoring (passkey match, copy score, interval, summary), the
+trials it builds, the three ways of asking (teacher-forced forward = greedy for an exact match, cached, the
+service's reply read from its token ids), and a whole run on a tiny artifact."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from bench import long_context
+from bench.long_context import copy_score, make_trials, passkey_correct, summarize, wilson
+from bench.long_context_ways import CachedWay, ForwardWay, ServiceWay
+from tests.conftest import tiny_model
+from train.long_docs import QUESTION
+
+
+def test_passkey_is_correct_only_when_the_five_digits_match() -> None:
+    assert passkey_correct(b"68432", b"68432")
+    assert passkey_correct(b"68432. Remember", b"68432")  # what follows the key is not scored
+    assert not passkey_correct(b"6843", b"68432") and not passkey_correct(b"68433", b"68432")
+    assert not passkey_correct(b" 68432", b"68432")
+
+
+def test_copy_score_is_the_share_of_bytes_matched_in_place() -> None:
+    target = b"abcdefghij" * 8
+    assert copy_score(target, target) == 1.0
+    assert copy_score(b"", target) == 0.0
+    assert copy_score(target[:40], target) == 0.5  # a short generation misses the rest
+    assert copy_score(b"x" + target[1:], target) == pytest.approx(79 / 80)
+    assert copy_score(target[1:] + b"j", target) < 0.2  # shifted by one: not a copy in place
+    with pytest.raises(ValueError):
+        copy_score(b"a", b"")
+
+
+def test_wilson_interval_and_summary() -> None:
+    lo, hi = wilson(0, 20)
+    assert lo == pytest.approx(0.0, abs=1e-12) and 0.15 < hi < 0.17
+    lo, hi = wilson(20, 20)
+    assert 0.83 < lo < 0.85 and hi == pytest.approx(1.0)
+    assert all(math.isnan(v) for v in wilson(0, 0))
+    recs = [{"length": 1024, "way": "cached", "kind": k, "score": s, "seconds": 1.0}
+            for k, s in (("passkey", 1.0), ("passkey", 0.0), ("passkey", 1.0), ("copy", 0.5), ("copy", 0.75),
+                         ("copy_control", 0.25), ("copy_control", 0.25))]
+    recs.append({"length": 4096, "way": "cached", "kind": "passkey", "score": 0.0, "seconds": 2.0})
+    rows = summarize(recs)
+    assert [(r["length"], r["passkey_correct"], r["passkey_trials"]) for r in rows] == [(1024, 2, 3), (4096, 0, 1)]
+    assert rows[0]["copy_score"] == 0.625 and rows[0]["copy_control"] == 0.25
+    assert rows[0]["copy_minus_control"] == 0.375 and rows[0]["seconds"] == 7.0
+
+
+POOL = ("It was the best of times, it was the worst of times, \u201cit was the age of wisdom\u201d. ".encode() * 200)
+
+
+def test_trials_are_seeded_documents_of_the_stated_length() -> None:
+    trials = make_trials(POOL, 1024, 3, seed=7)
+    assert [t.kind for t in trials] == ["passkey", "copy", "copy_control"] * 3
+    assert all(len(t.doc.data) == 1024 and len(t.doc.prompt) + len(t.doc.answer_bytes) == 1024 for t in trials)
+    for t in trials:
+        t.doc.prompt.decode("utf-8")  # the service takes text
+    keys = [t.doc.answer_bytes for t in trials if t.kind == "passkey"]
+    assert all(t.doc.prompt.endswith(QUESTION) for t in trials if t.kind == "passkey") and len(set(keys)) == 3
+    copy, control = trials[1].doc, trials[2].doc
+    assert len(copy.answer_bytes) == 80 and control.answer_bytes == copy.answer_bytes
+    assert copy.data[:140] in copy.prompt[140:] + copy.answer_bytes
+    assert control.data[140:] == copy.data[140:] and control.data[:140] != copy.data[:140]
+    again = make_trials(POOL, 1024, 3, seed=7)
+    assert [t.doc for t in again] == [t.doc for t in trials]
+    assert make_trials(POOL, 1024, 3, seed=8)[0].doc != trials[0].doc
+
+
+def test_teacher_forced_forward_agrees_with_greedy_and_cached_decoding() -> None:
+    lm = tiny_model(seed=3)
+    prompt = POOL[:300]
+    greedy = ForwardWay(lm, "greedy").answer(prompt, b"?????")
+    assert len(greedy) == 5
+    # where greedy wrote the expected bytes, the teacher-forced argmax is those same bytes
+    assert ForwardWay(lm, "teacher").answer(prompt, greedy) == greedy
+    assert CachedWay(lm).answer(prompt, b"?????") == greedy
+
+
+def test_service_way_asks_greedy_and_reads_the_token_ids() -> None:
+    seen: dict[str, object] = {}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.update(json.loads(request.content))
+        tokens = [{"id": b + 2, "text": chr(b), "logprob": 0.0, "special": False} for b in b"68432"]
+        return httpx.Response(200, json={"generated_text": "68432", "details": {
+            "finish_reason": "length", "generated_tokens": 5, "prompt_tokens": 3, "seed": None, "tokens": tokens}})
+
+    way = ServiceWay("http://x", client=httpx.Client(transport=httpx.MockTransport(handler)))
+    assert way.answer("caf\u00e9 ".encode(), b"00000") == b"68432"
+    assert seen["inputs"] == "caf\u00e9 "
+    assert seen["parameters"] == {"max_new_tokens": 5, "do_sample": False, "details": True, "ignore_eos": True}
+
+
+def test_retrieval_run_writes_rows_records_and_bits_per_byte(tiny_artifact: Path, tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    rng = np.random.default_rng(0)
+    (data / "a.txt").write_text("".join(rng.choice(list("abcdefgh ij\n"), size=8000)))
+    out = tmp_path / "r.json"
+    assert long_context.main([str(tiny_artifact), "--retrieval", "--data", str(data), "--val-fraction", "0.5",
+                              "--lengths", "512,600", "--trials", "2", "--ways", "forward,cached",
+                              "--bpb-passages", "1536", "--max-passages", "1", "--threads", "1",
+                              "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [(r["length"], r["way"]) for r in result["rows"]] == [
+        (512, "forward (teacher)"), (600, "forward (teacher)"), (512, "cached"), (600, "cached")]
+    assert len(result["records"]) == 2 * 2 * 3 * 2 and result["rows"][0]["passkey_trials"] == 2
+    assert result["bits_per_byte"][0]["passage_bytes"] == 1536 and result["forward_mode"] == "teacher"
