@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from model.hf import hf_state_dict_to_ours
 from .artifact import ArtifactError, check_shapes, file_sha256, save_artifact
 
 log = logging.getLogger(__name__)
+_HUB_BLOB = re.compile(r"[0-9a-f]{64}")  # huggingface_hub names an LFS file's blob by its sha256
 
 
 class HFImportError(Exception):
@@ -57,6 +59,25 @@ def read_hf_checkpoint(hf_dir: Path) -> tuple[ReformerConfig, dict[str, torch.Te
             raise HFImportError(f"{pt}: holds a {type(state).__name__}, not a state dict")
         return config, state, pt
     raise HFImportError(f"{hf_dir}: neither model.safetensors nor pytorch_model.bin found")
+
+
+def check_weights_file(weights: Path, state: dict[str, torch.Tensor]) -> str:
+    """The weights file's sha256, after two checks for a damaged copy that still parses: where the file is a
+    huggingface_hub cache snapshot (a link to blobs/<sha256 of the content>, as a download leaves it) its
+    content must hash to that name, and every floating-point tensor must be finite (flipped exponent bits
+    give NaN or inf, which the logits check would only report as a NaN difference)."""
+    digest = file_sha256(weights)
+    target = weights.resolve()
+    if target.parent.name == "blobs" and _HUB_BLOB.fullmatch(target.name) and digest != target.name:
+        raise HFImportError(f"{weights}: altered or incompletely downloaded: its sha256 is {digest}, but the hub "
+                            f"cache blob it links to is named by the sha256 {target.name}")
+    for name, tensor in state.items():
+        if tensor.is_floating_point():
+            bad = int((~torch.isfinite(tensor)).sum())
+            if bad:
+                raise HFImportError(f"{weights}: tensor {name!r} holds {bad} NaN or infinite values of "
+                                    f"{tensor.numel()}: the file is damaged (or the checkpoint diverged)")
+    return digest
 
 
 def build_model(config: ReformerConfig, hf_state: dict[str, torch.Tensor], weights: Path) -> ReformerLM:
@@ -138,6 +159,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, onnx: bool = True, quanti
     start = time.perf_counter()
     config, hf_state, weights = read_hf_checkpoint(src)
     tokenizer = tokenizer_for(config, weights)
+    digest = check_weights_file(weights, hf_state)
     log.info("read %s: %s tensors, %.0f MB (%.1f s)", weights.name, len(hf_state), weights.stat().st_size / 1e6,
              time.perf_counter() - start)
     if skip_parity:
@@ -161,7 +183,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, onnx: bool = True, quanti
     provenance = {
         "source": "transformers Reformer checkpoint",
         "hf_dir": str(src.resolve()),
-        "files": {p.name: file_sha256(p) for p in (src / "config.json", weights)},
+        "files": {"config.json": file_sha256(src / "config.json"), weights.name: digest},
         "command": command or f"reformer import-hf {src} {out_dir}",
     }
     out = save_artifact(model, out_dir, tokenizer=tokenizer, provenance=provenance,
