@@ -16,8 +16,10 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 venv: $(STAMP)
 
 # schemathesis' fuzz items share one node id, so under xdist they are deselected (tests/conftest.py) and
-# run on their own after
+# run on their own after. scripts/test-deps.sh first installs the non-Python tools the suite runs
+# (prometheus, promtool), or stops naming the command that does
 test: $(STAMP)
+	scripts/test-deps.sh
 	$(PY) -m pytest -q -n 2 --dist loadgroup tests
 	$(PY) -m pytest -q tests/service/test_fuzz.py::test_every_response_is_documented_and_no_5xx
 

@@ -78,6 +78,9 @@ def _summary(path: Path, manifest: dict[str, Any]) -> str:
         parity = onnx.get("parity", {})
         lines.append(f"  ONNX (opset {onnx['opset']}): max abs diff vs torch {onnx['max_abs_diff']:.3g}")
         lines += whole_input_lines(parity)
+        verification = onnx.get("verification", {})
+        if verification.get("scope") == "reduced":
+            lines.append(f"  ONNX verification reduced: {verification['why']}")
     stats = manifest.get("export", {}).get("embedding_stats")
     if stats:
         lines.append(_stats_line(stats))
@@ -239,11 +242,14 @@ def verify_main(argv: list[str]) -> int:
     if art.onnx_path is None:
         print("no ONNX graph in this artifact")
         return 0
+    from .onnx_budget import plan_verification
     from .onnx_export import check_graph, ort_session, run_ort, verification_cases, verify_onnx
 
     try:
         info = check_graph(art.onnx_path)
-        parity = verify_onnx(art.model, art.onnx_path, seed=args.seed)
+        # a large model on the cases its size affords, as at export (export/onnx_budget.py)
+        plan = plan_verification(art.model, seed=args.seed)
+        parity = verify_onnx(art.model, art.onnx_path, seed=args.seed, cases=plan.cases)
     except ExportError as e:
         return _fail(p.prog, e)
     print(f"{art.onnx_path.name}: opset {info['opset']}, no random operators, dynamic batch and length; "
@@ -255,7 +261,7 @@ def verify_main(argv: list[str]) -> int:
         # bits-per-byte change recorded at export
         try:
             check_graph(art.onnx_int8_path)
-            ids, mask = verification_cases(art.model, seed=args.seed)[-1]
+            ids, mask = (plan.cases or verification_cases(art.model, seed=args.seed))[-1]
             logits, _ = run_ort(ort_session(art.onnx_int8_path), ids, mask)
         except ExportError as e:
             return _fail(p.prog, e)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ import transformers
 
 from export import load_artifact
 from export.cli import import_hf_main
-from export.hf_import import HFImportError, import_hf, read_hf_checkpoint
+from export.hf_import import HFImportError, check_weights_file, import_hf, read_hf_checkpoint
 from model import ByteTokenizer
 
 
@@ -117,3 +118,46 @@ def test_without_transformers_import_fails_unless_parity_is_skipped(
     assert "NOT checked" in capsys.readouterr().err
     parity = load_artifact(out).manifest["evaluation"]["transformers_parity"]
     assert parity == {"checked": False, "reason": "skipped (--skip-parity)"}
+
+
+def test_truncated_weights_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    d = tmp_path / "hf"
+    save_hf(d, "safetensors")
+    weights = d / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])
+    assert import_hf_main([str(d), str(tmp_path / "art"), "--no-onnx"]) == 1
+    assert "model.safetensors: cannot be read as safetensors" in capsys.readouterr().err
+    assert not (tmp_path / "art").exists()
+
+
+def test_weights_with_nan_bytes_are_refused_naming_the_tensor(tmp_path: Path) -> None:
+    d = tmp_path / "hf"
+    save_hf(d, "safetensors")
+    weights = d / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-64:] = b"\xff" * 64  # the last tensor's last 16 float32s become NaN: the file still parses
+    weights.write_bytes(bytes(data))
+    with pytest.raises(HFImportError, match=r"tensor '[^']+' holds 16 NaN or infinite values .* the file is damaged"):
+        import_hf(d, tmp_path / "art", onnx=False, skip_parity=True)
+
+
+def test_hub_cache_copy_is_checked_against_its_blob_name(tmp_path: Path) -> None:
+    """A download (huggingface_hub cache: the snapshot links to blobs/<sha256>) whose bytes no longer hash to
+    the name is refused even when the damage is finite values that the logits check cannot see."""
+    src = tmp_path / "saved"
+    save_hf(src, "safetensors")
+    data = bytearray((src / "model.safetensors").read_bytes())
+    blobs, snapshot = tmp_path / "hub" / "blobs", tmp_path / "hub" / "snapshots" / "abc123"
+    blobs.mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    blob = blobs / hashlib.sha256(data).hexdigest()
+    (snapshot / "config.json").write_text((src / "config.json").read_text())
+    (snapshot / "model.safetensors").symlink_to(blob)
+    blob.write_bytes(bytes(data))
+    config, state, weights = read_hf_checkpoint(snapshot)
+    assert check_weights_file(weights, state) == blob.name  # intact: accepted
+    data[-3] ^= 0x01  # a low mantissa bit of the last float32: finite, parses, loads
+    blob.write_bytes(bytes(data))
+    config, state, weights = read_hf_checkpoint(snapshot)
+    with pytest.raises(HFImportError, match="altered or incompletely downloaded"):
+        check_weights_file(weights, state)
