@@ -21,13 +21,10 @@ from model import ByteTokenizer, ReformerConfig, ReformerLM
 from model.hf import hf_state_dict_to_ours
 
 from .artifact import ArtifactError, check_shapes, file_sha256, save_artifact
+from .hf_errors import HFImportError
 
 log = logging.getLogger(__name__)
 _HUB_BLOB = re.compile(r"[0-9a-f]{64}")  # huggingface_hub names an LFS file's blob by its sha256
-
-
-class HFImportError(Exception):
-    """The checkpoint cannot be imported; the message names the file and what is wrong."""
 
 
 def read_hf_checkpoint(hf_dir: Path) -> tuple[ReformerConfig, dict[str, torch.Tensor], Path]:

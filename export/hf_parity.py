@@ -33,7 +33,7 @@ from model import ReformerConfig, ReformerLM
 from model.attention import LSHSelfAttention
 from model.hf import hf_state_dict_to_ours
 
-from .hf_import import HFImportError
+from .hf_errors import HFImportError
 
 HF_PARITY_TOLERANCE = 1e-4
 # relative gap between transformers' best rotated score and our bucket's: float32 rounding between the two

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -55,3 +56,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if not any(m.name == "xdist_group" for m in item.iter_markers()):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__ if item.module else item.nodeid))
+
+
+@pytest.fixture(autouse=True)
+def _denormals_as_torch_leaves_them() -> Iterator[None]:
+    """A test that runs a benchmark's or the server's main applies the process settings, which flush denormals
+    for the rest of the process (model/decoding/runtime.py); the next test on the same worker gets torch's
+    default back (a float as small as 5e-324 otherwise reads as 0)."""
+    yield
+    torch.set_flush_denormal(False)
