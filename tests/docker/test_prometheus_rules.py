@@ -1,6 +1,7 @@
 """docker/alerts.yml and docker/prometheus.yml through Debian's promtool: the rules and the config check,
 and the rule unit tests (docker/alerts.test.yml) prove that each alert fires, and stays silent, as its name
-says. A machine without promtool fails here, naming the package (.ci/run installs it)."""
+says. A machine without promtool fails here, naming the package (scripts/test-deps.sh installs it; make test
+and .ci/run call it)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ def promtool() -> str:
     found = shutil.which("promtool")
     if found is None:
         pytest.fail("`promtool` is missing: install Debian's `prometheus` package "
-                    "(apt-get install -y prometheus; .ci/run does it before `make test`)")
+                    "(scripts/test-deps.sh installs it; `make test` runs it first)")
     return found
 
 

@@ -1,4 +1,4 @@
-"""A real Prometheus (Debian's `prometheus` package; .ci/run installs it) scraping a live service every
+"""A real Prometheus (Debian's `prometheus` package; scripts/test-deps.sh installs it) scraping a live service every
 second on loopback, queried through its HTTP API: the defects only a real scraper shows stay fixed.
 
 - labelled counters exist at zero before their first event, so `increase()` counts the first 422;
@@ -31,7 +31,7 @@ def binary(name: str) -> str:
     found = shutil.which(name)
     if found is None:
         pytest.fail(f"`{name}` is missing: install Debian's `prometheus` package "
-                    f"(apt-get install -y prometheus; .ci/run does it before `make test`)")
+                    f"(scripts/test-deps.sh installs it; `make test` runs it first)")
     return found
 
 
