@@ -69,12 +69,14 @@ def prompts(data: Path, count: int, size: int = 512) -> list[str]:
 
 
 class Server:
-    def __init__(self, bin_dir: Path, path: str, home: Path) -> None:
+    """A `reformer serve` process started with `argv` under `env` (HOME, PATH and logging set here)."""
+
+    def __init__(self, argv: list[str], path: str, home: Path, extra_env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         env = {"HOME": str(home), "PATH": path, "LANG": "C.UTF-8", "REFORMER_LOG_LEVEL": "warning",
-               "REFORMER_KERNEL_DIR": str(home / "kernels")}
-        self.proc = subprocess.Popen([str(bin_dir / "reformer"), "serve", "--port", str(self.port)], cwd=home,
-                                     env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+               "REFORMER_KERNEL_DIR": str(home / "kernels"), **(extra_env or {})}
+        self.proc = subprocess.Popen([*argv, "--port", str(self.port)], cwd=home, env=env,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + 300
         while True:
@@ -84,10 +86,11 @@ class Server:
             except httpx.HTTPError:
                 pass
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"server from {bin_dir} did not become ready")
+                raise SystemExit(f"{argv} did not become ready")
             time.sleep(0.5)
         info = httpx.get(self.url + "/info", timeout=5).json()
-        self.info = {"kernels": info.get("kernels"), "runs": info.get("runs")}
+        self.info = {"kernels": info.get("kernels"), "runs": info.get("runs"),
+                     "decode_backend": info.get("decode_backend"), "batching": info.get("batching")}
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
@@ -131,13 +134,14 @@ def main(argv: list[str] | None = None) -> int:
         install_s = time.monotonic() - t0
         home = work / "home"
         home.mkdir()
-        sides = {"dev": (ROOT / ".venv" / "bin", os.environ["PATH"]),
-                 "installed": (installed_bin, str(installed_bin))}  # no compiler on the installed side's PATH
+        sides = {"dev": ([str(ROOT / ".venv" / "bin" / "reformer"), "serve"], os.environ["PATH"]),
+                 # no compiler on the installed side's PATH
+                 "installed": ([str(installed_bin / "reformer"), "serve"], str(installed_bin))}
         results: dict[str, dict[int, list[float]]] = {s: {c: [] for c in levels} for s in sides}
         infos: dict[str, Any] = {}
         for _ in range(args.rounds):
-            for side, (bin_dir, path) in sides.items():
-                server = Server(bin_dir, path, home)
+            for side, (argv_, path) in sides.items():
+                server = Server(argv_, path, home)
                 try:
                     infos[side] = server.info
                     asyncio.run(round_tokens_per_s(server.url, texts[:2], 1, 8))  # warm-up
