@@ -110,8 +110,10 @@ def test_near_tie_fails_the_plain_comparison_and_passes_the_gate(models: tuple[R
         plain = compare(ours, hf_model, ids, stats, "model.safetensors", force=False)
     assert gated <= HF_PARITY_TOLERANCE
     if stats.disagreements == 0:
-        pytest.skip("the pinned near-tie does not flip with this machine's float kernels (found on x86-64, "
-                    "torch 2.13 CPU, one thread); the gate itself passed")
+        # the tie did not flip with this machine's float kernels (it was found on an x86-64 AVX2 CPU, torch 2.13,
+        # one thread): then nothing separates the two models and the plain comparison passes too
+        assert plain <= HF_PARITY_TOLERANCE
+        return
     assert 0 <= stats.largest_relative_gap <= TIE_TOLERANCE
     assert stats.ties[0]["layer"] == 2
     # what the old gate compared: the flipped bucket moves later positions' logits past the tolerance
