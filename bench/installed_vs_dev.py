@@ -116,16 +116,44 @@ async def round_tokens_per_s(url: str, texts: list[str], clients: int, new_token
         return generated / (time.perf_counter() - start)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_load_args(p: argparse.ArgumentParser, out: str) -> None:
+    """The load options both A/B scripts take (this one and bench/serve_ab.py)."""
     p.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
     p.add_argument("--clients", default="1,8")
     p.add_argument("--requests", type=int, default=16, help="requests per round")
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "installed_vs_dev.json")
-    args = p.parse_args(argv)
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / out)
+
+
+Side = tuple[list[str], str, dict[str, str]]  # a server's command line, PATH and extra environment
+
+
+def measure(sides: dict[str, Side], home: Path, args: argparse.Namespace
+            ) -> tuple[dict[str, dict[int, list[float]]], dict[str, Any]]:
+    """tokens/s of every side at every --clients level, --rounds times, each server alone and the sides in
+    turns; and each side's /info (kernels, runs)."""
     texts = prompts(args.data, args.requests)
+    levels = [int(c) for c in args.clients.split(",")]
+    results: dict[str, dict[int, list[float]]] = {s: {c: [] for c in levels} for s in sides}
+    infos: dict[str, Any] = {}
+    for _ in range(args.rounds):
+        for side, (argv, path, extra) in sides.items():
+            server = Server(argv, path, home, extra)
+            try:
+                infos[side] = server.info
+                asyncio.run(round_tokens_per_s(server.url, texts[:2], 1, 8))  # warm-up
+                for c in levels:
+                    results[side][c].append(asyncio.run(round_tokens_per_s(server.url, texts, c, args.new_tokens)))
+            finally:
+                server.stop()
+    return results, infos
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_load_args(p, "installed_vs_dev.json")
+    args = p.parse_args(argv)
     levels = [int(c) for c in args.clients.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -134,22 +162,11 @@ def main(argv: list[str] | None = None) -> int:
         install_s = time.monotonic() - t0
         home = work / "home"
         home.mkdir()
-        sides = {"dev": ([str(ROOT / ".venv" / "bin" / "reformer"), "serve"], os.environ["PATH"]),
-                 # no compiler on the installed side's PATH
-                 "installed": ([str(installed_bin / "reformer"), "serve"], str(installed_bin))}
-        results: dict[str, dict[int, list[float]]] = {s: {c: [] for c in levels} for s in sides}
-        infos: dict[str, Any] = {}
-        for _ in range(args.rounds):
-            for side, (argv_, path) in sides.items():
-                server = Server(argv_, path, home)
-                try:
-                    infos[side] = server.info
-                    asyncio.run(round_tokens_per_s(server.url, texts[:2], 1, 8))  # warm-up
-                    for c in levels:
-                        results[side][c].append(asyncio.run(round_tokens_per_s(server.url, texts, c,
-                                                                               args.new_tokens)))
-                finally:
-                    server.stop()
+        sides: dict[str, Side] = {
+            "dev": ([str(ROOT / ".venv" / "bin" / "reformer"), "serve"], os.environ["PATH"], {}),
+            # no compiler on the installed side's PATH
+            "installed": ([str(installed_bin / "reformer"), "serve"], str(installed_bin), {})}
+        results, infos = measure(sides, home, args)
     load = os.getloadavg()
     rows = []
     for c in levels:

@@ -15,7 +15,6 @@ server runs alone, in alternating rounds, measured as bench/installed_vs_dev.py 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import subprocess
@@ -23,27 +22,20 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.installed_vs_dev import Server, prompts, round_tokens_per_s  # noqa: E402
+from bench.installed_vs_dev import Side, add_load_args, measure  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--against", required=True, help="the other commit (any git revision)")
-    p.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
-    p.add_argument("--clients", default="1,8")
-    p.add_argument("--requests", type=int, default=16, help="requests per round")
-    p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "serve_ab.json")
+    add_load_args(p, "serve_ab.json")
     args = p.parse_args(argv)
-    texts = prompts(args.data, args.requests)
     levels = [int(c) for c in args.clients.split(",")]
-    python = str(ROOT / ".venv" / "bin" / "python")
+    command = [str(ROOT / ".venv" / "bin" / "python"), "-m", "service"]
     with tempfile.TemporaryDirectory() as tmp:
         other = Path(tmp) / "rev"
         subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(other), args.against],
@@ -51,20 +43,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             home = Path(tmp) / "home"
             home.mkdir()
-            sides = {"this tree": ROOT, args.against: other}
-            results: dict[str, dict[int, list[float]]] = {s: {c: [] for c in levels} for s in sides}
-            infos: dict[str, Any] = {}
-            for _ in range(args.rounds):
-                for side, tree in sides.items():
-                    server = Server([python, "-m", "service"], os.environ["PATH"], home, {"PYTHONPATH": str(tree)})
-                    try:
-                        infos[side] = server.info
-                        asyncio.run(round_tokens_per_s(server.url, texts[:2], 1, 8))  # warm-up
-                        for c in levels:
-                            results[side][c].append(asyncio.run(round_tokens_per_s(server.url, texts, c,
-                                                                                   args.new_tokens)))
-                    finally:
-                        server.stop()
+            sides: dict[str, Side] = {name: (command, os.environ["PATH"], {"PYTHONPATH": str(tree)})
+                                      for name, tree in (("this tree", ROOT), (args.against, other))}
+            results, infos = measure(sides, home, args)
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(other)], check=False,
                            capture_output=True)
