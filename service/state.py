@@ -181,6 +181,7 @@ class ServiceState:
         art = self.artifact
         s = self.settings
         params = sum(p.numel() for p in art.model.parameters()) if art is not None else 0
+        runs = self.runs()
         return {
             "model_id": self.model_id,
             "model_sha256": getattr(art, "sha256", None),
@@ -191,8 +192,8 @@ class ServiceState:
             "backend": self.backend_name,
             # what runs, not what was asked: the decode step (c-fused, c-per-layer, torch, cuda-graphs), its
             # attention, a forward's chunk-window attention (prefill, embeddings) and the C kernels' build
-            "decode_backend": self.runs().get("decode_step", "torch"),
-            "runs": self.runs(),
+            "decode_backend": runs["decode_step"],
+            "runs": runs,
             "kernels": kernel_report(self.settings.cpu_kernels),
             # Which engine runs each stage: embeddings on the chosen backend; prefill and decode steps on torch
             # (the ONNX graph is the plain forward pass, without the LSH window cache decoding needs).
