@@ -34,7 +34,7 @@ from .checkpoint import TrainerState, code_version, load_training_state, save_ch
 from .corpus import check_listed_digests, resolve_sources, select_files
 from .data import Corpus, DataError, WindowSampler, prepare_corpus, validation_windows
 from .evaluation import load_lm
-from .options import build_parser, model_config
+from .options import build_parser, model_config, rehashed
 from .phases import Phase, phase_at
 from .recipe import recipe_from_args
 from .recipe_run import CURVE_FIELDS as RECIPE_CURVE_FIELDS
@@ -392,7 +392,10 @@ def main(argv: list[str] | None = None) -> int:
                 raise DataError("--init-from starts a new run from a model's weights; it cannot be combined "
                                 "with --resume or --resume-from")
             init = initial_model(args.init_from)
-        cfg = init.config if init is not None else model_config(args)
+        if args.rehash is not None and init is None:
+            raise DataError("--rehash changes the hashing of an --init-from model; for a new model use "
+                            "--num-buckets and --num-hashes")
+        cfg = rehashed(init.config, args.rehash) if init is not None else model_config(args)
         src = resume_source(args)
         if src is not None:
             from .checkpoint import read_checkpoint_metadata

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 from model.config import ReformerConfig
@@ -24,6 +25,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--init-from", type=Path,
                    help="fine-tune: start from the weights and config of this artifact directory or training "
                         "checkpoint, with a fresh optimizer, step count and schedule (not a resume)")
+    p.add_argument("--rehash", type=parse_rehash, metavar="BUCKETS[xHASHES]",
+                   help="with --init-from: replace the model's num_buckets (a number, or auto: 2 x length / "
+                        "chunk per call, as the reference) and optionally num_hashes, e.g. 1024x4. No weight "
+                        "depends on them: the hash rotations are drawn from hash_seed for the new shape")
     m = p.add_argument_group("model (ignored with --resume or --init-from: that model's config is used)")
     m.add_argument("--config", type=Path, help="ReformerConfig JSON; overrides the flags below")
     m.add_argument("--hidden-size", type=int, default=128)
@@ -90,6 +95,27 @@ def build_parser() -> argparse.ArgumentParser:
     add_corpus_args(p)
     add_recipe_args(p)
     return p
+
+
+def parse_rehash(text: str) -> tuple[int | None, int | None]:
+    """'1024x4' -> (1024, 4); 'auto' -> (None, None): num_buckets automatic, num_hashes kept."""
+    buckets, _, hashes = text.strip().lower().partition("x")
+    try:
+        nb = None if buckets == "auto" else int(buckets)
+        nh = int(hashes) if hashes else None
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"cannot read --rehash {text!r}: use e.g. 1024, 1024x4 or autox4") from None
+    if (nb is not None and (nb < 2 or nb % 2)) or (nh is not None and nh < 1):
+        raise argparse.ArgumentTypeError(f"--rehash {text!r}: buckets must be even and >= 2, hashes >= 1")
+    return nb, nh
+
+
+def rehashed(cfg: ReformerConfig, rehash: tuple[int | None, int | None] | None) -> ReformerConfig:
+    """The --init-from model's config with --rehash applied (unchanged without it)."""
+    if rehash is None:
+        return cfg
+    nb, nh = rehash
+    return dataclasses.replace(cfg, num_buckets=nb, num_hashes=nh if nh is not None else cfg.num_hashes)
 
 
 def model_config(args: argparse.Namespace) -> ReformerConfig:

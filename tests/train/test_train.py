@@ -180,3 +180,27 @@ def test_init_from_starts_a_new_run_from_a_checkpoints_or_an_artifacts_weights(
                        "--max-steps", "2", *TINY]) == 2
     assert train_main([str(corpus), "--out", str(tmp_path / "x"), "--init-from", str(tmp_path),
                        "--max-steps", "1", *TINY]) == 2
+
+
+def test_rehash_changes_the_hashing_of_an_init_from_model_and_nothing_else(corpus: Path, tmp_path: Path) -> None:
+    source = tmp_path / "source"
+    assert train_main([str(corpus), "--out", str(source), "--max-steps", "2", *TINY]) == 0
+    tuned = tmp_path / "tuned"
+    assert train_main([str(corpus), "--out", str(tuned), "--init-from", str(source / "checkpoint"), "--rehash",
+                       "128x3", "--max-steps", "1", *TINY, "--lr", "0"]) == 0
+    before = read_checkpoint_metadata(source / "checkpoint")["config"]
+    after = read_checkpoint_metadata(tuned / "checkpoint")["config"]
+    assert (after["num_buckets"], after["num_hashes"]) == (128, 3)
+    assert {k: v for k, v in after.items() if k not in ("num_buckets", "num_hashes")} == \
+        {k: v for k, v in before.items() if k not in ("num_buckets", "num_hashes")}
+    assert _same(_weights(tuned / "checkpoint"), _weights(source / "checkpoint"))
+    auto = tmp_path / "auto"
+    assert train_main([str(corpus), "--out", str(auto), "--init-from", str(source / "checkpoint"), "--rehash",
+                       "auto", "--max-steps", "1", *TINY, "--lr", "0"]) == 0
+    assert read_checkpoint_metadata(auto / "checkpoint")["config"]["num_buckets"] is None
+    # only for a fine-tune; an odd bucket count is refused when the options are read
+    assert train_main([str(corpus), "--out", str(tmp_path / "x"), "--rehash", "128", "--max-steps", "1",
+                       *TINY]) == 2
+    with pytest.raises(SystemExit):
+        train_main([str(corpus), "--out", str(tmp_path / "y"), "--init-from", str(source / "checkpoint"),
+                    "--rehash", "127", "--max-steps", "1", *TINY])
