@@ -104,9 +104,9 @@ def export_main(argv: list[str]) -> int:
     p.add_argument("checkpoint", type=Path, help="checkpoint directory (or its model.safetensors)")
     p.add_argument("out_dir", type=Path, help="artifact directory to write")
     _add_output_flags(p)
-    p.add_argument("--eval-data", type=Path,
-                   help="text file or directory of *.txt whose tails are held out, for the int8 bits-per-byte check"
-                        " (default: a small built-in text)")
+    p.add_argument("--eval-data", type=Path, nargs="+", action="extend",
+                   help="text files or directories of *.txt whose tails are held out, for the int8 bits-per-byte "
+                        "check (default: a small built-in text); several may be given")
     p.add_argument("--eval-bytes", type=int, default=32768, help="bytes taken from the end of each eval file")
     p.add_argument("--embed-stats-passages", type=int, default=DEFAULT_PASSAGES,
                    help="passages of the --eval-data files' training heads (before their validation tails) whose "
@@ -139,10 +139,10 @@ def export_main(argv: list[str]) -> int:
         if args.eval_data is not None:
             from .quantize import read_eval_data
 
-            eval_text = read_eval_data(args.eval_data, args.eval_bytes)
+            eval_text = b"\n\n".join(read_eval_data(d, args.eval_bytes) for d in args.eval_data)
         # the training run's own split, so that no validation byte is among the statistics' passages
         val_fraction = float(provenance.get("val_fraction", 0.05))
-        stats = stats_for_export(model, tokenizer, [args.eval_data] if args.eval_data is not None else None,
+        stats = stats_for_export(model, tokenizer, list(args.eval_data) if args.eval_data else None,
                                  val_fraction, args.embed_stats_bytes, args.embed_stats_passages,
                                  args.embed_stats_shrinkage)
         out = save_artifact(model, args.out_dir, tokenizer=tokenizer, provenance=provenance, evaluation=evaluation,

@@ -252,3 +252,14 @@ def test_a_given_shrinkage_is_used_and_recorded_and_a_bad_one_refused(tmp_path: 
     assert record["whitening_shrinkage"] == 0.3 and record["shrinkage_selection"] == {"rule": "given (0.3)"}
     assert export_main([base[0], str(tmp_path / "bad"), *base[1:], "--embed-stats-shrinkage", "1.5"]) == 1
     assert "shrinkage must be in [0, 1], got 1.5" in capsys.readouterr().err
+
+
+def test_export_reads_several_eval_data_folders(tmp_path: Path) -> None:
+    first, second = _books(tmp_path / "one"), tmp_path / "two"
+    second.mkdir()
+    (second / "c.txt").write_text("".join("pqr st"[(i * 5) % 6] for i in range(1900)) + "#" * 99)
+    ckpt = write_checkpoint(tmp_path / "ckpt", seed=2)
+    assert export_main([str(ckpt), str(tmp_path / "art"), "--no-onnx", "--eval-data", str(first), str(second),
+                        "--embed-stats-passages", "12", "--embed-stats-bytes", str(PASSAGE)]) == 0
+    record = load_artifact(tmp_path / "art").manifest["export"]["embedding_stats"]
+    assert {Path(f).name for f in record["source_files"]} == {"a.txt", "b.txt", "c.txt"}
