@@ -34,6 +34,8 @@ SAMPLE_SERIES: dict[str, tuple[str, dict[str, str]]] = {
     "live_tensor_resident_bytes": ("reformer_live_tensor_resident_bytes", {}),
     "python_objects": ("reformer_python_objects", {}),
     "decode_cache_allocated_bytes": ("reformer_decode_cache_bytes", {"state": "allocated"}),
+    "decode_cache_resident_bytes": ("reformer_decode_cache_resident_bytes", {}),
+    "decode_cache_released_finished_bytes": ("reformer_decode_cache_released_bytes_total", {"reason": "finished"}),
     "running_generations": ("reformer_running_generations", {}),
     "queued_generate": ("reformer_queue_size", {"kind": "generate"}),
     "queued_embed": ("reformer_queue_size", {"kind": "embed"}),

@@ -8,14 +8,16 @@ fragmentation, not with load. `malloc_trim(0)` returns the pages of every free c
 arena, without moving anything; the chunks stay free in the heap and fault in again when reused.
 
 The decode cache's pools (model/decoding/huge_pages.py) are mapped whole and stay resident wherever a request ever
-wrote them; once no request holds any of the cache, their pages can go back too (service/runner.py
-`release_free_pages`).
+wrote them; the pages of their free blocks can go back too (service/runner.py `release_free_pages`).
 
-`HeapKeeper` decides when the model worker trims (service/engine.py calls it between its turns, never
-during a model step): once per idle spell, when nothing has run or waited for `idle_trim_s`, the heap and
-the decode cache's pools; and, with a memory budget, the heap alone between two turns while the RSS is
-above it (at most once every `BUDGET_TRIM_INTERVAL_S`, so that a budget under the working set cannot make
-every step fault its memory in again).
+`HeapKeeper` decides when the model worker gives memory back (service/engine.py calls it between its turns,
+never during a model step): after each turn in which a request finished, the pool pages of its blocks
+beyond the lowest `keep_bytes` of free blocks (REFORMER_CACHE_KEEP_MB), so that under steady load, never
+idle, the pools' resident pages follow the requests running and not the most ever held at once; once per
+idle spell, when nothing has run or waited for `idle_trim_s`, the heap and every free pool page; and, with
+a memory budget, the heap and every free pool page between two turns while the RSS is above it (at most
+once every `BUDGET_TRIM_INTERVAL_S`, so that a budget under the working set cannot make every step fault
+its memory in again).
 
 The heap's part degrades to "unavailable" off glibc (musl, macOS): nothing raises, nothing is trimmed.
 """
@@ -39,6 +41,8 @@ log = logging.getLogger("service.memory")
 BUDGET_CHECK_S = 1.0
 BUDGET_TRIM_INTERVAL_S = 10.0
 TRIM_REASONS = ("idle", "budget")
+# why pool pages were given back: a request finished (beyond the kept blocks), an idle trim, a budget trim
+RELEASE_REASONS = ("finished", *TRIM_REASONS)
 
 
 class _Mallinfo2(ctypes.Structure):
@@ -108,7 +112,7 @@ def malloc_trim() -> bool:
 
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-_HUGE_PAGE = 2 * 2**20
+HUGE_PAGE = 2 * 2**20
 
 
 def release_pages(address: int, nbytes: int) -> int:
@@ -119,8 +123,8 @@ def release_pages(address: int, nbytes: int) -> int:
     free rows), never for live data."""
     if _LIBC.madvise is None:
         return 0
-    start = -(-address // _HUGE_PAGE) * _HUGE_PAGE
-    end = (address + nbytes) // _HUGE_PAGE * _HUGE_PAGE
+    start = -(-address // HUGE_PAGE) * HUGE_PAGE
+    end = (address + nbytes) // HUGE_PAGE * HUGE_PAGE
     if end <= start or _LIBC.madvise(start, end - start, mmap.MADV_DONTNEED) != 0:
         return 0
     return end - start
@@ -142,15 +146,18 @@ class HeapKeeper:
 
     def __init__(self, idle_trim_s: float, budget_bytes: int = 0, trim: Callable[[], bool] | None = None,
                  rss: Callable[[], int] = rss_bytes, clock: Callable[[], float] = time.monotonic,
-                 release: Callable[[], int] | None = None) -> None:
-        """`trim`: the heap's trim (default malloc_trim where glibc has it); `release`: what else an idle trim
-        gives back, memory whose contents are dead once nothing runs (the engine passes its runner's
-        `release_free_pages`, the decode cache's pools)."""
+                 release: Callable[[int], int] | None = None, keep_bytes: int | None = None) -> None:
+        """`trim`: the heap's trim (default malloc_trim where glibc has it); `release(keep)`: gives back the
+        decode cache's free pool pages but those of the lowest `keep` bytes of free blocks, returns the bytes
+        advised (the engine passes its runner's `release_free_pages`); a trim calls it with 0, and with
+        `keep_bytes` (None: never) it runs after every turn that did work (it returns at once when no request
+        finished)."""
         self.idle_trim_s = idle_trim_s
         self.budget_bytes = budget_bytes
         self.trim_function: Callable[[], bool] | None = trim if trim is not None else (
             malloc_trim if trim_available() else None)
         self.release_function = release
+        self.keep_bytes = keep_bytes
         self.rss_function = rss
         self.clock = clock
         self.last_busy = clock()
@@ -161,6 +168,7 @@ class HeapKeeper:
         self.trims = dict.fromkeys(TRIM_REASONS, 0)
         self.trim_seconds = 0.0
         self.last_released_bytes = 0
+        self.pool_released = dict.fromkeys(RELEASE_REASONS, 0)  # pool bytes advised, by reason
         self._failures = 0
         self._lock = threading.Lock()  # counters change together: a scrape sees a whole trim or none
 
@@ -187,12 +195,16 @@ class HeapKeeper:
         return due if timeout is None else min(timeout, due)
 
     def after_work(self) -> None:
-        """After a turn that ran prefills, a decode step or an embedding batch: the idle spell starts again,
-        and over the budget (read at most every BUDGET_CHECK_S) the heap is trimmed now."""
+        """After a turn that ran prefills, a decode step or an embedding batch: the idle spell starts again, the
+        pool pages of requests that finished go back beyond `keep_bytes`, and over the budget (read at most
+        every BUDGET_CHECK_S) the heap and the free pool pages are trimmed now."""
         now = self.clock()
         self.last_busy = now
         self.trimmed_this_spell = False
-        if not self.budget_bytes or self.trim_function is None or now - self.last_budget_check < BUDGET_CHECK_S:
+        if self.keep_bytes is not None and self.release_function is not None:
+            self._release_finished(self.release_function, self.keep_bytes)
+        if not self.budget_bytes or (self.trim_function is None and self.release_function is None) \
+                or now - self.last_budget_check < BUDGET_CHECK_S:
             return
         self.last_budget_check = now
         if now - self.last_trim_at >= BUDGET_TRIM_INTERVAL_S and self.rss_function() > self.budget_bytes:
@@ -203,16 +215,15 @@ class HeapKeeper:
         goes on; the spell counts as trimmed so that a failing trim is not retried in a loop."""
         if reason == "idle":
             self.trimmed_this_spell = True
-        # under load (budget) only the heap: the decode cache's pools hold running requests
-        steps = [self.trim_function, self.release_function if reason == "idle" else None]
-        if not any(steps):
+        if self.trim_function is None and self.release_function is None:
             return
         before = self.rss_function()
         began = time.perf_counter()
         try:
-            for step in steps:
-                if step is not None:
-                    step()
+            if self.trim_function is not None:
+                self.trim_function()
+            # free blocks only: the running requests' blocks are not touched
+            pool = self.release_function(0) if self.release_function is not None else 0
         except Exception:
             self._failures += 1
             log.warning("memory trim failed (%d so far); the process keeps the memory", self._failures,
@@ -225,16 +236,36 @@ class HeapKeeper:
             self.trims[reason] += 1
             self.trim_seconds += took
             self.last_released_bytes = released
+            self.pool_released[reason] += pool
         log.debug("heap trimmed (%s): %.1f MB returned in %.1f ms", reason, released / 2**20, took * 1000)
+
+    def _release_finished(self, release: Callable[[int], int], keep: int) -> None:
+        try:
+            pool = release(keep)
+        except Exception:
+            self._failures += 1
+            log.warning("giving the decode cache's free pages back failed (%d so far)", self._failures,
+                        exc_info=self._failures == 1)
+            self.keep_bytes = None  # not retried after every turn
+            return
+        if pool:
+            with self._lock:
+                self.pool_released["finished"] += pool
 
     def counters(self) -> tuple[dict[str, int], float, int]:
         """(trims by reason, seconds spent trimming, bytes the last trim released), read together."""
         with self._lock:
             return dict(self.trims), self.trim_seconds, self.last_released_bytes
 
+    def pool_counters(self) -> dict[str, int]:
+        """Pool bytes given back (advised) by reason (RELEASE_REASONS)."""
+        with self._lock:
+            return dict(self.pool_released)
+
     def describe(self) -> dict[str, object]:
         """What /info reports."""
         return {"idle_trim_s": self.idle_trim_s, "memory_budget_bytes": self.budget_bytes or None,
                 "malloc_trim_available": self.trim_function is not None,
                 "decode_cache_release": self.release_function is not None,
+                "decode_cache_keep_bytes": self.keep_bytes,
                 "heap_stats_available": _LIBC.mallinfo2 is not None}

@@ -1,5 +1,6 @@
 """Memory series, read at scrape time: glibc's heap (service/memory.py), the worker's trims, the memory
-budget, and with `debug_memory` the live tensor bytes and Python object count.
+budget, the decode cache's pool pages (resident, free but written, given back), and with `debug_memory` the
+live tensor bytes and Python object count.
 
 The process's RSS is `process_resident_memory_bytes` (prometheus-client's process collector). Heap series
 exist only on glibc (like the GPU series only on CUDA). Set against RSS they tell a leak from retention:
@@ -14,12 +15,16 @@ import gc
 import time
 import typing
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from service.memory import TRIM_REASONS, HeapKeeper, heap_stats
+from service.memory import RELEASE_REASONS, TRIM_REASONS, HeapKeeper, heap_stats
+
+if TYPE_CHECKING:
+    from service.runner import ModelRunner
 
 HEAP_MAPPED = "reformer_heap_mapped_bytes"
 HEAP_IN_USE = "reformer_heap_in_use_bytes"
@@ -28,6 +33,9 @@ TRIMS = "reformer_heap_trims"
 TRIM_SECONDS = "reformer_heap_trim_seconds"
 LAST_RELEASED = "reformer_heap_last_trim_released_bytes"
 BUDGET = "reformer_memory_budget_bytes"
+POOL_RESIDENT = "reformer_decode_cache_resident_bytes"
+POOL_WRITTEN_FREE = "reformer_decode_cache_written_free_bytes"
+POOL_RELEASED = "reformer_decode_cache_released_bytes"
 PYTHON_OBJECTS = "reformer_python_objects"
 LIVE_TENSORS = "reformer_live_tensor_bytes"
 LIVE_TENSORS_RESIDENT = "reformer_live_tensor_resident_bytes"
@@ -101,10 +109,13 @@ def live_tensor_bytes(objects: list[object]) -> int:
 
 
 class MemoryCollector(Collector):
-    """`keeper` gives the engine's HeapKeeper once the engine exists (None before: counters at zero)."""
+    """`keeper` gives the engine's HeapKeeper once the engine exists (None before: counters at zero); `runner`
+    its ModelRunner (None before, or not given: no pool gauges)."""
 
-    def __init__(self, keeper: Callable[[], HeapKeeper | None], debug: bool = False) -> None:
+    def __init__(self, keeper: Callable[[], HeapKeeper | None], debug: bool = False,
+                 runner: Callable[[], ModelRunner | None] = lambda: None) -> None:
         self.keeper = keeper
+        self.runner = runner
         self.debug = debug
         self._debug_figures: tuple[int, int, int | None] | None = None
         self._debug_at = 0.0
@@ -134,8 +145,29 @@ class MemoryCollector(Collector):
                                 value=float(released))
         yield GaugeMetricFamily(BUDGET, "The memory budget (REFORMER_MEMORY_BUDGET_MB) in bytes; 0: none.",
                                 value=float(keeper.budget_bytes if keeper is not None else 0))
+        pool = keeper.pool_counters() if keeper is not None else dict.fromkeys(RELEASE_REASONS, 0)
+        family = CounterMetricFamily(POOL_RELEASED, "Bytes of the decode cache's pool pages the model worker gave "
+                                     "back to the system (madvise), by reason: finished (a request ended; beyond "
+                                     "REFORMER_CACHE_KEEP_MB), idle or budget (with a heap trim).", labels=["reason"])
+        for reason in RELEASE_REASONS:
+            family.add_metric([reason], float(pool.get(reason, 0)))
+        yield family
+        yield from self._pool_families()
         if self.debug:
             yield from self._debug_families()
+
+    def _pool_families(self) -> Iterator[Metric]:
+        runner = self.runner()
+        if runner is None or runner.device.type != "cpu":
+            return
+        yield GaugeMetricFamily(POOL_WRITTEN_FREE, "Bytes of the decode cache's free blocks written since their "
+                                "pages were last given back: at most what its free part keeps resident.",
+                                value=float(runner.cache.written_free_bytes))
+        maps = mappings()
+        if maps is not None:
+            yield GaugeMetricFamily(POOL_RESIDENT, "Resident bytes of the decode cache's pools (/proc/self/smaps Rss "
+                                    "of their mappings), whether their blocks are in use or free.",
+                                    value=float(attributed_resident(runner.pool_storages(), maps)))
 
     def _debug_families(self) -> Iterator[Metric]:
         now = time.monotonic()

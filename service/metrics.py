@@ -194,7 +194,8 @@ class ServiceMetrics:
         self.add_collector(self.decode_cache, "decode_cache")
         self.add_collector(GpuCollector(), "gpu")
         # the engine's HeapKeeper (service/memory.py) once it exists; heap series, trims, the memory budget
-        self.add_collector(MemoryCollector(lambda: getattr(engine_source(), "memory", None), debug_memory), "memory")
+        self.add_collector(MemoryCollector(lambda: getattr(engine_source(), "memory", None), debug_memory,
+                                           lambda: getattr(engine_source(), "runner", None)), "memory")
         for reason in REJECT_REASONS:
             self.rejected.labels(reason)
         for stage in DROP_STAGES:

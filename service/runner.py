@@ -23,7 +23,7 @@ from model.decoding import (
     step_threads,
 )
 from model.decoding.steps.cuda_graphs import StepGraphs
-from service.memory import release_pages
+from service.memory import HUGE_PAGE, release_pages
 
 log = logging.getLogger("service.engine")
 
@@ -69,6 +69,9 @@ class ModelRunner:
         self.max_positions: int = model.config.max_position_embeddings
         self.graphs = step_graphs_for(self.device, cuda_graphs)
         self.last_rows_per_call = 0  # the most rows one model call of the last decode step held
+        # the widest a run of free blocks must be to cover a whole huge page of the widest-rowed pool
+        self._reach = max((-(-HUGE_PAGE // (self.cache.block_size * pool.stride(0) * pool.element_size()))
+                           for pool in self.cache.kv), default=1)
 
     # ---- accounting --------------------------------------------------------------------------------------
     def fits_ever(self, tokens: int) -> bool:
@@ -142,24 +145,36 @@ class ModelRunner:
         if state is not None:
             self.cache.free(state)
 
-    def release_free_pages(self) -> int:
-        """When no generation holds any of the decode cache: give the pages of its key/value and norm pools
-        back to the system, all but the scratch block 0 (service/memory.py release_pages); returns the bytes
-        advised. The pools are mapped whole (model/decoding/huge_pages.py) and stay resident wherever they were ever
-        written, so without this the cache's RSS is the high-water mark of every request it ever held (a
-        64K-token prompt writes 260 MB of the shipped model's pools). Safe by model/decoding/cache.py's rule
-        that a read never reaches a pool row not written since its allocation: a released row reads as
-        zeros only where nothing reads it. Key/value and norm pools only (98% of a token's bytes): the LSH
-        index's order is left as it is. The engine's worker calls it (service/memory.py HeapKeeper), idle."""
+    def release_free_pages(self, keep_bytes: int = 0) -> int:
+        """Give the pages of the decode cache's free blocks back to the system (service/memory.py
+        release_pages), those written since their last release, all but the lowest-numbered `keep_bytes` of
+        blocks (handed out first, so short requests reuse resident pages instead of faulting them in); returns
+        the bytes advised. The pools are mapped whole (model/decoding/huge_pages.py) and stay resident
+        wherever they were ever written, so without this the cache's RSS is the high-water mark of every set
+        of requests it held at once (a 64K-token prompt writes 260 MB of the shipped model's pools). Only whole
+        huge pages inside free runs go back (model/decoding/cache.py `take_releasable`: a released row reads
+        as zeros only where nothing reads it). Key/value and norm pools only (98% of a token's bytes): the
+        LSH index's order is left as it is. The engine's worker calls it between turns (service/memory.py
+        HeapKeeper): with `REFORMER_CACHE_KEEP_MB` after a request finished, with 0 idle or over the budget."""
         cache = self.cache
-        if self.device.type != "cpu" or cache.allocated_bytes != 0 or cache.free_blocks != cache.blocks - 1:
+        if self.device.type != "cpu":
             return 0
+        runs = cache.take_releasable(-(-keep_bytes // cache.bytes_per_block), self._reach)
         released = 0
-        for pool in (*cache.kv, *(n for n in cache.norms if n is not None)):
-            storage = pool.untyped_storage()
-            scratch = cache.block_size * pool.stride(0) * pool.element_size()  # block 0: rows written at start
-            released += release_pages(storage.data_ptr() + scratch, storage.nbytes() - scratch)
+        for pool in (*cache.kv, *(n for n in cache.norms if n is not None)) if runs else ():
+            row = pool.stride(0) * pool.element_size()
+            base = pool.untyped_storage().data_ptr()
+            for start, stop in runs:
+                released += release_pages(base + start * row, (stop - start) * row)
         return released
+
+    def pool_storages(self) -> dict[int, int]:
+        """{address: bytes} of the decode cache's pools (keys and values, norms, LSH orders): what
+        reformer_decode_cache_resident_bytes reads the resident pages of (service/memory_metrics.py)."""
+        cache = self.cache
+        tensors = [*cache.kv, *(n for n in cache.norms if n is not None),
+                   *(ix.items for ix in cache.indexes if ix is not None)]
+        return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
 
     def stats(self) -> dict[str, int]:
         return {"cache_bytes": self.cache.allocated_bytes, "cache_capacity_bytes": self.cache.capacity_bytes}

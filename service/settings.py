@@ -184,12 +184,24 @@ class Settings(BaseSettings):
     )
     memory_budget_mb: int = Field(
         0, ge=0,
-        description="Resident memory (RSS, MiB) above which the model worker also trims the heap while busy: "
+        description="Resident memory (RSS, MiB) above which the model worker also trims the heap and gives the "
+        "decode cache's free pool pages back while busy: "
         "between two of its turns (never during a model step), at most once every 10 s; 0 (default): only the "
         "idle trim. Each such trim costs the running requests a pause (the trim itself, tens of ms per GB "
         "returned) and page faults as the memory is reused: set it above the working set, as a bound on "
         "fragmentation, not below it. reformer_memory_budget_bytes shows it, process_resident_memory_bytes "
         "what it bounds, reformer_heap_trims_total{reason=\"budget\"} the trims.",
+    )
+    cache_keep_mb: int = Field(
+        64, ge=0,
+        description="When a generation finishes, the model worker gives the pages of the decode cache's free "
+        "blocks back to the system, all but the lowest-numbered this many MiB of them (blocks are handed out "
+        "lowest first, so short requests reuse those pages instead of faulting them in again). Without it the "
+        "cache's resident memory under steady load is the most it ever held at once: the engine is never idle "
+        "for REFORMER_IDLE_TRIM_S, and a free block's pages stay resident once written. Larger: fewer page "
+        "faults, more resident memory; 0: every finished request's pages go back. "
+        "reformer_decode_cache_released_bytes_total{reason=\"finished\"} counts what goes back, "
+        "reformer_decode_cache_resident_bytes shows what stays.",
     )
     debug_memory: bool = Field(
         False,

@@ -21,11 +21,16 @@ longest request the cache is built for (`max_tokens`), and refuses longer ones, 
 the capacity does not count.
 
 On a Linux CPU the pools are mapped on transparent huge pages (model/decoding/huge_pages.py): a long request's windows
-read rows scattered over the whole pool.
+read rows scattered over the whole pool. A pool's page stays resident once written, so free blocks are handed
+out lowest first (the running requests' blocks gather at the low end of the pools) and the cache keeps the
+free blocks written since their pages were last given back (`take_releasable`): the owner gives those pages
+back (service/runner.py), and the pools' resident pages follow the blocks in use instead of the highest
+number of blocks ever held at once.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -178,7 +183,10 @@ class DecodeCache:
         self.max_blocks = -(-cfg.padded_length(cfg.max_position_embeddings) // block_size)
         self.block_table = torch.zeros(max_slots + 1, self.max_blocks, dtype=torch.long, device=self.device)
         self.scratch_slot = max_slots
-        self._free_blocks = list(range(self.blocks - 1, 0, -1))
+        self._free_blocks = list(range(1, self.blocks))  # a heap: the lowest free block is handed out first
+        self._is_free = [False, *([True] * (self.blocks - 1))]
+        self._written: set[int] = set()  # free blocks written since their pages were last given back
+        self._last_take: int | None = None  # keep_blocks of the last take_releasable when no block was freed since
         self._free_slots = list(range(max_slots - 1, -1, -1))
 
     def rows_independent(self, threads: int | None = None) -> bool:
@@ -246,7 +254,10 @@ class DecodeCache:
                             f"is {self.capacity_bytes} bytes", never=True)
         if not self.fits_now(tokens):
             raise CacheFull(f"decode cache full: {tokens} tokens do not fit now")
-        blocks = [self._free_blocks.pop() for _ in range(need)]
+        blocks = [heapq.heappop(self._free_blocks) for _ in range(need)]
+        for block in blocks:
+            self._is_free[block] = False
+        self._written.difference_update(blocks)
         slot = self._free_slots.pop()
         self.block_table[slot, :need] = torch.tensor(blocks, dtype=torch.long).to(self.device)
         return DecodeState(slot=slot, blocks=blocks, num_buckets=[None] * len(self.indexes),
@@ -255,9 +266,50 @@ class DecodeCache:
     def free(self, state: DecodeState) -> None:
         if state.slot < 0:
             return
-        self._free_blocks.extend(reversed(state.blocks))
+        for block in state.blocks:
+            heapq.heappush(self._free_blocks, block)
+            self._is_free[block] = True
+        self._written.update(state.blocks)
+        self._last_take = None
         self._free_slots.append(state.slot)
         state.blocks, state.slot = [], -1
+
+    # ---- resident pages ----------------------------------------------------------------------------------
+    @property
+    def written_free_bytes(self) -> int:
+        """Bytes of the free blocks written since their pages were last given back (`take_releasable`): at most
+        what the free part of the pools keeps resident (a block inside a huge page that a used block shares
+        stays resident after its release)."""
+        return len(self._written) * self.bytes_per_block
+
+    def take_releasable(self, keep_blocks: int = 0, reach: int = 1) -> list[tuple[int, int]]:
+        """Row ranges [start, stop) of the pools whose contents are dead and whose pages the owner gives back
+        now (service/runner.py `release_free_pages`); the blocks in them count as given back from then on.
+        Each range is a run of free blocks around the free blocks written since their last release, numbered
+        `keep_blocks` or above (blocks are handed out lowest first, so those below are the next ones reused
+        and stay resident), widened by up to `reach` free blocks on either side (blocks given back already)
+        so that it can cover whole huge pages. Safe because a read never reaches a pool row not written since
+        its block's allocation (see the pools in `__init__`)."""
+        low = max(keep_blocks, 1)  # never block 0 (scratch)
+        if self._last_take is not None and low >= self._last_take:
+            return []  # nothing freed since a take that left no more than this (called every turn: cheap)
+        self._last_take = low
+        pending = {b for b in self._written if b >= low}
+        self._written -= pending
+        runs: list[tuple[int, int]] = []
+        for block in sorted(pending):
+            if runs and block < runs[-1][1]:
+                continue  # inside the last run
+            first, stop, last = block, block + 1, block
+            while first > low and block - first < reach and self._is_free[first - 1]:
+                first -= 1
+            while stop < self.blocks and self._is_free[stop] and stop - last <= reach:
+                last = stop if stop in pending else last
+                stop += 1
+            if runs and first <= runs[-1][1]:
+                first = runs.pop()[0]
+            runs.append((first, stop))
+        return [(first * self.block_size, stop * self.block_size) for first, stop in runs]
 
     # ---- tensors -----------------------------------------------------------------------------------------
     def rows(self, slots: Tensor, positions: Tensor) -> Tensor:

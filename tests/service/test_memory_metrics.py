@@ -33,6 +33,7 @@ def test_trim_counters_start_at_zero_before_the_engine_exists() -> None:
     assert 'reformer_heap_trims_total{reason="idle"} 0.0' in text
     assert 'reformer_heap_trims_total{reason="budget"} 0.0' in text
     assert "reformer_memory_budget_bytes 0.0" in text
+    assert 'reformer_decode_cache_released_bytes_total{reason="finished"} 0.0' in text
 
 
 @pytest.mark.skipif(not GLIBC, reason="glibc's mallinfo2 and malloc_trim only")
@@ -52,7 +53,10 @@ def test_the_served_app_reports_its_heap_its_trims_and_its_budget(artifact: Any)
     assert metric_value(text, "reformer_memory_budget_bytes") == 4096 * 2**20
     assert info["memory"] == {"idle_trim_s": 0.1, "memory_budget_bytes": 4096 * 2**20,
                               "malloc_trim_available": True, "decode_cache_release": True,
-                              "heap_stats_available": True}
+                              "decode_cache_keep_bytes": 64 * 2**20, "heap_stats_available": True}
+    assert metric_value(text, "reformer_decode_cache_resident_bytes") > 0  # block 0 of each pool, at least
+    assert metric_value(text, "reformer_decode_cache_written_free_bytes") >= 0
+    assert metric_value(text, "reformer_decode_cache_released_bytes_total", {"reason": "idle"}) >= 0
     assert info["settings"]["idle_trim_s"] == 0.1 and info["settings"]["memory_budget_mb"] == 4096
 
 
