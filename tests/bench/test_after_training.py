@@ -1,4 +1,4 @@
-"""bench/long_context.py and bench/embed_quality.py on a tiny checkpoint and a tiny corpus written here."""
+"""bench/long_context.py, embed_quality.py and val_bpb.py on a tiny checkpoint and a tiny corpus written here."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import embed_quality  # noqa: E402
 import long_context  # noqa: E402
+import val_bpb  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -136,3 +137,23 @@ def test_plot_training_chains_fine_tunes_from_where_the_run_before_ended(tmp_pat
     out = tmp_path / "chain.png"
     assert plot_training.main([str(run), str(run), "--chain", "--out", str(out)]) == 0
     assert out.exists()
+
+
+def test_val_bpb_scores_every_held_out_byte_per_folder(tiny: tuple[Path, Path], tmp_path: Path) -> None:
+    ckpt, data = tiny
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "ddd.txt").write_text("xyz " * 500)
+    out = tmp_path / "v.json"
+    assert val_bpb.main([str(ckpt), "--data", str(data), str(other), "--val-fraction", "0.5", "--window", "300",
+                         "--threads", "1", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    first, second = res["groups"]
+    # 1,000-byte tails in windows of 300: 4 windows, each scoring all but its first byte
+    assert [f["bytes"] for f in first["files"]] == [996, 996, 996] and first["bytes"] == 3 * 996
+    assert [f["file"] for f in second["files"]] == ["ddd.txt"]
+    lm, _ = val_bpb.load_lm(ckpt)
+    bits, scored = val_bpb.tail_bits(lm, np.arange(300, dtype=np.int64) % 250 + 2, 300)
+    assert scored == 299 and 0 < bits / scored < 16
+    expected = sum(f["bits_per_byte"] * f["bytes"] for f in first["files"]) / first["bytes"]
+    assert first["bits_per_byte"] == pytest.approx(expected, abs=1e-4)
