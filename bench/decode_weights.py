@@ -3,6 +3,7 @@
     python bench/decode_weights.py [--prompt 16384] [--steps 32] [--rounds 3] [--threads 2]
                                    [--artifact DIR] [--data DIR] [--quality-prompt 1024] [--eval-len 256]
                                    [--continuation 96] [--samples 3] [--skip-speed] [--skip-quality]
+                                   [--kv-cache-dtype float32|bfloat16|float16]
 
 (a) Speed: google/reformer-enwik8's configuration (bench/import_hf_enwik8.py's ENWIK8: 12 layers, hidden 1024,
 149M parameters) with random weights (torch.manual_seed(8)), one `--prompt`-token prompt prefilled once
@@ -10,7 +11,8 @@
 intra-op threads (the one-call C step splits its products between them) for each weight kind in turn,
 `--rounds` rounds, so a swing in the machine's speed falls on every kind; the kinds share the cache (each
 step adds a position: the last kind's steps run a few dozen positions later, nothing at 16K). The median
-step of each kind is reported.
+step of each kind is reported. `--kv-cache-dtype` keeps the speed run's cached keys and values in that dtype
+(REFORMER_KV_CACHE_DTYPE): the step's other large read.
 
 (b) Quality, on the shipped model (or `--artifact`'s), over `--samples` held-out windows (the last 5% of each
 file of `--data`, as train/data.py holds tails out): teacher-forced bits per byte of `--eval-len` bytes after a
@@ -59,7 +61,7 @@ def use_weights(cache: DecodeCache, kind: WeightKind, held: dict[str, tuple[Step
 
 
 @torch.no_grad()
-def speed(prompt_len: int, steps: int, rounds: int, threads: int) -> dict[str, Any]:
+def speed(prompt_len: int, steps: int, rounds: int, threads: int, kv: str = "float32") -> dict[str, Any]:
     import transformers
 
     torch.manual_seed(8)
@@ -67,7 +69,7 @@ def speed(prompt_len: int, steps: int, rounds: int, threads: int) -> dict[str, A
     params = sum(p.numel() for p in lm.parameters())
     prompt = torch.randint(3, 258, (prompt_len,))
     total = prompt_len + rounds * len(KINDS) * (steps + 1) + 8
-    cache = DecodeCache.for_tokens(lm, total)
+    cache = DecodeCache.for_tokens(lm, total, kv_dtype=getattr(torch, kv))
     assert cache.fused_step is not None, "the C kernels did not load: nothing to measure"
     start = time.perf_counter()
     first, states = prefill(lm, cache, [prompt], [total])
@@ -75,7 +77,7 @@ def speed(prompt_len: int, steps: int, rounds: int, threads: int) -> dict[str, A
     print(f"prefill of {prompt_len} tokens: {prefill_s:.1f} s", file=sys.stderr, flush=True)
     held: dict[str, tuple[StepLinears, FusedStep]] = {}
     token = first.argmax(-1)
-    times: dict[str, list[float]] = {k: [] for k in KINDS}
+    times: dict[WeightKind, list[float]] = {k: [] for k in KINDS}
     for r in range(rounds):
         for kind in KINDS:
             use_weights(cache, kind, held)
@@ -90,7 +92,7 @@ def speed(prompt_len: int, steps: int, rounds: int, threads: int) -> dict[str, A
                 for k in KINDS}
     return {"config": "google/reformer-enwik8 (bench/import_hf_enwik8.py ENWIK8), random weights, seed 8",
             "parameters": params, "prompt": prompt_len, "steps_per_round": steps, "rounds": rounds,
-            "threads": threads, "prefill_s": prefill_s,
+            "threads": threads, "kv_cache_dtype": kv, "prefill_s": prefill_s,
             "kinds": {k: {"median_ms": 1000 * statistics.median(v), "min_ms": 1000 * min(v),
                           "p90_ms": 1000 * sorted(v)[int(0.9 * (len(v) - 1))], "packed_weight_bytes": bytes_of[k]}
                       for k, v in times.items()}}
@@ -156,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-len", type=int, default=256)
     p.add_argument("--continuation", type=int, default=96)
     p.add_argument("--samples", type=int, default=3)
+    p.add_argument("--kv-cache-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--skip-speed", action="store_true")
     p.add_argument("--skip-quality", action="store_true")
     p.add_argument("--out", type=Path, default=RESULTS / "decode_weights.json")
@@ -165,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()
     result: dict[str, Any] = {"argv": sys.argv[1:], "load_before": load_before}
     if not args.skip_speed:
-        result["speed"] = speed(args.prompt, args.steps, args.rounds, args.threads)
+        result["speed"] = speed(args.prompt, args.steps, args.rounds, args.threads, args.kv_cache_dtype)
     if not args.skip_quality:
         result["quality"] = quality(args.artifact, args.data, args.quality_prompt, args.eval_len, args.continuation,
                                     args.samples)
