@@ -12,7 +12,8 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).parent
-SOURCES = [f"model/kernels/csrc/{name}.c" for name in ("window_attend", "step_linear", "step_layers", "chunk_attend")]
+SOURCES = [f"model/kernels/csrc/{name}.c" for name in ("window_attend", "step_linear", "step_linear_q",
+                                                                   "step_layers", "chunk_attend")]
 # model/kernels/build.py's VARIANTS (flags only; that module is not importable before torch is installed)
 MARCH = {"avx512": ["-march=x86-64-v4", "-mtune=generic"], "avx2": ["-march=x86-64-v3", "-mtune=generic"],
          "portable": []}

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from model.kernels.weights import WeightKind
 from model.sampling import greedy_choices
 from service.admission import Admission, Reservation
 from service.backends import EmbeddingBackend
@@ -67,6 +68,7 @@ class EngineConfig:
     cuda_graphs: bool = False  # on CUDA, decode steps replay captured graphs (model/decoding/steps/cuda_graphs.py)
     cpu_kernels: bool = True  # on CPU, decode steps attend through the C window kernel (model/kernels/bindings.py)
     kv_cache_dtype: torch.dtype | None = None  # the decode cache's keys and values; None: the model's dtype
+    decode_weights: WeightKind = "float32"  # the C decode step's linear weights (model/kernels/weights.py)
     # Between two decode steps, sliced prefills run slice after slice while the next one, if it takes as long
     # as the longest of the last few (service/policy.py another_slice_fits), still ends within this much time
     # (at least one slice per step; 0: one slice per step). A running stream's gap is then about one decode
@@ -103,7 +105,7 @@ class Engine:
         self._prefilling: list[tuple[list[GenerationJob], Generator[None, None, Any], deque[float]]] = []
         self.runner = ModelRunner(model, device, config.max_batch_size, config.cache_bytes, config.batch_invariant,
                                   config.max_request_tokens, config.cuda_graphs, config.cpu_kernels,
-                                  config.kv_cache_dtype)
+                                  config.kv_cache_dtype, config.decode_weights)
         self.memory = HeapKeeper(config.idle_trim_s, config.memory_budget_bytes,
                                  release=self.runner.release_free_pages, keep_bytes=config.cache_keep_bytes)
         self._stopping = False

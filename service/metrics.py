@@ -186,8 +186,10 @@ class ServiceMetrics:
             PREFIX + "backend_info", "What runs (value 1): the decode step (c-fused, c-per-layer, torch, "
             "cuda-graphs), its attention (c, torch), a forward's chunk-window attention (c, torch-flash, "
             "torch-cuda-efficient, torch), the device, and the C kernels' build (installed:<variant>, first-use "
-            "build, off, unavailable).",
-            ["decode_step", "decode_attention", "prefill_attention", "device", "kernels"], registry=r,
+            "build, off, unavailable), and what the decode step's C products read the weights in (float32, "
+            "bfloat16, int8; REFORMER_DECODE_WEIGHTS).",
+            ["decode_step", "decode_attention", "prefill_attention", "device", "kernels", "decode_weights"],
+            registry=r,
         )
         self.decode_cache = DecodeCacheCollector(engine_source)
         self.add_collector(EngineCollector(engine_source), "engine")

@@ -23,6 +23,7 @@ from model.decoding import (
     step_threads,
 )
 from model.decoding.steps.cuda_graphs import StepGraphs
+from model.kernels.weights import WeightKind
 from service.memory import HUGE_PAGE, release_pages
 
 log = logging.getLogger("service.engine")
@@ -49,13 +50,15 @@ def step_graphs_for(device: torch.device, enabled: bool) -> StepGraphs | None:
 class ModelRunner:
     def __init__(self, model: Any, device: torch.device | None, max_slots: int, cache_bytes: int | None = None,
                  invariant: bool = False, max_tokens: int | None = None, cuda_graphs: bool = False,
-                 cpu_kernel: bool = True, kv_dtype: torch.dtype | None = None) -> None:
+                 cpu_kernel: bool = True, kv_dtype: torch.dtype | None = None,
+                 decode_weights: WeightKind = "float32") -> None:
         """`max_tokens`: the longest prompt plus max_new_tokens the service admits (default: the model's
         positions); an automatic bucket count's LSH bucket counts are reserved for it (model/decoding/cache.py).
         `cuda_graphs`: on CUDA, decode steps replay captured graphs (`graphs`, model/decoding/steps/cuda_graphs.py;
         tests set
         their own). `cpu_kernel`: a float32 model's CPU cache attends through the C window kernel when it builds
-        (model/kernels/bindings.py). `kv_dtype`: the cache's keys and values (None: the model's dtype)."""
+        (model/kernels/bindings.py). `kv_dtype`: the cache's keys and values (None: the model's dtype).
+        `decode_weights`: the C decode step's linear weights (REFORMER_DECODE_WEIGHTS)."""
         self.model = model
         self.device = device if device is not None else next(model.parameters()).device
         self.invariant = invariant
@@ -65,7 +68,7 @@ class ModelRunner:
             -(-probe.max_tokens // probe.block_size) * probe.bytes_per_block)
         wanted = default_cache_bytes(self.device) if cache_bytes is None else cache_bytes
         self.cache = DecodeCache(model, min(wanted, most), max_slots, max_tokens=max_tokens, cpu_kernel=cpu_kernel,
-                                 kv_dtype=kv_dtype)
+                                 kv_dtype=kv_dtype, weights=decode_weights)
         self.max_positions: int = model.config.max_position_embeddings
         self.graphs = step_graphs_for(self.device, cuda_graphs)
         self.last_rows_per_call = 0  # the most rows one model call of the last decode step held

@@ -93,6 +93,17 @@ class Settings(BaseSettings):
         "the C kernel reads bfloat16 on any build and float16 where the compiler targets F16C; otherwise "
         "those steps use PyTorch ops.",
     )
+    decode_weights: Literal["float32", "bfloat16", "int8"] = Field(
+        "float32",
+        description="What a CPU decode step's matrix products (projections, feed-forward, LM head) read the "
+        "weights in, where the C kernels run them: float32 (the model's), bfloat16 (half the bytes, each weight "
+        "rounded to nearest even) or int8 (a quarter: one float32 scale per output column, max |w| / 127); the "
+        "products still add in float32. A large model's step is bound by reading its weights, so it runs "
+        "about that much faster, at a cost in accuracy that bench/decode_weights.py measures "
+        "(bench/results/decode_weights.json). Prefill, embeddings, the norms, embeddings tables and the LSH "
+        "hash stay float32, and so do steps PyTorch runs (GPU, cpu_kernels off, or a float32 product on more "
+        "than one thread outside the one-call step). /info's runs.decode_weights says what the step uses.",
+    )
     batch_invariant: bool = Field(
         False,
         description="Make a generation's logits bit-identical whatever it is batched with: prefill each prompt "

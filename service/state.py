@@ -147,6 +147,7 @@ class ServiceState:
             request_timeout_s=s.request_timeout_s, warmup=s.warmup,
             cache_bytes=s.cache_bytes, batch_invariant=s.batch_invariant, cuda_graphs=s.cuda_graphs,
             cpu_kernels=s.cpu_kernels != "off", kv_cache_dtype=kv_cache_dtype(s.kv_cache_dtype, dtype),
+            decode_weights=s.decode_weights,
             max_request_tokens=min(self.limits.max_input_tokens + self.limits.max_new_tokens, positions),
         )
         engine = Engine(model, artifact.tokenizer, backend, device, config, self.metrics,
@@ -159,12 +160,14 @@ class ServiceState:
         self.metrics.model_info.labels(artifact.sha256, self.model_id, self.backend_name, runs["decode_step"],
                                        self.device, self.dtype).set(1)
         self.metrics.backend_info.labels(runs["decode_step"], runs["decode_attention"], runs["prefill_attention"],
-                                         self.device, kernel_report(s.cpu_kernels)["source"]).set(1)
+                                         self.device, kernel_report(s.cpu_kernels)["source"],
+                                         runs["decode_weights"]).set(1)
 
     def runs(self) -> dict[str, str]:
         """Which code runs each part now (model/decoding/steps `StepBackends.describe`, the forward's kernel)."""
         if self.engine is None:
-            return {"decode_step": "torch", "decode_attention": "torch", "prefill_attention": "torch"}
+            return {"decode_step": "torch", "decode_attention": "torch", "prefill_attention": "torch",
+                    "decode_weights": "float32"}
         runner = self.engine.runner
         cache = runner.cache
         out = StepBackends(cache.window_kernel, cache.step_linears, cache.fused_step).describe()
@@ -191,7 +194,8 @@ class ServiceState:
             "artifact_name": art.path.name if art is not None else None,
             "backend": self.backend_name,
             # what runs, not what was asked: the decode step (c-fused, c-per-layer, torch, cuda-graphs), its
-            # attention, a forward's chunk-window attention (prefill, embeddings) and the C kernels' build
+            # attention, a forward's chunk-window attention (prefill, embeddings), the weights the step's C
+            # products read (decode_weights: float32, bfloat16, int8) and the C kernels' build
             "decode_backend": runs["decode_step"],
             "runs": runs,
             "kernels": kernel_report(self.settings.cpu_kernels),

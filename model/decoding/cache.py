@@ -40,6 +40,7 @@ from torch import Tensor
 
 from ..attention import KEY_NORM_EPS, LSHSelfAttention
 from ..kernels import CpuKernels
+from ..kernels.weights import WeightKind
 from .huge_pages import pool_empty
 from .lsh_index import RECENT, BlockLookup, LSHIndex
 from .steps import StepBackends
@@ -111,11 +112,13 @@ def flat_buckets(nb: int | list[int]) -> int:
 class DecodeCache:
     def __init__(self, lm: ReformerLM, capacity_bytes: int, max_slots: int, block_size: int = BLOCK_SIZE,
                  max_tokens: int | None = None, recent: int = RECENT, cpu_kernel: bool = True,
-                 kv_dtype: torch.dtype | None = None) -> None:
+                 kv_dtype: torch.dtype | None = None, weights: WeightKind = "float32") -> None:
         """`recent`: the size of each LSH index's recent order (model/decoding/lsh_index.py; small in tests, so
         merges happen within a few steps). `cpu_kernel`: a float32 model's CPU steps attend through the C
         window kernel (model/kernels/bindings.py) when it can be built and reads `kv_dtype`; False keeps the PyTorch
-        path. `kv_dtype`: the dtype of cached keys and values (None: the model's; see the module docstring)."""
+        path. `kv_dtype`: the dtype of cached keys and values (None: the model's; see the module docstring).
+        `weights`: what the C step's products keep the linear weights in, float32, bfloat16 or int8
+        (model/decoding/steps/linear.py)."""
         cfg = lm.config
         # the longest request (prompt plus new tokens) served: what an automatic bucket count is reserved for
         self.max_tokens = min(max_tokens or cfg.max_position_embeddings, cfg.max_position_embeddings)
@@ -124,7 +127,7 @@ class DecodeCache:
         self.kv_dtype = kv_dtype_for(self.dtype, kv_dtype)
         # the step's backends, chosen once (model/decoding/steps/); tests may replace `fused_step` (None keeps
         # the call per layer), `step_linears` or `window_kernel`
-        backends = StepBackends.choose(self.device, self.dtype, self.kv_dtype, cpu_kernel)
+        backends = StepBackends.choose(self.device, self.dtype, self.kv_dtype, cpu_kernel, weights)
         self.window_kernel: CpuKernels | None = backends.window
         self.step_linears: StepLinears = backends.linears
         self.fused_step: FusedStep | None = backends.fused
@@ -206,13 +209,14 @@ class DecodeCache:
 
     @classmethod
     def for_tokens(cls, lm: ReformerLM, tokens: int, slots: int = 1, block_size: int = BLOCK_SIZE,
-                   recent: int = RECENT, cpu_kernel: bool = True, kv_dtype: torch.dtype | None = None) -> DecodeCache:
+                   recent: int = RECENT, cpu_kernel: bool = True, kv_dtype: torch.dtype | None = None,
+                   weights: WeightKind = "float32") -> DecodeCache:
         """A cache just large enough for `slots` requests of `tokens` positions each."""
         probe = cls(lm, 0, slots, block_size, max_tokens=tokens, recent=recent, cpu_kernel=False, kv_dtype=kv_dtype)
         need = (slots * (-(-tokens // block_size) * probe.bytes_per_block + probe.reserved_bytes_per_slot)
                 + probe.reserved_bytes_per_slot)
         return cls(lm, need, slots, block_size, max_tokens=tokens, recent=recent, cpu_kernel=cpu_kernel,
-                   kv_dtype=kv_dtype)
+                   kv_dtype=kv_dtype, weights=weights)
 
     # ---- accounting --------------------------------------------------------------------------------------
     @property

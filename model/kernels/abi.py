@@ -33,6 +33,8 @@ KIND_FLOAT32, KIND_FLOAT16, KIND_BFLOAT16 = 0, 1, 2
 MAX_ROUNDS = 64  # the C side's bound on hash rounds
 KEY_NORM_EPS = 1e-6  # the epsilon of an LSH key's length factor (model/attention.py's, the same value)
 PANEL = 32  # step_linear.c's columns per packed panel
+# how a decode step's linear weights are packed (WEIGHTS_* in the header; step_linear_q.c)
+WEIGHTS = {"float32": 0, "bfloat16": 1, "int8": 2}
 
 # chunk_attend's rules for which keys a query may see: LSH attention (its own position only when nothing else
 # is allowed: the caller rebuilds those rows), causal or not; local attention, causal or not
@@ -72,11 +74,12 @@ PROTOTYPES: dict[str, tuple[str, str]] = {
     "decode_write": ("int", "IIIIIIPPPPPPFF"),
     "lsh_append": ("int", "IIIIIPPPPIII"),
     "step_linear": ("int", "IIIPIPPP"),
+    "step_linear_w": ("int", "IIIIPIPPP"),
     "lsh_hash": ("int", "IIIIIIPPPP"),
     "lsh_buckets": ("void", "IIIIPPP"),
     "lsh_order": ("int", "IIIPP"),
-    "step_tail": ("int", "IIIIPPPPPPPFPPIPP"),
-    "decode_layers": ("int", "IIIPPIPPPPPPPPIIIIPPFPPIPI"),
+    "step_tail": ("int", "IIIIPPPPPPPFPPIPPI"),
+    "decode_layers": ("int", "IIIPPIPPPPPPPPIIIIPPFPPIPII"),
     "layer_norm_rows": ("void", "IIPPPFP"),
     "step_layer_words": ("int64_t", ""),
     "step_embedding_words": ("int64_t", ""),

@@ -96,6 +96,7 @@ class CpuKernels:
         # the product, layer-tail, layer-norm and whole-step functions as ctypes exposes them: their arguments
         # are not checked here, so callers pass what `pack` made (model/decoding/steps/ check their packings)
         self.linear_raw, self.tail_raw = fns["step_linear"], fns["step_tail"]
+        self.linear_w_raw = fns["step_linear_w"]  # weights packed as abi.WEIGHTS says (model/kernels/weights.py)
         self.layers_raw, self.norm_raw = fns["decode_layers"], fns["layer_norm_rows"]
         self.layer_words = int(fns["step_layer_words"]())
         self.embedding_words = int(fns["step_embedding_words"]())

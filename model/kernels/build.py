@@ -32,8 +32,8 @@ from .bindings import CpuKernels
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = tuple(HERE / "csrc" / name for name in ("window_attend.c", "step_linear.c", "step_layers.c",
-                                                   "chunk_attend.c"))
+SOURCES = tuple(HERE / "csrc" / name for name in ("window_attend.c", "step_linear.c", "step_linear_q.c",
+                                                   "step_layers.c", "chunk_attend.c"))
 HEADERS = (HERE / "csrc" / "step_kernels.h",)
 LIBRARY = "_reformer_kernels"  # installed variants: model/kernels/_reformer_kernels_<variant><ext suffix>
 ENV_SWITCH = "REFORMER_CPU_KERNELS"

@@ -165,12 +165,14 @@ def test_info_says_whether_decoding_attends_through_the_cpu_kernel(client: TestC
     request = {"inputs": "Once upon a time", "parameters": {"max_new_tokens": 12, "ignore_eos": True}}
     fused = client.post("/generate", json=request).json()["generated_text"]
     info = client.get("/info").json()
-    assert info["runs"] == {"decode_step": "c-fused", "decode_attention": "c", "prefill_attention": "c"}
+    assert info["runs"] == {"decode_step": "c-fused", "decode_attention": "c", "prefill_attention": "c",
+                            "decode_weights": "float32"}
     assert info["decode_backend"] == "c-fused"
     assert info["kernels"]["mode"] == "auto" and info["kernels"]["loaded"] is True
     assert info["kernels"]["source"].startswith(("installed:", "first-use build"))
     metrics = client.get("/metrics").text
-    assert 'reformer_backend_info{decode_attention="c",decode_step="c-fused",device="cpu",' in metrics
+    assert ('reformer_backend_info{decode_attention="c",decode_step="c-fused",decode_weights="float32",device="cpu",'
+            in metrics)
     with running_app(artifact, max_new_tokens=64, max_input_tokens=256, cpu_kernels="off") as plain:
         batching = plain.get("/info").json()["batching"]
         assert batching["cpu_window_kernel"] is False and batching["cpu_step_kernel"] is False
@@ -206,6 +208,21 @@ def test_a_float16_decode_cache_is_reported_and_decodes_near_float32(client: Tes
         if a["id"] != b["id"]:
             break
         assert abs(a["logprob"] - b["logprob"]) <= 1e-2  # float16 keeps 11 significant bits
+
+
+def test_the_decode_weights_setting_reaches_the_step_info_and_metrics(client: TestClient, artifact: Any) -> None:
+    assert client.get("/info").json()["runs"]["decode_weights"] == "float32"
+    request = {"inputs": "Once upon a time", "parameters": {"max_new_tokens": 8, "ignore_eos": True}}
+    with running_app(artifact, max_new_tokens=64, max_input_tokens=256, decode_weights="int8") as small:
+        info = small.get("/info").json()
+        assert info["runs"]["decode_weights"] == "int8" and info["runs"]["decode_step"] == "c-fused"
+        assert 'decode_weights="int8"' in small.get("/metrics").text
+        cache = small.app.state.service.engine.runner.cache  # type: ignore[attr-defined]
+        assert cache.step_linears.weights == "int8"
+        r = small.post("/generate", json=request)
+        assert r.status_code == 200, r.text
+        # the step read int8 packings (model/kernels/weights.py), not float32 ones
+        assert {p.weight.dtype for p in cache.step_linears._packed.values()} == {torch.uint8}
 
 
 def test_the_prefill_budget_setting_reaches_the_engine_and_info(client: TestClient, artifact: Any) -> None:

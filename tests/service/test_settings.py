@@ -52,6 +52,16 @@ def test_invalid_settings_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
         Settings(prefill_budget_ms=-1)
 
 
+def test_decode_weights_is_float32_unless_set_and_names_its_choices(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert Settings().decode_weights == "float32"
+    monkeypatch.setenv("REFORMER_DECODE_WEIGHTS", "int8")
+    assert Settings().decode_weights == "int8" and settings_from_argv(["--decode-weights", "bfloat16"]).decode_weights \
+        == "bfloat16"
+    monkeypatch.setenv("REFORMER_DECODE_WEIGHTS", "int4")
+    with pytest.raises(ValidationError, match="decode_weights\n  Input should be 'float32', 'bfloat16' or 'int8'"):
+        Settings()
+
+
 def test_kv_cache_dtype_auto_is_the_models_and_half_needs_a_float32_model() -> None:
     assert kv_cache_dtype("auto", torch.float32) is None and kv_cache_dtype("auto", torch.bfloat16) is None
     assert kv_cache_dtype("bfloat16", torch.bfloat16) is None  # the model's own dtype

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from ...kernels import CpuKernels, kernels
+from ...kernels.weights import WeightKind
 from .fused import FusedStep
 from .linear import StepLinears
 
@@ -25,12 +26,13 @@ class StepBackends:
     fused: FusedStep | None
 
     @staticmethod
-    def choose(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype, cpu_kernel: bool = True
-               ) -> StepBackends:
+    def choose(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype, cpu_kernel: bool = True,
+               weights: WeightKind = "float32") -> StepBackends:
         """The C kernels for a float32 model on the CPU when `cpu_kernel` and they load; the window functions
-        only where the build reads `kv_dtype` pools."""
+        only where the build reads `kv_dtype` pools. `weights`: what the C products keep the step's linear
+        weights in (REFORMER_DECODE_WEIGHTS; linear.py)."""
         kernel = kernels() if cpu_kernel and device.type == "cpu" and dtype == torch.float32 else None
-        linears = StepLinears(kernel)
+        linears = StepLinears(kernel, weights)
         return StepBackends(window=kernel if kernel is not None and kv_dtype in kernel.reads else None,
                             linears=linears, fused=FusedStep(linears) if kernel is not None else None)
 
@@ -42,7 +44,10 @@ class StepBackends:
             step = "c-per-layer"
         else:
             step = "torch"
-        return {"decode_step": step, "decode_attention": "c" if self.window is not None else "torch"}
+        # the C products' weights; float32 wherever PyTorch runs them
+        weights = self.linears.weights if self.linears.kernel is not None else "float32"
+        return {"decode_step": step, "decode_attention": "c" if self.window is not None else "torch",
+                "decode_weights": weights}
 
 
 __all__ = ["StepBackends"]

@@ -144,7 +144,7 @@ class FusedStep:
                                    (ctypes.c_int64 * (rows * abi.META_COLUMNS))(*itertools.chain.from_iterable(meta)),
                                    table.data_ptr(), table.shape[1], table.shape[0], cache.block_size,
                                    cache.scratch_slot, *held.final, held.final_eps, *held.head, held.vocab,
-                                   logits.data_ptr(), torch.get_num_threads())
+                                   logits.data_ptr(), torch.get_num_threads(), self.linears.weights_code)
         check_status(status, "decode step kernel")
         return logits
 

@@ -13,8 +13,14 @@ test_step_linear.py bounds it).
 Layers that share their input are packed side by side and run as one product: an LSH layer's query-key and
 value projections, a local layer's query, key and value. A packing is refreshed when a weight is replaced or
 changed in place (its version counter moves), so a model loaded or edited after its cache was made is read
-as it is now. The packings are a second float32 copy of the step's weights (about 18 MB at bench/generate.py's
-config), made on a cache's first step.
+as it is now. The packings are a second copy of the step's weights (about 18 MB in float32 at
+bench/generate.py's config), made on a cache's first step.
+
+`weights` (REFORMER_DECODE_WEIGHTS) is what the packings keep: float32, or bfloat16 or int8 (one float32
+scale per output column; model/kernels/weights.py, csrc/step_linear_q.c), read in 2 or 1 bytes and
+multiplied in float32. Only the products the kernel runs use them (the fused step's, and the per-layer
+path's on one thread); the hash rotations stay float32, and where PyTorch runs a product (more threads, no
+kernel) it multiplies the model's float32 weights.
 """
 
 from __future__ import annotations
@@ -24,19 +30,22 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ...attention import LSHSelfAttention, hash_rotations
-from ...kernels import CpuKernels
+from ...kernels import CpuKernels, abi
+from ...kernels.weights import WeightKind, pack_weights
 
 
 class _Packed:
     """Linear layers with one input size, their weights side by side as the kernel reads them."""
 
-    def __init__(self, kernel: CpuKernels, layers: tuple[nn.Linear, ...]) -> None:
+    def __init__(self, kernel: CpuKernels, layers: tuple[nn.Linear, ...], kind: WeightKind = "float32") -> None:
         # held, so the ids that key this packing cannot be reused by other layers while it exists
         self.layers = layers
         self.stamp = parameter_stamp(layers)
         weight = torch.cat([layer.weight.detach() for layer in layers]).float().contiguous()  # (N, K)
         self.n, self.k = weight.shape
-        self.weight = kernel.pack(weight)  # (ceil(N / 32) * K * 32,)
+        self.kind = kind
+        # float32: (ceil(N / 32) * K * 32,) floats; else model/kernels/weights.py's bytes
+        self.weight = kernel.pack(weight) if kind == "float32" else pack_weights(weight, kind)
         biases = [layer.bias for layer in layers]
         self.bias: Tensor | None = None
         if any(b is not None for b in biases):
@@ -91,8 +100,12 @@ class StepLinears:
     and `tail` likewise. Through the C kernel for float32 CPU rows when the step runs on one intra-op thread
     (a many-core step of many rows is left to PyTorch's threaded matmul), else through PyTorch ops."""
 
-    def __init__(self, kernel: CpuKernels | None) -> None:
+    def __init__(self, kernel: CpuKernels | None, weights: WeightKind = "float32") -> None:
+        if weights not in abi.WEIGHTS:
+            raise ValueError(f"decode weights: {weights!r} is none of {', '.join(abi.WEIGHTS)}")
         self.kernel = kernel
+        self.weights: WeightKind = weights
+        self.weights_code = abi.WEIGHTS[weights]  # step_linear_q.c's WEIGHTS_* of the packings
         self._packed: dict[tuple[nn.Linear, ...], _Packed] = {}  # keyed by the layers themselves (by identity)
         # (id of the layer, rotation size) -> the layer (held, so its id is not reused) and (H, packed)
         self._rotations: dict[tuple[int, int], tuple[LSHSelfAttention, Tensor]] = {}
@@ -118,7 +131,11 @@ class StepLinears:
         out = torch.empty(m, packed.n, dtype=torch.float32)
         # the packing was checked when made; the call needs only the input's pointer
         assert self.kernel is not None
-        self.kernel.linear_raw(m, packed.n, k, x.data_ptr(), k, packed.weight_ptr, packed.bias_ptr, out.data_ptr())
+        if self.weights_code == abi.WEIGHTS["float32"]:
+            self.kernel.linear_raw(m, packed.n, k, x.data_ptr(), k, packed.weight_ptr, packed.bias_ptr, out.data_ptr())
+        elif self.kernel.linear_w_raw(self.weights_code, m, packed.n, k, x.data_ptr(), k, packed.weight_ptr,
+                                      packed.bias_ptr, out.data_ptr()):
+            raise ValueError(f"step linear: weights of kind {self.weights} unknown to this build")
         return out
 
     def norm(self, ln: nn.LayerNorm, x: Tensor) -> Tensor:
@@ -138,7 +155,7 @@ class StepLinears:
         assert self.kernel is not None
         packed = self._packed.get(layers)
         if packed is None or packed.stamp != parameter_stamp(layers):
-            packed = self._packed[layers] = _Packed(self.kernel, layers)
+            packed = self._packed[layers] = _Packed(self.kernel, layers, self.weights)
         return packed
 
     def tail(self, att_out: Tensor, x1: Tensor, x2: Tensor, output: nn.Linear, norm: nn.LayerNorm,
@@ -166,7 +183,9 @@ class StepLinears:
             raise ValueError(f"step tail: x1 {tuple(x1.shape)}, x2 {tuple(x2.shape)}, att {tuple(att_out.shape)}")
         status = self.kernel.tail_raw(m, hidden, out.k, up.n, att_out.data_ptr(), out.weight_ptr, out.bias_ptr,
                                    x1.data_ptr(), x2.data_ptr(), *params, norm.eps, up.weight_ptr,
-                                   up.bias_ptr, code, down.weight_ptr, down.bias_ptr)
+                                   up.bias_ptr, code, down.weight_ptr, down.bias_ptr, self.weights_code)
+        if status & abi.BAD_KIND:
+            raise ValueError(f"step tail: weights of kind {self.weights} unknown to this build")
         if status:
             raise MemoryError("step tail: could not allocate its buffer")
         return True

@@ -12,6 +12,11 @@
 
 #define PANEL 32 /* step_linear.c's columns per packed panel (abi.PANEL) */
 
+/* how a step's linear weights are packed (step_linear_q.c; abi.WEIGHTS, REFORMER_DECODE_WEIGHTS) */
+#define WEIGHTS_F32 0
+#define WEIGHTS_BF16 1
+#define WEIGHTS_INT8 2
+
 /* every kernel's status codes (abi.py; bindings.check_status reads them) */
 #define NO_MEMORY 1
 #define BAD_INDEX 2
@@ -35,7 +40,8 @@ typedef struct {
     int64_t heads, dim, kind, pool_rows; /* pool_rows: positions in the pools, each heads rows of dim elements */
     int64_t stride;                   /* elements from one (position, head) row of the pools to the next */
     const float *ln_w, *ln_b;         /* the attention's layer norm (NULL: none) */
-    const float *proj_w, *proj_b;     /* the projections packed side by side (step_linear), their bias */
+    const void *proj_w;               /* the projections packed side by side (step_linear_q.c's kinds) */
+    const float *proj_b;              /* their bias */
     void *keys, *values;              /* the layer's pools */
     float *norms;                     /* LSH: each key's length factor (pool_rows, heads) */
     /* LSH: the hash rounds and the index (the hash's rotations come per step: `hashes` below) */
@@ -46,7 +52,12 @@ typedef struct {
     int64_t chunk, before, after;     /* the attention's chunk and windows */
     /* the tail (step_tail) */
     int64_t ff, act;
-    const float *w_out, *b_out, *ff_ln_w, *ff_ln_b, *w_dense, *b_dense, *w_ff, *b_ff;
+    const void *w_out;                /* packed as proj_w, as are w_dense and w_ff */
+    const float *b_out, *ff_ln_w, *ff_ln_b;
+    const void *w_dense;
+    const float *b_dense;
+    const void *w_ff;
+    const float *b_ff;
 } StepLayer;
 
 /* The token and position embeddings (model/embeddings.py), read as 8 int64 words as StepLayer is: a token's
@@ -70,6 +81,8 @@ static inline int64_t block_pool_row(const int64_t *table, int64_t width, int64_
 
 void step_linear_panels(int64_t m, int64_t n, int64_t k, const float *x, int64_t x_stride, const float *packed,
                         const float *bias, float *y, int64_t p0, int64_t p1);
+void step_linear_panels_w(int64_t wkind, int64_t m, int64_t n, int64_t k, const float *x, int64_t x_stride,
+                          const void *packed, const float *bias, float *y, int64_t p0, int64_t p1);
 void step_activate(float *u, int64_t n, int64_t act);
 int lsh_hash(int64_t m, int64_t heads, int64_t rounds, int64_t dim, int64_t half, int64_t nfactors,
              const int64_t *factors, const float *q, const float *packed, int64_t *buckets);

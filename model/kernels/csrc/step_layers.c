@@ -99,10 +99,11 @@ static void share(int64_t n, int64_t *begin, int64_t *end) {
 
 /* y = x W^T + b split by panels between the region's threads, then a barrier: every element is computed
  * as step_linear computes it, whichever thread computes it. */
-static void product(int64_t m, int64_t n, int64_t k, const float *x, const float *w, const float *b, float *y) {
+static void product(int64_t wkind, int64_t m, int64_t n, int64_t k, const float *x, const void *w, const float *b,
+                    float *y) {
     int64_t p0, p1;
     share((n + PANEL - 1) / PANEL, &p0, &p1);
-    step_linear_panels(m, n, k, x, k, w, b, y, p0, p1);
+    step_linear_panels_w(wkind, m, n, k, x, k, w, b, y, p0, p1);
 #pragma omp barrier
 }
 
@@ -111,35 +112,38 @@ static void product(int64_t m, int64_t n, int64_t k, const float *x, const float
  * the weights packed as step_linear reads them (NULL biases: none), y and h (m, hidden) and u (m, ff) as
  * scratch. Inside a parallel region its products and activation are split between the threads; outside
  * one it runs on the caller's. */
-static void layer_tail(int64_t m, int64_t hidden, int64_t att_dim, int64_t ff, const float *att, const float *w_out,
-                       const float *b_out, float *x1, float *x2, const float *ln_w, const float *ln_b, float eps,
-                       const float *w_dense, const float *b_dense, int64_t act, const float *w_ff, const float *b_ff,
-                       float *y, float *h, float *u) {
-    product(m, hidden, att_dim, att, w_out, b_out, y);
+static void layer_tail(int64_t wkind, int64_t m, int64_t hidden, int64_t att_dim, int64_t ff, const float *att,
+                       const void *w_out, const float *b_out, float *x1, float *x2, const float *ln_w,
+                       const float *ln_b, float eps, const void *w_dense, const float *b_dense, int64_t act,
+                       const void *w_ff, const float *b_ff, float *y, float *h, float *u) {
+    product(wkind, m, hidden, att_dim, att, w_out, b_out, y);
 #pragma omp single
     {
         for (int64_t j = 0; j < m * hidden; j++) x1[j] += y[j];
         layer_norm_rows(m, hidden, x1, ln_w, ln_b, eps, h);
     }
-    product(m, ff, hidden, h, w_dense, b_dense, u);
+    product(wkind, m, ff, hidden, h, w_dense, b_dense, u);
     int64_t begin, end;
     share(m * ff, &begin, &end);
     step_activate(u + begin, end - begin, act);
 #pragma omp barrier
-    product(m, hidden, ff, u, w_ff, b_ff, y);
+    product(wkind, m, hidden, ff, u, w_ff, b_ff, y);
 #pragma omp single
     for (int64_t j = 0; j < m * hidden; j++) x2[j] += y[j];
 }
 
-/* layer_tail on the caller's thread with its own scratch (model/decoding/steps/linear.py's per-layer path). Returns 0,
- * or NO_MEMORY when its buffer could not be allocated. */
-int step_tail(int64_t m, int64_t hidden, int64_t att_dim, int64_t ff, const float *att, const float *w_out,
+/* layer_tail on the caller's thread with its own scratch (model/decoding/steps/linear.py's per-layer path), the
+ * weights packed as `wkind` (step_linear_q.c). Returns 0, NO_MEMORY when its buffer could not be allocated, or
+ * BAD_KIND for an unknown kind. */
+int step_tail(int64_t m, int64_t hidden, int64_t att_dim, int64_t ff, const float *att, const void *w_out,
               const float *b_out, float *x1, float *x2, const float *ln_w, const float *ln_b, float eps,
-              const float *w_dense, const float *b_dense, int64_t act, const float *w_ff, const float *b_ff) {
+              const void *w_dense, const float *b_dense, int64_t act, const void *w_ff, const float *b_ff,
+              int64_t wkind) {
+    if (wkind != WEIGHTS_F32 && wkind != WEIGHTS_BF16 && wkind != WEIGHTS_INT8) return BAD_KIND;
     float *buf = malloc((size_t)(m * (2 * hidden + ff)) * sizeof(float));
     if (!buf) return NO_MEMORY;
-    layer_tail(m, hidden, att_dim, ff, att, w_out, b_out, x1, x2, ln_w, ln_b, eps, w_dense, b_dense, act, w_ff, b_ff,
-               buf, buf + m * hidden, buf + 2 * m * hidden);
+    layer_tail(wkind, m, hidden, att_dim, ff, att, w_out, b_out, x1, x2, ln_w, ln_b, eps, w_dense, b_dense, act, w_ff,
+               b_ff, buf, buf + m * hidden, buf + 2 * m * hidden);
     free(buf);
     return 0;
 }
@@ -149,14 +153,16 @@ int step_tail(int64_t m, int64_t hidden, int64_t att_dim, int64_t ff, const floa
  * builds it; every layer's new key goes to the pool row of (slot, t) (meta's first two columns). `threads`:
  * the products are split by panels and the attention by (row, head) between that many OpenMP threads, the
  * rest runs on one; every value is computed as on one thread, so the bits do not depend on `threads`.
- * Returns 0, NO_MEMORY, or a called function's non-zero status (an error does not stop the other threads
+ * `wkind`: how every packed weight (projections, tails, LM head) is kept (WEIGHTS_*, step_linear_q.c).
+ * Returns 0, NO_MEMORY, BAD_KIND, or a called function's non-zero status (an error does not stop the other threads
  * early: every thread meets every barrier; the functions check their indices, so the rest is only wasted). */
 int decode_layers(int64_t m, int64_t hidden, int64_t nlayers, const StepLayer *layers, const float *floats,
                   int64_t groups, const int64_t *group_of, const int64_t *hashes, const StepEmbedding *embedding,
                   const int64_t *tokens, float *x1, float *x2, const int64_t *meta, const int64_t *table,
                   int64_t table_width, int64_t table_rows, int64_t block_size, int64_t scratch_slot,
-                  const float *final_w, const float *final_b, float final_eps, const float *head_w,
-                  const float *head_b, int64_t vocab, float *logits, int64_t threads) {
+                  const float *final_w, const float *final_b, float final_eps, const void *head_w,
+                  const float *head_b, int64_t vocab, float *logits, int64_t threads, int64_t wkind) {
+    if (wkind != WEIGHTS_F32 && wkind != WEIGHTS_BF16 && wkind != WEIGHTS_INT8) return BAD_KIND;
     int64_t most_att = 1, most_proj = 1, most_window = 1, most_flat = 1, most_rounds = 1, most_ff = 1;
     for (int64_t i = 0; i < nlayers; i++) {
         const StepLayer *L = layers + i;
@@ -200,7 +206,7 @@ int decode_layers(int64_t m, int64_t hidden, int64_t nlayers, const StepLayer *l
             const int64_t att = L->heads * L->dim, parts = L->lsh ? 2 : 3, proj = parts * att;
 #pragma omp single
             layer_norm_rows(m, hidden, x2, L->ln_w, L->ln_b, fl[0], h);
-            product(m, proj, hidden, h, L->proj_w, L->proj_b, qkv);
+            product(wkind, m, proj, hidden, h, L->proj_w, L->proj_b, qkv);
 #pragma omp single
             {
                 /* LSH: the query-key is the query and the key; local: query, key / sqrt(D), value */
@@ -257,7 +263,7 @@ int decode_layers(int64_t m, int64_t hidden, int64_t nlayers, const StepLayer *l
                 status |= st;
             }
 #pragma omp barrier
-            layer_tail(m, hidden, att, L->ff, out, L->w_out, L->b_out, x1, x2, L->ff_ln_w, L->ff_ln_b, fl[1],
+            layer_tail(wkind, m, hidden, att, L->ff, out, L->w_out, L->b_out, x1, x2, L->ff_ln_w, L->ff_ln_b, fl[1],
                        L->w_dense, L->b_dense, L->act, L->w_ff, L->b_ff, y, h, u);
         }
 #pragma omp single
@@ -268,7 +274,7 @@ int decode_layers(int64_t m, int64_t hidden, int64_t nlayers, const StepLayer *l
             }
             layer_norm_rows(m, 2 * hidden, joined, final_w, final_b, final_eps, joined);
         }
-        product(m, vocab, 2 * hidden, joined, head_w, head_b, logits);
+        product(wkind, m, vocab, 2 * hidden, joined, head_w, head_b, logits);
     }
 done:
     free(fbuf);
