@@ -15,6 +15,7 @@ import argparse
 import csv
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -44,7 +45,13 @@ def plot(runs: list[tuple[str, list[dict[str, float]]]], out: Path, target: floa
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    retrieval = any("val_passkey_acc" in r for _, rows in runs for r in rows)
+    if retrieval:  # the long-range recipe's columns (train/recipe_run.py): a second row of panels
+        fig, grid = plt.subplots(2, 2, figsize=(11, 8.0))
+        axes, lower = grid[0], grid[1]
+        axes[1].sharey(axes[0])
+    else:
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
     for label, rows in runs:
         tokens = [r["tokens_seen"] / 1e6 for r in rows]
         wall = [r["wall_time_s"] / 60 for r in rows]
@@ -63,10 +70,31 @@ def plot(runs: list[tuple[str, list[dict[str, float]]]], out: Path, target: floa
             ax.axhline(target, color="red", lw=0.8, ls="--", label=f"target {target}")
         ax.grid(alpha=0.3)
     axes[1].legend(fontsize=8)
-    fig.suptitle("reformer train: validation bits per byte")
+    if retrieval:
+        _plot_retrieval(runs, lower)
+    fig.suptitle("reformer train: validation bits per byte" + (" and retrieval" if retrieval else ""))
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120)
+
+
+def _plot_retrieval(runs: list[tuple[str, list[dict[str, float]]]], axes: Any) -> None:
+    """Passkey answer loss (training, held-out) and held-out exact accuracy against tokens seen."""
+    for label, rows in runs:
+        for key, style in (("train_passkey_loss", "-"), ("val_passkey_loss", "--")):
+            pts = [(r["tokens_seen"] / 1e6, r[key]) for r in rows if key in r]
+            if pts:
+                axes[0].plot(*zip(*pts), ls=style, marker=".", label=f"{label}: {key.split('_')[0]}")
+        pts = [(r["tokens_seen"] / 1e6, r["val_passkey_acc"]) for r in rows if "val_passkey_acc" in r]
+        if pts:
+            axes[1].plot(*zip(*pts), marker=".", label=label)
+    axes[0].axhline(2.302585, color="grey", lw=0.8, ls=":", label="chance (ln 10)")
+    axes[0].set_ylabel("passkey answer loss, nats a digit")
+    axes[1].set_ylabel("held-out passkey exact (at the stage's window)")
+    for ax in axes:
+        ax.set_xlabel("tokens (bytes) seen, millions")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
 
 
 def main(argv: list[str] | None = None) -> int:
