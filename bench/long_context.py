@@ -119,8 +119,14 @@ class Trial:
 
 
 def prose_pool(tails: list[tuple[str, np.ndarray]]) -> bytes:
-    """The validation tails end to end (a long document may cross from one book into the next)."""
-    return b"\n\n".join((ids - 2).astype(np.uint8).tobytes() for _, ids in tails)
+    """The validation tails end to end (a long document may cross from one book into the next), every
+    non-ASCII byte made a space: a document is cut at arbitrary bytes (a copy document's prompt ends inside
+    its passage), and the service takes text, so every cut must fall between two characters."""
+    raw = b"\n\n".join((ids - 2).astype(np.uint8).tobytes() for _, ids in tails)
+    return raw.translate(_ASCII_ONLY)
+
+
+_ASCII_ONLY = bytes(b if b < 0x80 else 0x20 for b in range(256))
 
 
 def make_trials(pool: bytes, length: int, trials: int, seed: int) -> list[Trial]:

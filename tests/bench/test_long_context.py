@@ -113,3 +113,11 @@ def test_retrieval_run_writes_rows_records_and_bits_per_byte(tiny_artifact: Path
         (512, "forward (teacher)"), (600, "forward (teacher)"), (512, "cached"), (600, "cached")]
     assert len(result["records"]) == 2 * 2 * 3 * 2 and result["rows"][0]["passkey_trials"] == 2
     assert result["bits_per_byte"][0]["passage_bytes"] == 1536 and result["forward_mode"] == "teacher"
+
+
+def test_prose_pool_is_ascii_so_every_cut_is_text() -> None:
+    tails = [("a.txt", np.frombuffer("caf\u00e9 \u2014 ok".encode(), dtype=np.uint8).astype(np.int64) + 2)]
+    pool = long_context.prose_pool(tails)
+    assert pool == b"caf" + b" " * 7 + b"ok"  # the 2-byte and 3-byte characters: one space a byte
+    for cut in range(len(pool) + 1):
+        pool[:cut].decode("utf-8")  # never raises
