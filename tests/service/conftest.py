@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from export import load_artifact
+from service.engine import Engine
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -23,6 +24,15 @@ REPO = Path(__file__).resolve().parents[2]
 def artifact(tiny_artifact: Path) -> Any:
     """The shared tiny artifact, loaded."""
     return load_artifact(tiny_artifact)
+
+
+@pytest.fixture
+def started() -> Iterator[list[Engine]]:
+    """Engines a test starts (append them); each is stopped after the test."""
+    engines: list[Engine] = []
+    yield engines
+    for engine in engines:
+        engine.stop()
 
 
 def free_port() -> int:

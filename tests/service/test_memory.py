@@ -7,7 +7,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -169,14 +169,6 @@ def _engine(artifact: Any, idle_s: float, budget: int = 0) -> Engine:
     return Engine(artifact.model, artifact.tokenizer, backend=None,  # type: ignore[arg-type]
                   device=None, config=EngineConfig(warmup=False, idle_trim_s=idle_s, memory_budget_bytes=budget),
                   metrics=ServiceMetrics())
-
-
-@pytest.fixture
-def started() -> Iterator[list[Engine]]:
-    engines: list[Engine] = []
-    yield engines
-    for engine in engines:
-        engine.stop()
 
 
 def _generate(engine: Engine, new: int) -> list[int]:

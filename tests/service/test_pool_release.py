@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -137,14 +136,6 @@ def _generate(engine: Engine, prompts: list[list[int]], new: int) -> None:
         await asyncio.gather(*(one(p) for p in prompts))
 
     asyncio.run(run())
-
-
-@pytest.fixture
-def started() -> Iterator[list[Engine]]:
-    engines: list[Engine] = []
-    yield engines
-    for engine in engines:
-        engine.stop()
 
 
 def test_the_busy_engine_releases_after_a_request_finishes_and_over_the_budget(
