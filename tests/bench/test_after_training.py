@@ -123,6 +123,24 @@ def test_plot_training_draws_a_curve_file(tmp_path: Path) -> None:
     assert plot_training.main([str(tmp_path / "missing"), "--out", str(out)]) == 2
 
 
+def test_plot_training_draws_the_recipes_retrieval_panels_only_when_the_curve_has_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import plot_training
+
+    drawn: list[int] = []
+    real = plot_training._plot_retrieval
+    monkeypatch.setattr(plot_training, "_plot_retrieval", lambda runs, axes: (drawn.append(len(axes)),
+                                                                            real(runs, axes)))
+    plain, recipe = tmp_path / "plain.csv", tmp_path / "recipe.csv"
+    plain.write_text("step,phase,tokens_seen,wall_time_s,val_bpb\n10,0,8192,6.0,3.9\n")
+    recipe.write_text("step,phase,tokens_seen,wall_time_s,val_bpb,train_passkey_loss,val_passkey_loss,"
+                      "val_passkey_acc\n0,0,0,0.0,2.2,,8.4,0.0\n100,0,409600,60.0,2.5,2.3,2.2,0.25\n")
+    assert plot_training.main([str(plain), "--out", str(tmp_path / "a.png")]) == 0
+    assert drawn == []
+    assert plot_training.main([str(recipe), "--out", str(tmp_path / "b.png")]) == 0
+    assert drawn == [2]  # the lower row: answer loss, held-out accuracy
+
+
 def test_plot_training_chains_fine_tunes_from_where_the_run_before_ended(tmp_path: Path) -> None:
     import plot_training
 
