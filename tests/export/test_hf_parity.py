@@ -17,12 +17,14 @@ import transformers
 
 from export import load_artifact
 from export.cli import import_hf_main
+from export import hf_import
 from export.hf_import import (
     HFImportError,
     build_model,
     check_hf_parity,
     import_hf,
     load_reference,
+    parity_rows,
     read_hf_checkpoint,
 )
 from export.hf_parity import HF_PARITY_TOLERANCE, TIE_TOLERANCE, BucketStats, compare, reset_num_buckets
@@ -91,6 +93,19 @@ def test_enwik8_configuration_imports(enwik8_dir: Path, tmp_path: Path, capsys: 
     # 128 tokens fit one LSH chunk and do not hash: 2 rows x 2 heads x 4 rounds x 3 layers x (512 + 1024)
     assert buckets["forced_equal"] and buckets["choices_compared"] == 2 * 2 * 4 * 3 * (512 + 1024)
     assert buckets["largest_relative_gap"] <= TIE_TOLERANCE
+
+
+def test_parity_rows_sized_to_the_model(models: tuple[ReformerLM, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    ours, hf_model = models
+    lengths = [128, 512, 773]
+    assert parity_rows(149_182_722, lengths) == 1  # google/reformer-enwik8 at full width
+    assert parity_rows(ours.num_parameters(), lengths) == 2
+    # a budget this model's two rows exceed: one row at each length, and the record says why
+    monkeypatch.setattr(hf_import, "PARITY_BUDGET", ours.num_parameters() * 2 * SHORT[0] - 1)
+    record = check_hf_parity(hf_model, ours, "model.safetensors", lengths=SHORT)
+    assert record["batch"] == 1 and "one row at each length" in record["why_one_row"]
+    # 300 tokens hash in the 3 LSH layers: 1 row x 2 heads x 4 rounds x 3 layers x 512 (padded) positions
+    assert record["buckets"]["choices_compared"] == 1 * 2 * 4 * 3 * 512
 
 
 def test_near_tie_fails_the_plain_comparison_and_passes_the_gate(models: tuple[ReformerLM, Any],
