@@ -2,13 +2,15 @@
 model through `reformer serve` of each, in one run on one machine (what a change to the engine, the process
 settings or the model code costs or buys a user).
 
-    python bench/serve_ab.py --against REV [--data ../shared/data] [--clients 1,8] [--requests 16]
-                             [--new-tokens 128] [--rounds 2] [--out bench/results/serve_ab.json]
+    python bench/serve_ab.py --against REV [--artifact DIR] [--data ../shared/data] [--clients 1,8]
+                             [--requests 16] [--new-tokens 128] [--rounds 2] [--out bench/results/serve_ab.json]
 
 REV is checked out with `git worktree` into a temporary folder and served by this checkout's .venv python
 (`python -m service`, PYTHONPATH set to it; its C kernels build at first use, as a source checkout does). Each
 server runs alone, in alternating rounds, measured as bench/installed_vs_dev.py measures (closed loop, held-out
-512-byte prompts, greedy, ignore_eos); both record `/info`. Prints a table with the load (run it through
+512-byte prompts, greedy, ignore_eos); both record `/info`. Both serve one artifact (REFORMER_ARTIFACT:
+`--artifact`, default this checkout's shipped model), so a commit that shipped another model is compared on
+the same weights. Prints a table with the load (run it through
 ../shared/tools/quiet-run) and writes the JSON.
 """
 
@@ -32,6 +34,8 @@ from bench.installed_vs_dev import Side, add_load_args, measure  # noqa: E402
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--against", required=True, help="the other commit (any git revision)")
+    p.add_argument("--artifact", type=Path, default=ROOT / "export" / "default_artifact",
+                   help="the artifact both sides serve (default: this checkout's shipped model)")
     add_load_args(p, "serve_ab.json")
     args = p.parse_args(argv)
     levels = [int(c) for c in args.clients.split(",")]
@@ -43,7 +47,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             home = Path(tmp) / "home"
             home.mkdir()
-            sides: dict[str, Side] = {name: (command, os.environ["PATH"], {"PYTHONPATH": str(tree)})
+            artifact = str(args.artifact.resolve())
+            sides: dict[str, Side] = {name: (command, os.environ["PATH"],
+                                             {"PYTHONPATH": str(tree), "REFORMER_ARTIFACT": artifact})
                                       for name, tree in (("this tree", ROOT), (args.against, other))}
             results, infos = measure(sides, home, args)
         finally:
@@ -57,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
     report = {"command": " ".join(["python", "bench/serve_ab.py", *(argv or sys.argv[1:])]), "commit": commit,
-              "against": args.against, "date": time.strftime("%Y-%m-%d"), "load_after": load,
+              "against": args.against, "artifact": str(args.artifact), "date": time.strftime("%Y-%m-%d"),
+              "load_after": load,
               "requests_per_round": args.requests, "new_tokens": args.new_tokens, "servers": infos, "rows": rows}
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"load average after: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
