@@ -4,7 +4,7 @@ Timed (the documented benchmark; bench/README.md, "Soak"):
 
     python bench/soak.py --minutes 60 [--clients 6] [--window-minutes 10] [--sample-s 10] [--long-every 200]
                          [--data ../shared/data --data ../shared/corpus] [--artifact DIR | --url URL]
-                         [--idle-trim-s S] [--memory-budget-mb MB] [--no-debug-memory]
+                         [--idle-trim-s S] [--busy-trim-s S] [--memory-budget-mb MB] [--no-debug-memory]
                          [--out bench/results/soak_60min.json]
 
 `--clients` coroutines send the mix of bench/soak_load.py back to back for `--minutes` (long prompts of
@@ -283,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", type=Path, action="append",
                         help="directories of *.txt books for the prompts (default ../shared/data and ../shared/corpus)")
     parser.add_argument("--idle-trim-s", type=float, help="server started here: REFORMER_IDLE_TRIM_S")
+    parser.add_argument("--busy-trim-s", type=float, help="server started here: REFORMER_BUSY_TRIM_S")
     parser.add_argument("--memory-budget-mb", type=int, help="server started here: REFORMER_MEMORY_BUDGET_MB")
     parser.add_argument("--debug-memory", action=argparse.BooleanOptionalAction, default=True,
                         help="server started here: REFORMER_DEBUG_MEMORY (live tensor bytes, Python objects)")
@@ -309,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         settings: dict[str, Any] = {"max_new_tokens": 256}
         if timed:
             settings["debug_memory"] = args.debug_memory
-            settings.update({k: v for k, v in (("idle_trim_s", args.idle_trim_s),
+            settings.update({k: v for k, v in (("idle_trim_s", args.idle_trim_s), ("busy_trim_s", args.busy_trim_s),
                                                 ("memory_budget_mb", args.memory_budget_mb)) if v is not None})
         log_path = Path(tempfile.gettempdir()) / "reformer-soak-server.log"
         print(f"server log: {log_path}", file=sys.stderr)

@@ -28,6 +28,7 @@ SAMPLE_SERIES: dict[str, tuple[str, dict[str, str]]] = {
     "heap_in_use_bytes": ("reformer_heap_in_use_bytes", {}),
     "heap_free_retained_bytes": ("reformer_heap_free_retained_bytes", {}),
     "heap_trims_idle": ("reformer_heap_trims_total", {"reason": "idle"}),
+    "heap_trims_busy": ("reformer_heap_trims_total", {"reason": "busy"}),
     "heap_trims_budget": ("reformer_heap_trims_total", {"reason": "budget"}),
     "heap_last_trim_released_bytes": ("reformer_heap_last_trim_released_bytes", {}),
     "live_tensor_bytes": ("reformer_live_tensor_bytes", {}),

@@ -77,6 +77,7 @@ class EngineConfig:
     prefill_budget_ms: float = 100.0
     idle_trim_s: float = 2.0  # idle this long: the heap's free pages go back to the system (service/memory.py)
     memory_budget_bytes: int = 0  # RSS above which the worker trims between turns too; 0: only when idle
+    busy_trim_s: float = 30.0  # busy this long since the last trim: trim between turns (0: never)
     # after a request finishes, the decode cache's pool pages of free blocks beyond the lowest this many bytes go
     # back to the system (service/memory.py HeapKeeper; None: only idle or over the budget)
     cache_keep_bytes: int | None = 64 * 2**20
@@ -107,7 +108,8 @@ class Engine:
                                   config.max_request_tokens, config.cuda_graphs, config.cpu_kernels,
                                   config.kv_cache_dtype, config.decode_weights)
         self.memory = HeapKeeper(config.idle_trim_s, config.memory_budget_bytes,
-                                 release=self.runner.release_free_pages, keep_bytes=config.cache_keep_bytes)
+                                 release=self.runner.release_free_pages, keep_bytes=config.cache_keep_bytes,
+                                 busy_trim_s=config.busy_trim_s)
         self._stopping = False
         self._dead = False
         self.ready = threading.Event()

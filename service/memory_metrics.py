@@ -136,7 +136,8 @@ class MemoryCollector(Collector):
         trims, seconds, released = keeper.counters() if keeper is not None else (
             dict.fromkeys(TRIM_REASONS, 0), 0.0, 0)
         family = CounterMetricFamily(TRIMS, "Heap trims (malloc_trim) by the model worker, by reason: idle (once "
-                                     "per idle spell) or budget (RSS over the memory budget).", labels=["reason"])
+                                     "per idle spell), busy (every REFORMER_BUSY_TRIM_S of work) or budget (RSS "
+                                     "over the memory budget).", labels=["reason"])
         for reason in TRIM_REASONS:
             family.add_metric([reason], float(trims.get(reason, 0)))
         yield family
@@ -148,7 +149,8 @@ class MemoryCollector(Collector):
         pool = keeper.pool_counters() if keeper is not None else dict.fromkeys(RELEASE_REASONS, 0)
         family = CounterMetricFamily(POOL_RELEASED, "Bytes of the decode cache's pool pages the model worker gave "
                                      "back to the system (madvise), by reason: finished (a request ended; beyond "
-                                     "REFORMER_CACHE_KEEP_MB), idle or budget (with a heap trim).", labels=["reason"])
+                                     "REFORMER_CACHE_KEEP_MB), idle, busy or budget (with a heap trim).",
+                                     labels=["reason"])
         for reason in RELEASE_REASONS:
             family.add_metric([reason], float(pool.get(reason, 0)))
         yield family

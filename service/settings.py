@@ -193,12 +193,21 @@ class Settings(BaseSettings):
         "a request wrote them, so resident memory otherwise only grows. The first request after a trim faults in "
         "the pages it reuses. reformer_heap_trims_total{reason=\"idle\"} counts the trims.",
     )
+    busy_trim_s: float = Field(
+        30.0, ge=0, le=86_400, allow_inf_nan=False,
+        description="Under steady load (the worker never idle for REFORMER_IDLE_TRIM_S), it also returns the free "
+        "pages of the heap and of the decode cache's pools once every this many seconds, between two of its turns "
+        "(never during a model step); 0: never. Without it the heap's free chunks stay resident and add up with "
+        "fragmentation while the service is busy. Each trim pauses the running requests for the trim itself "
+        "(tens of ms per GB returned) and the pages it returned fault in again as they are reused. "
+        "reformer_heap_trims_total{reason=\"busy\"} counts the trims.",
+    )
     memory_budget_mb: int = Field(
         0, ge=0,
         description="Resident memory (RSS, MiB) above which the model worker also trims the heap and gives the "
         "decode cache's free pool pages back while busy: "
         "between two of its turns (never during a model step), at most once every 10 s; 0 (default): only the "
-        "idle trim. Each such trim costs the running requests a pause (the trim itself, tens of ms per GB "
+        "idle and busy trims. Each such trim costs the running requests a pause (the trim itself, tens of ms per GB "
         "returned) and page faults as the memory is reused: set it above the working set, as a bound on "
         "fragmentation, not below it. reformer_memory_budget_bytes shows it, process_resident_memory_bytes "
         "what it bounds, reformer_heap_trims_total{reason=\"budget\"} the trims.",

@@ -143,7 +143,8 @@ class ServiceState:
         config = EngineConfig(
             max_batch_size=s.max_batch_size, max_batch_tokens=s.max_batch_tokens, max_wait_ms=s.max_wait_ms,
             prefill_budget_ms=s.prefill_budget_ms, max_queue_size=s.max_queue_size, idle_trim_s=s.idle_trim_s,
-            memory_budget_bytes=s.memory_budget_mb * 2**20, cache_keep_bytes=s.cache_keep_mb * 2**20,
+            memory_budget_bytes=s.memory_budget_mb * 2**20, busy_trim_s=s.busy_trim_s,
+            cache_keep_bytes=s.cache_keep_mb * 2**20,
             request_timeout_s=s.request_timeout_s, warmup=s.warmup,
             cache_bytes=s.cache_bytes, batch_invariant=s.batch_invariant, cuda_graphs=s.cuda_graphs,
             cpu_kernels=s.cpu_kernels != "off", kv_cache_dtype=kv_cache_dtype(s.kv_cache_dtype, dtype),

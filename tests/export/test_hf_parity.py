@@ -15,9 +15,8 @@ import pytest
 import torch
 import transformers
 
-from export import load_artifact
+from export import hf_import, load_artifact
 from export.cli import import_hf_main
-from export import hf_import
 from export.hf_import import (
     HFImportError,
     build_model,

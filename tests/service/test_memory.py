@@ -32,7 +32,7 @@ class FakeClock:
 
 
 def _keeper(idle_s: float = 2.0, budget: int = 0, rss: Callable[[], int] = lambda: 0,
-            trim: Callable[[], bool] | None = None) -> tuple[HeapKeeper, FakeClock, list[float]]:
+            trim: Callable[[], bool] | None = None, busy_s: float = 0.0) -> tuple[HeapKeeper, FakeClock, list[float]]:
     clock = FakeClock()
     calls: list[float] = []
 
@@ -40,7 +40,7 @@ def _keeper(idle_s: float = 2.0, budget: int = 0, rss: Callable[[], int] = lambd
         calls.append(clock.now)
         return True
 
-    return HeapKeeper(idle_s, budget, trim=trim or fake_trim, rss=rss, clock=clock), clock, calls
+    return HeapKeeper(idle_s, budget, trim=trim or fake_trim, rss=rss, clock=clock, busy_trim_s=busy_s), clock, calls
 
 
 def test_idle_trim_falls_due_after_the_idle_period_once_per_spell() -> None:
@@ -51,7 +51,7 @@ def test_idle_trim_falls_due_after_the_idle_period_once_per_spell() -> None:
     clock.now += 2.0
     assert keeper.idle_turn(True)
     keeper.trim("idle")
-    assert calls == [clock.now] and keeper.trims == {"idle": 1, "budget": 0}
+    assert calls == [clock.now] and keeper.trims == {"idle": 1, "busy": 0, "budget": 0}
     clock.now += 60
     assert not keeper.idle_turn(True)  # the same spell: no second trim
     assert keeper.idle_wait(None) is None  # and no polling: wait until notified
@@ -97,7 +97,7 @@ def test_budget_trims_between_turns_only_over_the_budget_and_not_too_often() -> 
     assert calls == []  # the RSS is read at most every BUDGET_CHECK_S
     clock.now += BUDGET_CHECK_S
     keeper.after_work()
-    assert len(calls) == 1 and keeper.trims == {"idle": 0, "budget": 1}
+    assert len(calls) == 1 and keeper.trims == {"idle": 0, "busy": 0, "budget": 1}
     for _ in range(int(BUDGET_TRIM_INTERVAL_S / BUDGET_CHECK_S) - 1):
         clock.now += BUDGET_CHECK_S
         keeper.after_work()
@@ -105,6 +105,41 @@ def test_budget_trims_between_turns_only_over_the_budget_and_not_too_often() -> 
     clock.now += BUDGET_CHECK_S
     keeper.after_work()
     assert len(calls) == 2
+
+
+def test_busy_trims_once_every_period_of_work_and_any_trim_restarts_the_period(caplog: Any) -> None:
+    keeper, clock, calls = _keeper(busy_s=30.0)
+    for _ in range(29):
+        clock.now += 1
+        keeper.after_work()
+    assert calls == []  # 29 s of work since the start
+    clock.now += 1
+    keeper.after_work()
+    assert calls == [clock.now] and keeper.trims == {"idle": 0, "busy": 1, "budget": 0}
+    clock.now += 20
+    keeper.trim("idle")  # an idle trim in between: the next busy one is 30 s after it
+    clock.now += 29
+    keeper.after_work()
+    assert len(calls) == 2
+    clock.now += 1
+    keeper.after_work()
+    assert len(calls) == 3 and keeper.trims == {"idle": 1, "busy": 2, "budget": 0}
+    off, clock, calls = _keeper(busy_s=0.0)
+    clock.now += 10_000
+    off.after_work()
+    assert calls == []
+
+    def broken() -> bool:
+        raise OSError("no")
+
+    failing, clock, _ = _keeper(busy_s=30.0, trim=broken)
+    tries = []
+    failing.trim_function = lambda: tries.append(clock.now) or broken()  # type: ignore[func-returns-value]
+    with caplog.at_level(logging.WARNING, logger="service.memory"):
+        for _ in range(40):
+            clock.now += 1
+            failing.after_work()
+    assert len(tries) == 1  # a failing busy trim is not retried every turn
 
 
 def test_the_trim_records_what_it_released() -> None:
@@ -165,9 +200,10 @@ class Recorder:
             return len(self.busy_at_calls)
 
 
-def _engine(artifact: Any, idle_s: float, budget: int = 0) -> Engine:
+def _engine(artifact: Any, idle_s: float, budget: int = 0, busy_s: float = 0.0) -> Engine:
     return Engine(artifact.model, artifact.tokenizer, backend=None,  # type: ignore[arg-type]
-                  device=None, config=EngineConfig(warmup=False, idle_trim_s=idle_s, memory_budget_bytes=budget),
+                  device=None, config=EngineConfig(warmup=False, idle_trim_s=idle_s, memory_budget_bytes=budget,
+                                                   busy_trim_s=busy_s),
                   metrics=ServiceMetrics())
 
 
@@ -231,8 +267,21 @@ def test_over_the_budget_the_busy_engine_trims_between_steps(artifact: Any, star
     engine.start()
     started.append(engine)
     assert len(_generate(engine, 8)) == 8
-    assert engine.memory.trims == {"idle": 0, "budget": 1}  # at most one per BUDGET_TRIM_INTERVAL_S
+    assert engine.memory.trims == {"idle": 0, "busy": 0, "budget": 1}  # at most one per BUDGET_TRIM_INTERVAL_S
     assert recorder.busy_at_calls == [1]  # between two steps of the running generation
+
+
+def test_the_busy_engine_trims_every_period_between_steps(artifact: Any, started: list[Engine]) -> None:
+    engine = _engine(artifact, idle_s=0.0, busy_s=0.01)  # idle trim off: only the busy trim acts
+    recorder = Recorder(engine)
+    engine.memory.trim_function = recorder
+    engine.start()
+    started.append(engine)
+    first = _generate(engine, 80)
+    assert len(first) == 80
+    assert engine.memory.trims["busy"] >= 2 and engine.memory.trims["idle"] == 0
+    assert 1 in recorder.busy_at_calls  # between two steps of the running generation
+    assert _generate(engine, 80) == first  # greedy: the trims change no result
 
 
 # ---- the decode cache's pools --------------------------------------------------------------------------

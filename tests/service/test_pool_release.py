@@ -89,7 +89,7 @@ def test_the_budget_trim_gives_every_free_pool_page_back_and_finishes_keep_some(
     keeper.last_budget_check = float("-inf")
     keeper.after_work()  # over the budget: the heap, then every free pool page
     assert calls == [4096, 4096, 0] and keeper.trims["budget"] == 1
-    assert keeper.pool_counters() == {"finished": 2 * 2**21, "idle": 0, "budget": 2**21}
+    assert keeper.pool_counters() == {"finished": 2 * 2**21, "idle": 0, "busy": 0, "budget": 2**21}
     keeper.trim("idle")
     assert calls[-1] == 0 and keeper.pool_counters()["idle"] == 2**21
 
