@@ -15,9 +15,9 @@ never during a model step): after each turn in which a request finished, the poo
 beyond the lowest `keep_bytes` of free blocks (REFORMER_CACHE_KEEP_MB), so that under steady load, never
 idle, the pools' resident pages follow the requests running and not the most ever held at once; once per
 idle spell, when nothing has run or waited for `idle_trim_s`, the heap and every free pool page; under
-steady load, never idle, once every `busy_trim_s` of work the same (a soak of the shipped model with default
-settings kept 400-700 MB of free heap chunks resident after 10 minutes, growing, with the bytes in use
-flat); and, with a memory budget, the heap and every free pool page between two turns while the RSS is above it (at most
+steady load, never idle, once every `busy_trim_s` of work the same (a soak of the shipped model with the
+defaults before it kept 450-600 MB of free heap chunks from minute 5 on, 5-minute medians, growing, with the
+bytes in use flat: bench/results/soak_defaults_before_busy_trim_24min.json); and, with a memory budget, the heap and every free pool page between two turns while the RSS is above it (at most
 once every `BUDGET_TRIM_INTERVAL_S`, so that a budget under the working set cannot make every step fault
 its memory in again).
 
