@@ -17,9 +17,10 @@ idle, the pools' resident pages follow the requests running and not the most eve
 idle spell, when nothing has run or waited for `idle_trim_s`, the heap and every free pool page; under
 steady load, never idle, once every `busy_trim_s` of work the same (a soak of the shipped model with the
 defaults before it kept 450-600 MB of free heap chunks from minute 5 on, 5-minute medians, growing, with the
-bytes in use flat: bench/results/soak_defaults_before_busy_trim_24min.json); and, with a memory budget, the heap and every free pool page between two turns while the RSS is above it (at most
-once every `BUDGET_TRIM_INTERVAL_S`, so that a budget under the working set cannot make every step fault
-its memory in again).
+bytes in use flat: bench/results/soak_defaults_before_busy_trim_24min.json); and, with a memory budget, the
+heap and every free pool page between two turns while the RSS is above it (at most once every
+`BUDGET_TRIM_INTERVAL_S`, so that a budget under the working set cannot make every step fault its memory in
+again).
 
 The heap's part degrades to "unavailable" off glibc (musl, macOS): nothing raises, nothing is trimmed.
 """
