@@ -31,6 +31,7 @@ SAMPLE_SERIES: dict[str, tuple[str, dict[str, str]]] = {
     "heap_trims_busy": ("reformer_heap_trims_total", {"reason": "busy"}),
     "heap_trims_budget": ("reformer_heap_trims_total", {"reason": "budget"}),
     "heap_last_trim_released_bytes": ("reformer_heap_last_trim_released_bytes", {}),
+    "heap_trim_seconds": ("reformer_heap_trim_seconds_total", {}),
     "live_tensor_bytes": ("reformer_live_tensor_bytes", {}),
     "live_tensor_resident_bytes": ("reformer_live_tensor_resident_bytes", {}),
     "python_objects": ("reformer_python_objects", {}),

@@ -225,7 +225,8 @@ class HeapKeeper:
         goes on; the spell counts as trimmed so that a failing trim is not retried in a loop."""
         if reason == "idle":
             self.trimmed_this_spell = True
-        self.next_busy_trim = self.clock() + self.busy_trim_s  # a failing trim is not retried every turn either
+        # the next busy trim counts from this one, tried or not: a failing trim is not retried every turn
+        self.next_busy_trim = self.clock() + self.busy_trim_s
         if self.trim_function is None and self.release_function is None:
             return
         before = self.rss_function()
@@ -243,7 +244,6 @@ class HeapKeeper:
         took = time.perf_counter() - began
         released = max(before - self.rss_function(), 0)  # another thread may allocate meanwhile
         self.last_trim_at = self.clock()
-        self.next_busy_trim = self.last_trim_at + self.busy_trim_s
         with self._lock:
             self.trims[reason] += 1
             self.trim_seconds += took
