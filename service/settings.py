@@ -199,8 +199,8 @@ class Settings(BaseSettings):
         "pages of the heap and of the decode cache's pools once every this many seconds, between two of its turns "
         "(never during a model step); 0: never. Without it the heap's free chunks stay resident and add up with "
         "fragmentation while the service is busy. Each trim pauses the running requests for the trim itself "
-        "(tens of ms per GB returned) and the pages it returned fault in again as they are reused. "
-        "reformer_heap_trims_total{reason=\"busy\"} counts the trims.",
+        "(reformer_heap_trim_seconds_total adds up its time) and the pages it returned fault in again as they are "
+        "reused. reformer_heap_trims_total{reason=\"busy\"} counts the trims.",
     )
     memory_budget_mb: int = Field(
         0, ge=0,
