@@ -102,9 +102,9 @@ def parity_lengths(config: ReformerConfig) -> list[int]:
 PARITY_BUDGET = 1e11
 
 
-def parity_rows(parameters: int, lengths: list[int], budget: float | None = None) -> int:
-    """Rows per parity input: 2 while parameters x 2 x sum(lengths) fits `budget` (PARITY_BUDGET), else 1."""
-    return 2 if parameters * 2 * sum(lengths) <= (PARITY_BUDGET if budget is None else budget) else 1
+def parity_rows(parameters: int, lengths: list[int]) -> int:
+    """Rows per parity input: 2 while parameters x 2 x sum(lengths) fits PARITY_BUDGET, else 1."""
+    return 2 if parameters * 2 * sum(lengths) <= PARITY_BUDGET else 1
 
 
 def load_reference(hf_dir: Path, config: ReformerConfig) -> Any:
