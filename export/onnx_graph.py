@@ -114,46 +114,53 @@ def local_attention(att: LocalSelfAttention, h: Tensor, batch: GraphBatch,
 
 
 def lsh_attention(att: LSHSelfAttention, h: Tensor, valid: Tensor, batch: GraphBatch) -> tuple[Tensor, Tensor]:
-    """h (B, L, hidden) -> (chunked (B, H, L, D), dense over the first chunk (B, H, C, D))."""
+    """h (B, L, hidden) -> (chunked (B, H, L, D), dense over the first chunk (B, H, C, D)).
+
+    Every head is a row of a (B*H) batch, so the graph holds one copy of the sorted attention, not one per
+    head. Unrolled per head, google/reformer-enwik8's 8 heads made the LSH layers most of a 12-layer export's
+    time (bench/import_hf_enwik8.py): a one-layer LSH model of its shape at hidden 64 exported in 65.5 s to
+    2,334 ONNX nodes, folded in 26.7 s to 729 (scratch script, two cores shared with a training run). The
+    price is onnxruntime's peak memory on long inputs: every head's score blocks at once, as eager holds
+    them in training (outside training it goes one head at a time)."""
     b, t, _ = h.shape
-    r, c, d = att.rounds, att.chunk, att.head_size
+    heads, r, c, d = att.heads, att.rounds, att.chunk, att.head_size
     n = t // c
-    qk = split_heads(att.query_key(h), att.heads, d)  # (B, H, L, D)
-    v = split_heads(att.value(h), att.heads, d)
+    qk = split_heads(att.query_key(h), heads, d)  # (B, H, L, D)
+    v = split_heads(att.value(h), heads, d)
     num_buckets = att.config.num_buckets
     assert num_buckets is not None
     buckets = att.hash(qk, num_buckets, valid)  # (B, H, R, L), padding in the extra bucket
     pos = torch.arange(t, device=h.device)
     # sort each round by (bucket, position): unique keys, so the sort is stable
     order = torch.argsort(buckets * t + pos, dim=-1)  # (B, H, R, L)
-    sorted_pos = order.reshape(b, att.heads, r * t)
-    own_chunks = torch.clamp((batch.own_length + c - 1) // c, min=1)
-    win = window_chunk_index(own_chunks, r, n, att.before, att.after)  # (B, R*N, W)
+    bh = b * heads
+    per_head = GraphBatch(real_length=batch.real_length.repeat_interleave(heads),
+                          own_length=batch.own_length.repeat_interleave(heads), causal=batch.causal)
+    sp = order.reshape(bh, r * t)  # (B*H, R*L): row b*H + i is head i of row b
+    own_chunks = torch.clamp((per_head.own_length + c - 1) // c, min=1)
+    win = window_chunk_index(own_chunks, r, n, att.before, att.after)  # (B*H, R*N, W)
     k = length_normalize(qk) / math.sqrt(d)
-    heads = []
-    for i in range(att.heads):  # one head at a time: peak memory is one head's score blocks
-        sp = sorted_pos[:, i]  # (B, R*L)
-        idx = sp.unsqueeze(-1).expand(-1, -1, d)
-        q_c = torch.gather(qk[:, i], 1, idx).view(b, r * n, c, d)  # (B, R*N, C, D)
-        k_c = torch.gather(k[:, i], 1, idx).view(b, r * n, c, d)
-        v_c = torch.gather(v[:, i], 1, idx).view(b, r * n, c, d)
-        qp = sp.view(b, r * n, c)  # (B, R*N, C)
-        kp = windows(qp.unsqueeze(-1), win).squeeze(-1)  # (B, R*N, W*C)
-        self_hit = kp.unsqueeze(-2) == qp.unsqueeze(-1)
-        o, lse = attend_masked(q_c, windows(k_c, win), windows(v_c, win), masked_positions(qp, kp, batch),
-                               self_hit)  # (B, R*N, C, D), (B, R*N, C)
-        # undo the sort, then weigh every round by its share of the probability mass
-        undo = order[:, i]  # (B, R, L)
-        o = torch.empty_like(o.view(b, r, t, d)).scatter(2, undo.unsqueeze(-1).expand(-1, -1, -1, d),
-                                                         o.view(b, r, t, d))
-        lse = torch.empty_like(lse.view(b, r, t)).scatter(2, undo, lse.view(b, r, t))
-        weights = round_weights(lse, dim=1).unsqueeze(-1)  # (B, R, L, 1)
-        heads.append((o * weights).sum(dim=1))  # (B, L, D)
+    idx = sp.unsqueeze(-1).expand(-1, -1, d)  # (B*H, R*L, D)
+    q_c = torch.gather(qk.reshape(bh, t, d), 1, idx).view(bh, r * n, c, d)  # (B*H, R*N, C, D)
+    k_c = torch.gather(k.reshape(bh, t, d), 1, idx).view(bh, r * n, c, d)
+    v_c = torch.gather(v.reshape(bh, t, d), 1, idx).view(bh, r * n, c, d)
+    qp = sp.view(bh, r * n, c)  # (B*H, R*N, C)
+    kp = windows(qp.unsqueeze(-1), win).squeeze(-1)  # (B*H, R*N, W*C)
+    self_hit = kp.unsqueeze(-2) == qp.unsqueeze(-1)
+    o, lse = attend_masked(q_c, windows(k_c, win), windows(v_c, win), masked_positions(qp, kp, per_head),
+                           self_hit)  # (B*H, R*N, C, D), (B*H, R*N, C)
+    # undo the sort, then weigh every round by its share of the probability mass
+    undo = order.reshape(bh, r, t)  # (B*H, R, L)
+    o = torch.empty_like(o.view(bh, r, t, d)).scatter(2, undo.unsqueeze(-1).expand(-1, -1, -1, d),
+                                                      o.view(bh, r, t, d))
+    lse = torch.empty_like(lse.view(bh, r, t)).scatter(2, undo, lse.view(bh, r, t))
+    weights = round_weights(lse, dim=1).unsqueeze(-1)  # (B*H, R, L, 1)
+    chunked = (o * weights).sum(dim=1).view(b, heads, t, d)  # (B, H, L, D)
     first = pos[:c].view(1, 1, c).expand(b, 1, c)
     self_first = (first.unsqueeze(-1) == first.unsqueeze(-2))
     dense, _ = attend_masked(qk[:, :, :c], k[:, :, :c], v[:, :, :c], masked_positions(first, first, batch),
                              self_first)
-    return torch.stack(heads, dim=1), dense
+    return chunked, dense
 
 
 def static_forward(lm: ReformerLM, input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor]:
