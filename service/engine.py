@@ -4,12 +4,12 @@ The engine in parts: `service/admission.py` (queue bound, reservations, queue ti
 (pure functions: which generations start, how prompts are grouped, which embedding batch runs),
 `service/runner.py` (the model runner: device tensors, the decode cache, batched prefill and decode steps),
 `service/embed_batches.py` (the queued inputs of embedding requests and their batches),
-`service/jobs_runtime.py` (per-request state and delivery to the event loop) and, here, the worker loop that
-ties them together with the generations' prefills and decode steps. Each turn: start the queued
-generations the policy and the decode cache allow (prefilled together, grouped by length under
-`max_batch_tokens`, or sliced between decode steps when long), run ONE batched decode step over every
-running generation (continuous batching: requests join and leave between steps), then one embedding batch
-if one is ready. A failure in one request's work fails that request only.
+`service/jobs_runtime.py` (per-request state and delivery to the event loop), `service/generation_steps.py`
+(the generations' prefills and decode steps) and, here, the requests' entry and the worker loop that ties them
+together. Each turn: start the queued generations the policy and the decode cache allow (prefilled together,
+grouped by length under `max_batch_tokens`, or sliced between decode steps when long), run ONE batched decode
+step over every running generation (continuous batching: requests join and leave between steps), then one
+embedding batch if one is ready. A failure in one request's work fails that request only.
 """
 
 from __future__ import annotations
@@ -26,28 +26,19 @@ from typing import Any
 import torch
 
 from model.kernels.weights import WeightKind
-from model.sampling import greedy_choices
 from service.admission import Admission, Reservation
 from service.backends import EmbeddingBackend
 from service.embed_batches import EmbedBatches
 from service.errors import InputTooLong, InternalError, Overloaded, ServiceError, Unavailable
-from service.jobs import EmbeddingResult, EmbeddingSpec, GenerationSpec, TokenEvent
-from service.jobs_runtime import EmbedJob, Event, GenerationJob, GenerationStream, Job, JobState, deliver_together
+from service.generation_steps import GenerationSteps
+from service.jobs import EmbeddingResult, EmbeddingSpec, GenerationSpec
+from service.jobs_runtime import EmbedJob, GenerationJob, GenerationStream, Job, JobState
 from service.memory import HeapKeeper
 from service.metrics import ServiceMetrics
-from service.policy import (
-    SLICE_HISTORY,
-    QueuedGeneration,
-    another_slice_fits,
-    group_by_length,
-    take_generations,
-)
+from service.policy import QueuedGeneration, take_generations
 from service.runner import ModelRunner
 
 log = logging.getLogger("service.engine")
-
-# A prefill group of more padded tokens than this is sliced between decode steps while generations run.
-CHUNKED_PREFILL_TOKENS = 2048
 
 # Reservation lives in service/admission.py and GenerationStream in service/jobs_runtime.py; importers of
 # service.engine keep them.
@@ -83,7 +74,7 @@ class EngineConfig:
     cache_keep_bytes: int | None = 64 * 2**20
 
 
-class Engine:
+class Engine(GenerationSteps):
     def __init__(
         self, model: Any, tokenizer: Any, backend: EmbeddingBackend, device: torch.device, config: EngineConfig,
         metrics: ServiceMetrics, on_fatal: Callable[[BaseException], None] | None = None,
@@ -314,145 +305,3 @@ class Engine:
                         self._running.remove(job)
         for job in jobs:
             job.fail(InternalError("internal error; the server log has the details"))
-
-    def _prefill_all(self, jobs: list[GenerationJob]) -> None:
-        """Prompts prefilled together, grouped by length under max_batch_tokens (one at a time when the
-        engine runs batch-invariant, so a request's first token does not depend on its company)."""
-        if self.config.batch_invariant:
-            groups = [[i] for i in range(len(jobs))]
-        else:
-            groups = group_by_length([len(j.spec.prompt_ids) for j in jobs], self.config.max_batch_tokens)
-        for group in groups:
-            members = [jobs[i] for i in group]
-            if self._running and max(len(j.spec.prompt_ids) for j in members) * len(members) > CHUNKED_PREFILL_TOKENS:
-                # long: sliced between decode steps, so running streams are not stalled for its whole prefill
-                for job in members:
-                    job.begin()
-                self._prefilling.append((members, self.runner.prefill_slices(
-                    [j.spec.prompt_ids for j in members],
-                    [len(j.spec.prompt_ids) + j.spec.max_new_tokens for j in members]), deque(maxlen=SLICE_HISTORY)))
-            else:
-                self._prefill(members)
-
-    def _advance_prefills(self) -> None:
-        """Slices of the prefills in progress, oldest first, within the config's prefill_budget_ms (at least one
-        slice each); a finished one joins the running generations."""
-        start = time.monotonic()
-        budget_s = self.config.prefill_budget_ms / 1000.0
-        for entry in list(self._prefilling):
-            jobs, slices, recent = entry
-            try:
-                while True:
-                    began = time.monotonic()
-                    next(slices)
-                    now = time.monotonic()
-                    recent.append(now - began)
-                    if not another_slice_fits(now - start, recent, budget_s):
-                        break
-                continue
-            except StopIteration as done:
-                logits, states = done.value
-            except Exception:
-                log.exception("sliced prefill failed", extra={"request_id": jobs[0].request_id})
-                self._prefilling.remove(entry)
-                self._fail_jobs(jobs)
-                continue
-            self._prefilling.remove(entry)
-            self._prefilled(jobs, logits, states)
-
-    def _prefill(self, jobs: list[GenerationJob]) -> None:
-        try:
-            for job in jobs:
-                job.begin()
-            logits, states = self.runner.prefill([j.spec.prompt_ids for j in jobs],
-                                                 [len(j.spec.prompt_ids) + j.spec.max_new_tokens for j in jobs])
-        except Exception:
-            if len(jobs) > 1:  # find the request that fails: each one alone
-                log.warning("a prefill batch of %d failed; retrying each alone", len(jobs))
-                for job in jobs:
-                    self._prefill([job])
-                return
-            log.exception("prefill failed", extra={"request_id": jobs[0].request_id})
-            self._fail_jobs(jobs)
-            return
-        self._prefilled(jobs, logits, states)
-
-    def _prefilled(self, jobs: list[GenerationJob], logits: torch.Tensor, states: list[Any]) -> None:
-        self.metrics.batch_size.labels("prefill").observe(len(jobs))
-        self.metrics.batch_tokens.labels("prefill").observe(max(len(j.spec.prompt_ids) for j in jobs) * len(jobs))
-        deliveries: list[tuple[GenerationJob, Event]] = []
-        with self.runner.sampling_scope():
-            for job, state, row, choice in zip(jobs, states, logits, self._greedy(jobs, logits), strict=True):
-                job.cache = state
-                with self._cond:
-                    self._running.append(job)
-                self._advance_safely(job, row, deliveries, choice)
-        deliver_together(deliveries)
-
-    def _decode_step(self) -> None:
-        """One batched step over every running generation. A row that cannot step fails alone before the call;
-        a failure of the call itself fails the rows in it; each row's sampling and delivery fail alone."""
-        jobs = [j for j in self._running if j.state is JobState.RUNNING]
-        broken = [j for j in jobs if j.cache is None or j.pending_token is None or not self.runner.can_step(j.cache)]
-        if broken:
-            log.error("%d generations cannot take another step; failing them", len(broken))
-            self._fail_jobs(broken)
-            jobs = [j for j in jobs if j not in broken]
-        if not jobs:
-            return
-        try:
-            logits = self.runner.decode([j.pending_token for j in jobs], [j.cache for j in jobs])  # type: ignore[misc]
-        except Exception:
-            log.exception("decode step over %d generations failed", len(jobs))
-            self._fail_jobs(jobs)
-            return
-        # rows per model call: in invariant mode the step may have run in blocks of INVARIANT_ROWS rows
-        block = self.runner.last_rows_per_call
-        for start in range(0, len(jobs), block):
-            rows = min(block, len(jobs) - start)
-            self.metrics.batch_size.labels("decode").observe(rows)
-            self.metrics.batch_tokens.labels("decode").observe(rows)
-        deliveries: list[tuple[GenerationJob, Event]] = []
-        with self.runner.sampling_scope():
-            for job, row, choice in zip(jobs, logits, self._greedy(jobs, logits), strict=True):
-                self._advance_safely(job, row, deliveries, choice)
-        deliver_together(deliveries)
-
-    @staticmethod
-    def _greedy(jobs: list[GenerationJob], logits: torch.Tensor) -> list[tuple[int, float] | None]:
-        """Every row's greedy choice in one batched pass when some request is plain greedy, else Nones."""
-        if any(j.sampler is not None and j.sampler.plain_greedy for j in jobs):
-            try:
-                return list(greedy_choices(logits))
-            except Exception:  # each row then samples on its own, and fails alone if it must
-                log.exception("batched greedy choice over %d rows failed", len(jobs))
-        return [None] * len(jobs)
-
-    def _advance_safely(self, job: GenerationJob, logits: torch.Tensor,
-                        deliveries: list[tuple[GenerationJob, Event]], greedy: tuple[int, float] | None) -> None:
-        try:
-            deliveries.extend((job, event) for event in job.to_deliver(self._advance(job, logits, greedy)))
-        except Exception:
-            log.exception("sampling or delivery failed", extra={"request_id": job.request_id})
-            self._fail_jobs([job])
-
-    def _advance(self, job: GenerationJob, logits: torch.Tensor, greedy: tuple[int, float] | None) -> TokenEvent:
-        """Sample the job's next token and retire the job if it is finished; returns the event to deliver."""
-        event = job.accept(logits, greedy)
-        now = time.monotonic()
-        if job.last_token_at is None:
-            job.timings.first_token = now
-            self.metrics.ttft.observe(now - job.timings.enqueued)
-        else:
-            self.metrics.itl.observe(now - job.last_token_at)
-        job.last_token_at = now
-        self.metrics.generated_tokens.inc()
-        if event.finish is not None:
-            job.timings.finished = now
-            self.metrics.prompt_tokens.inc(len(job.spec.prompt_ids))  # completed requests only
-            with self._cond:
-                job.state = JobState.DONE
-                if job in self._running:
-                    self._running.remove(job)
-                self._release(job)
-        return event

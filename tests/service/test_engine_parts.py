@@ -137,9 +137,9 @@ def _record_slices(engine: Engine, monkeypatch: pytest.MonkeyPatch, budget_s: fl
     """Long prompts (over 50 tokens) sliced, the prefill budget set; returns the calls as they happen:
     "d" a decode step that includes the first request decoding after the list is cleared (the stream),
     "x" one without it, "s" a prefill slice."""
-    import service.engine as engine_module
+    import service.generation_steps as steps_module
 
-    monkeypatch.setattr(engine_module, "CHUNKED_PREFILL_TOKENS", 50)
+    monkeypatch.setattr(steps_module, "CHUNKED_PREFILL_TOKENS", 50)
     monkeypatch.setattr(engine, "config", dataclasses.replace(engine.config, prefill_budget_ms=1000.0 * budget_s))
     calls: list[str] = []
     real_decode, real_slices = engine.runner.decode, engine.runner.prefill_slices
@@ -366,11 +366,11 @@ def test_sampling_after_a_model_call_runs_on_one_thread(artifact: Any, monkeypat
     """model.decoding.sampling_threads: the batch's greedy choices and each row's own sampling, after a prefill
     and after every decode step, run on one intra-op thread (a few-microsecond op on two threads costs an
     OpenMP hand-off far larger than itself), and the count is restored after."""
-    import service.engine as engine_module
+    import service.generation_steps as steps_module
 
     greedy_threads: list[int] = []
     sample_threads: list[int] = []
-    real_greedy, real_accept = engine_module.greedy_choices, GenerationJob.accept
+    real_greedy, real_accept = steps_module.greedy_choices, GenerationJob.accept
 
     def greedy(logits: torch.Tensor) -> Any:
         greedy_threads.append(torch.get_num_threads())
@@ -380,7 +380,7 @@ def test_sampling_after_a_model_call_runs_on_one_thread(artifact: Any, monkeypat
         sample_threads.append(torch.get_num_threads())
         return real_accept(self, logits, choice)
 
-    monkeypatch.setattr(engine_module, "greedy_choices", greedy)
+    monkeypatch.setattr(steps_module, "greedy_choices", greedy)
     monkeypatch.setattr(GenerationJob, "accept", accept)
     before = torch.get_num_threads()
     torch.set_num_threads(2)

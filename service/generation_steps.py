@@ -1,0 +1,186 @@
+"""The generations' work on the engine's worker thread: prefills (together, grouped by length, or sliced
+between decode steps when long), one batched decode step over every running generation, and each row's
+sampling and delivery. `Engine` (service/engine.py) runs these from its loop; a failure in one request's work
+fails that request only."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Generator
+from typing import Any
+
+import torch
+
+from model.sampling import greedy_choices
+from service.jobs import TokenEvent
+from service.jobs_runtime import Event, GenerationJob, JobState, deliver_together
+from service.metrics import ServiceMetrics
+from service.policy import SLICE_HISTORY, another_slice_fits, group_by_length
+from service.runner import ModelRunner
+
+log = logging.getLogger("service.engine")
+
+# A prefill group of more padded tokens than this is sliced between decode steps while generations run.
+CHUNKED_PREFILL_TOKENS = 2048
+
+
+class GenerationSteps:
+    """Mixed into Engine, whose attributes these are."""
+
+    config: Any  # service.engine.EngineConfig
+    runner: ModelRunner
+    metrics: ServiceMetrics
+    _cond: threading.Condition
+    _running: list[GenerationJob]
+    _prefilling: list[tuple[list[GenerationJob], Generator[None, None, Any], deque[float]]]
+
+    def _fail_jobs(self, jobs: Any) -> None:
+        raise NotImplementedError
+
+    def _release(self, job: GenerationJob) -> None:
+        raise NotImplementedError
+
+    def _prefill_all(self, jobs: list[GenerationJob]) -> None:
+        """Prompts prefilled together, grouped by length under max_batch_tokens (one at a time when the
+        engine runs batch-invariant, so a request's first token does not depend on its company)."""
+        if self.config.batch_invariant:
+            groups = [[i] for i in range(len(jobs))]
+        else:
+            groups = group_by_length([len(j.spec.prompt_ids) for j in jobs], self.config.max_batch_tokens)
+        for group in groups:
+            members = [jobs[i] for i in group]
+            if self._running and max(len(j.spec.prompt_ids) for j in members) * len(members) > CHUNKED_PREFILL_TOKENS:
+                # long: sliced between decode steps, so running streams are not stalled for its whole prefill
+                for job in members:
+                    job.begin()
+                self._prefilling.append((members, self.runner.prefill_slices(
+                    [j.spec.prompt_ids for j in members],
+                    [len(j.spec.prompt_ids) + j.spec.max_new_tokens for j in members]), deque(maxlen=SLICE_HISTORY)))
+            else:
+                self._prefill(members)
+
+    def _advance_prefills(self) -> None:
+        """Slices of the prefills in progress, oldest first, within the config's prefill_budget_ms (at least one
+        slice each); a finished one joins the running generations."""
+        start = time.monotonic()
+        budget_s = self.config.prefill_budget_ms / 1000.0
+        for entry in list(self._prefilling):
+            jobs, slices, recent = entry
+            try:
+                while True:
+                    began = time.monotonic()
+                    next(slices)
+                    now = time.monotonic()
+                    recent.append(now - began)
+                    if not another_slice_fits(now - start, recent, budget_s):
+                        break
+                continue
+            except StopIteration as done:
+                logits, states = done.value
+            except Exception:
+                log.exception("sliced prefill failed", extra={"request_id": jobs[0].request_id})
+                self._prefilling.remove(entry)
+                self._fail_jobs(jobs)
+                continue
+            self._prefilling.remove(entry)
+            self._prefilled(jobs, logits, states)
+
+    def _prefill(self, jobs: list[GenerationJob]) -> None:
+        try:
+            for job in jobs:
+                job.begin()
+            logits, states = self.runner.prefill([j.spec.prompt_ids for j in jobs],
+                                                 [len(j.spec.prompt_ids) + j.spec.max_new_tokens for j in jobs])
+        except Exception:
+            if len(jobs) > 1:  # find the request that fails: each one alone
+                log.warning("a prefill batch of %d failed; retrying each alone", len(jobs))
+                for job in jobs:
+                    self._prefill([job])
+                return
+            log.exception("prefill failed", extra={"request_id": jobs[0].request_id})
+            self._fail_jobs(jobs)
+            return
+        self._prefilled(jobs, logits, states)
+
+    def _prefilled(self, jobs: list[GenerationJob], logits: torch.Tensor, states: list[Any]) -> None:
+        self.metrics.batch_size.labels("prefill").observe(len(jobs))
+        self.metrics.batch_tokens.labels("prefill").observe(max(len(j.spec.prompt_ids) for j in jobs) * len(jobs))
+        deliveries: list[tuple[GenerationJob, Event]] = []
+        with self.runner.sampling_scope():
+            for job, state, row, choice in zip(jobs, states, logits, self._greedy(jobs, logits), strict=True):
+                job.cache = state
+                with self._cond:
+                    self._running.append(job)
+                self._advance_safely(job, row, deliveries, choice)
+        deliver_together(deliveries)
+
+    def _decode_step(self) -> None:
+        """One batched step over every running generation. A row that cannot step fails alone before the call;
+        a failure of the call itself fails the rows in it; each row's sampling and delivery fail alone."""
+        jobs = [j for j in self._running if j.state is JobState.RUNNING]
+        broken = [j for j in jobs if j.cache is None or j.pending_token is None or not self.runner.can_step(j.cache)]
+        if broken:
+            log.error("%d generations cannot take another step; failing them", len(broken))
+            self._fail_jobs(broken)
+            jobs = [j for j in jobs if j not in broken]
+        if not jobs:
+            return
+        try:
+            logits = self.runner.decode([j.pending_token for j in jobs], [j.cache for j in jobs])  # type: ignore[misc]
+        except Exception:
+            log.exception("decode step over %d generations failed", len(jobs))
+            self._fail_jobs(jobs)
+            return
+        # rows per model call: in invariant mode the step may have run in blocks of INVARIANT_ROWS rows
+        block = self.runner.last_rows_per_call
+        for start in range(0, len(jobs), block):
+            rows = min(block, len(jobs) - start)
+            self.metrics.batch_size.labels("decode").observe(rows)
+            self.metrics.batch_tokens.labels("decode").observe(rows)
+        deliveries: list[tuple[GenerationJob, Event]] = []
+        with self.runner.sampling_scope():
+            for job, row, choice in zip(jobs, logits, self._greedy(jobs, logits), strict=True):
+                self._advance_safely(job, row, deliveries, choice)
+        deliver_together(deliveries)
+
+    @staticmethod
+    def _greedy(jobs: list[GenerationJob], logits: torch.Tensor) -> list[tuple[int, float] | None]:
+        """Every row's greedy choice in one batched pass when some request is plain greedy, else Nones."""
+        if any(j.sampler is not None and j.sampler.plain_greedy for j in jobs):
+            try:
+                return list(greedy_choices(logits))
+            except Exception:  # each row then samples on its own, and fails alone if it must
+                log.exception("batched greedy choice over %d rows failed", len(jobs))
+        return [None] * len(jobs)
+
+    def _advance_safely(self, job: GenerationJob, logits: torch.Tensor,
+                        deliveries: list[tuple[GenerationJob, Event]], greedy: tuple[int, float] | None) -> None:
+        try:
+            deliveries.extend((job, event) for event in job.to_deliver(self._advance(job, logits, greedy)))
+        except Exception:
+            log.exception("sampling or delivery failed", extra={"request_id": job.request_id})
+            self._fail_jobs([job])
+
+    def _advance(self, job: GenerationJob, logits: torch.Tensor, greedy: tuple[int, float] | None) -> TokenEvent:
+        """Sample the job's next token and retire the job if it is finished; returns the event to deliver."""
+        event = job.accept(logits, greedy)
+        now = time.monotonic()
+        if job.last_token_at is None:
+            job.timings.first_token = now
+            self.metrics.ttft.observe(now - job.timings.enqueued)
+        else:
+            self.metrics.itl.observe(now - job.last_token_at)
+        job.last_token_at = now
+        self.metrics.generated_tokens.inc()
+        if event.finish is not None:
+            job.timings.finished = now
+            self.metrics.prompt_tokens.inc(len(job.spec.prompt_ids))  # completed requests only
+            with self._cond:
+                job.state = JobState.DONE
+                if job in self._running:
+                    self._running.remove(job)
+                self._release(job)
+        return event
