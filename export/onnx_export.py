@@ -123,8 +123,8 @@ def check_graph(path: Path) -> dict[str, Any]:
     """Structural checks: opset, input/output names and dynamic axes, no random operators."""
     import onnx
 
+    onnx.checker.check_model(str(path))  # from the file: no second serialised copy of a large graph
     graph_model = onnx.load(str(path))
-    onnx.checker.check_model(graph_model)
     ops: set[str] = set()
 
     def visit(nodes: Any) -> None:
