@@ -251,11 +251,6 @@ class Engine(GenerationSteps):
         for job in {id(j): j for j in jobs}.values():
             job.fail(error)
 
-    def _release(self, job: GenerationJob) -> None:
-        """The job's decode cache goes back to the allocator (its blocks and slot), then the job forgets it."""
-        self.runner.free(job.cache)
-        job.release()
-
     def _warm_up(self) -> None:
         ids = self.tokenizer.encode("warm up the model")
         mask = torch.ones(1, len(ids), dtype=torch.long)
@@ -293,15 +288,3 @@ class Engine(GenerationSteps):
         for job in taken:
             self._start(job)
         return taken
-
-    def _fail_jobs(self, jobs: Any) -> None:
-        jobs = list(jobs)
-        with self._cond:
-            for job in jobs:
-                job.state = JobState.DONE
-                if isinstance(job, GenerationJob):
-                    self._release(job)
-                    if job in self._running:
-                        self._running.remove(job)
-        for job in jobs:
-            job.fail(InternalError("internal error; the server log has the details"))

@@ -10,16 +10,20 @@ import threading
 import time
 from collections import deque
 from collections.abc import Generator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from model.sampling import greedy_choices
+from service.errors import InternalError
 from service.jobs import TokenEvent
 from service.jobs_runtime import Event, GenerationJob, JobState, deliver_together
 from service.metrics import ServiceMetrics
 from service.policy import SLICE_HISTORY, another_slice_fits, group_by_length
 from service.runner import ModelRunner
+
+if TYPE_CHECKING:
+    from service.engine import EngineConfig
 
 log = logging.getLogger("service.engine")
 
@@ -30,18 +34,29 @@ CHUNKED_PREFILL_TOKENS = 2048
 class GenerationSteps:
     """Mixed into Engine, whose attributes these are."""
 
-    config: Any  # service.engine.EngineConfig
+    config: EngineConfig
     runner: ModelRunner
     metrics: ServiceMetrics
     _cond: threading.Condition
     _running: list[GenerationJob]
     _prefilling: list[tuple[list[GenerationJob], Generator[None, None, Any], deque[float]]]
 
-    def _fail_jobs(self, jobs: Any) -> None:
-        raise NotImplementedError
-
     def _release(self, job: GenerationJob) -> None:
-        raise NotImplementedError
+        """The job's decode cache goes back to the allocator (its blocks and slot), then the job forgets it."""
+        self.runner.free(job.cache)
+        job.release()
+
+    def _fail_jobs(self, jobs: Any) -> None:
+        jobs = list(jobs)
+        with self._cond:
+            for job in jobs:
+                job.state = JobState.DONE
+                if isinstance(job, GenerationJob):
+                    self._release(job)
+                    if job in self._running:
+                        self._running.remove(job)
+        for job in jobs:
+            job.fail(InternalError("internal error; the server log has the details"))
 
     def _prefill_all(self, jobs: list[GenerationJob]) -> None:
         """Prompts prefilled together, grouped by length under max_batch_tokens (one at a time when the
