@@ -166,6 +166,73 @@ static inline __m512 widen16(const uint16_t *h, int kind) {
 }
 #endif
 
+/* The AVX2 build (no AVX-512): the same loops 8 lanes wide, half rows widened in registers. Before them this
+ * build scored a slot through the generic loops (a half row widened into buf, scalar expf): after 1K tokens
+ * of the enwik8-shaped model, attend_slots was a quarter of an int8 step's perf samples
+ * (bench/results/decode_step_perf_int8_1k.txt). */
+#if defined(__AVX2__) && defined(__F16C__) && !defined(__AVX512F__)
+#define AVX2_PATH 1
+/* 8 half elements (binary16 or bfloat16) widened to float32 in a register */
+static inline __m256 widen8(const uint16_t *h, int kind) {
+    const __m128i raw = _mm_loadu_si128((const __m128i *)h);
+    return kind == KIND_F16 ? _mm256_cvtph_ps(raw)
+                            : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+/* whether dot_lanes8 reads a pool row of `kind` and d elements */
+static inline int lanes_fit8(int kind, int64_t d) { return kind == KIND_F32 ? d % 16 == 0 : d % 8 == 0; }
+
+/* q . pool row `at` as 8 lanes before their sum: a float32 row in two chains, added; a half row in one */
+static inline __m256 dot_lanes8(const float *q, const void *pool, int kind, int64_t at, int64_t stride, int64_t d) {
+    if (kind == KIND_F32) {
+        const float *k = (const float *)pool + at * stride;
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+        for (int64_t j = 0; j < d; j += 16) {
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), _mm256_loadu_ps(k + j), a0);
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + j + 8), _mm256_loadu_ps(k + j + 8), a1);
+        }
+        return _mm256_add_ps(a0, a1);
+    }
+    const uint16_t *h = (const uint16_t *)pool + at * stride;
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 16 <= d; j += 16) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), widen8(h + j, kind), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + j + 8), widen8(h + j + 8, kind), a1);
+    }
+    if (j < d) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), widen8(h + j, kind), a0);
+    return _mm256_add_ps(a0, a1);
+}
+
+/* the sum of 8 lanes as a tree: lane i + lane i+4, then i + i+2, then i + i+1 */
+static inline float sum_lanes8(__m256 v) {
+    const __m128 t4 = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
+    const __m128 t6 = _mm_add_ps(t4, _mm_shuffle_ps(t4, t4, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtss_f32(_mm_add_ss(t6, _mm_shuffle_ps(t6, t6, _MM_SHUFFLE(1, 1, 1, 1))));
+}
+
+/* exp of 8 floats of at most 0: exp16's polynomial, 2**n put in the exponent field (n >= -126 above the
+ * cut, so the power is a normal float); exactly 1 at 0 and exactly 0 below -87.3 */
+static inline __m256 exp8(__m256 x) {
+    const __m256 cut = _mm256_set1_ps(-87.33654f);
+    const __m256 tiny = _mm256_cmp_ps(x, cut, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, cut);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+#endif
+
 #ifdef __AVX512F__
 /* whether dot_lanes reads a pool row of `kind` and d elements: float32 rows of a multiple of 32 elements,
  * half rows of a multiple of 16 */
@@ -254,6 +321,8 @@ static inline float dot_row(const float *q, const void *pool, int kind, int64_t 
 #ifdef __AVX512F__
     /* reduced in registers (the generic loop's lanes went through the stack) */
     if (lanes_fit(kind, d)) return sum_lanes(dot_lanes(q, pool, kind, at, stride, d));
+#elif defined(AVX2_PATH)
+    if (lanes_fit8(kind, d)) return sum_lanes8(dot_lanes8(q, pool, kind, at, stride, d));
 #endif
     return dot(q, row_f32(pool, kind, at, stride, d, buf), d);
 }
@@ -267,6 +336,14 @@ static inline void add_row(float *out, float p, const void *pool, int kind, int6
         for (int64_t j = 0; j < d; j += 16) {
             _mm512_storeu_ps(out + j, _mm512_fmadd_ps(pp, widen16(h + j, kind), _mm512_loadu_ps(out + j)));
         }
+        return;
+    }
+#elif defined(AVX2_PATH)
+    if (kind != KIND_F32 && d % 8 == 0) {
+        const uint16_t *h = (const uint16_t *)pool + at * stride;
+        const __m256 pp = _mm256_set1_ps(p);
+        for (int64_t j = 0; j < d; j += 8)
+            _mm256_storeu_ps(out + j, _mm256_fmadd_ps(pp, widen8(h + j, kind), _mm256_loadu_ps(out + j)));
         return;
     }
 #endif
@@ -355,6 +432,17 @@ static int attend_slots(const float *q, int64_t dim, int64_t rounds, int64_t wid
             }
             total = sum_lanes(lanes);
         }
+#elif defined(AVX2_PATH)
+        if (W % 8 == 0) { /* 8 slots at a time; their sum in 8 lanes, added as sum_lanes8 adds */
+            const __m256 at_top = _mm256_set1_ps(top);
+            __m256 lanes = _mm256_setzero_ps();
+            for (; w < W; w += 8) {
+                const __m256 v = exp8(_mm256_sub_ps(_mm256_loadu_ps(e + w), at_top));
+                _mm256_storeu_ps(e + w, v);
+                lanes = _mm256_add_ps(lanes, v);
+            }
+            total = sum_lanes8(lanes);
+        }
 #endif
         for (; w < W; w++) {
             e[w] = expf(e[w] - top);
@@ -387,6 +475,28 @@ static int attend_slots(const float *q, int64_t dim, int64_t rounds, int64_t wid
             for (int64_t c = 0; c < parts; c++) acc[c] = _mm512_fmadd_ps(pp, _mm512_loadu_ps(v + 16 * c), acc[c]);
         }
         for (int64_t c = 0; c < parts; c++) _mm512_storeu_ps(out + 16 * c, acc[c]);
+        return 0;
+    }
+#elif defined(AVX2_PATH)
+    if (D % 8 == 0 && D <= 64) { /* add_row's multiply-adds, the output in at most 8 of the 16 registers */
+        __m256 acc[8];
+        const int64_t parts = D / 8;
+        for (int64_t c = 0; c < parts; c++) acc[c] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < n; i++) {
+            if (i + AHEAD < n && score[i + AHEAD] != 0.0f)
+                prefetch_row(values, row_bytes, stride_bytes, flat[i + AHEAD]);
+            const float p = score[i];
+            if (p == 0.0f) continue;
+            const __m256 pp = _mm256_set1_ps(p);
+            if (kind == KIND_F32) {
+                const float *v = (const float *)values + flat[i] * stride;
+                for (int64_t c = 0; c < parts; c++) acc[c] = _mm256_fmadd_ps(pp, _mm256_loadu_ps(v + 8 * c), acc[c]);
+            } else {
+                const uint16_t *h = (const uint16_t *)values + flat[i] * stride;
+                for (int64_t c = 0; c < parts; c++) acc[c] = _mm256_fmadd_ps(pp, widen8(h + 8 * c, kind), acc[c]);
+            }
+        }
+        for (int64_t c = 0; c < parts; c++) _mm256_storeu_ps(out + 8 * c, acc[c]);
         return 0;
     }
 #endif

@@ -79,7 +79,8 @@ def test_pools_with_each_key_beside_its_value_read_as_separate_pools(kernel: Cpu
 
 # head sizes through each of the kernel's float32 loops: 20 the generic ones; 48 the output summed in
 # registers; 64 that and the two-chain dot product; 160 the dot product with the generic output loop
-# widths: 24 takes the softmax's one-slot-at-a-time expf, 32 (a multiple of 16) exp16's 16 at a time
+# widths: 24 takes the softmax's one-slot-at-a-time expf (exp8, 8 at a time, in the AVX2 build), 32 (a
+# multiple of 16) exp16's 16 at a time
 @pytest.mark.parametrize("w", [24, 32])
 @pytest.mark.parametrize("d", [20, 48, 64, 160])
 def test_window_attention_equals_the_plain_formula(kernel: CpuKernels, d: int, w: int) -> None:
@@ -104,17 +105,18 @@ def test_window_attention_equals_the_plain_formula(kernel: CpuKernels, d: int, w
 
 def test_slots_scored_sixteen_at_a_time_get_the_bits_of_slots_scored_alone(kernel: CpuKernels) -> None:
     # float32 rows of a multiple of 32 elements and half rows of a multiple of 16: the n = R * W slots of a
-    # (row, head)'s windows are scored 16 at a time, the last n % 16 one at a time. Two rounds of 24 slots
-    # (48: all 16 at a time); 15 absent slots in front of each round's window (absent slots weigh exactly 0,
-    # and the sums over them add exact zeros) make 78 and move the second round's last 14 slots to the
-    # second way; the output keeps its bits only if both score every slot alike. (Both widths take the
-    # softmax's one-slot-at-a-time exp: a width of a multiple of 16 takes exp16, other bits.)
+    # (row, head)'s windows are scored 16 at a time, the last n % 16 one at a time. Two rounds of 21 slots
+    # (42: two blocks of 16 and 10 alone); 15 absent slots in front of each round's window (absent slots weigh
+    # exactly 0, and the sums over them add exact zeros) make 72 (four blocks and 8 alone) and move slots
+    # between the two ways; the output keeps its bits only if both score every slot alike. (Both widths, 21
+    # and 36, take the softmax's one-slot-at-a-time exp: a width of a multiple of 16, or of 8 in the AVX2
+    # build, takes exp16 or exp8, other bits.)
     masks: dict[str, Any] = dict(self_mask=self_mask_value(torch.float32), mask=mask_value(torch.float32))
     cases = [(torch.float32, 32), (torch.float32, 64)]
     cases += [(dtype, d) for dtype in (torch.bfloat16, torch.float16) if dtype in kernel.reads for d in (16, 48)]
     for dtype, d in cases:
         for seed in range(3):
-            x = _inputs(b=4, h=3, r=2, w=24, d=d, seed=seed)  # three blocks of 16 per (row, head)
+            x = _inputs(b=4, h=3, r=2, w=21, d=d, seed=seed)
             x.update(keys=x["keys"].to(dtype), values=x["values"].to(dtype))
             pad = (4, 3, 2, 15)
             padded = dict(x, flat=torch.cat([torch.zeros(pad, dtype=torch.long), x["flat"]], -1),
