@@ -107,6 +107,36 @@ static void product(int64_t wkind, int64_t m, int64_t n, int64_t k, const float 
 #pragma omp barrier
 }
 
+/* This thread's share of LSH layer i's hash of the step's new query-keys key (m, heads * dim): every (row,
+ * head) is hashed alone, by lsh_hash over that head's packed rotations, into bucket_of (m, heads, rounds); a
+ * row that does not hash gets buckets 0. Split between the threads because the rotations are float32 (4 MB
+ * a layer at google/reformer-enwik8's shape: 8 heads x 4 rounds x 256 x 128), read once a step: on one
+ * thread, the other waited for them. Nothing is hashed once `status` is set. */
+static void lsh_hash_share(const StepLayer *L, int64_t i, int64_t m, int64_t groups, const int64_t *group_of,
+                           const int64_t *hashes, const float *key, int64_t *bucket_of, int *status) {
+    if (*status) return;
+    const int64_t att = L->heads * L->dim, per_row = L->heads * L->rounds;
+    int64_t begin, end;
+    share(m * L->heads, &begin, &end);
+    int st = 0;
+    for (int64_t item = begin; item < end && !st; item++) {
+        const int64_t b = item / L->heads, h = item % L->heads, g = group_of[b];
+        int64_t *out = bucket_of + b * per_row + h * L->rounds;
+        if (g < 0 || g >= groups) {
+            memset(out, 0, (size_t)L->rounds * sizeof(int64_t));
+            continue;
+        }
+        const int64_t *hp = hashes + (i * groups + g) * 4;
+        const int64_t panels = (L->rounds * hp[1] + PANEL - 1) / PANEL; /* lsh_hash's per-head packing */
+        st = lsh_hash(1, 1, L->rounds, L->dim, hp[1], hp[2], (const int64_t *)(intptr_t)hp[3], key + b * att + h * L->dim,
+                      (const float *)(intptr_t)hp[0] + h * panels * L->dim * PANEL, out);
+    }
+    if (st) {
+#pragma omp atomic
+        *status |= st;
+    }
+}
+
 /* A layer's tail after its attention `att` (m, att_dim), in place on the reversible pair x1, x2 (m, hidden):
  *   x1 += att W_out^T (+ b_out);  x2 += act(layer_norm(x1) W_dense^T + b_dense) W_ff^T + b_ff,
  * the weights packed as step_linear reads them (NULL biases: none), y and h (m, hidden) and u (m, ff) as
@@ -151,8 +181,8 @@ int step_tail(int64_t m, int64_t hidden, int64_t att_dim, int64_t ff, const floa
 /* x1, x2 (m, hidden): two buffers that get the step's embeddings of `tokens` (m,) and are updated in place
  * through every layer; logits (m, vocab) from the final layer norm of [x1, x2] and the LM head. meta (m, META_COLUMNS) as model/decoding/step.py
  * builds it; every layer's new key goes to the pool row of (slot, t) (meta's first two columns). `threads`:
- * the products are split by panels and the attention by (row, head) between that many OpenMP threads, the
- * rest runs on one; every value is computed as on one thread, so the bits do not depend on `threads`.
+ * the products are split by panels, the LSH hashes and the attention by (row, head) between that many
+ * OpenMP threads, the rest runs on one; every value is computed as on one thread, so the bits do not depend on `threads`.
  * `wkind`: how every packed weight (projections, tails, LM head) is kept (WEIGHTS_*, step_linear_q.c).
  * Returns 0, NO_MEMORY, BAD_KIND, or a called function's non-zero status (an error does not stop the other threads
  * early: every thread meets every barrier; the functions check their indices, so the rest is only wasted). */
@@ -221,27 +251,20 @@ int decode_layers(int64_t m, int64_t hidden, int64_t nlayers, const StepLayer *l
                 int st = status ? status
                                 : decode_write(m, L->heads, L->dim, L->kind, L->pool_rows, L->stride, new_rows, key,
                                                value, L->keys, L->values, L->lsh ? L->norms : NULL, KEY_NORM_EPS, scale);
-                if (L->lsh) {
-                    const int64_t per_row = L->heads * L->rounds;
-                    for (int64_t b = 0; b < m && !st; b++) {
-                        const int64_t g = group_of[b];
-                        if (g < 0 || g >= groups) {
-                            memset(bucket_of + b * per_row, 0, (size_t)per_row * sizeof(int64_t));
-                            continue;
-                        }
-                        const int64_t *hp = hashes + (i * groups + g) * 4;
-                        st = lsh_hash(1, L->heads, L->rounds, L->dim, hp[1], hp[2], (const int64_t *)(intptr_t)hp[3],
-                                      key + b * att, (const float *)(intptr_t)hp[0], bucket_of + b * per_row);
-                    }
-                    if (!st)
-                        st = lsh_append(m, L->heads, L->rounds, L->buckets, L->recent_size, meta, bucket_of,
-                                        L->recent_counts, L->items, L->item_bytes, L->shift, L->recent_offset);
-                } else {
+                if (!L->lsh) {
                     if (!st) st = local_window(L, m, meta, table, table_width, table_rows, block_size, flat, absent);
                     /* the query, contiguous, where the value was (written to the pools already) */
                     for (int64_t b = 0; b < m; b++) memcpy(value + b * att, qkv + b * proj, (size_t)att * sizeof(float));
                 }
                 status |= st;
+            }
+            if (L->lsh) {
+                lsh_hash_share(L, i, m, groups, group_of, hashes, key, bucket_of, &status);
+#pragma omp barrier
+#pragma omp single
+                if (!status)
+                    status |= lsh_append(m, L->heads, L->rounds, L->buckets, L->recent_size, meta, bucket_of,
+                                         L->recent_counts, L->items, L->item_bytes, L->shift, L->recent_offset);
             }
             int64_t begin, end;
             share(m * L->heads, &begin, &end);
