@@ -26,7 +26,7 @@
 #include <string.h>
 
 #include "step_kernels.h"
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -72,6 +72,47 @@ static void tile(int rows, int64_t K, const float *x, int64_t x_stride, const fl
     case 6: panel_rows(6, K, x, x_stride, w, bias, y, y_stride, width); break;
     case 7: panel_rows(7, K, x, x_stride, w, bias, y, y_stride, width); break;
     default: panel_rows(8, K, x, x_stride, w, bias, y, y_stride, width); break;
+    }
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+/* AVX2: the same chains, the accumulators in registers (the plain loop below kept them in memory: a load and
+ * a store per multiply-add) */
+static inline __attribute__((always_inline)) void panel_rows8(const int rows, int64_t K, const float *x,
+                                                              int64_t x_stride, const float *w, const float *bias,
+                                                              float *y, int64_t y_stride, int64_t width) {
+    __m256 a[ROW_TILE][4];
+    for (int i = 0; i < rows; i++) a[i][0] = a[i][1] = a[i][2] = a[i][3] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        const float *p = w + k * PANEL;
+        _mm_prefetch((const char *)(p + 32 * PANEL), _MM_HINT_T0); /* 4 KB ahead, as the AVX-512 loop */
+        const __m256 w0 = _mm256_loadu_ps(p), w1 = _mm256_loadu_ps(p + 8), w2 = _mm256_loadu_ps(p + 16),
+                     w3 = _mm256_loadu_ps(p + 24);
+        for (int i = 0; i < rows; i++) {
+            const __m256 xv = _mm256_set1_ps(x[i * x_stride + k]);
+            a[i][0] = _mm256_fmadd_ps(xv, w0, a[i][0]);
+            a[i][1] = _mm256_fmadd_ps(xv, w1, a[i][1]);
+            a[i][2] = _mm256_fmadd_ps(xv, w2, a[i][2]);
+            a[i][3] = _mm256_fmadd_ps(xv, w3, a[i][3]);
+        }
+    }
+    for (int i = 0; i < rows; i++) {
+        float acc[PANEL];
+        for (int q = 0; q < 4; q++) _mm256_storeu_ps(acc + 8 * q, a[i][q]);
+        for (int64_t j = 0; j < width; j++) y[i * y_stride + j] = acc[j] + (bias ? bias[j] : 0.0f);
+    }
+}
+
+static void tile(int rows, int64_t K, const float *x, int64_t x_stride, const float *w, const float *bias, float *y,
+                 int64_t y_stride, int64_t width) {
+    switch (rows) {
+    case 1: panel_rows8(1, K, x, x_stride, w, bias, y, y_stride, width); break;
+    case 2: panel_rows8(2, K, x, x_stride, w, bias, y, y_stride, width); break;
+    case 3: panel_rows8(3, K, x, x_stride, w, bias, y, y_stride, width); break;
+    case 4: panel_rows8(4, K, x, x_stride, w, bias, y, y_stride, width); break;
+    case 5: panel_rows8(5, K, x, x_stride, w, bias, y, y_stride, width); break;
+    case 6: panel_rows8(6, K, x, x_stride, w, bias, y, y_stride, width); break;
+    case 7: panel_rows8(7, K, x, x_stride, w, bias, y, y_stride, width); break;
+    default: panel_rows8(8, K, x, x_stride, w, bias, y, y_stride, width); break;
     }
 }
 #else
