@@ -158,13 +158,16 @@ def test_a_decode_through_the_kernel_matches_one_through_pytorch(layers: list[st
         assert torch.allclose(a, b, atol=1e-5)
 
 
-def test_the_build_without_avx512_gives_the_same_bits(kernel: CpuKernels, tmp_path: Path) -> None:
-    """The plain-C loop (CPUs without AVX-512) runs the same chains of multiply-adds as the AVX-512 one."""
+@pytest.mark.parametrize("no", [("-mno-avx512f",), ("-mno-avx512f", "-mno-avx2")])
+def test_the_builds_without_avx512_or_avx2_give_the_same_bits(kernel: CpuKernels, tmp_path: Path,
+                                                              no: tuple[str, ...]) -> None:
+    """The AVX2 loop (CPUs without AVX-512) and the plain-C one (without AVX2 either) run the same chains of
+    multiply-adds as the build this CPU loads."""
     compiler = shutil.which("cc") or shutil.which("gcc")
     assert compiler is not None
     lib_path = tmp_path / "step_linear_plain.so"
     source = build.SOURCES[1]
-    subprocess.run([compiler, *build.COMMON_FLAGS, "-march=native", "-shared", "-mno-avx512f", str(source), "-o",
+    subprocess.run([compiler, *build.COMMON_FLAGS, "-march=native", "-shared", *no, str(source), "-o",
                     str(lib_path)], check=True)
     plain = CpuKernels.__new__(CpuKernels)
     lib = ctypes.CDLL(str(lib_path))
