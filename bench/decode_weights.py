@@ -4,6 +4,7 @@
                                    [--artifact DIR] [--data DIR] [--quality-prompt 1024] [--eval-len 256]
                                    [--continuation 96] [--samples 3] [--skip-speed] [--skip-quality]
                                    [--kv-cache-dtype float32|bfloat16|float16]
+                                   [--perf int8 [--perf-seconds 5] [--perf-out FILE]]
 
 (a) Speed: google/reformer-enwik8's configuration (bench/import_hf_enwik8.py's ENWIK8: 12 layers, hidden 1024,
 149M parameters) with random weights (torch.manual_seed(8)), one `--prompt`-token prompt prefilled once
@@ -30,6 +31,7 @@ import json
 import math
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -50,6 +52,7 @@ from model.decoding.steps.linear import StepLinears  # noqa: E402
 from model.kernels.weights import KINDS, WeightKind  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
+PERF_STEPS = 2048  # positions reserved for --perf's steps (it stops there)
 
 
 def use_weights(cache: DecodeCache, kind: WeightKind, held: dict[str, tuple[StepLinears, FusedStep]]) -> None:
@@ -61,14 +64,41 @@ def use_weights(cache: DecodeCache, kind: WeightKind, held: dict[str, tuple[Step
 
 
 @torch.no_grad()
-def speed(prompt_len: int, steps: int, rounds: int, threads: int, kv: str = "float32") -> dict[str, Any]:
+def profile(lm: ReformerLM, cache: DecodeCache, states: Any, token: torch.Tensor, kind: WeightKind, kv: str,
+            held: dict[str, tuple[StepLinears, FusedStep]], seconds: float, out: Path) -> torch.Tensor:
+    """`perf record` of this process while it runs `kind` decode steps for `seconds`; the report (self samples
+    by library and symbol) goes to `out`. Returns the last token."""
+    use_weights(cache, kind, held)
+    data = out.with_suffix(".data")
+    rec = subprocess.Popen(["perf", "record", "-F", "1000", "-g", "-o", str(data), "-p", str(os.getpid()), "--",
+                            "sleep", str(seconds)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    times = []
+    while rec.poll() is None and len(times) < PERF_STEPS:
+        t0 = time.perf_counter()
+        token = decode_step(lm, token, cache, states).argmax(-1)
+        times.append(time.perf_counter() - t0)
+    rec.wait()
+    report = subprocess.run(["perf", "report", "-i", str(data), "--no-children", "--sort", "dso,sym", "--stdio",
+                             "-g", "none", "--percent-limit", "0.2"], capture_output=True, text=True).stdout
+    data.unlink(missing_ok=True)
+    head = (f"# perf record -F 1000 -g over {len(times)} one-row decode steps ({kind} weights, {kv} cache) of the "
+            f"enwik8-shaped model after {states[0].length} positions, {torch.get_num_threads()} threads; median step "
+            f"{1000 * statistics.median(times):.2f} ms (perf's own cost included)\n"
+            f"# perf report --no-children --sort dso,sym; written by bench/decode_weights.py --perf\n")
+    out.write_text(head + "\n".join(line for line in report.splitlines() if line and not line.startswith("#")) + "\n")
+    print(f"perf profile: {out}", file=sys.stderr, flush=True)
+    return token
+
+
+def speed(prompt_len: int, steps: int, rounds: int, threads: int, kv: str = "float32",
+          perf: tuple[WeightKind, float, Path] | None = None) -> dict[str, Any]:
     import transformers
 
     torch.manual_seed(8)
     lm = ReformerLM(ReformerConfig.from_hf(transformers.ReformerConfig(**ENWIK8))).eval()
     params = sum(p.numel() for p in lm.parameters())
     prompt = torch.randint(3, 258, (prompt_len,))
-    total = prompt_len + rounds * len(KINDS) * (steps + 1) + 8
+    total = prompt_len + rounds * len(KINDS) * (steps + 1) + 8 + (PERF_STEPS if perf else 0)
     cache = DecodeCache.for_tokens(lm, total, kv_dtype=getattr(torch, kv))
     assert cache.fused_step is not None, "the C kernels did not load: nothing to measure"
     start = time.perf_counter()
@@ -88,6 +118,8 @@ def speed(prompt_len: int, steps: int, rounds: int, threads: int, kv: str = "flo
                 times[kind].append(time.perf_counter() - t0)
             print(f"round {r} {kind}: median {1000 * statistics.median(times[kind][-steps:]):.2f} ms",
                   file=sys.stderr, flush=True)
+    if perf is not None:
+        token = profile(lm, cache, states, token, perf[0], kv, held, perf[1], perf[2])
     bytes_of = {k: sum(p.weight.numel() * p.weight.element_size() for p in held[k][0]._packed.values())
                 for k in KINDS}
     return {"config": "google/reformer-enwik8 (bench/import_hf_enwik8.py ENWIK8), random weights, seed 8",
@@ -162,13 +194,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-speed", action="store_true")
     p.add_argument("--skip-quality", action="store_true")
     p.add_argument("--out", type=Path, default=RESULTS / "decode_weights.json")
+    p.add_argument("--perf", default=None, choices=list(KINDS),
+                   help="after the timed rounds, `perf record` steps of this kind (needs perf)")
+    p.add_argument("--perf-seconds", type=float, default=5.0)
+    p.add_argument("--perf-out", type=Path, default=RESULTS / "decode_step_perf.txt")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     tune_cpu_runtime()
     load_before = os.getloadavg()
     result: dict[str, Any] = {"argv": sys.argv[1:], "load_before": load_before}
     if not args.skip_speed:
-        result["speed"] = speed(args.prompt, args.steps, args.rounds, args.threads, args.kv_cache_dtype)
+        perf = (args.perf, args.perf_seconds, args.perf_out) if args.perf else None
+        result["speed"] = speed(args.prompt, args.steps, args.rounds, args.threads, args.kv_cache_dtype, perf)
     if not args.skip_quality:
         result["quality"] = quality(args.artifact, args.data, args.quality_prompt, args.eval_len, args.continuation,
                                     args.samples)
