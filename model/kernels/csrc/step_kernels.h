@@ -12,6 +12,31 @@
 
 #define PANEL 32 /* step_linear.c's columns per packed panel (abi.PANEL) */
 
+/* calls fn(rows, ...) with rows a constant 1..8 (8 for more): one inlined copy per row count, so a tile's
+ * accumulators stay in registers (step_linear.c, step_linear_q.c) */
+#define DISPATCH(fn, rows, ...)                                                                                    \
+    switch (rows) { /* one copy per row count, so the accumulators stay in registers */                           \
+    case 1: fn(1, __VA_ARGS__); break;                                                                             \
+    case 2: fn(2, __VA_ARGS__); break;                                                                             \
+    case 3: fn(3, __VA_ARGS__); break;                                                                             \
+    case 4: fn(4, __VA_ARGS__); break;                                                                             \
+    case 5: fn(5, __VA_ARGS__); break;                                                                             \
+    case 6: fn(6, __VA_ARGS__); break;                                                                             \
+    case 7: fn(7, __VA_ARGS__); break;                                                                             \
+    default: fn(8, __VA_ARGS__); break;                                                                            \
+    }
+
+/* AVX2 (callers include immintrin.h): a[i][0..4) += x[i][k] * (w0, w1, w2, w3), one fused multiply-add each,
+ * for rows i < rows: a tile's 32 columns as four vectors of 8 (step_linear.c, step_linear_q.c) */
+#define FMA_ROWS4(a, rows, x, x_stride, k, w0, w1, w2, w3)                                                         \
+    for (int i_ = 0; i_ < (rows); i_++) {                                                                          \
+        const __m256 xv_ = _mm256_set1_ps((x)[i_ * (x_stride) + (k)]);                                             \
+        (a)[i_][0] = _mm256_fmadd_ps(xv_, (w0), (a)[i_][0]);                                                       \
+        (a)[i_][1] = _mm256_fmadd_ps(xv_, (w1), (a)[i_][1]);                                                       \
+        (a)[i_][2] = _mm256_fmadd_ps(xv_, (w2), (a)[i_][2]);                                                       \
+        (a)[i_][3] = _mm256_fmadd_ps(xv_, (w3), (a)[i_][3]);                                                       \
+    }
+
 /* how a step's linear weights are packed (step_linear_q.c; abi.WEIGHTS, REFORMER_DECODE_WEIGHTS) */
 #define WEIGHTS_F32 0
 #define WEIGHTS_BF16 1

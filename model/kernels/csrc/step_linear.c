@@ -63,16 +63,7 @@ static inline __attribute__((always_inline)) void panel_rows(const int rows, int
 
 static void tile(int rows, int64_t K, const float *x, int64_t x_stride, const float *w, const float *bias, float *y,
                  int64_t y_stride, int64_t width) {
-    switch (rows) { /* one copy per row count, so the accumulators stay in registers */
-    case 1: panel_rows(1, K, x, x_stride, w, bias, y, y_stride, width); break;
-    case 2: panel_rows(2, K, x, x_stride, w, bias, y, y_stride, width); break;
-    case 3: panel_rows(3, K, x, x_stride, w, bias, y, y_stride, width); break;
-    case 4: panel_rows(4, K, x, x_stride, w, bias, y, y_stride, width); break;
-    case 5: panel_rows(5, K, x, x_stride, w, bias, y, y_stride, width); break;
-    case 6: panel_rows(6, K, x, x_stride, w, bias, y, y_stride, width); break;
-    case 7: panel_rows(7, K, x, x_stride, w, bias, y, y_stride, width); break;
-    default: panel_rows(8, K, x, x_stride, w, bias, y, y_stride, width); break;
-    }
+    DISPATCH(panel_rows, rows, K, x, x_stride, w, bias, y, y_stride, width)
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 /* AVX2: the same chains, the accumulators in registers (the plain loop below kept them in memory: a load and
@@ -87,13 +78,7 @@ static inline __attribute__((always_inline)) void panel_rows8(const int rows, in
         _mm_prefetch((const char *)(p + 32 * PANEL), _MM_HINT_T0); /* 4 KB ahead, as the AVX-512 loop */
         const __m256 w0 = _mm256_loadu_ps(p), w1 = _mm256_loadu_ps(p + 8), w2 = _mm256_loadu_ps(p + 16),
                      w3 = _mm256_loadu_ps(p + 24);
-        for (int i = 0; i < rows; i++) {
-            const __m256 xv = _mm256_set1_ps(x[i * x_stride + k]);
-            a[i][0] = _mm256_fmadd_ps(xv, w0, a[i][0]);
-            a[i][1] = _mm256_fmadd_ps(xv, w1, a[i][1]);
-            a[i][2] = _mm256_fmadd_ps(xv, w2, a[i][2]);
-            a[i][3] = _mm256_fmadd_ps(xv, w3, a[i][3]);
-        }
+        FMA_ROWS4(a, rows, x, x_stride, k, w0, w1, w2, w3);
     }
     for (int i = 0; i < rows; i++) {
         float acc[PANEL];
@@ -104,16 +89,7 @@ static inline __attribute__((always_inline)) void panel_rows8(const int rows, in
 
 static void tile(int rows, int64_t K, const float *x, int64_t x_stride, const float *w, const float *bias, float *y,
                  int64_t y_stride, int64_t width) {
-    switch (rows) {
-    case 1: panel_rows8(1, K, x, x_stride, w, bias, y, y_stride, width); break;
-    case 2: panel_rows8(2, K, x, x_stride, w, bias, y, y_stride, width); break;
-    case 3: panel_rows8(3, K, x, x_stride, w, bias, y, y_stride, width); break;
-    case 4: panel_rows8(4, K, x, x_stride, w, bias, y, y_stride, width); break;
-    case 5: panel_rows8(5, K, x, x_stride, w, bias, y, y_stride, width); break;
-    case 6: panel_rows8(6, K, x, x_stride, w, bias, y, y_stride, width); break;
-    case 7: panel_rows8(7, K, x, x_stride, w, bias, y, y_stride, width); break;
-    default: panel_rows8(8, K, x, x_stride, w, bias, y, y_stride, width); break;
-    }
+    DISPATCH(panel_rows8, rows, K, x, x_stride, w, bias, y, y_stride, width)
 }
 #else
 /* the same chains of multiply-adds in plain C, for CPUs without AVX-512 (the compiler vectorises the lanes) */

@@ -60,13 +60,7 @@ static inline __attribute__((always_inline)) void bf16_rows(const int rows, int6
         const __m256 w1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v0));
         const __m256 w2 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v1));
         const __m256 w3 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v1));
-        for (int i = 0; i < rows; i++) {
-            const __m256 xv = _mm256_set1_ps(x[i * x_stride + k]);
-            a[i][0] = _mm256_fmadd_ps(xv, w0, a[i][0]);
-            a[i][1] = _mm256_fmadd_ps(xv, w1, a[i][1]);
-            a[i][2] = _mm256_fmadd_ps(xv, w2, a[i][2]);
-            a[i][3] = _mm256_fmadd_ps(xv, w3, a[i][3]);
-        }
+        FMA_ROWS4(a, rows, x, x_stride, k, w0, w1, w2, w3);
     }
     for (int i = 0; i < rows; i++) {
         _mm256_storeu_ps(out[i], _mm256_permute2f128_ps(a[i][0], a[i][1], 0x20));
@@ -96,18 +90,6 @@ static inline __attribute__((always_inline)) void int8_rows(const int rows, int6
     for (int i = 0; i < rows; i++)
         for (int q = 0; q < 4; q++) _mm256_storeu_ps(out[i] + 8 * q, a[i][q]);
 }
-
-#define DISPATCH(fn, rows, ...)                                                                                    \
-    switch (rows) { /* one copy per row count, so the accumulators stay in registers */                           \
-    case 1: fn(1, __VA_ARGS__); break;                                                                             \
-    case 2: fn(2, __VA_ARGS__); break;                                                                             \
-    case 3: fn(3, __VA_ARGS__); break;                                                                             \
-    case 4: fn(4, __VA_ARGS__); break;                                                                             \
-    case 5: fn(5, __VA_ARGS__); break;                                                                             \
-    case 6: fn(6, __VA_ARGS__); break;                                                                             \
-    case 7: fn(7, __VA_ARGS__); break;                                                                             \
-    default: fn(8, __VA_ARGS__); break;                                                                            \
-    }
 
 static void tile_bf16(int rows, int64_t K, const float *x, int64_t x_stride, const uint16_t *w,
                       float out[ROW_TILE][PANEL]) {
