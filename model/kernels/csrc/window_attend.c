@@ -166,6 +166,22 @@ static inline __m512 widen16(const uint16_t *h, int kind) {
 }
 #endif
 
+/* exp16's and exp8's shared part: with n = round(x / ln 2), p = exp(x - n ln 2) by Cephes' single-precision
+ * polynomial (ln 2 in two parts, so r is exact enough), at the vector width of the intrinsics' prefix PFX
+ * (_mm512_ or _mm256_) and type T; the caller scales p by 2**n */
+#define EXP_POLY(PFX, T, x, n, p)                                                                                \
+    do {                                                                                                          \
+        T r_ = PFX##fnmadd_ps(n, PFX##set1_ps(0.693359375f), x);                                                  \
+        r_ = PFX##fnmadd_ps(n, PFX##set1_ps(-2.12194440e-4f), r_);                                                \
+        p = PFX##set1_ps(1.9875691500e-4f);                                                                       \
+        p = PFX##fmadd_ps(p, r_, PFX##set1_ps(1.3981999507e-3f));                                                 \
+        p = PFX##fmadd_ps(p, r_, PFX##set1_ps(8.3334519073e-3f));                                                 \
+        p = PFX##fmadd_ps(p, r_, PFX##set1_ps(4.1665795894e-2f));                                                 \
+        p = PFX##fmadd_ps(p, r_, PFX##set1_ps(1.6666665459e-1f));                                                 \
+        p = PFX##fmadd_ps(p, r_, PFX##set1_ps(5.0000001201e-1f));                                                 \
+        p = PFX##fmadd_ps(p, PFX##mul_ps(r_, r_), PFX##add_ps(r_, PFX##set1_ps(1.0f)));                           \
+    } while (0)
+
 /* The AVX2 build (no AVX-512): the same loops 8 lanes wide, half rows widened in registers. Before them this
  * build scored a slot through the generic loops (a half row widened into buf, scalar expf): after 1K tokens
  * of the enwik8-shaped model, attend_slots was a quarter of an int8 step's perf samples
@@ -219,15 +235,8 @@ static inline __m256 exp8(__m256 x) {
     x = _mm256_max_ps(x, cut);
     const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256 p;
+    EXP_POLY(_mm256_, __m256, x, n, p);
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
@@ -303,15 +312,8 @@ static inline __m512 exp16(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.33654f));
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    __m512 p;
+    EXP_POLY(_mm512_, __m512, x, n, p);
     return _mm512_maskz_mov_ps((__mmask16)~tiny, _mm512_scalef_ps(p, n));
 }
 #endif
