@@ -114,7 +114,10 @@ static void product(int64_t wkind, int64_t m, int64_t n, int64_t k, const float 
  * thread, the other waited for them. Nothing is hashed once `status` is set. */
 static void lsh_hash_share(const StepLayer *L, int64_t i, int64_t m, int64_t groups, const int64_t *group_of,
                            const int64_t *hashes, const float *key, int64_t *bucket_of, int *status) {
-    if (*status) return;
+    int failed;
+#pragma omp atomic read
+    failed = *status; /* another thread may be setting it */
+    if (failed) return;
     const int64_t att = L->heads * L->dim, per_row = L->heads * L->rounds;
     int64_t begin, end;
     share(m * L->heads, &begin, &end);
