@@ -4,7 +4,7 @@
                                    [--artifact DIR] [--data DIR] [--quality-prompt 1024] [--eval-len 256]
                                    [--continuation 96] [--samples 3] [--skip-speed] [--skip-quality]
                                    [--kv-cache-dtype float32|bfloat16|float16]
-                                   [--perf int8 [--perf-seconds 5] [--perf-out FILE]]
+                                   [--perf int8 [--perf-seconds 5] [--perf-out FILE]] [--skip-floor]
 
 (a) Speed: google/reformer-enwik8's configuration (bench/import_hf_enwik8.py's ENWIK8: 12 layers, hidden 1024,
 149M parameters) with random weights (torch.manual_seed(8)), one `--prompt`-token prompt prefilled once
@@ -13,7 +13,10 @@ intra-op threads (the one-call C step splits its products between them) for each
 `--rounds` rounds, so a swing in the machine's speed falls on every kind; the kinds share the cache (each
 step adds a position: the last kind's steps run a few dozen positions later, nothing at 16K). The median
 step of each kind is reported. `--kv-cache-dtype` keeps the speed run's cached keys and values in that dtype
-(REFORMER_KV_CACHE_DTYPE): the step's other large read.
+(REFORMER_KV_CACHE_DTYPE): the step's other large read. After the timed rounds, each kind's floor: a pass of
+plain reads over as many bytes as its packed weights on the same threads (bench/stream_read.py, 10 passes, the
+median), the least a step that reads every weight once can take on this machine; the table gives the step as
+a multiple of it (`--skip-floor`: not measured; the floor needs a C compiler).
 
 (b) Quality, on the shipped model (or `--artifact`'s), over `--samples` held-out windows (the last 5% of each
 file of `--data`, as train/data.py holds tails out): teacher-forced bits per byte of `--eval-len` bytes after a
@@ -44,6 +47,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench.decode_quality import held_out_windows  # noqa: E402
 from bench.import_hf_enwik8 import ENWIK8  # noqa: E402
+from bench.stream_read import StreamReader  # noqa: E402
+from bench.stream_read import floor as read_floor  # noqa: E402
 from model import ReformerConfig, ReformerLM  # noqa: E402
 from model.decoding import DecodeCache, decode_step, prefill  # noqa: E402
 from model.decoding.runtime import tune_cpu_runtime  # noqa: E402
@@ -72,7 +77,7 @@ def profile(lm: ReformerLM, cache: DecodeCache, states: Any, token: torch.Tensor
     data = out.with_suffix(".data")
     rec = subprocess.Popen(["perf", "record", "-F", "1000", "-g", "-o", str(data), "-p", str(os.getpid()), "--",
                             "sleep", str(seconds)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    times = []
+    times: list[float] = []
     while rec.poll() is None and len(times) < PERF_STEPS:
         t0 = time.perf_counter()
         token = decode_step(lm, token, cache, states).argmax(-1)
@@ -91,7 +96,7 @@ def profile(lm: ReformerLM, cache: DecodeCache, states: Any, token: torch.Tensor
 
 
 def speed(prompt_len: int, steps: int, rounds: int, threads: int, kv: str = "float32",
-          perf: tuple[WeightKind, float, Path] | None = None) -> dict[str, Any]:
+          perf: tuple[WeightKind, float, Path] | None = None, floor: bool = True) -> dict[str, Any]:
     import transformers
 
     torch.manual_seed(8)
@@ -122,11 +127,16 @@ def speed(prompt_len: int, steps: int, rounds: int, threads: int, kv: str = "flo
         token = profile(lm, cache, states, token, perf[0], kv, held, perf[1], perf[2])
     bytes_of = {k: sum(p.weight.numel() * p.weight.element_size() for p in held[k][0]._packed.values())
                 for k in KINDS}
+    floors: dict[str, dict[str, Any]] = {}
+    if floor:
+        reader = StreamReader(threads)
+        floors = {k: read_floor(reader, bytes_of[k], 10) for k in KINDS}
     return {"config": "google/reformer-enwik8 (bench/import_hf_enwik8.py ENWIK8), random weights, seed 8",
             "parameters": params, "prompt": prompt_len, "steps_per_round": steps, "rounds": rounds,
             "threads": threads, "kv_cache_dtype": kv, "prefill_s": prefill_s,
             "kinds": {k: {"median_ms": 1000 * statistics.median(v), "min_ms": 1000 * min(v),
-                          "p90_ms": 1000 * sorted(v)[int(0.9 * (len(v) - 1))], "packed_weight_bytes": bytes_of[k]}
+                          "p90_ms": 1000 * sorted(v)[int(0.9 * (len(v) - 1))], "packed_weight_bytes": bytes_of[k],
+                          **({"read_floor": floors[k]} if k in floors else {})}
                       for k, v in times.items()}}
 
 
@@ -193,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-cache-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--skip-speed", action="store_true")
     p.add_argument("--skip-quality", action="store_true")
+    p.add_argument("--skip-floor", action="store_true", help="do not measure the memory-read floor (needs cc)")
     p.add_argument("--out", type=Path, default=RESULTS / "decode_weights.json")
     p.add_argument("--perf", default=None, choices=list(KINDS),
                    help="after the timed rounds, `perf record` steps of this kind (needs perf)")
@@ -205,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {"argv": sys.argv[1:], "load_before": load_before}
     if not args.skip_speed:
         perf = (args.perf, args.perf_seconds, args.perf_out) if args.perf else None
-        result["speed"] = speed(args.prompt, args.steps, args.rounds, args.threads, args.kv_cache_dtype, perf)
+        result["speed"] = speed(args.prompt, args.steps, args.rounds, args.threads, args.kv_cache_dtype, perf,
+                                not args.skip_floor)
     if not args.skip_quality:
         result["quality"] = quality(args.artifact, args.data, args.quality_prompt, args.eval_len, args.continuation,
                                     args.samples)
@@ -214,15 +226,18 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     lines = [f"load average before {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}, after "
              f"{result['load_after'][0]:.2f} {result['load_after'][1]:.2f} {result['load_after'][2]:.2f}",
-             f"{'weights':<9} {'ms/token':>9} {'min':>7} {'p90':>7} {'packed MB':>10} {'bits/byte':>10} "
-             f"{'greedy agree':>13} {'max |dlogit|':>13}"]
+             f"{'weights':<9} {'ms/token':>9} {'min':>7} {'p90':>7} {'packed MB':>10} {'floor ms':>9} "
+             f"{'x floor':>8} {'bits/byte':>10} {'greedy agree':>13} {'max |dlogit|':>13}"]
     for kind in KINDS:
         s = result.get("speed", {}).get("kinds", {}).get(kind, {})
         q = result.get("quality", {}).get("kinds", {}).get(kind, {})
         cell = (lambda d, key, fmt: format(d[key], fmt) if key in d else "-")  # noqa: E731
         mb = f"{s['packed_weight_bytes'] / 1e6:.0f}" if s else "-"
+        fl = s.get("read_floor", {})
+        times_floor = f"{s['median_ms'] / fl['median_ms']:.2f}" if fl else "-"
         lines.append(f"{kind:<9} {cell(s, 'median_ms', '.2f'):>9} {cell(s, 'min_ms', '.2f'):>7} "
-                     f"{cell(s, 'p90_ms', '.2f'):>7} {mb:>10} {cell(q, 'bits_per_byte', '.4f'):>10} "
+                     f"{cell(s, 'p90_ms', '.2f'):>7} {mb:>10} {cell(fl, 'median_ms', '.2f'):>9} {times_floor:>8} "
+                     f"{cell(q, 'bits_per_byte', '.4f'):>10} "
                      f"{cell(q, 'greedy_agreement', '.3f'):>13} {cell(q, 'max_abs_logit_diff', '.4f'):>13}")
     print("\n".join(lines))
     return 0
