@@ -12,8 +12,9 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).parent
-SOURCES = [f"model/kernels/csrc/{name}.c" for name in ("window_attend", "step_linear", "step_linear_q",
-                                                                   "step_layers", "chunk_attend")]
+SOURCES = [f"model/kernels/csrc/{name}.c" for name in ("window_attend", "lsh_attend", "decode_cache", "step_linear",
+                                                      "step_linear_q", "step_layers", "chunk_attend")]
+HEADERS = [f"model/kernels/csrc/{name}.h" for name in ("step_kernels", "window_rows")]
 # model/kernels/build.py's VARIANTS (flags only; that module is not importable before torch is installed)
 MARCH = {"avx512": ["-march=x86-64-v4", "-mtune=generic"], "avx2": ["-march=x86-64-v3", "-mtune=generic"],
          "portable": []}
@@ -29,8 +30,8 @@ class BuildKernels(build_ext):
 
 def kernels() -> list[Extension]:
     names = list(MARCH) if X86 else ["portable"]
-    return [Extension(f"model.kernels._reformer_kernels_{name}", sources=SOURCES, depends=[
-        "model/kernels/csrc/step_kernels.h"], extra_compile_args=["-O3", "-fopenmp", "-pthread", *MARCH[name]],
+    return [Extension(f"model.kernels._reformer_kernels_{name}", sources=SOURCES, depends=HEADERS,
+        extra_compile_args=["-O3", "-fopenmp", "-pthread", *MARCH[name]],
         extra_link_args=["-fopenmp", "-pthread", "-lm"], optional=True) for name in names]
 
 

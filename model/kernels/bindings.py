@@ -1,4 +1,5 @@
-"""The C kernels through ctypes (csrc/: window_attend.c, step_linear.c, step_layers.c, chunk_attend.c): a
+"""The C kernels through ctypes (csrc/: window_attend.c, lsh_attend.c, decode_cache.c, step_linear.c,
+step_linear_q.c, step_layers.c, chunk_attend.c): a
 decode step's cache writes, each LSH layer's insert into its recent order, its window positions and attention
 (`lsh_attend`), local layers' attention (`attend`), the merge of an LSH index's recent order into its main
 order, a step's linear layers (`linear`, over weights packed by `pack`) and LSH hashes (`lsh_hash`), a layer's
@@ -26,7 +27,7 @@ from torch import Tensor
 
 from . import abi
 
-# window_attend.c's element kinds of the key and value pools
+# window_rows.h's element kinds of the key and value pools
 KIND = {torch.float32: abi.KIND_FLOAT32, torch.float16: abi.KIND_FLOAT16, torch.bfloat16: abi.KIND_BFLOAT16}
 
 

@@ -32,9 +32,10 @@ from .bindings import CpuKernels
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = tuple(HERE / "csrc" / name for name in ("window_attend.c", "step_linear.c", "step_linear_q.c",
-                                                   "step_layers.c", "chunk_attend.c"))
-HEADERS = (HERE / "csrc" / "step_kernels.h",)
+SOURCES = tuple(HERE / "csrc" / name for name in ("window_attend.c", "lsh_attend.c", "decode_cache.c",
+                                                   "step_linear.c", "step_linear_q.c", "step_layers.c",
+                                                   "chunk_attend.c"))
+HEADERS = (HERE / "csrc" / "step_kernels.h", HERE / "csrc" / "window_rows.h")
 LIBRARY = "_reformer_kernels"  # installed variants: model/kernels/_reformer_kernels_<variant><ext suffix>
 ENV_SWITCH = "REFORMER_CPU_KERNELS"
 ENV_VARIANT = "REFORMER_CPU_KERNEL_VARIANT"

@@ -1,0 +1,116 @@
+/* Cached decoding on the CPU, the cache's writes: a step's new keys and values into the pools (decode_write),
+ * the insert of its positions into each LSH index's recent order (lsh_append) and the merge of a slot's recent
+ * order into its main order (lsh_merge). model/kernels/bindings.py and step_layers.c call them. */
+#include "window_rows.h"
+
+/* ---- merging a slot's recent order into its main order ------------------------------------------------ */
+
+static inline int64_t load_item(const void *items, int64_t item_bytes, int64_t at) {
+    return item_bytes == 2 ? ((const int16_t *)items)[at] : ((const int32_t *)items)[at];
+}
+
+static inline void store_item(void *items, int64_t item_bytes, int64_t at, int64_t v) {
+    if (item_bytes == 2) ((int16_t *)items)[at] = (int16_t)v;
+    else ((int32_t *)items)[at] = (int32_t)v;
+}
+
+/* For each of `columns` (head, round) columns of one slot: the main order (sorted index j at items[rows[j]
+ * * columns + c], j < main_len) and the recent order (recent[c * recent_size + k], k < recent_len), both
+ * sorted by (bucket, position) with bucket counts main_counts and recent_counts (columns, buckets), become
+ * one main order of main_len + recent_len items: bucket by bucket, the bucket's main items then its recent
+ * ones (every recent position is later than every main one). In place, from the last bucket down: an item
+ * only ever moves to a later sorted index, so none is overwritten before it is read. rows holds the pool
+ * rows of sorted indices 0 .. main_len + recent_len - 1. Returns 0, or BAD_INDEX when a row is outside the
+ * pool or the counts do not add up to the lengths (the order is then undefined). */
+int lsh_merge(int64_t columns, int64_t buckets, int64_t main_len, int64_t recent_len, int64_t recent_size,
+              void *items, int64_t item_bytes, int64_t pool_rows, const int64_t *rows, const int32_t *main_counts,
+              const int16_t *recent_counts, const void *recent) {
+    const int64_t n = main_len + recent_len;
+    if (recent_len > recent_size) return BAD_INDEX;
+    for (int64_t j = 0; j < n; j++)
+        if (rows[j] < 0 || rows[j] >= pool_rows) return BAD_INDEX;
+    for (int64_t c = 0; c < columns; c++) {
+        const int32_t *mc = main_counts + c * buckets;
+        const int16_t *rc = recent_counts + c * buckets;
+        int64_t total_main = 0, total_recent = 0;
+        for (int64_t bb = 0; bb < buckets; bb++) {
+            total_main += mc[bb];
+            total_recent += rc[bb];
+        }
+        if (total_main != main_len || total_recent != recent_len) return BAD_INDEX;
+        int64_t dst = n, src_main = main_len, src_recent = recent_len;
+        for (int64_t bb = buckets - 1; bb >= 0; bb--) {
+            for (int64_t k = 0; k < rc[bb]; k++) {
+                dst--;
+                src_recent--;
+                store_item(items, item_bytes, rows[dst] * columns + c,
+                           load_item(recent, item_bytes, c * recent_size + src_recent));
+            }
+            for (int64_t k = 0; k < mc[bb]; k++) {
+                dst--;
+                src_main--;
+                if (dst != src_main) /* a bucket before which no recent item lands stays where it is */
+                    store_item(items, item_bytes, rows[dst] * columns + c,
+                               load_item(items, item_bytes, rows[src_main] * columns + c));
+            }
+            if (dst == src_main) break; /* every earlier item is already in place */
+        }
+    }
+    return 0;
+}
+
+/* ---- a decode step's writes: the new keys and values, and each LSH index's recent order --------------- */
+
+/* rows (B,) positions' pool rows; key and value (B, heads, dim) float32, stored as the pools' kind at the
+ * (position, head) rows at * heads + h, `stride` elements apart; norms (pool, heads) or NULL: the float32
+ * key's length-normalisation factor rsqrt(mean(k * k) + eps) / sqrt(dim), as model/decoding/cache.py key_norm
+ * computes it. Returns 0, or BAD_INDEX for a row outside the pool. */
+int decode_write(int64_t rows, int64_t heads, int64_t dim, int64_t kind, int64_t pool_rows, int64_t stride,
+                 const int64_t *at, const float *key, const float *value, void *keys, void *values, float *norms,
+                 float eps, float sqrt_dim) {
+    if (!kind_ok(kind)) return BAD_KIND;
+    for (int64_t b = 0; b < rows; b++)
+        if (at[b] < 0 || at[b] >= pool_rows) return BAD_INDEX;
+    const int64_t row = heads * dim;
+    for (int64_t b = 0; b < rows; b++) {
+        for (int64_t h = 0; h < heads; h++) {
+            store_row(keys, (int)kind, at[b] * heads + h, stride, key + b * row + h * dim, dim);
+            store_row(values, (int)kind, at[b] * heads + h, stride, value + b * row + h * dim, dim);
+        }
+        if (!norms) continue;
+        for (int64_t h = 0; h < heads; h++) {
+            const float *k = key + b * row + h * dim;
+            norms[at[b] * heads + h] = (1.0f / sqrtf(dot(k, k, dim) / (float)dim + eps)) / sqrt_dim;
+        }
+    }
+    return 0;
+}
+
+/* LSHIndex.append for the rows that append (meta[b, META_KEEPS_INDEX]): position t = meta[b, META_POSITION] goes after the recent items
+ * of every bucket up to its own in the recent order of (slot meta[b, META_INDEX_SLOT], head, round); later items move one
+ * place up and the bucket's count grows by one. Rows that do not append touch nothing. Returns 0, or
+ * BAD_INDEX for a bucket outside the counts or a recent order already full (the caller merges first). */
+int lsh_append(int64_t rows, int64_t heads, int64_t rounds, int64_t buckets, int64_t recent_size,
+               const int64_t *meta, const int64_t *bucket_of, int16_t *recent_counts, void *items,
+               int64_t item_bytes, int64_t shift, int64_t recent_offset) {
+    for (int64_t b = 0; b < rows; b++) {
+        const int64_t *m = meta + b * META_COLUMNS;
+        if (!m[META_KEEPS_INDEX]) continue;
+        for (int64_t h = 0; h < heads; h++) {
+            for (int64_t r = 0; r < rounds; r++) {
+                const int64_t column = (m[META_INDEX_SLOT] * heads + h) * rounds + r;
+                const int64_t bk = bucket_of[(b * heads + h) * rounds + r];
+                if (bk < 0 || bk >= buckets) return BAD_INDEX;
+                int16_t *rc = recent_counts + column * buckets;
+                const int64_t at = sum_i16(rc, bk + 1), n = at + sum_i16(rc + bk + 1, buckets - bk - 1);
+                if (n >= recent_size) return BAD_INDEX;
+                const int64_t base = recent_offset + column * recent_size;
+                for (int64_t j = n; j > at; j--)
+                    store_item(items, item_bytes, base + j, load_item(items, item_bytes, base + j - 1));
+                store_item(items, item_bytes, base + at, m[META_POSITION] + shift);
+                rc[bk]++;
+            }
+        }
+    }
+    return 0;
+}
