@@ -31,6 +31,16 @@ class FakeClock:
         return self.now
 
 
+class SteppingClock:
+    def __init__(self, step: float) -> None:
+        self.now = 100.0
+        self.step = step
+
+    def __call__(self) -> float:
+        self.now += self.step
+        return self.now
+
+
 def _keeper(idle_s: float = 2.0, budget: int = 0, rss: Callable[[], int] = lambda: 0,
             trim: Callable[[], bool] | None = None, busy_s: float = 0.0) -> tuple[HeapKeeper, FakeClock, list[float]]:
     clock = FakeClock()
@@ -275,6 +285,10 @@ def test_the_busy_engine_trims_every_period_between_steps(artifact: Any, started
     engine = _engine(artifact, idle_s=0.0, busy_s=0.01)  # idle trim off: only the busy trim acts
     recorder = Recorder(engine)
     engine.memory.trim_function = recorder
+    # a clock that moves 4 ms at every reading: the trims follow the worker's turns, not how fast this host
+    # decodes (a fast host ran all 80 steps of the tiny model inside one real 10 ms period)
+    engine.memory.clock = SteppingClock(0.004)
+    engine.memory.next_busy_trim = engine.memory.clock() + engine.memory.busy_trim_s
     engine.start()
     started.append(engine)
     first = _generate(engine, 80)
