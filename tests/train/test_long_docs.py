@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from train import corpus as corpus_module
 from train.corpus import check_listed_digests, listed_digests, resolve_sources, select_files
 from train.data import DataError, TokenFile
 from train.long_docs import (
@@ -200,8 +201,17 @@ def test_weighted_loss_adds_the_answer_mean_and_the_meter_keeps_it_apart() -> No
     assert meter.summary(DistInfo(), torch.device("cpu"))["train_answer_loss"] is None  # reset
 
 
-def test_corpus_selection_defaults_patterns_and_listed_digests(tmp_path: Path) -> None:
-    assert [p.name for p in resolve_sources([], None)] == ["data", "corpus"]
+def test_corpus_selection_defaults_patterns_and_listed_digests(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    # the named sets point at folders made here, so the test does not depend on ../shared being beside the clone
+    shared = {name: tmp_path / "shared" / name for name in ("data", "corpus")}
+    monkeypatch.setattr(corpus_module, "NAMED_SETS", shared)
+    with pytest.raises(DataError, match="--corpus data: .* is not a directory"):
+        resolve_sources([], None)
+    for folder in shared.values():
+        folder.mkdir(parents=True)
+    assert resolve_sources([], None) == [shared["data"], shared["corpus"]]
+    assert resolve_sources([], ["corpus"]) == [shared["corpus"]]
     assert resolve_sources(["x"], None) == [Path("x")]
     d = tmp_path / "books"
     d.mkdir()
