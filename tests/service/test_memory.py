@@ -24,15 +24,9 @@ from tests.conftest import tiny_model
 
 
 class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
+    """Reads `now`; with a `step`, moves that far at every reading (time that passes with the worker's turns)."""
 
-    def __call__(self) -> float:
-        return self.now
-
-
-class SteppingClock:
-    def __init__(self, step: float) -> None:
+    def __init__(self, step: float = 0.0) -> None:
         self.now = 100.0
         self.step = step
 
@@ -287,7 +281,7 @@ def test_the_busy_engine_trims_every_period_between_steps(artifact: Any, started
     engine.memory.trim_function = recorder
     # a clock that moves 4 ms at every reading: the trims follow the worker's turns, not how fast this host
     # decodes (a fast host ran all 80 steps of the tiny model inside one real 10 ms period)
-    engine.memory.clock = SteppingClock(0.004)
+    engine.memory.clock = FakeClock(step=0.004)
     engine.memory.next_busy_trim = engine.memory.clock() + engine.memory.busy_trim_s
     engine.start()
     started.append(engine)
