@@ -1,5 +1,7 @@
-"""Next-token selection: greedy or sampled with temperature, top-k, top-p and a repetition penalty.
-Each request owns its generator, so its tokens depend only on its seed, never on its batch-mates."""
+"""Next-token selection: greedy or sampled, after a logit bias, penalties and the sampling filters
+(model/warpers.py), with the chosen token's log-probability and, when asked, the most likely alternatives.
+Each request owns its generator, so its tokens depend only on its seed, never on its batch-mates: a row is
+chosen from its own logits alone, batched or not."""
 
 from __future__ import annotations
 
@@ -10,6 +12,17 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from model.warpers import (
+    apply_frequency_presence,
+    apply_logit_bias,
+    apply_repetition_penalty,
+    filter_top_k_top_p,
+    filter_typical_p,
+)
+
+__all__ = ["Choice", "Sampler", "SamplingParams", "choice_seed", "filter_top_k_top_p", "greedy_choices",
+           "top_alternatives"]
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -19,6 +32,11 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # 1.0: none; >1 discourages tokens already in the sequence
     do_sample: bool = False
     seed: int | None = None
+    typical_p: float = 1.0  # 1.0: no typical filter
+    frequency_penalty: float = 0.0  # subtracted per earlier occurrence in the generated tokens
+    presence_penalty: float = 0.0  # subtracted once a token has been generated
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, value added to its logit)
+    top_logprobs: int = 0  # the most likely alternatives reported with each token (0: none)
 
     def __post_init__(self) -> None:
         if not (self.temperature > 0 and math.isfinite(self.temperature)):
@@ -27,39 +45,60 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (0.0 < self.typical_p <= 1.0):
+            raise ValueError(f"typical_p must be in (0, 1], got {self.typical_p}")
         if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
             raise ValueError(f"repetition_penalty must be a positive finite number, got {self.repetition_penalty}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be finite, got {getattr(self, name)}")
+        if any(i < 0 or not math.isfinite(v) for i, v in self.logit_bias):
+            raise ValueError("logit_bias needs token ids >= 0 and finite values")
+        if self.top_logprobs < 0:
+            raise ValueError(f"top_logprobs must be >= 0, got {self.top_logprobs}")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether anything changes the logits before the choice (a bias or a penalty)."""
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+                or bool(self.logit_bias))
 
 
-def apply_repetition_penalty(logits: Tensor, previous: Sequence[int], penalty: float) -> Tensor:
-    """CTRL-style penalty as in transformers: positive logits divided, negative multiplied."""
-    if penalty == 1.0 or not previous:
-        return logits
-    idx = torch.tensor(sorted(set(previous)), dtype=torch.long, device=logits.device)
-    idx = idx[idx < logits.shape[-1]]
-    picked = logits[idx]
-    logits = logits.clone()
-    logits[idx] = torch.where(picked > 0, picked / penalty, picked * penalty)
-    return logits
+@dataclass(frozen=True)
+class Choice:
+    """A chosen token, its log-probability under the distribution it was drawn from, and the `top_logprobs`
+    most likely tokens of that distribution (id, log-probability), most likely first, tokens it excludes left
+    out."""
 
-
-def filter_top_k_top_p(logits: Tensor, top_k: int, top_p: float) -> Tensor:
-    if top_k > 0 and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-        # drop a token when the mass before it already reaches top_p (the first token always stays)
-        drop_sorted = (cum - torch.softmax(sorted_logits, dim=-1)) >= top_p
-        drop_sorted[0] = False  # even a top_p that rounds to 0 keeps the most likely token
-        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 MIN_TEMPERATURE = 1e-5  # below this, sampling is greedy (vLLM's convention)
 MIN_FACTOR = 1e-6
+
+_MASK63 = 2**63 - 1
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice `index` of a request seeded `seed` (n or best_of choices): choice 0 keeps the seed,
+    the others get a splitmix64 mix of (seed, index), so each choice is reproduced alone by a request with its
+    own seed and n=1."""
+    if index == 0:
+        return seed
+    z = (seed + index * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & _MASK63
+
+
+def top_alternatives(logprobs: Tensor, k: int) -> tuple[tuple[int, float], ...]:
+    """The k most likely (id, log-probability) of a (vocab,) row, most likely first, -inf ones left out."""
+    if k <= 0:
+        return ()
+    values, ids = torch.topk(logprobs, min(k, logprobs.shape[-1]))
+    return tuple((int(i), float(v)) for i, v in zip(ids.tolist(), values.tolist(), strict=True) if math.isfinite(v))
 
 
 class Sampler:
@@ -75,22 +114,34 @@ class Sampler:
 
     @property
     def plain_greedy(self) -> bool:
-        """Greedy with no repetition penalty: the choice `greedy_choices` makes for a whole batch at once."""
-        return self.greedy and self.params.repetition_penalty == 1.0
+        """Greedy with nothing changing the logits and no alternatives asked: the choice `greedy_choices` makes
+        for a whole batch at once."""
+        return self.greedy and not self.params.penalized and self.params.top_logprobs == 0
 
-    def next_token(self, logits: Tensor, previous: Sequence[int] = ()) -> tuple[int, float]:
+    def next_token(self, logits: Tensor, previous: Sequence[int] = (), generated: Sequence[int] = ()
+                   ) -> tuple[int, float]:
         """logits (vocab,) -> (token id, its log-probability under the distribution it was drawn from)."""
+        choice = self.choose(logits, previous, generated)
+        return choice.token, choice.logprob
+
+    def choose(self, logits: Tensor, previous: Sequence[int] = (), generated: Sequence[int] = ()) -> Choice:
+        """logits (vocab,) -> the Choice; `previous` is the whole sequence so far (the repetition penalty's),
+        `generated` its generated part (the frequency and presence penalties')."""
         p = self.params
         logits = logits.detach().float().cpu()
+        logits = apply_logit_bias(logits, p.logit_bias)
         # a penalty or temperature that underflows float32 would turn logits into inf/NaN
         logits = apply_repetition_penalty(logits, previous, max(p.repetition_penalty, MIN_FACTOR))
+        logits = apply_frequency_presence(logits, generated, p.frequency_penalty, p.presence_penalty)
         if self.greedy:
             token = int(torch.argmax(logits).item())
-            return token, float(torch.log_softmax(logits, -1)[token].item())
-        logits = filter_top_k_top_p(logits / p.temperature, p.top_k, p.top_p)
-        logprobs = torch.log_softmax(logits, dim=-1)
-        token = int(torch.multinomial(logprobs.exp(), 1, generator=self.generator).item())
-        return token, float(logprobs[token].item())
+            logprobs = torch.log_softmax(logits, -1)
+        else:
+            logits = filter_top_k_top_p(logits / p.temperature, p.top_k, p.top_p)
+            logits = filter_typical_p(logits, p.typical_p)
+            logprobs = torch.log_softmax(logits, dim=-1)
+            token = int(torch.multinomial(logprobs.exp(), 1, generator=self.generator).item())
+        return Choice(token, float(logprobs[token].item()), top_alternatives(logprobs, p.top_logprobs))
 
 
 def greedy_choices(logits: Tensor) -> list[tuple[int, float]]:

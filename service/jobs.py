@@ -78,6 +78,8 @@ class TokenEvent:
     logprob: float
     special: bool
     finish: FinishEvent | None = None
+    # the most likely alternatives (id, log-probability), most likely first, when the spec's sampling asks
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)

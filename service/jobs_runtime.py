@@ -124,10 +124,12 @@ class GenerationJob(Job):
         """Sample from the next-token logits (a plain-greedy request takes `greedy`, the batch's choice for its
         row, when given); the event carries `finish` if this token ends the generation."""
         assert self.sampler is not None
+        top: tuple[tuple[int, float], ...] = ()
         if greedy is not None and self.sampler.plain_greedy:
             token, logprob = greedy
         else:
-            token, logprob = self.sampler.next_token(logits, self.history)
+            choice = self.sampler.choose(logits, self.history, self.generated)
+            token, logprob, top = choice.token, choice.logprob, choice.top
         token = int(token)
         self.generated.append(token)
         self.history.append(token)
@@ -157,7 +159,7 @@ class GenerationJob(Job):
                 prompt_tokens=len(self.spec.prompt_ids),
                 seed=self.seed,
             )
-        return TokenEvent(len(self.generated) - 1, token, text, float(logprob), special, finish)
+        return TokenEvent(len(self.generated) - 1, token, text, float(logprob), special, finish, top)
 
     def to_deliver(self, event: TokenEvent) -> list[TokenEvent]:
         """The events to hand to the loop now that `event` is produced: itself when streaming, else nothing
