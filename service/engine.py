@@ -5,11 +5,12 @@ The engine in parts: `service/admission.py` (queue bound, reservations, queue ti
 `service/runner.py` (the model runner: device tensors, the decode cache, batched prefill and decode steps),
 `service/embed_batches.py` (the queued inputs of embedding requests and their batches),
 `service/jobs_runtime.py` (per-request state and delivery to the event loop), `service/generation_steps.py`
-(the generations' prefills and decode steps) and, here, the requests' entry and the worker loop that ties them
-together. Each turn: start the queued generations the policy and the decode cache allow (prefilled together,
-grouped by length under `max_batch_tokens`, or sliced between decode steps when long), run ONE batched decode
-step over every running generation (continuous batching: requests join and leave between steps), then one
-embedding batch if one is ready. A failure in one request's work fails that request only.
+(an object the engine owns: the generations past the queue, their prefills and decode steps) and, here, the
+requests' entry and the worker loop that ties them together. Each turn: start the queued generations the
+policy and the decode cache allow (prefilled together, grouped by length under `max_batch_tokens`, or sliced
+between decode steps when long), run ONE batched decode step over every running generation (continuous
+batching: requests join and leave between steps), then one embedding batch if one is ready. A failure in one
+request's work fails that request only.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,7 +75,7 @@ class EngineConfig:
     cache_keep_bytes: int | None = 64 * 2**20
 
 
-class Engine(GenerationSteps):
+class Engine:
     def __init__(
         self, model: Any, tokenizer: Any, backend: EmbeddingBackend, device: torch.device, config: EngineConfig,
         metrics: ServiceMetrics, on_fatal: Callable[[BaseException], None] | None = None,
@@ -91,13 +92,13 @@ class Engine(GenerationSteps):
         self._gen_queue: deque[GenerationJob] = deque()
         self.embeds = EmbedBatches(backend, tokenizer.pad_id, metrics, self._cond, config.max_batch_size,
                                    config.max_batch_tokens, config.max_wait_ms / 1000.0)
-        self._running: list[GenerationJob] = []
-        # long prompts being prefilled slice by slice between decode steps: (jobs, their prefill in progress,
-        # the durations of its last few slices)
-        self._prefilling: list[tuple[list[GenerationJob], Generator[None, None, Any], deque[float]]] = []
         self.runner = ModelRunner(model, device, config.max_batch_size, config.cache_bytes, config.batch_invariant,
                                   config.max_request_tokens, config.cuda_graphs, config.cpu_kernels,
                                   config.kv_cache_dtype, config.decode_weights)
+        # the generations past the queue (running, or prefilling in slices) and the steps that advance them
+        self.generations = GenerationSteps(self.runner, metrics, self._cond, batch_invariant=config.batch_invariant,
+                                           max_batch_tokens=config.max_batch_tokens,
+                                           prefill_budget_s=config.prefill_budget_ms / 1000.0)
         self.memory = HeapKeeper(config.idle_trim_s, config.memory_budget_bytes,
                                  release=self.runner.release_free_pages, keep_bytes=config.cache_keep_bytes,
                                  busy_trim_s=config.busy_trim_s)
@@ -118,7 +119,7 @@ class Engine(GenerationSteps):
         with self._cond:
             return {
                 "queued": dict(self._pending),
-                "running": len(self._running),
+                "running": len(self.generations.running),
                 **self.runner.stats(),
                 "alive": int(self.alive),
             }
@@ -201,7 +202,7 @@ class Engine(GenerationSteps):
                     prefills = self._take_prefills()
                     batch, wake_at = self.embeds.take(self._start, flush=self._stopping)
                     trim = False
-                    if not prefills and not self._running and not self._prefilling and batch is None:
+                    if not prefills and not self.generations.busy and batch is None:
                         timeout = None if wake_at is None else max(wake_at - time.monotonic(), 0.0)
                         # idle with nothing queued either: once per idle spell the heap is trimmed
                         trim = self.memory.idle_turn(not self._gen_queue and not self.embeds.items)
@@ -212,13 +213,13 @@ class Engine(GenerationSteps):
                     self.memory.trim("idle")
                     continue
                 if prefills:
-                    self._prefill_all(prefills)
-                if self._prefilling:
-                    self._advance_prefills()
-                if self._running:
-                    self._decode_step()
+                    self.generations.prefill_all(prefills)
+                if self.generations.prefilling:
+                    self.generations.advance_prefills()
+                if self.generations.running:
+                    self.generations.decode_step()
                 if batch is not None:
-                    self.embeds.run(batch, self._fail_jobs)
+                    self.embeds.run(batch, self.generations.fail)
                 self.memory.after_work()  # the idle spell restarts; over the memory budget, a trim
         except BaseException as exc:  # the worker must never die silently
             self._die(exc)
@@ -234,20 +235,16 @@ class Engine(GenerationSteps):
             self.on_fatal(exc)
 
     def _fail_everything(self, error: ServiceError) -> None:
-        for _, slices, _ in self._prefilling:
-            slices.close()  # frees the cache it held
+        self.generations.close_prefills()
         with self._cond:
-            jobs: list[Job] = [*self._gen_queue, *self.embeds.jobs(), *self._running,
-                               *(job for group, _, _ in self._prefilling for job in group)]
-            self._prefilling.clear()
+            jobs: list[Job] = [*self._gen_queue, *self.embeds.jobs(), *self.generations.take_all()]
             self._gen_queue.clear()
             self.embeds.clear()
-            self._running.clear()
             self.admission.clear()
             for job in jobs:
                 job.state = JobState.DONE
                 if isinstance(job, GenerationJob):
-                    self._release(job)
+                    self.generations.release(job)
         for job in {id(j): j for j in jobs}.values():
             job.fail(error)
 
@@ -268,12 +265,7 @@ class Engine(GenerationSteps):
         if any(job.state is not JobState.PENDING for job in self._gen_queue):
             self._gen_queue = deque(j for j in self._gen_queue if j.state is JobState.PENDING)
         self.embeds.drop_done()
-        for job in [j for j in self._running if j.cancel_requested]:
-            self._running.remove(job)
-            job.state = JobState.DONE
-            self._release(job)
-            self.metrics.dropped.labels("running").inc()
-            log.info("dropped a running generation: its client went away", extra={"request_id": job.request_id})
+        self.generations.drop_cancelled()
 
     def _start(self, job: Job) -> None:
         self.admission.start(job)
@@ -282,8 +274,8 @@ class Engine(GenerationSteps):
         """Under the lock: the generations that start now (service/policy.py decides)."""
         queued = [QueuedGeneration(len(j.spec.prompt_ids), len(j.spec.prompt_ids) + j.spec.max_new_tokens)
                   for j in self._gen_queue]
-        n = take_generations(queued, len(self._running), self.config.max_batch_size, self.config.max_batch_tokens,
-                             self.runner.fits_together)
+        n = take_generations(queued, len(self.generations.running), self.config.max_batch_size,
+                             self.config.max_batch_tokens, self.runner.fits_together)
         taken = [self._gen_queue.popleft() for _ in range(n)]
         for job in taken:
             self._start(job)

@@ -1,7 +1,8 @@
 """The generations' work on the engine's worker thread: prefills (together, grouped by length, or sliced
 between decode steps when long), one batched decode step over every running generation, and each row's
-sampling and delivery. `Engine` (service/engine.py) runs these from its loop; a failure in one request's work
-fails that request only."""
+sampling and delivery. `GenerationSteps` owns the generations past the queue (running, or prefilling in
+slices); `Engine` (service/engine.py) owns one, hands it the generations that start and calls its steps from
+its loop. A failure in one request's work fails that request only."""
 
 from __future__ import annotations
 
@@ -9,21 +10,18 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Generator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Generator, Iterable
+from typing import Any, NamedTuple
 
 import torch
 
 from model.sampling import greedy_choices
 from service.errors import InternalError
 from service.jobs import TokenEvent
-from service.jobs_runtime import Event, GenerationJob, JobState, deliver_together
+from service.jobs_runtime import Event, GenerationJob, Job, JobState, deliver_together
 from service.metrics import ServiceMetrics
 from service.policy import SLICE_HISTORY, another_slice_fits, group_by_length
 from service.runner import ModelRunner
-
-if TYPE_CHECKING:
-    from service.engine import EngineConfig
 
 log = logging.getLogger("service.engine")
 
@@ -31,58 +29,100 @@ log = logging.getLogger("service.engine")
 CHUNKED_PREFILL_TOKENS = 2048
 
 
+class SlicedPrefill(NamedTuple):
+    """A long prompt group being prefilled slice by slice between decode steps."""
+
+    jobs: list[GenerationJob]
+    slices: Generator[None, None, Any]  # one slice per next(); returns (logits, states)
+    recent: deque[float]  # the durations of its last few slices
+
+
 class GenerationSteps:
-    """Mixed into Engine, whose attributes these are."""
+    """The running generations and those being prefilled in slices, and the steps that advance them.
 
-    config: EngineConfig
-    runner: ModelRunner
-    metrics: ServiceMetrics
-    _cond: threading.Condition
-    _running: list[GenerationJob]
-    _prefilling: list[tuple[list[GenerationJob], Generator[None, None, Any], deque[float]]]
+    `running` and `prefilling` change under `cond` (the engine's lock: its handlers read them for stats and
+    cancellation); the steps themselves run on the worker thread outside it."""
 
-    def _release(self, job: GenerationJob) -> None:
+    def __init__(self, runner: ModelRunner, metrics: ServiceMetrics, cond: threading.Condition, *,
+                 batch_invariant: bool, max_batch_tokens: int, prefill_budget_s: float) -> None:
+        self.runner = runner
+        self.metrics = metrics
+        self.cond = cond
+        self.batch_invariant = batch_invariant  # prompts prefilled one at a time
+        self.max_batch_tokens = max_batch_tokens
+        # between two decode steps, sliced prefills run while the next slice still fits in this (at least one)
+        self.prefill_budget_s = prefill_budget_s
+        self.running: list[GenerationJob] = []
+        self.prefilling: list[SlicedPrefill] = []
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.running or self.prefilling)
+
+    def release(self, job: GenerationJob) -> None:
         """The job's decode cache goes back to the allocator (its blocks and slot), then the job forgets it."""
         self.runner.free(job.cache)
         job.release()
 
-    def _fail_jobs(self, jobs: Any) -> None:
+    def fail(self, jobs: Iterable[Job]) -> None:
+        """The jobs end with an internal error; a generation among them stops running and frees its cache."""
         jobs = list(jobs)
-        with self._cond:
+        with self.cond:
             for job in jobs:
                 job.state = JobState.DONE
                 if isinstance(job, GenerationJob):
-                    self._release(job)
-                    if job in self._running:
-                        self._running.remove(job)
+                    self.release(job)
+                    if job in self.running:
+                        self.running.remove(job)
         for job in jobs:
             job.fail(InternalError("internal error; the server log has the details"))
 
-    def _prefill_all(self, jobs: list[GenerationJob]) -> None:
+    def drop_cancelled(self) -> None:
+        """Under the lock: running generations whose client went away stop and free their cache."""
+        for job in [j for j in self.running if j.cancel_requested]:
+            self.running.remove(job)
+            job.state = JobState.DONE
+            self.release(job)
+            self.metrics.dropped.labels("running").inc()
+            log.info("dropped a running generation: its client went away", extra={"request_id": job.request_id})
+
+    def close_prefills(self) -> None:
+        """Outside the lock: the sliced prefills in progress stop and free the cache they held (their jobs stay
+        in `prefilling` for `take_all`)."""
+        for entry in self.prefilling:
+            entry.slices.close()
+
+    def take_all(self) -> list[GenerationJob]:
+        """Under the lock: every running or prefilling generation, forgotten here (the engine fails them)."""
+        jobs = [*self.running, *(job for entry in self.prefilling for job in entry.jobs)]
+        self.running.clear()
+        self.prefilling.clear()
+        return jobs
+
+    def prefill_all(self, jobs: list[GenerationJob]) -> None:
         """Prompts prefilled together, grouped by length under max_batch_tokens (one at a time when the
         engine runs batch-invariant, so a request's first token does not depend on its company)."""
-        if self.config.batch_invariant:
+        if self.batch_invariant:
             groups = [[i] for i in range(len(jobs))]
         else:
-            groups = group_by_length([len(j.spec.prompt_ids) for j in jobs], self.config.max_batch_tokens)
+            groups = group_by_length([len(j.spec.prompt_ids) for j in jobs], self.max_batch_tokens)
         for group in groups:
             members = [jobs[i] for i in group]
-            if self._running and max(len(j.spec.prompt_ids) for j in members) * len(members) > CHUNKED_PREFILL_TOKENS:
+            if self.running and max(len(j.spec.prompt_ids) for j in members) * len(members) > CHUNKED_PREFILL_TOKENS:
                 # long: sliced between decode steps, so running streams are not stalled for its whole prefill
                 for job in members:
                     job.begin()
-                self._prefilling.append((members, self.runner.prefill_slices(
+                self.prefilling.append(SlicedPrefill(members, self.runner.prefill_slices(
                     [j.spec.prompt_ids for j in members],
                     [len(j.spec.prompt_ids) + j.spec.max_new_tokens for j in members]), deque(maxlen=SLICE_HISTORY)))
             else:
                 self._prefill(members)
 
-    def _advance_prefills(self) -> None:
-        """Slices of the prefills in progress, oldest first, within the config's prefill_budget_ms (at least one
-        slice each); a finished one joins the running generations."""
+    def advance_prefills(self) -> None:
+        """Slices of the prefills in progress, oldest first, within `prefill_budget_s` (at least one slice
+        each); a finished one joins the running generations."""
         start = time.monotonic()
-        budget_s = self.config.prefill_budget_ms / 1000.0
-        for entry in list(self._prefilling):
+        for entry in list(self.prefilling):
             jobs, slices, recent = entry
             try:
                 while True:
@@ -90,17 +130,17 @@ class GenerationSteps:
                     next(slices)
                     now = time.monotonic()
                     recent.append(now - began)
-                    if not another_slice_fits(now - start, recent, budget_s):
+                    if not another_slice_fits(now - start, recent, self.prefill_budget_s):
                         break
                 continue
             except StopIteration as done:
                 logits, states = done.value
             except Exception:
                 log.exception("sliced prefill failed", extra={"request_id": jobs[0].request_id})
-                self._prefilling.remove(entry)
-                self._fail_jobs(jobs)
+                self.prefilling.remove(entry)
+                self.fail(jobs)
                 continue
-            self._prefilling.remove(entry)
+            self.prefilling.remove(entry)
             self._prefilled(jobs, logits, states)
 
     def _prefill(self, jobs: list[GenerationJob]) -> None:
@@ -116,7 +156,7 @@ class GenerationSteps:
                     self._prefill([job])
                 return
             log.exception("prefill failed", extra={"request_id": jobs[0].request_id})
-            self._fail_jobs(jobs)
+            self.fail(jobs)
             return
         self._prefilled(jobs, logits, states)
 
@@ -125,21 +165,21 @@ class GenerationSteps:
         self.metrics.batch_tokens.labels("prefill").observe(max(len(j.spec.prompt_ids) for j in jobs) * len(jobs))
         deliveries: list[tuple[GenerationJob, Event]] = []
         with self.runner.sampling_scope():
-            for job, state, row, choice in zip(jobs, states, logits, self._greedy(jobs, logits), strict=True):
+            for job, state, row, choice in zip(jobs, states, logits, _greedy(jobs, logits), strict=True):
                 job.cache = state
-                with self._cond:
-                    self._running.append(job)
+                with self.cond:
+                    self.running.append(job)
                 self._advance_safely(job, row, deliveries, choice)
         deliver_together(deliveries)
 
-    def _decode_step(self) -> None:
+    def decode_step(self) -> None:
         """One batched step over every running generation. A row that cannot step fails alone before the call;
         a failure of the call itself fails the rows in it; each row's sampling and delivery fail alone."""
-        jobs = [j for j in self._running if j.state is JobState.RUNNING]
+        jobs = [j for j in self.running if j.state is JobState.RUNNING]
         broken = [j for j in jobs if j.cache is None or j.pending_token is None or not self.runner.can_step(j.cache)]
         if broken:
             log.error("%d generations cannot take another step; failing them", len(broken))
-            self._fail_jobs(broken)
+            self.fail(broken)
             jobs = [j for j in jobs if j not in broken]
         if not jobs:
             return
@@ -147,7 +187,7 @@ class GenerationSteps:
             logits = self.runner.decode([j.pending_token for j in jobs], [j.cache for j in jobs])  # type: ignore[misc]
         except Exception:
             log.exception("decode step over %d generations failed", len(jobs))
-            self._fail_jobs(jobs)
+            self.fail(jobs)
             return
         # rows per model call: in invariant mode the step may have run in blocks of INVARIANT_ROWS rows
         block = self.runner.last_rows_per_call
@@ -157,19 +197,9 @@ class GenerationSteps:
             self.metrics.batch_tokens.labels("decode").observe(rows)
         deliveries: list[tuple[GenerationJob, Event]] = []
         with self.runner.sampling_scope():
-            for job, row, choice in zip(jobs, logits, self._greedy(jobs, logits), strict=True):
+            for job, row, choice in zip(jobs, logits, _greedy(jobs, logits), strict=True):
                 self._advance_safely(job, row, deliveries, choice)
         deliver_together(deliveries)
-
-    @staticmethod
-    def _greedy(jobs: list[GenerationJob], logits: torch.Tensor) -> list[tuple[int, float] | None]:
-        """Every row's greedy choice in one batched pass when some request is plain greedy, else Nones."""
-        if any(j.sampler is not None and j.sampler.plain_greedy for j in jobs):
-            try:
-                return list(greedy_choices(logits))
-            except Exception:  # each row then samples on its own, and fails alone if it must
-                log.exception("batched greedy choice over %d rows failed", len(jobs))
-        return [None] * len(jobs)
 
     def _advance_safely(self, job: GenerationJob, logits: torch.Tensor,
                         deliveries: list[tuple[GenerationJob, Event]], greedy: tuple[int, float] | None) -> None:
@@ -177,7 +207,7 @@ class GenerationSteps:
             deliveries.extend((job, event) for event in job.to_deliver(self._advance(job, logits, greedy)))
         except Exception:
             log.exception("sampling or delivery failed", extra={"request_id": job.request_id})
-            self._fail_jobs([job])
+            self.fail([job])
 
     def _advance(self, job: GenerationJob, logits: torch.Tensor, greedy: tuple[int, float] | None) -> TokenEvent:
         """Sample the job's next token and retire the job if it is finished; returns the event to deliver."""
@@ -193,9 +223,19 @@ class GenerationSteps:
         if event.finish is not None:
             job.timings.finished = now
             self.metrics.prompt_tokens.inc(len(job.spec.prompt_ids))  # completed requests only
-            with self._cond:
+            with self.cond:
                 job.state = JobState.DONE
-                if job in self._running:
-                    self._running.remove(job)
-                self._release(job)
+                if job in self.running:
+                    self.running.remove(job)
+                self.release(job)
         return event
+
+
+def _greedy(jobs: list[GenerationJob], logits: torch.Tensor) -> list[tuple[int, float] | None]:
+    """Every row's greedy choice in one batched pass when some request is plain greedy, else Nones."""
+    if any(j.sampler is not None and j.sampler.plain_greedy for j in jobs):
+        try:
+            return list(greedy_choices(logits))
+        except Exception:  # each row then samples on its own, and fails alone if it must
+            log.exception("batched greedy choice over %d rows failed", len(jobs))
+    return [None] * len(jobs)

@@ -4,7 +4,6 @@ are counted for completed requests only, and admission goes by decode-cache byte
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -140,7 +139,7 @@ def _record_slices(engine: Engine, monkeypatch: pytest.MonkeyPatch, budget_s: fl
     import service.generation_steps as steps_module
 
     monkeypatch.setattr(steps_module, "CHUNKED_PREFILL_TOKENS", 50)
-    monkeypatch.setattr(engine, "config", dataclasses.replace(engine.config, prefill_budget_ms=1000.0 * budget_s))
+    monkeypatch.setattr(engine.generations, "prefill_budget_s", budget_s)
     calls: list[str] = []
     real_decode, real_slices = engine.runner.decode, engine.runner.prefill_slices
 

@@ -156,10 +156,10 @@ def test_a_dead_model_worker_makes_the_process_exit_non_zero(tiny_artifact: Path
     port = str(ServerProcess.__init__.__globals__["free_port"]())
     script = (
         "import sys\n"
-        "from service.engine import Engine\n"
+        "from service.generation_steps import GenerationSteps\n"
         "class InjectedFault(BaseException):\n    pass\n"
         "def broken(self):\n    raise InjectedFault('injected fault in the decode loop')\n"
-        "Engine._decode_step = broken\n"
+        "GenerationSteps.decode_step = broken\n"
         "from service.server import main\n"
         f"sys.exit(main([{str(tiny_artifact)!r}, '--host', '127.0.0.1', '--port', {port!r}, '--backend', 'torch']))\n"
     )

@@ -192,7 +192,8 @@ class Recorder:
     def __call__(self) -> bool:
         e = self.engine
         with self.lock:
-            self.busy_at_calls.append(len(e._running) + len(e._prefilling) + len(e._gen_queue) + len(e.embeds.items))
+            busy = len(e.generations.running) + len(e.generations.prefilling) + len(e._gen_queue) + len(e.embeds.items)
+            self.busy_at_calls.append(busy)
             self.times.append(time.monotonic())
         if self.fail:
             raise RuntimeError("injected trim failure")

@@ -121,7 +121,7 @@ class ReleaseRecorder:
     def __call__(self, keep: int) -> int:
         released = self.release(keep)
         with self.lock:
-            self.calls.append((keep, len(self.engine._running)))
+            self.calls.append((keep, len(self.engine.generations.running)))
         return released
 
 
