@@ -1,80 +1,68 @@
-"""Byte-level tokenizer: UTF-8 bytes shifted by a fixed offset, below which sit the special ids.
-The default (offset 2, pad 0, eos 1) round-trips every Unicode string, NUL included.
-`google/reformer-enwik8` uses offset 2 with eos 2, which makes the NUL byte its end-of-text id;
-`ByteTokenizer(eos_id=2)` reproduces that for imported checkpoints."""
+"""The tokenizer interface every part of the project codes against (service, trainer, exporter, benchmarks),
+and its implementations: bytes (ByteTokenizer), SentencePiece (the `sentencepiece` library) and Hugging Face
+`tokenizers` files. An artifact carries its tokenizer (model.tokenizers.files reads and writes it)."""
 
 from __future__ import annotations
 
-import codecs
-import json
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 
-@dataclass(frozen=True)
-class ByteTokenizer:
-    offset: int = 2
-    pad_id: int = 0
-    eos_id: int = 1
+class TextDecoder(Protocol):
+    """Ids in, text out, one id at a time: never half a UTF-8 character, never a dropped word-boundary space.
+    Joining every push and the final flush gives the tokenizer's decode of all the ids pushed."""
+
+    def push(self, token_id: int) -> str: ...
+
+    def flush(self) -> str: ...
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What a tokenizer offers. `pad_id` and `eos_id` always exist (a SentencePiece model without a padding
+    piece pads with its unknown piece: padded positions are masked); `bos_id` and `unk_id` are None where
+    the tokenizer has no such piece. `decode` drops special ids and never raises."""
 
     @property
-    def vocab_size(self) -> int:
-        return 256 + self.offset
+    def kind(self) -> str: ...  # "byte" | "sentencepiece" | "hf", as the artifact's description file names it
 
-    def is_special(self, token_id: int) -> bool:
-        return token_id < self.offset or token_id == self.eos_id
+    @property
+    def vocab_size(self) -> int: ...
 
-    def encode(self, text: str) -> list[int]:
-        # surrogatepass keeps lone surrogates round-trippable instead of raising
-        return [b + self.offset for b in text.encode("utf-8", errors="surrogatepass")]
+    @property
+    def pad_id(self) -> int: ...
 
-    def token_bytes(self, ids: list[int]) -> bytes:
-        return bytes(i - self.offset for i in ids if not self.is_special(i) and i < self.vocab_size)
+    @property
+    def eos_id(self) -> int: ...
 
-    def decode(self, ids: list[int]) -> str:
-        """Never raises: a broken multi-byte sequence becomes U+FFFD."""
-        return self.token_bytes(list(ids)).decode("utf-8", errors="replace")
+    @property
+    def bos_id(self) -> int | None: ...
 
-    def incremental_decoder(self) -> IncrementalDecoder:
-        return IncrementalDecoder(self)
+    @property
+    def unk_id(self) -> int | None: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+    def is_special(self, token_id: int) -> bool: ...
+
+    def id_to_piece(self, token_id: int) -> str: ...
+
+    def incremental_decoder(self) -> TextDecoder: ...
 
     def offsets(self, text: str) -> list[tuple[int, str, int, int]]:
-        """(id, text of the character it belongs to, start, stop) per token; start/stop are character
-        offsets of that character in `text`, so every byte of a multi-byte character maps to it."""
-        out: list[tuple[int, str, int, int]] = []
-        for pos, ch in enumerate(text):
-            for b in ch.encode("utf-8", errors="surrogatepass"):
-                out.append((b + self.offset, ch, pos, pos + 1))
-        return out
+        """(id, its text, start, stop) per token of `text`; start/stop are character offsets into `text`."""
+        ...
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"type": "byte", "offset": self.offset, "pad_id": self.pad_id, "eos_id": self.eos_id,
-                "vocab_size": self.vocab_size}
+    def describe(self) -> dict[str, Any]:
+        """The artifact's description of this tokenizer (its type, special ids and size)."""
+        ...
 
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> ByteTokenizer:
-        if d.get("type") != "byte":
-            raise ValueError(f"unsupported tokenizer type {d.get('type')!r}; only 'byte' is known")
-        return cls(offset=int(d["offset"]), pad_id=int(d["pad_id"]), eos_id=int(d["eos_id"]))
-
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
-
-    @classmethod
-    def load(cls, path: str | Path) -> ByteTokenizer:
-        return cls.from_dict(json.loads(Path(path).read_text()))
+    def to_hf(self) -> Any:
+        """An equivalent `tokenizers.Tokenizer` (same ids for the same text), saved as the artifact's tokenizer.json."""
+        ...
 
 
-class IncrementalDecoder:
-    """Turns a stream of token ids into text without ever emitting half a character."""
+from .tokenizers.byte_level import ByteTokenizer, IncrementalDecoder  # noqa: E402  (after the interface it implements)
 
-    def __init__(self, tokenizer: ByteTokenizer) -> None:
-        self._tok = tokenizer
-        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-    def push(self, token_id: int) -> str:
-        return self._dec.decode(self._tok.token_bytes([token_id]), final=False)
-
-    def flush(self) -> str:
-        return self._dec.decode(b"", final=True)
+__all__ = ["ByteTokenizer", "IncrementalDecoder", "TextDecoder", "Tokenizer"]
