@@ -38,6 +38,13 @@ def data_section(prov: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _passage(recipe: dict[str, Any]) -> str:
+    """'140-byte passage', or '24-160-byte passage, 50% random bytes' for a recipe that draws lengths."""
+    lo, hi = recipe.get("copy_passage_min", recipe["copy_passage"]), recipe["copy_passage"]
+    text = f"{hi if lo == hi else f'{lo}-{hi}'}-byte passage"
+    return text + (f", {recipe['copy_random']:.0%} random bytes" if "copy_random" in recipe else "")
+
+
 def recipe_section(prov: dict[str, Any]) -> str:
     recipe = prov.get("recipe")
     lines = ["## Training procedure", "", "```", str(prov.get("command", "")), "```", ""]
@@ -45,7 +52,7 @@ def recipe_section(prov: dict[str, Any]) -> str:
         return "\n".join([*lines, "Plain next-byte prediction on prose windows (no long-range recipe)."])
     mix = recipe["mix"]
     lines += [f"Long-range recipe (train/recipe.py): windows {mix['passkey']:.0%} passkey documents, "
-              f"{mix['copy']:.0%} copy documents ({recipe['copy_passage']}-byte passage, {recipe['copy_cue']}-byte "
+              f"{mix['copy']:.0%} copy documents ({_passage(recipe)}, {recipe['copy_cue']}-byte "
               f"cue), {mix['prose']:.0%} prose; loss = {recipe['prose_weight']} x mean over all bytes + "
               f"{recipe['answer_weight']} x mean over the answer bytes; early advance at "
               f"{recipe['advance_at'] or 'off'}.", "",

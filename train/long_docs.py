@@ -4,8 +4,11 @@ benchmark (bench/long_context.py).
 
 - Passkey (Mohtashami & Jaggi, 2023): the task sentence, prose with the hidden sentence at a given depth,
   then the question; the answer is the key's five digits after "The pass key is ".
-- Copy: a passage, a gap of other prose, the passage again; the scored bytes are the repeat after its first
-  `cue` bytes (before the cue the model cannot know a repeat has begun).
+- Copy: a passage (prose, or random printable bytes that no prior can guess), a gap of other prose, the
+  passage again; the scored bytes are the repeat after its first `cue` bytes (before the cue the model cannot
+  know a repeat has begun).
+
+Passkey filler is either prose or the standard repeated lines (`STANDARD_FILLER`, "The grass is green...").
 
 Every document satisfies `data[source] == data[answer]`: `source` is where the scored bytes first appear
 (the key in the hidden sentence, the passage's matching span), `answer` where they are to be produced.
@@ -15,6 +18,7 @@ ends with spaces (same length), so a document always decodes and can be sent to 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -23,6 +27,8 @@ TASK = (b"There is an important info hidden inside a lot of irrelevant text. Fin
         b"I will quiz you about the important information there.")
 QUESTION = b"What is the pass key? The pass key is "
 KEY_DIGITS = 5
+STANDARD_FILLER = b"The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+PRINTABLE = bytes(range(32, 127))  # the alphabet of random copy passages: text the service accepts
 _SAYS = b"The pass key is "  # how the hidden sentence begins, just before the key
 
 
@@ -85,6 +91,26 @@ def random_key(rng: np.random.Generator) -> str:
     return str(int(rng.integers(10 ** (KEY_DIGITS - 1), 10 ** KEY_DIGITS)))
 
 
+def standard_filler(n: int) -> bytes:
+    """`n` bytes of the standard passkey filler, repeated (the last repeat cut)."""
+    return (STANDARD_FILLER * (n // len(STANDARD_FILLER) + 1))[:n]
+
+
+def random_passage(rng: np.random.Generator, n: int) -> bytes:
+    """`n` random printable ASCII bytes: a copy passage only the earlier occurrence can predict."""
+    return bytes(rng.choice(np.frombuffer(PRINTABLE, dtype=np.uint8), size=n).astype(np.uint8))
+
+
+def log_uniform_gap(rng: np.random.Generator, lo: int, hi: int) -> int:
+    """A gap in [lo, hi] with log(gap + 1) uniform: as many gaps inside the local window as between it and
+    the window's length (a square-root draw almost never trained the near case); `hi < lo` gives `hi`."""
+    lo, hi = max(lo, 0), max(hi, 0)
+    if hi <= lo:
+        return hi
+    g = int(math.floor(math.exp(rng.uniform(math.log(lo + 1), math.log(hi + 2))))) - 1
+    return min(max(g, lo), hi)
+
+
 def passkey_parts(prose: bytes, key: str, before: int, after: int) -> LongDoc:
     """A passkey document with `before` prose bytes ahead of the hidden sentence and `after` between it and
     the question (both taken in order from the start of `prose`)."""
@@ -117,15 +143,23 @@ def passkey_document(prose: bytes, key: str, depth: float, length: int) -> LongD
 def copy_document(prose: bytes, passage_len: int, gap: int, cue: int) -> LongDoc:
     """The first `passage_len` bytes of `prose`, the next `gap` bytes, then that passage again:
     `2 * passage_len + gap` bytes. The answer is the repeat after its first `cue` bytes."""
-    if not 0 <= cue < passage_len:
-        raise ValueError(f"the cue ({cue}) must be shorter than the passage ({passage_len})")
-    if gap < 0 or len(prose) < passage_len + gap:
+    if len(prose) < passage_len + gap:
         raise ValueError(f"need {passage_len} + {gap} prose bytes, got {len(prose)}")
-    passage = utf8_safe(prose[:passage_len])
-    data = passage + utf8_safe(prose[passage_len:passage_len + gap]) + passage
-    second = passage_len + gap
-    return LongDoc("copy", data, (second + cue, second + passage_len), (cue, passage_len), cue=cue,
-                   prose_used=passage_len + gap)
+    doc = repeat_document(utf8_safe(prose[:passage_len]), prose[passage_len:], gap, cue)
+    return replace(doc, prose_used=passage_len + gap)
+
+
+def repeat_document(passage: bytes, prose: bytes, gap: int, cue: int) -> LongDoc:
+    """`passage`, the first `gap` bytes of `prose`, then `passage` again; the answer is the repeat after its
+    first `cue` bytes (a random passage: the prose consumed is the gap alone)."""
+    n = len(passage)
+    if not 0 <= cue < n:
+        raise ValueError(f"the cue ({cue}) must be shorter than the passage ({n})")
+    if gap < 0 or len(prose) < gap:
+        raise ValueError(f"need {gap} prose bytes for the gap, got {len(prose)}")
+    data = passage + utf8_safe(prose[:gap]) + passage
+    second = n + gap
+    return LongDoc("copy", data, (second + cue, second + n), (cue, n), cue=cue, prose_used=gap)
 
 
 def copy_control(doc: LongDoc, other: bytes) -> LongDoc:
@@ -138,19 +172,4 @@ def copy_control(doc: LongDoc, other: bytes) -> LongDoc:
     return replace(doc, data=doc.data[:start] + utf8_safe(other[:n]) + doc.data[start + n:])
 
 
-SEP = b"\n\n"  # between a document and the prose around it in a training window
-
-
-def embed(doc: LongDoc, prose: bytes, lead: int, total: int) -> tuple[bytes, tuple[int, int]]:
-    """A `total`-byte window: `lead` bytes of `prose`, the document, then prose again from where the document's
-    own filler stopped (`prose[lead:]` is what the document was built from). Returns the window and the
-    answer's span in it. Putting the document anywhere in the window keeps the answer off fixed positions:
-    a model trained with the question always at one place learned the slot from position embeddings
-    (shared/notes/long-range-retrieval.md)."""
-    head = prose[:lead] + (SEP if lead else b"")
-    rest = prose[lead + doc.prose_used:]
-    window = head + doc.data + SEP + rest
-    if len(window) < total or len(head) + doc.answer[1] > total:
-        raise ValueError(f"the document ({len(doc.data)} bytes after {len(head)}) does not fit {total} bytes")
-    at = len(head)
-    return window[:total], (at + doc.answer[0], at + doc.answer[1])
+SEP = b"\n\n"  # between a document and the prose around it in a training window (train/mixer.py)

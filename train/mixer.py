@@ -1,5 +1,5 @@
 """Training windows for the long-range recipe (train/recipe.py): prose windows, some of them turned into a
-window holding one passkey or copy document, with a per-target mask naming the answer bytes' kind.
+window of passkey or copy documents, with a per-target mask naming the answer bytes' kind.
 
 A window is a pure function of the prose drawn for it and the generator's state, like the prose sampler's
 (train/data.py WindowSampler): every rank draws the same global batch and keeps its own rows, and a resumed
@@ -8,11 +8,23 @@ run draws what an uninterrupted one would."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 
 from .data import DataError, TokenFile, WindowSampler
-from .long_docs import PASSKEY_OVERHEAD, SEP, LongDoc, copy_document, embed, passkey_parts, random_key
+from .long_docs import (
+    PASSKEY_OVERHEAD,
+    SEP,
+    LongDoc,
+    copy_document,
+    log_uniform_gap,
+    passkey_parts,
+    random_key,
+    random_passage,
+    repeat_document,
+    standard_filler,
+)
 from .phases import Phase
 from .recipe import KINDS, RecipeConfig, Stage
 
@@ -51,38 +63,66 @@ def to_ids(data: bytes) -> np.ndarray:
     return np.frombuffer(data, dtype=np.uint8).astype(np.int64) + _OFFSET
 
 
-def draw_document(kind: int, prose: bytes, rng: np.random.Generator, stage: Stage, recipe: RecipeConfig
-                  ) -> tuple[LongDoc, int]:
-    """A document of `kind` fitting in `len(prose)` bytes with the separators, and its lead (prose bytes
-    before it). The gap is drawn up to the stage's largest with a density growing toward it (u ** 0.5):
-    far documents are the ones that need the LSH layers, near ones keep the short skill in the mix."""
-    room = len(prose) - 2 * len(SEP)
+def draw_gap(rng: np.random.Generator, hi: int, recipe: RecipeConfig) -> int:
+    """A gap of at most `hi` bytes by the recipe's draw: log-uniform from --gap-min (near gaps, inside the local
+    window, as common as far ones), or the older square-root draw (density growing toward `hi`)."""
+    if recipe.gap_draw == "sqrt":
+        return int(math.floor(max(hi, 0) * math.sqrt(rng.random())))
+    return log_uniform_gap(rng, min(recipe.gap_min, max(hi, 0)), hi)
+
+
+def smallest_document(kind: int, recipe: RecipeConfig) -> int:
+    """Bytes of the shortest document of `kind` (no gap) with its two separators."""
+    body = PASSKEY_OVERHEAD if kind == PASSKEY else 2 * recipe.copy_passage_min
+    return body + 2 * len(SEP)
+
+
+def draw_document(kind: int, prose: bytes, rng: np.random.Generator, stage: Stage, recipe: RecipeConfig,
+                  room: int | None = None) -> tuple[LongDoc, int]:
+    """A document of `kind` fitting in `room` bytes (default `len(prose)`) with the separators, and its lead
+    (prose bytes before it, up to the spare room, or a quarter of it with --pack). Its filler and gap prose come from `prose[lead:]`; a passkey's filler is the
+    standard lines instead for a `passkey_standard` share, a copy passage random bytes for `copy_random`."""
+    room = (len(prose) if room is None else room) - 2 * len(SEP)
+    spread = 4 if recipe.pack else 1  # packed: leave most of the spare room to the documents after this one
     if kind == PASSKEY:
-        hi = min(stage.gap, room - PASSKEY_OVERHEAD)
-        gap = int(math.floor(hi * math.sqrt(rng.random())))
+        gap = draw_gap(rng, min(stage.gap, room - PASSKEY_OVERHEAD), recipe)
         left = room - PASSKEY_OVERHEAD - gap
-        lead = int(rng.integers(0, left + 1))
-        before = int(rng.integers(0, left - lead + 1))
-        return passkey_parts(prose[lead:], random_key(rng), before, gap), lead
-    n = recipe.copy_passage
-    hi = min(stage.gap, room - 2 * n)
-    gap = int(math.floor(hi * math.sqrt(rng.random())))
-    lead = int(rng.integers(0, room - 2 * n - gap + 1))
-    return copy_document(prose[lead:], n, gap, recipe.copy_cue), lead
+        lead = int(rng.integers(0, left // spread + 1))
+        before = int(rng.integers(0, (left - lead) // spread + 1))
+        key = random_key(rng)
+        if rng.random() < recipe.passkey_standard:
+            doc = passkey_parts(standard_filler(before + gap), key, before, gap)
+            return replace(doc, prose_used=0), lead
+        return passkey_parts(prose[lead:], key, before, gap), lead
+    n = int(rng.integers(recipe.copy_passage_min, min(recipe.copy_passage, room // 2) + 1))
+    gap = draw_gap(rng, min(stage.gap, room - 2 * n), recipe)
+    lead = int(rng.integers(0, (room - 2 * n - gap) // spread + 1))
+    cue = min(recipe.copy_cue, n - 1)
+    if rng.random() < recipe.copy_random:
+        return repeat_document(random_passage(rng, n), prose[lead:], gap, cue), lead
+    return copy_document(prose[lead:], n, gap, cue), lead
 
 
 def build_row(kind: int, ids: np.ndarray, rng: np.random.Generator, stage: Stage, recipe: RecipeConfig
               ) -> tuple[np.ndarray, np.ndarray]:
     """(token ids of the window, kind code per target) from prose ids of `window + 1` tokens: the prose
-    itself for PROSE, else a window with one document; target t predicts token t + 1, so the answer's bytes
-    [a, b) are targets [a - 1, b - 1)."""
+    itself for PROSE, else a window of documents of `kind` (one, or with --pack as many as fit, each after
+    its own stretch of prose), the rest prose. Target t predicts token t + 1, so an answer's bytes [a, b)
+    are targets [a - 1, b - 1)."""
     mask = np.zeros(len(ids) - 1, dtype=np.int8)
     if kind == PROSE:
         return ids, mask
     prose = to_bytes(ids)
-    doc, lead = draw_document(kind, prose, rng, stage, recipe)
-    window, (a, b) = embed(doc, prose, lead, len(prose))
-    mask[a - 1:b - 1] = kind
+    total = len(prose)
+    window, src = b"", 0  # src: prose bytes used so far (never more than the window holds)
+    while total - len(window) >= smallest_document(kind, recipe) and (recipe.pack or not window):
+        doc, lead = draw_document(kind, prose[src:], rng, stage, recipe, room=total - len(window))
+        head = prose[src:src + lead] + (SEP if window or lead else b"")
+        at = len(window) + len(head)
+        window += head + doc.data + SEP
+        src += lead + doc.prose_used
+        mask[at + doc.answer[0] - 1:at + doc.answer[1] - 1] = kind
+    window = (window + prose[src:])[:total]
     return to_ids(window), mask
 
 

@@ -3,15 +3,19 @@ documents, train/long_docs.py) mixed with plain prose, a curriculum from short w
 ones, and a separate weight on the loss of the answer bytes. Off unless --mix or --curriculum is given;
 then the run's curve.csv also carries the answer bytes' loss apart from the prose's.
 
-    reformer train --init-from export/default_artifact --out runs/lr --random-offsets \\
-        --mix passkey=0.5,copy=0.2,prose=0.3 --answer-weight 1 \\
-        --curriculum 512x8@256:400,512x8:800,1024x4:1600,2048x2:3200,4096x1 --advance-at 0.9
+    reformer train --init-from export/default_artifact --successor-heads 4 --out runs/lr --random-offsets \
+        --mix passkey=0.3,copy=0.4,prose=0.3 --answer-weight 1 \
+        --curriculum 2048x4:600,4096x2:1200,16384x1:1600,65536x1 --advance-at 0.9
 
-Why this shape (shared/notes/long-range-retrieval.md): the retrieval circuit formed within minutes only when
-answers were dense (every window a document, about half the gradient on the answer); it then failed at any
-other length because the question always sat at the same position, so documents here go anywhere in the
-window and the key anywhere in the document. Stages double the length; with --advance-at a stage ends
-early once greedy passkey accuracy at the next stage's window reaches that share (checked at validation)."""
+Why this shape: the retrieval circuit formed within minutes only when answers were dense (every window a
+document, about half the gradient on the answer), and failed at any other length when the question always
+sat at one position, so documents go anywhere in the window (several to a window with --pack) and the key
+anywhere in the document. Gaps are drawn log-uniformly from --gap-min up to the stage's largest, so a
+match inside the local window is trained as often as a far one. Copy passages are prose and random bytes of
+several lengths: a random passage can only be predicted from its first occurrence, which is what the
+successor-value heads (--successor-heads) read. Passkey filler is prose or the standard repeated lines.
+Stages double the length; with --advance-at a stage ends early once greedy passkey accuracy at the next
+stage's window reaches that share (checked at validation)."""
 
 from __future__ import annotations
 
@@ -55,17 +59,23 @@ class RecipeConfig:
     answer_weight: float = 1.0  # loss = prose_weight * mean(all bytes) + answer_weight * mean(answer bytes)
     prose_weight: float = 1.0  # 0: answers only (the densest signal, for a first short stage)
     curriculum: tuple[Stage, ...] = ()  # empty: the run's --phases / --window, each with its window as the gap
-    copy_passage: int = 140  # bytes of a copy document's passage: the cue and then the scored bytes
-    copy_cue: int = 60
+    copy_passage: int = 160  # longest copy passage (bytes): the cue and then the scored bytes
+    copy_passage_min: int = 24  # shortest; each document draws its length uniformly in between
+    copy_cue: int = 2  # bytes of the repeat before its scored bytes (at most the passage less one)
+    copy_random: float = 0.5  # share of copy passages made of random printable bytes (the rest: prose)
+    passkey_standard: float = 0.5  # share of passkey documents with the standard filler (the rest: prose)
+    gap_min: int = 8  # shortest gap; gaps are drawn log-uniformly (`gap_draw`) from it up to the stage's
+    gap_draw: str = "log"  # "log": log-uniform; "sqrt": the older draw, density growing toward the largest
+    pack: bool = True  # a document window holds as many documents as fit (False: one)
     advance_at: float = 0.0  # passkey accuracy at the next stage's window that ends a stage early (0: off)
-    retrieval_val_docs: int = 16  # fixed held-out documents of each kind scored at every validation
+    retrieval_val_docs: int = 16  # fixed held-out document windows of each kind scored at every validation
     val_seed: int = 1234  # the held-out documents' seed: the same documents at every validation and run
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def min_window(self) -> int:
-        """The shortest window that holds a passkey document or a copy document with no gap."""
+        """The shortest window that holds a passkey document or the longest copy document with no gap."""
         need = [PASSKEY_OVERHEAD * (self.mix.passkey > 0), 2 * self.copy_passage * (self.mix.copy > 0)]
         return max(need) + 2 * len(SEP)
 
@@ -111,6 +121,18 @@ def parse_curriculum(text: str) -> tuple[Stage, ...]:
     return tuple(stages)
 
 
+def parse_length_range(text: str) -> tuple[int, int]:
+    """'140' -> (140, 140); '24-160' -> (24, 160): the copy passage's shortest and longest length."""
+    lo, dash, hi = text.strip().partition("-")
+    try:
+        a, b = int(lo), int(hi) if dash else int(lo)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"cannot read {text!r}: use a length (140) or a range (24-160)") from None
+    if a < 2 or b < a:
+        raise argparse.ArgumentTypeError(f"{text!r}: lengths must be >= 2 and the range increasing")
+    return a, b
+
+
 def stage_at(stages: tuple[Stage, ...], step: int, floor: int = 0) -> int:
     """The stage that owns optimizer step `step`; never earlier than `floor` (a stage reached early)."""
     for i, s in enumerate(stages):
@@ -131,8 +153,21 @@ def add_recipe_args(p: argparse.ArgumentParser) -> None:
                    help="weight of the answer bytes' mean loss, added to the mean loss over all bytes")
     g.add_argument("--prose-weight", type=float, default=1.0,
                    help="weight of the mean loss over all bytes (0: train on the answer bytes only)")
-    g.add_argument("--copy-passage", type=int, default=140, help="bytes of a copy document's passage")
-    g.add_argument("--copy-cue", type=int, default=60, help="bytes of the repeat before its scored bytes")
+    g.add_argument("--copy-passage", type=parse_length_range, default=(24, 160), metavar="MIN-MAX",
+                   help="bytes of a copy document's passage: a length, or a range each document draws from")
+    g.add_argument("--copy-cue", type=int, default=2,
+                   help="bytes of the repeat before its scored bytes (less than the shortest passage)")
+    g.add_argument("--copy-random", type=float, default=0.5,
+                   help="share of copy passages of random printable bytes (the rest are prose)")
+    g.add_argument("--passkey-standard", type=float, default=0.5,
+                   help="share of passkey documents whose filler is the standard repeated lines ('The grass is "
+                        "green...'; the rest have prose)")
+    g.add_argument("--gap-min", type=int, default=8, help="shortest gap between a key or passage and its repeat")
+    g.add_argument("--gap-draw", choices=["log", "sqrt"], default="log",
+                   help="gap distribution up to the stage's largest: log-uniform from --gap-min, or the older "
+                        "square-root draw (density growing toward the largest)")
+    g.add_argument("--pack", action=argparse.BooleanOptionalAction, default=True,
+                   help="fill a document window with as many documents as fit (--no-pack: one a window)")
     g.add_argument("--advance-at", type=float, default=0.0,
                    help="end a curriculum stage early when greedy passkey accuracy on held-out documents at the "
                         "next stage's window reaches this share, checked at each validation (0: by step only)")
@@ -148,13 +183,19 @@ def recipe_from_args(args: argparse.Namespace) -> RecipeConfig | None:
         raise ValueError("--curriculum replaces --phases: give one of them")
     if args.answer_weight < 0 or args.prose_weight < 0 or args.answer_weight + args.prose_weight == 0:
         raise ValueError("--answer-weight and --prose-weight must be >= 0 and not both 0")
-    if not 0 <= args.copy_cue < args.copy_passage:
-        raise ValueError(f"--copy-cue {args.copy_cue} must be in [0, --copy-passage {args.copy_passage})")
-    if not 0.0 <= args.advance_at <= 1.0:
-        raise ValueError(f"--advance-at must be in [0, 1], got {args.advance_at}")
+    shortest, longest = args.copy_passage
+    if not 0 <= args.copy_cue < shortest:
+        raise ValueError(f"--copy-cue {args.copy_cue} must be in [0, the shortest --copy-passage {shortest})")
+    for name in ("copy_random", "passkey_standard", "advance_at"):
+        if not 0.0 <= getattr(args, name) <= 1.0:
+            raise ValueError(f"--{name.replace('_', '-')} must be in [0, 1], got {getattr(args, name)}")
+    if args.gap_min < 0:
+        raise ValueError(f"--gap-min must be >= 0, got {args.gap_min}")
     recipe = RecipeConfig(mix=args.mix or Mix(), answer_weight=args.answer_weight, prose_weight=args.prose_weight,
-                          curriculum=args.curriculum or (), copy_passage=args.copy_passage, copy_cue=args.copy_cue,
-                          advance_at=args.advance_at, retrieval_val_docs=args.retrieval_val_docs)
+                          curriculum=args.curriculum or (), copy_passage=longest, copy_passage_min=shortest,
+                          copy_cue=args.copy_cue, copy_random=args.copy_random,
+                          passkey_standard=args.passkey_standard, gap_min=args.gap_min, gap_draw=args.gap_draw,
+                          pack=args.pack, advance_at=args.advance_at, retrieval_val_docs=args.retrieval_val_docs)
     for s in recipe.curriculum:
         if s.window < recipe.min_window():
             raise ValueError(f"--curriculum window {s.window} cannot hold a document: the recipe needs at least "

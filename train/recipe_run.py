@@ -73,6 +73,13 @@ class AnswerMeter:
                 "train_answer_loss": mean(sums[PASSKEY] + sums[COPY], counts[PASSKEY] + counts[COPY])}
 
 
+def answer_spans(kinds: np.ndarray) -> list[tuple[int, int, int]]:
+    """(start, end, kind) of each run of equal nonzero codes in a window's mask: one per document's answer
+    (answers are never adjacent: a separator or the repeat's cue lies between two)."""
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], kinds.astype(np.int64), [0]])))
+    return [(int(a), int(b), int(kinds[a])) for a, b in zip(edges[:-1], edges[1:], strict=True) if kinds[a] > 0]
+
+
 @torch.no_grad()
 def evaluate_answers(lm: ReformerLM, rows: list[tuple[np.ndarray, np.ndarray]], device: torch.device,
                      info: DistInfo, autocast: torch.dtype | None = None) -> tuple[float, float]:
@@ -87,14 +94,14 @@ def evaluate_answers(lm: ReformerLM, rows: list[tuple[np.ndarray, np.ndarray]], 
         with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
             logits = lm(ids[:, :-1]).logits[0].float()
         m = torch.from_numpy(kinds_np > 0).to(device)
-        target = ids[0, 1:][m]
-        nll += float(F.cross_entropy(logits[m], target, reduction="sum"))
-        hits = logits[m].argmax(-1) == target
+        nll += float(F.cross_entropy(logits[m], ids[0, 1:][m], reduction="sum"))
         count += float(m.sum())
-        if int(kinds_np.max()) == PASSKEY:
-            right, docs = right + float(hits.all()), docs + 1
-        else:
-            right, docs = right + float(hits.sum()), docs + float(m.sum())
+        hits = (logits.argmax(-1) == ids[0, 1:]).cpu().numpy()
+        for a, b, kind in answer_spans(kinds_np):
+            if kind == PASSKEY:
+                right, docs = right + float(hits[a:b].all()), docs + 1
+            else:
+                right, docs = right + float(hits[a:b].sum()), docs + (b - a)
     nll, count, right, docs = all_reduce_sum([nll, count, right, docs], info, device)
     lm.train(was_training)
     return (nll / count if count else math.nan), (right / docs if docs else math.nan)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -20,12 +21,17 @@ from train.data import DataError, TokenFile
 from train.long_docs import (
     PASSKEY_OVERHEAD,
     QUESTION,
+    STANDARD_FILLER,
     TASK,
     copy_control,
     copy_document,
+    log_uniform_gap,
     needle,
     passkey_document,
     random_key,
+    random_passage,
+    repeat_document,
+    standard_filler,
     utf8_safe,
 )
 from train.loop import main as train_main
@@ -102,40 +108,105 @@ def _prose_ids(n: int, seed: int = 0) -> np.ndarray:
     return to_ids(bytes(rng.choice(list(b"abcdefgh ijklmnop\n"), size=n).astype(np.uint8)))
 
 
+def _spans(mask: np.ndarray) -> list[tuple[int, int, int]]:
+    from train.recipe_run import answer_spans
+
+    return answer_spans(mask)
+
+
+def _copy_source(data: bytes, a: int, b: int, cue: int) -> int:
+    """Where the passage whose repeat's answer is bytes [a, b) of `data` first appears (its start)."""
+    repeat = data[a - cue:b]
+    first = data.find(repeat)
+    assert first + len(repeat) <= a - cue  # the whole passage (cue and answer) occurs before its repeat
+    return first
+
+
+@pytest.mark.parametrize("pack", [False, True])
 @pytest.mark.parametrize("kind", [PASSKEY, COPY])
-def test_window_mask_covers_exactly_the_answer_bytes(kind: int) -> None:
-    stage = Stage(window=700, batch_size=2, gap=700)
-    for seed in range(20):
-        ids, mask = build_row(kind, _prose_ids(701, seed), np.random.default_rng(seed), stage, RECIPE)
-        assert ids.shape == (701,) and mask.shape == (700,)
+def test_window_mask_covers_exactly_the_answer_bytes(kind: int, pack: bool) -> None:
+    recipe = dataclasses.replace(RECIPE, pack=pack)
+    stage = Stage(window=1400, batch_size=2, gap=1400)
+    counts = []
+    for seed in range(30):
+        ids, mask = build_row(kind, _prose_ids(1401, seed), np.random.default_rng(seed), stage, recipe)
+        assert ids.shape == (1401,) and mask.shape == (1400,)
         data = to_bytes(ids)
-        targets = np.flatnonzero(mask)
         assert set(mask.tolist()) == {0, kind}
-        answer = bytes(data[t + 1] for t in targets)  # target t predicts byte t + 1
-        assert list(targets) == list(range(targets[0], targets[0] + len(targets)))
-        if kind == PASSKEY:
-            assert len(answer) == 5 and data[:targets[0] + 1].endswith(QUESTION)
-            assert b"The pass key is " + answer + b". Remember it." in data
-        else:
-            assert len(answer) == 80 and data.count(data[targets[0] - 59:targets[-1] + 2]) == 2
+        spans = _spans(mask)
+        counts.append(len(spans))
+        for a, b, _ in spans:
+            answer = data[a + 1:b + 1]  # target t predicts byte t + 1
+            if kind == PASSKEY:
+                assert len(answer) == 5 and data[:a + 1].endswith(QUESTION)
+                assert b"The pass key is " + answer + b". Remember it." in data[:a + 1]
+            else:
+                n = b - a + RECIPE.copy_cue
+                assert RECIPE.copy_passage_min <= n <= RECIPE.copy_passage
+                _copy_source(data, a + 1, b + 1, RECIPE.copy_cue)
+    assert max(counts) == 1 if not pack else max(counts) >= 3
     ids, mask = build_row(PROSE, _prose_ids(701), np.random.default_rng(0), stage, RECIPE)
     assert not mask.any() and (ids == _prose_ids(701)).all()
 
 
 def test_answers_land_anywhere_in_the_window_and_gaps_follow_the_stage() -> None:
-    ends, gaps = [], []
+    ends = []
     stage = Stage(window=2048, batch_size=1, gap=2048)
     for seed in range(200):
         ids, mask = build_row(PASSKEY, _prose_ids(2049, seed), np.random.default_rng(seed), stage, RECIPE)
-        ends.append(int(np.flatnonzero(mask)[-1]))
-    assert min(ends) < 1200 and max(ends) > 1900  # not one fixed slot for position embeddings to learn
-    short = Stage(window=2048, batch_size=1, gap=100)
-    for seed in range(50):
-        ids, mask = build_row(COPY, _prose_ids(2049, seed), np.random.default_rng(seed), short, RECIPE)
-        data, first = to_bytes(ids), int(np.flatnonzero(mask)[0]) + 1 - 60
-        passage = data[first:first + 140]
-        gaps.append(first - (data.find(passage) + 140))
-    assert max(gaps) <= 100 and min(gaps) >= 0
+        ends.append(int(np.flatnonzero(mask)[0]))
+    assert min(ends) < 600 and max(ends) > 1900  # not one fixed slot for position embeddings to learn
+    for gap_max in (100, 2048):
+        gaps = []
+        for seed in range(60):
+            ids, mask = build_row(COPY, _prose_ids(2049, seed), np.random.default_rng(seed),
+                                  Stage(window=2048, batch_size=1, gap=gap_max), RECIPE)
+            data = to_bytes(ids)
+            for a, b, _ in _spans(mask):
+                start = a + 1 - RECIPE.copy_cue  # the repeat's first byte
+                n = b - a + RECIPE.copy_cue
+                gaps.append(start - (_copy_source(data, a + 1, b + 1, RECIPE.copy_cue) + n))
+        assert min(gaps) >= 0 and max(gaps) <= gap_max
+        near = sum(g < 64 for g in gaps) / len(gaps)
+        assert near > 0.2  # log-uniform from --gap-min: gaps inside the local window are common
+        if gap_max == 2048:
+            assert max(gaps) > 512  # and far ones are drawn too
+
+
+def test_copy_passages_are_random_or_prose_and_passkey_fillers_both_appear() -> None:
+    stage = Stage(window=2048, batch_size=1, gap=2048)
+    random_like = prose_like = standard = prose_filler = 0
+    for seed in range(40):
+        ids, mask = build_row(COPY, _prose_ids(2049, seed), np.random.default_rng(seed), stage, RECIPE)
+        data = to_bytes(ids)
+        for a, b, _ in _spans(mask):
+            answer = set(data[a + 1:b + 1])
+            if answer <= set(b"abcdefgh ijklmnop\n"):
+                prose_like += 1
+            else:
+                random_like += 1
+        ids, mask = build_row(PASSKEY, _prose_ids(2049, seed), np.random.default_rng(seed), stage, RECIPE)
+        data = to_bytes(ids)
+        standard += data.count(b"The grass is green.") > 0
+        prose_filler += data.count(b"The grass is green.") == 0
+    assert random_like > 10 and prose_like > 10 and standard > 5 and prose_filler > 5
+
+
+def test_standard_filler_random_passages_and_log_uniform_gaps() -> None:
+    assert standard_filler(10) == STANDARD_FILLER[:10] and len(standard_filler(1000)) == 1000
+    assert standard_filler(2 * len(STANDARD_FILLER)) == STANDARD_FILLER * 2
+    rng = np.random.default_rng(0)
+    p = random_passage(rng, 200)
+    assert len(p) == 200 and set(p) <= set(range(32, 127)) and len(set(p)) > 50
+    doc = repeat_document(p[:40], b"x" * 300, 100, 2)
+    assert doc.data == p[:40] + b"x" * 100 + p[:40] and doc.answer_bytes == p[2:40] and doc.gap == 100
+    assert doc.prose_used == 100 and doc.data[doc.source[0]:doc.source[1]] == doc.answer_bytes
+    gaps = np.array([log_uniform_gap(rng, 8, 2048) for _ in range(4000)])
+    assert gaps.min() >= 8 and gaps.max() <= 2048 and gaps.max() > 1500
+    # log-uniform: each factor-of-4 band holds about the same share (8-32, 128-512)
+    low, mid = np.mean((gaps >= 8) & (gaps < 32)), np.mean((gaps >= 128) & (gaps < 512))
+    assert 0.15 < low < 0.35 and 0.15 < mid < 0.35
+    assert log_uniform_gap(rng, 8, 5) == 5 and log_uniform_gap(rng, 0, 0) == 0
 
 
 def test_curriculum_stages_and_mix_parse_and_select_by_step() -> None:
@@ -241,13 +312,13 @@ def test_train_with_the_recipe_logs_answer_loss_and_records_the_recipe(tmp_path:
     (corpus / "a.txt").write_text(" ".join(["the king said to the queen"] * 400) + "\n")
     out = tmp_path / "run"
     common = [str(corpus), "--out", str(out), "--eval-every", "2", "--mix", "passkey=0.5,copy=0.25,prose=0.25",
-              "--curriculum", "300x2@100:2,400x2", "--answer-weight", "1.5", "--advance-at", "1.0", *TINY]
+              "--curriculum", "400x2@100:2,500x2", "--answer-weight", "1.5", "--advance-at", "1.0", *TINY]
     assert train_main([*common, "--max-steps", "4", "--stop-at-step", "2"]) == 0
     assert train_main([*common, "--max-steps", "4", "--resume"]) == 0
     rows = list(csv.DictReader((out / "curve.csv").open()))
     # validations at step 0 (the starting model), 2 (interval, then end of the first run), 4 (interval, end)
     assert [r["step"] for r in rows] == ["0", "2", "2", "4", "4"]
-    assert [r["stage"] for r in rows] == ["0", "0", "0", "1", "1"] and rows[-1]["window"] == "400"
+    assert [r["stage"] for r in rows] == ["0", "0", "0", "1", "1"] and rows[-1]["window"] == "500"
     assert rows[0]["train_answer_loss"] == "" and float(rows[0]["val_passkey_loss"]) > 0
     assert float(rows[1]["train_answer_loss"]) > 0 and float(rows[3]["train_answer_loss"]) > 0
     assert rows[2]["train_answer_loss"] == ""  # no step between the two validations at step 2
@@ -258,14 +329,14 @@ def test_train_with_the_recipe_logs_answer_loss_and_records_the_recipe(tmp_path:
 
     prov = read_checkpoint_metadata(out / "checkpoint")["provenance"]
     assert prov["recipe"]["answer_weight"] == 1.5 and prov["recipe"]["stages"][0] == {
-        "window": 300, "batch_size": 2, "gap": 100, "until": 2}
+        "window": 400, "batch_size": 2, "gap": 100, "until": 2}
     assert prov["data_files"][0]["folder"] == "corpus" and prov["corpus"]["files"] == []
     from train.card import data_section, read_provenance, recipe_section
 
     card = read_provenance(out / "checkpoint")
     assert f"| corpus | `a.txt` | {(corpus / 'a.txt').stat().st_size:,} | `{prov['data_files'][0]['sha256']}` |" in (
         data_section(card))
-    assert "| 0 | 300 | 2 | 100 | 2 |" in recipe_section(card) and "--curriculum 300x2@100:2,400x2" in (
+    assert "| 0 | 400 | 2 | 100 | 2 |" in recipe_section(card) and "--curriculum 400x2@100:2,500x2" in (
         recipe_section(card))
     assert train_main([str(corpus), "--out", str(tmp_path / "bad"), "--max-steps", "1",
                        "--curriculum", "100x2", *TINY]) == 2  # a window that cannot hold a document
