@@ -23,12 +23,12 @@ from service.middleware import (
     PayloadLimitMiddleware,
     RequestContextMiddleware,
 )
-from service.routes import embed, generate, meta, openai
+from service.routes import chat, embed, generate, meta, openai, tokenize
 from service.settings import Settings
 from service.state import ServiceState, package_version
 
 # Every router, mounted when this module is imported (routes depend on service.state, never on this module).
-ROUTERS: tuple[APIRouter, ...] = tuple(module.router for module in (generate, embed, openai, meta))
+ROUTERS: tuple[APIRouter, ...] = tuple(module.router for module in (generate, embed, openai, chat, meta, tokenize))
 
 log = logging.getLogger("service.app")
 

@@ -25,7 +25,8 @@ log = logging.getLogger("service.access")
 
 PROBE_PATHS = frozenset({"/health", "/ready", "/metrics"})
 # Routes whose requests wait in the model's queue (and so can be refused with 429 when it is full).
-QUEUED_PATHS = frozenset({"/", "/generate", "/generate_stream", "/embed", "/v1/completions", "/v1/embeddings"})
+QUEUED_PATHS = frozenset({"/", "/generate", "/generate_stream", "/embed", "/v1/completions", "/v1/chat/completions",
+                          "/v1/embeddings"})
 DOC_PATHS = frozenset({"/docs", "/docs/oauth2-redirect", "/openapi.json", "/redoc"})
 
 

@@ -1,4 +1,4 @@
-"""`/health`, `/ready`, `/info`, `/metrics` and `/tokenize`."""
+"""`/health`, `/ready`, `/info` and `/metrics` (the tokenizer routes are in service/routes/tokenize.py)."""
 
 from __future__ import annotations
 
@@ -7,18 +7,15 @@ from typing import Any
 from fastapi import APIRouter
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from service.errors import Unavailable
-from service.protocol import ErrorResponse, TokenInfo, TokenizeRequest
-from service.protocol.common import encode_checked
+from service.protocol import ErrorResponse
 from service.routes.common import (
     METRICS_CODES,
     READ_CODES,
-    TOKENIZE_CODES,
     State,
     error_responses,
-    ready_parts,
 )
 
 router = APIRouter()
@@ -57,14 +54,3 @@ async def metrics(state: State) -> Response:
     """Prometheus metrics."""
     # Collectors call NVML and the engine's lock: render in a worker thread, never on the event loop.
     return Response(await run_in_threadpool(state.metrics.render), media_type=CONTENT_TYPE_LATEST)
-
-
-@router.post("/tokenize", tags=["info"], response_model=list[TokenInfo],
-             responses=error_responses(ErrorResponse, TOKENIZE_CODES))
-async def tokenize(body: TokenizeRequest, state: State) -> JSONResponse:
-    """The tokens of `inputs` with their text and character offsets."""
-    _, limits, tokenizer = ready_parts(state)
-    encode_checked(tokenizer, body.inputs, limits, field="inputs")  # refuses what the model would refuse
-    pieces = [TokenInfo(id=int(i), text=t, start=int(a), stop=int(b)).model_dump()
-              for i, t, a, b in tokenizer.offsets(body.inputs)]
-    return JSONResponse(pieces)

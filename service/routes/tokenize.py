@@ -1,0 +1,105 @@
+"""`POST /tokenize` (TGI's body and answer for `inputs`; vLLM's for `prompt` or `messages`), and vLLM's
+`POST /detokenize` and `GET /tokenizer_info`: the endpoints lm-eval's remote tokenizer uses."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+from starlette.responses import JSONResponse
+
+from service.chat_template import render_chat
+from service.protocol import ErrorResponse, TokenInfo
+from service.protocol.common import Limits, encode_checked
+from service.protocol.prompts import check_token_ids
+from service.protocol.tokenize import (
+    DetokenizeRequest,
+    DetokenizeResult,
+    TokenizeBody,
+    TokenizeResult,
+    TokenizerInfo,
+)
+from service.routes.common import READ_CODES, TOKENIZE_CODES, State, error_responses, ready_parts
+
+router = APIRouter(tags=["tokenizer"])
+
+
+def special_text(tokenizer: Any, token_id: int | None) -> str | None:
+    """A special token's text as the tokenizer spells it (`</s>`), None where there is no such token."""
+    return None if token_id is None else str(tokenizer.id_to_piece(token_id))
+
+
+def chat_template_of(state: State) -> str | None:
+    return getattr(state.artifact, "chat_template", None)
+
+
+def render_messages(state: State, tokenizer: Any, body: Any) -> str:
+    """`body.messages` rendered with the artifact's chat template (400 naming it when there is none)."""
+    return render_chat(
+        chat_template_of(state), [m.template_view() for m in body.messages],
+        add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message,
+        bos_token=special_text(tokenizer, tokenizer.bos_id), eos_token=special_text(tokenizer, tokenizer.eos_id),
+        extra=body.chat_template_kwargs,
+    )
+
+
+def _with_specials(ids: list[int], tokenizer: Any, add: bool) -> list[int]:
+    """The tokenizer's encode adds no special tokens; asked to, the beginning-of-text id goes first (a
+    tokenizer without one, as the byte tokenizer, has none to add)."""
+    bos = tokenizer.bos_id
+    return [bos, *ids] if add and bos is not None else ids
+
+
+def _tgi_tokens(body: TokenizeBody, tokenizer: Any, limits: Limits) -> list[dict[str, Any]]:
+    assert body.inputs is not None
+    encode_checked(tokenizer, body.inputs, limits, field="inputs")  # refuses what the model would refuse
+    pieces = [(int(i), t, int(a), int(b)) for i, t, a, b in tokenizer.offsets(body.inputs)]
+    if body.add_special_tokens is not False and tokenizer.bos_id is not None:  # TGI adds them by default
+        pieces.insert(0, (int(tokenizer.bos_id), "", 0, 0))
+    return [TokenInfo(id=i, text=t, start=a, stop=b).model_dump() for i, t, a, b in pieces]
+
+
+@router.post("/tokenize", response_model=list[TokenInfo] | TokenizeResult,
+             responses=error_responses(ErrorResponse, TOKENIZE_CODES))
+async def tokenize(body: TokenizeBody, state: State) -> JSONResponse:
+    """TGI's body (`inputs`): the tokens with their text and character offsets. vLLM's (`prompt`, or
+    `messages` rendered with the artifact's chat template): `tokens`, `count`, `max_model_len` and, with
+    `return_token_strs`, each token's text."""
+    _, limits, tokenizer = ready_parts(state)
+    if body.inputs is not None:
+        return JSONResponse(_tgi_tokens(body, tokenizer, limits))
+    if body.messages is not None:
+        text, add_default = render_messages(state, tokenizer, body), False
+    else:
+        assert body.prompt is not None
+        text, add_default = body.prompt, True
+    # no length limit: a client tokenizes whole documents to cut them into windows itself (lm-eval does)
+    ids = tokenizer.encode(text)
+    add = body.add_special_tokens if body.add_special_tokens is not None else add_default
+    ids = _with_specials(ids, tokenizer, add)
+    strs = [tokenizer.id_to_piece(i) for i in ids] if body.return_token_strs else None
+    result = TokenizeResult(count=len(ids), max_model_len=limits.max_total_tokens, tokens=ids, token_strs=strs)
+    return JSONResponse(result.model_dump(mode="json"))
+
+
+@router.post("/detokenize", response_model=DetokenizeResult, responses=error_responses(ErrorResponse, TOKENIZE_CODES))
+async def detokenize(body: DetokenizeRequest, state: State) -> DetokenizeResult:
+    """The text of token ids (vLLM); ids outside the vocabulary are refused, special ids give no text."""
+    _, _, tokenizer = ready_parts(state)
+    if body.tokens:
+        check_token_ids(body.tokens, tokenizer.vocab_size, "tokens")
+    return DetokenizeResult(prompt=tokenizer.decode(body.tokens))
+
+
+@router.get("/tokenizer_info", response_model=TokenizerInfo, responses=error_responses(ErrorResponse, READ_CODES))
+async def tokenizer_info(state: State) -> TokenizerInfo:
+    """The tokenizer's special tokens (text and id), size, the model's length and the chat template (vLLM)."""
+    _, limits, tokenizer = ready_parts(state)
+    return TokenizerInfo(
+        tokenizer_class=str(tokenizer.kind), vocab_size=int(tokenizer.vocab_size),
+        model_max_length=limits.max_total_tokens,
+        eos_token=special_text(tokenizer, tokenizer.eos_id), eos_token_id=int(tokenizer.eos_id),
+        bos_token=special_text(tokenizer, tokenizer.bos_id), bos_token_id=tokenizer.bos_id,
+        pad_token=special_text(tokenizer, tokenizer.pad_id), pad_token_id=int(tokenizer.pad_id),
+        chat_template=chat_template_of(state),
+    )
