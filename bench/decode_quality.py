@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from model.decoding import DecodeCache, decode_step, prefill
+from model.decoding import DecodeCache, Decoder, prefill
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -53,10 +53,11 @@ def teacher_forced(lm, window: list[int], prompt_len: int, kv_dtype: torch.dtype
     targets = ids[prompt_len:]
     full = lm(ids[None, :-1]).logits[0, prompt_len - 1:]  # predicts window[prompt_len:]
     cache = DecodeCache.for_tokens(lm, len(window), kv_dtype=kv_dtype)
+    decoder = Decoder(lm, cache)
     first, states = prefill(lm, cache, [ids[:prompt_len]], [len(window)])
     cached = [first[0]]
     for tok in ids[prompt_len:-1].tolist():
-        cached.append(decode_step(lm, torch.tensor([tok]), cache, states)[0])
+        cached.append(decoder.step(torch.tensor([tok]), states)[0])
     ce_full = torch.nn.functional.cross_entropy(full, targets).item()
     ce_cached = torch.nn.functional.cross_entropy(torch.stack(cached), targets).item()
     return ce_full / math.log(2), ce_cached / math.log(2)
@@ -66,6 +67,7 @@ def teacher_forced(lm, window: list[int], prompt_len: int, kv_dtype: torch.dtype
 def greedy_agreement(lm, prompt: list[int], steps: int, kv_dtype: torch.dtype | None = None  # noqa: ANN001
                      ) -> tuple[int, int]:
     cache = DecodeCache.for_tokens(lm, len(prompt) + steps + 1, kv_dtype=kv_dtype)
+    decoder = Decoder(lm, cache)
     first, states = prefill(lm, cache, [torch.tensor(prompt)], [len(prompt) + steps + 1])
     logits = first[0]
     seq = list(prompt)
@@ -75,7 +77,7 @@ def greedy_agreement(lm, prompt: list[int], steps: int, kv_dtype: torch.dtype | 
         full_choice = int(lm(torch.tensor([seq])).logits[0, -1].argmax())
         agree += cached_choice == full_choice
         seq.append(cached_choice)
-        logits = decode_step(lm, torch.tensor([cached_choice]), cache, states)[0]
+        logits = decoder.step(torch.tensor([cached_choice]), states)[0]
     return agree, steps
 
 

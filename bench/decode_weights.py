@@ -50,7 +50,7 @@ from bench.import_hf_enwik8 import ENWIK8  # noqa: E402
 from bench.stream_read import StreamReader  # noqa: E402
 from bench.stream_read import floor as read_floor  # noqa: E402
 from model import ReformerConfig, ReformerLM  # noqa: E402
-from model.decoding import DecodeCache, decode_step, prefill  # noqa: E402
+from model.decoding import DecodeCache, Decoder, prefill  # noqa: E402
 from model.decoding.runtime import tune_cpu_runtime  # noqa: E402
 from model.decoding.steps.fused import FusedStep  # noqa: E402
 from model.decoding.steps.linear import StepLinears  # noqa: E402
@@ -60,27 +60,27 @@ RESULTS = ROOT / "bench" / "results"
 PERF_STEPS = 2048  # positions reserved for --perf's steps (it stops there)
 
 
-def use_weights(cache: DecodeCache, kind: WeightKind, held: dict[str, tuple[StepLinears, FusedStep]]) -> None:
-    """The cache's C step with `kind` weights (each kind's packings made once and kept in `held`)."""
+def use_weights(decoder: Decoder, kind: WeightKind, held: dict[str, tuple[StepLinears, FusedStep]]) -> None:
+    """The decoder's C step with `kind` weights (each kind's packings made once and kept in `held`)."""
     if kind not in held:
-        linears = StepLinears(cache.step_linears.kernel, kind)
+        linears = StepLinears(decoder.backends.linears.kernel, kind)
         held[kind] = (linears, FusedStep(linears))
-    cache.step_linears, cache.fused_step = held[kind]
+    decoder.backends.linears, decoder.backends.fused = held[kind]
 
 
 @torch.no_grad()
-def profile(lm: ReformerLM, cache: DecodeCache, states: Any, token: torch.Tensor, kind: WeightKind, kv: str,
+def profile(decoder: Decoder, states: Any, token: torch.Tensor, kind: WeightKind, kv: str,
             held: dict[str, tuple[StepLinears, FusedStep]], seconds: float, out: Path) -> torch.Tensor:
     """`perf record` of this process while it runs `kind` decode steps for `seconds`; the report (self samples
     by library and symbol) goes to `out`. Returns the last token."""
-    use_weights(cache, kind, held)
+    use_weights(decoder, kind, held)
     data = out.with_suffix(".data")
     rec = subprocess.Popen(["perf", "record", "-F", "1000", "-g", "-o", str(data), "-p", str(os.getpid()), "--",
                             "sleep", str(seconds)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     times: list[float] = []
     while rec.poll() is None and len(times) < PERF_STEPS:
         t0 = time.perf_counter()
-        token = decode_step(lm, token, cache, states).argmax(-1)
+        token = decoder.step(token, states).argmax(-1)
         times.append(time.perf_counter() - t0)
     rec.wait()
     report = subprocess.run(["perf", "report", "-i", str(data), "--no-children", "--sort", "dso,sym", "--stdio",
@@ -105,7 +105,8 @@ def speed(prompt_len: int, steps: int, rounds: int, threads: int, kv: str = "flo
     prompt = torch.randint(3, 258, (prompt_len,))
     total = prompt_len + rounds * len(KINDS) * (steps + 1) + 8 + (PERF_STEPS if perf else 0)
     cache = DecodeCache.for_tokens(lm, total, kv_dtype=getattr(torch, kv))
-    assert cache.fused_step is not None, "the C kernels did not load: nothing to measure"
+    decoder = Decoder(lm, cache)
+    assert decoder.backends.fused is not None, "the C kernels did not load: nothing to measure"
     start = time.perf_counter()
     first, states = prefill(lm, cache, [prompt], [total])
     prefill_s = time.perf_counter() - start
@@ -115,16 +116,16 @@ def speed(prompt_len: int, steps: int, rounds: int, threads: int, kv: str = "flo
     times: dict[WeightKind, list[float]] = {k: [] for k in KINDS}
     for r in range(rounds):
         for kind in KINDS:
-            use_weights(cache, kind, held)
-            token = decode_step(lm, token, cache, states).argmax(-1)  # packs on first use; not timed
+            use_weights(decoder, kind, held)
+            token = decoder.step(token, states).argmax(-1)  # packs on first use; not timed
             for _ in range(steps):
                 t0 = time.perf_counter()
-                token = decode_step(lm, token, cache, states).argmax(-1)
+                token = decoder.step(token, states).argmax(-1)
                 times[kind].append(time.perf_counter() - t0)
             print(f"round {r} {kind}: median {1000 * statistics.median(times[kind][-steps:]):.2f} ms",
                   file=sys.stderr, flush=True)
     if perf is not None:
-        token = profile(lm, cache, states, token, perf[0], kv, held, perf[1], perf[2])
+        token = profile(decoder, states, token, perf[0], kv, held, perf[1], perf[2])
     bytes_of = {k: sum(p.weight.numel() * p.weight.element_size() for p in held[k][0]._packed.values())
                 for k in KINDS}
     floors: dict[str, dict[str, Any]] = {}
@@ -157,17 +158,19 @@ def quality(artifact: str | None, data: Path, prompt_len: int, eval_len: int, co
         # teacher-forced bits per byte of w[prompt_len : prompt_len + eval_len]
         targets = ids[prompt_len:prompt_len + eval_len]
         for kind in KINDS:
-            cache = DecodeCache.for_tokens(lm, prompt_len + eval_len + 1, weights=kind)
+            cache = DecodeCache.for_tokens(lm, prompt_len + eval_len + 1)
+            decoder = Decoder(lm, cache, kind)
             first, states = prefill(lm, cache, [ids[:prompt_len]], [prompt_len + eval_len + 1])
             logits = [first[0]]
             for tok in targets[:-1].tolist():
-                logits.append(decode_step(lm, torch.tensor([tok]), cache, states)[0])
+                logits.append(decoder.step(torch.tensor([tok]), states)[0])
             nats[kind] += torch.nn.functional.cross_entropy(torch.stack(logits), targets, reduction="sum").item()
         # greedy agreement: float32's greedy tokens, each kind fed the same ones
         ref_tokens: list[int] = []
         ref_logits: list[torch.Tensor] = []
         for kind in KINDS:
-            cache = DecodeCache.for_tokens(lm, prompt_len + continuation + 1, weights=kind)
+            cache = DecodeCache.for_tokens(lm, prompt_len + continuation + 1)
+            decoder = Decoder(lm, cache, kind)
             first, states = prefill(lm, cache, [ids[:prompt_len]], [prompt_len + continuation + 1])
             out = first[0]
             for i in range(continuation):
@@ -178,7 +181,7 @@ def quality(artifact: str | None, data: Path, prompt_len: int, eval_len: int, co
                     agree[kind] += int(out.argmax()) == ref_tokens[i]
                     largest[kind] = max(largest[kind], (out - ref_logits[i]).abs().max().item())
                 if i + 1 < continuation:
-                    out = decode_step(lm, torch.tensor([ref_tokens[i]]), cache, states)[0]
+                    out = decoder.step(torch.tensor([ref_tokens[i]]), states)[0]
         counted += continuation
     agree["float32"] = counted
     scored = len(windows) * eval_len

@@ -66,10 +66,11 @@ def run_case(kind: str, length: int, new_tokens: int, threads: int, kv: str = "f
     with torch.no_grad():
         if kind == "ours":
             from model import ReformerConfig, ReformerLM
-            from model.decoding import DecodeCache, decode_step, prefill, step_threads
+            from model.decoding import DecodeCache, Decoder, prefill, step_threads
 
             lm = ReformerLM(ReformerConfig.from_hf(hf_config())).eval()
             dc = DecodeCache.for_tokens(lm, prompt.shape[0] + new_tokens + 2, kv_dtype=_kv_dtype(kv))
+            decoder = Decoder(lm, dc)
             start = time.perf_counter()
             first, states = prefill(lm, dc, [prompt], [prompt.shape[0] + new_tokens + 2])
             prefill_s = time.perf_counter() - start
@@ -78,10 +79,10 @@ def run_case(kind: str, length: int, new_tokens: int, threads: int, kv: str = "f
             scope = contextlib.nullcontext() if all_threads else step_threads(1)
             with torch.inference_mode(), scope:
                 used = torch.get_num_threads()
-                decode_step(lm, token, dc, states)  # first step outside the timing (allocations)
+                decoder.step(token, states)  # first step outside the timing (allocations)
                 start, cpu_start = time.perf_counter(), time.process_time()
                 for _ in range(new_tokens):
-                    token = decode_step(lm, token, dc, states).argmax(-1)
+                    token = decoder.step(token, states).argmax(-1)
             per_token = (time.perf_counter() - start) / new_tokens
             cpu_per_token = (time.process_time() - cpu_start) / new_tokens
             cache = {"cache_bytes": dc.allocated_bytes, "cache_bytes_per_token": dc.allocated_bytes / states[0].length,
@@ -120,7 +121,7 @@ def run_batch_case(batch: int, length: int, steps: int, threads: int, all_thread
     import torch
 
     from model import ReformerConfig, ReformerLM
-    from model.decoding import DecodeCache, decode_step, prefill, step_threads
+    from model.decoding import DecodeCache, Decoder, prefill, step_threads
 
     torch.set_num_threads(threads)
     from model.decoding.runtime import tune_cpu_runtime
@@ -134,6 +135,7 @@ def run_batch_case(batch: int, length: int, steps: int, threads: int, all_thread
     else:
         lm = ReformerLM(ReformerConfig.from_hf(hf_config())).eval()
     dc = DecodeCache.for_tokens(lm, length + steps + 2, slots=batch, kv_dtype=_kv_dtype(kv))
+    decoder = Decoder(lm, dc)
     states = []
     with torch.no_grad():
         for _ in range(batch):
@@ -142,10 +144,10 @@ def run_batch_case(batch: int, length: int, steps: int, threads: int, all_thread
     scope = contextlib.nullcontext() if all_threads else step_threads(batch)  # the runner's rule
     with torch.inference_mode(), scope:
         step_threads_used = torch.get_num_threads()
-        token = decode_step(lm, token, dc, states).argmax(-1)  # first step outside the timing
+        token = decoder.step(token, states).argmax(-1)  # first step outside the timing
         start, cpu_start = time.perf_counter(), time.process_time()
         for _ in range(steps):
-            token = decode_step(lm, token, dc, states).argmax(-1)
+            token = decoder.step(token, states).argmax(-1)
         per_step = (time.perf_counter() - start) / steps
         cpu_per_step = (time.process_time() - cpu_start) / steps
     return {"batch": batch, "length": length, "ms_per_step": 1000 * per_step, "tokens_per_s": batch / per_step,

@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 from bench.step_cost import load_model  # noqa: E402
 from model import ReformerLM  # noqa: E402
 from model.attention import LSHSelfAttention  # noqa: E402
-from model.decoding import DecodeCache, decode_step, prefill, step_threads  # noqa: E402
+from model.decoding import DecodeCache, Decoder, prefill, step_threads  # noqa: E402
 from model.decoding.runtime import tune_cpu_runtime  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
@@ -54,6 +54,7 @@ def time_lengths(lm: ReformerLM, lengths: list[int], steps: int, rounds: int, se
     `steps` steps each (the first step of each turn untimed: the caches refill after the other lengths')."""
     total = rounds * (steps + 1) + 2
     cache = DecodeCache.for_tokens(lm, max(lengths) + total, slots=len(lengths))
+    decoder = Decoder(lm, cache)
     gen = torch.Generator().manual_seed(seed)
     states, tokens = {}, {}
     with torch.no_grad():
@@ -65,10 +66,10 @@ def time_lengths(lm: ReformerLM, lengths: list[int], steps: int, rounds: int, se
     with torch.inference_mode(), step_threads(1):
         for _ in range(rounds):
             for n in lengths:
-                tokens[n] = decode_step(lm, tokens[n], cache, states[n]).argmax(-1).tolist()
+                tokens[n] = decoder.step(tokens[n], states[n]).argmax(-1).tolist()
                 for _ in range(steps):
                     start = time.perf_counter()
-                    logits = decode_step(lm, tokens[n], cache, states[n])
+                    logits = decoder.step(tokens[n], states[n])
                     times[n].append(time.perf_counter() - start)
                     tokens[n] = logits.argmax(-1).tolist()
     return times

@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.generate import finish_batch_plot, hf_config  # noqa: E402
 from model import ReformerConfig, ReformerLM  # noqa: E402
-from model.decoding import DecodeCache, decode_step, prefill, step_threads  # noqa: E402
+from model.decoding import DecodeCache, Decoder, prefill, step_threads  # noqa: E402
 from model.decoding.runtime import tune_cpu_runtime  # noqa: E402
 from service.backends import DTYPES  # noqa: E402
 
@@ -84,12 +84,13 @@ def window_bytes_per_row(cfg: ReformerConfig, kv_bytes: int, lsh_distinct: float
     return total
 
 
-def lsh_distinct_share(lm: ReformerLM, cache: DecodeCache, states: list[Any], tokens: list[int]) -> float | None:
+def lsh_distinct_share(decoder: Decoder, states: list[Any], tokens: list[int]) -> float | None:
     """The share of the LSH windows' slots, over one step of these rows, that hold a pool row no earlier
     slot of the same (row, head) holds (padding slots, which are never read, count as slots that hold none).
     The step runs on the PyTorch path, which works out each window's positions and padding
     (`LSHIndex.window`) and gathers the rows by their flat indices (`DecodeCache.gather_keys`), so both can be
     seen; the C kernel reads the same slots. None without LSH layers."""
+    cache = decoder.cache
     absent: dict[int, torch.Tensor] = {}
     counted: list[tuple[torch.Tensor, torch.Tensor]] = []
     gather = cache.gather_keys
@@ -107,18 +108,19 @@ def lsh_distinct_share(lm: ReformerLM, cache: DecodeCache, states: list[Any], to
             counted.append((flat.detach().clone(), absent.pop(layer)))
         return gather(layer, flat)
 
-    kernel, fused = cache.window_kernel, cache.fused_step
+    kernel, fused = decoder.backends.window, decoder.backends.fused
     for li, ix in watched.items():
         ix.window = watch_window(li, ix.window)  # type: ignore[method-assign]
-    cache.gather_keys, cache.window_kernel, cache.fused_step = watch_gather, None, None  # type: ignore[method-assign]
+    cache.gather_keys = watch_gather  # type: ignore[method-assign]
+    decoder.backends.window, decoder.backends.fused = None, None
     try:
         with torch.inference_mode():
-            tokens[:] = decode_step(lm, tokens, cache, states).argmax(-1).tolist()
+            tokens[:] = decoder.step(tokens, states).argmax(-1).tolist()
     finally:
         del cache.gather_keys
         for ix in watched.values():
             del ix.window
-        cache.window_kernel, cache.fused_step = kernel, fused
+        decoder.backends.window, decoder.backends.fused = kernel, fused
     slots = distinct = 0
     for flat, pad in counted:  # (B, H, R, W) each
         slots += flat.numel()
@@ -151,26 +153,27 @@ def time_steps(lm: ReformerLM, batch_sizes: list[int], prompt: int, steps: int, 
     """Seconds per step for every batch size, `rounds` turns of `steps` steps each, and the LSH windows'
     distinct share (`lsh_distinct_share`) over a step of the largest batch."""
     reserve = prompt + rounds * (steps + 1) + 8
-    runs: dict[int, tuple[DecodeCache, list[Any], list[int]]] = {}
+    runs: dict[int, tuple[Decoder, list[Any], list[int]]] = {}
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for b in batch_sizes:
             cache = DecodeCache.for_tokens(lm, reserve, slots=b, kv_dtype=kv)
+            decoder = Decoder(lm, cache)
             states: list[Any] = []
             for _ in range(b):
                 states += prefill(lm, cache, [torch.randint(3, lm.config.vocab_size, (prompt,), generator=gen)],
                                   [reserve])[1]
-            runs[b] = (cache, states, [5] * b)
+            runs[b] = (decoder, states, [5] * b)
     times: dict[int, list[float]] = {b: [] for b in batch_sizes}
     distinct = lsh_distinct_share(lm, *runs[max(batch_sizes)])
     with torch.inference_mode():
         for _ in range(rounds):
-            for b, (cache, states, tokens) in runs.items():
+            for b, (decoder, states, tokens) in runs.items():
                 with step_threads(b):
-                    decode_step(lm, tokens, cache, states)  # the first step of a turn untimed: caches refill
+                    decoder.step(tokens, states)  # the first step of a turn untimed: caches refill
                     for _ in range(steps):
                         start = time.perf_counter()
-                        logits = decode_step(lm, tokens, cache, states)
+                        logits = decoder.step(tokens, states)
                         times[b].append(time.perf_counter() - start)
                         tokens[:] = logits.argmax(-1).tolist()
     return times, distinct

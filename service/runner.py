@@ -13,12 +13,11 @@ import torch
 
 from model.decoding import (
     DecodeCache,
+    Decoder,
     DecodeState,
-    decode_step,
     prefill,
     prefill_steps,
     prefill_threads,
-    rows_per_call,
     sampling_threads,
     step_threads,
 )
@@ -68,7 +67,8 @@ class ModelRunner:
             -(-probe.max_tokens // probe.block_size) * probe.bytes_per_block)
         wanted = default_cache_bytes(self.device) if cache_bytes is None else cache_bytes
         self.cache = DecodeCache(model, min(wanted, most), max_slots, max_tokens=max_tokens, cpu_kernel=cpu_kernel,
-                                 kv_dtype=kv_dtype, weights=decode_weights)
+                                 kv_dtype=kv_dtype)
+        self.decoder = Decoder(model, self.cache, decode_weights)  # what computes the steps over the cache
         self.max_positions: int = model.config.max_position_embeddings
         self.graphs = step_graphs_for(self.device, cuda_graphs)
         self.last_rows_per_call = 0  # the most rows one model call of the last decode step held
@@ -126,15 +126,15 @@ class ModelRunner:
     def decode(self, tokens: Sequence[int], states: Sequence[DecodeState]) -> torch.Tensor:
         # small steps on one intra-op thread (process-wide, restored after: model.decoding.step_threads). In
         # invariant mode, every step where one thread makes the CPU kernels compute each row alone
-        # (DecodeCache.rows_independent: the per-layer path's products take the C kernel on one thread and
+        # (Decoder.rows_independent: the per-layer path's products take the C kernel on one thread and
         # PyTorch's matmul on more, so a thread count that followed the batch size, on a host with more than
         # 2 cores, could give a row other bits batched; the one-call step gives the same bits on any count)
-        with step_threads(1 if self.invariant and self.cache.rows_independent(threads=1) else len(states),
+        with step_threads(1 if self.invariant and self.decoder.rows_independent(threads=1) else len(states),
                           self.device):
             # what the engine's batch_size metric observes, decided under the thread count the step runs with
-            self.last_rows_per_call = rows_per_call(self.cache, len(states), self.invariant)
+            self.last_rows_per_call = self.decoder.rows_per_call(len(states), self.invariant)
             # host ints: the one-call CPU step reads them as they are, other paths copy them to the device once
-            logits = decode_step(self.model, list(tokens), self.cache, states, self.invariant, self.graphs)
+            logits = self.decoder.step(list(tokens), states, self.invariant, self.graphs)
         return logits if logits.dtype == torch.float32 and logits.device.type == "cpu" else logits.float().cpu()
 
     def sampling_scope(self) -> contextlib.AbstractContextManager[None]:

@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 
-from model.decoding.steps import StepBackends
 from model.fused_attention import c_kernel_runs, use_c_kernels
 from model.kernels import load as load_kernels
 from model.pooling import STANDARDIZED_POOLINGS
@@ -165,13 +164,12 @@ class ServiceState:
                                          runs["decode_weights"]).set(1)
 
     def runs(self) -> dict[str, str]:
-        """Which code runs each part now (model/decoding/steps `StepBackends.describe`, the forward's kernel)."""
+        """Which code runs each part now (model/decoding/step.py `Decoder.describe`, the forward's kernel)."""
         if self.engine is None:
             return {"decode_step": "torch", "decode_attention": "torch", "prefill_attention": "torch",
                     "decode_weights": "float32"}
         runner = self.engine.runner
-        cache = runner.cache
-        out = StepBackends(cache.window_kernel, cache.step_linears, cache.fused_step).describe()
+        out = runner.decoder.describe()
         if runner.graphs is not None:
             out["decode_step"] = "cuda-graphs"
         model = self.engine.model
@@ -186,8 +184,15 @@ class ServiceState:
         s = self.settings
         params = sum(p.numel() for p in art.model.parameters()) if art is not None else 0
         runs = self.runs()
+        limits = self.limits
         return {
             "model_id": self.model_id,
+            # TGI's top-level fields, for its clients (model_sha: the artifact's sha256, this server's revision)
+            "model_sha": getattr(art, "sha256", None),
+            "max_input_tokens": limits.max_input_tokens if limits else None,
+            "max_total_tokens": limits.max_total_tokens if limits else None,
+            "max_best_of": limits.max_best_of if limits else None,
+            "max_stop_sequences": limits.max_stop_sequences if limits else None,
             "model_sha256": getattr(art, "sha256", None),
             "model_config": config_dict(art.config) if art is not None else {},
             "model_parameters": params,
@@ -227,10 +232,11 @@ class ServiceState:
                 "cuda_graphs": self.engine.runner.graphs is not None if self.engine else False,
                 "decode_cache_bytes": self.engine.runner.cache.capacity_bytes if self.engine else None,
                 # whether decode steps attend through the C window kernel (False: PyTorch ops; on GPU always)
-                "cpu_window_kernel": self.engine.runner.cache.window_kernel is not None if self.engine else False,
+                "cpu_window_kernel": self.engine.runner.decoder.backends.window is not None if self.engine
+                else False,
                 # whether the C step kernels (step_linear.c, step_layers.c) are loaded: a float32 CPU step runs
                 # its layers in them (model/decoding/steps/fused.py)
-                "cpu_step_kernel": self.engine.runner.cache.step_linears.kernel is not None if self.engine
+                "cpu_step_kernel": self.engine.runner.decoder.backends.linears.kernel is not None if self.engine
                 else False,
                 # whether a forward (prefill, embeddings) attends its chunk windows through the C kernel
                 # (model/kernels/csrc/chunk_attend.c; float32 on CPU)

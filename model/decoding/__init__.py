@@ -1,11 +1,11 @@
 """Cached decoding: a paged key/value cache with each LSH layer's bucket-sorted index (cache.py, lsh_index.py),
-batched prefill in slices a scheduler can interleave with decode steps (prefill/), and one batched decode step
-for every running request (step.py) on a backend chosen once per cache (steps/: the fused C step, the PyTorch
-step with C pieces, CUDA graphs). `generate` strings them together for tools and tests."""
+batched prefill in slices a scheduler can interleave with decode steps (prefill/), and a decoder that runs one
+batched decode step for every running request (step.py) on backends it chooses once (steps/: the fused C step,
+the PyTorch step with C pieces, CUDA graphs). `generate` strings them together for tools and tests."""
 
 from .cache import CacheFull, DecodeCache, DecodeState
 from .prefill import prefill, prefill_steps
-from .step import INVARIANT_ROWS, batch_bucket, decode_step, rows_per_call
+from .step import INVARIANT_ROWS, Decoder, batch_bucket
 from .threads import (
     SINGLE_THREAD_PREFILL_TOKENS,
     SINGLE_THREAD_ROWS,
@@ -15,5 +15,5 @@ from .threads import (
 )
 
 __all__ = ["INVARIANT_ROWS", "SINGLE_THREAD_PREFILL_TOKENS", "SINGLE_THREAD_ROWS", "CacheFull", "DecodeCache",
-           "DecodeState", "batch_bucket", "decode_step", "prefill", "prefill_steps", "prefill_threads",
-           "rows_per_call", "sampling_threads", "step_threads"]
+           "DecodeState", "Decoder", "batch_bucket", "prefill", "prefill_steps", "prefill_threads",
+           "sampling_threads", "step_threads"]

@@ -39,17 +39,12 @@ import torch
 from torch import Tensor
 
 from ..attention import KEY_NORM_EPS, LSHSelfAttention
-from ..kernels import CpuKernels
-from ..kernels.weights import WeightKind
+from ..kernels import CpuKernels, kernels
 from .huge_pages import pool_empty
 from .lsh_index import RECENT, BlockLookup, LSHIndex
-from .steps import StepBackends
-from .steps.fused import FusedStep
-from .steps.linear import StepLinears
 
 if TYPE_CHECKING:
     from ..reformer import ReformerLM
-    from .rehash_ahead import RehashAhead
 
 
 # positions per block: a request wastes under one block of its reservation (on average half); 8 keeps that
@@ -90,12 +85,33 @@ class DecodeState:
     length: int = 0
     num_buckets: list[int | list[int] | None] = field(default_factory=list)  # per layer: what its index holds
     index_len: list[int] = field(default_factory=list)  # per layer: positions in its index's main order
-    # its keys hashed ahead for the automatic bucket count it reaches next (model/decoding/rehash_ahead.py)
-    rehash: RehashAhead | None = None
 
     @property
     def capacity(self) -> int:
         return len(self.blocks)
+
+
+@dataclass
+class HashedAhead:
+    """A request's cached keys hashed so far with the bucket count `num_buckets` it reaches soon (what
+    model/decoding/rehash_ahead.py computes, kept per slot until the step that changes the count): per LSH
+    layer (indexed as the model's layers), the buckets (H, R, n) int32 of its first positions, slice by slice."""
+
+    num_buckets: int | list[int]
+    slices: dict[int, list[Tensor]] = field(default_factory=dict)
+
+    def hashed(self, layer: int) -> int:
+        return sum(int(b.shape[-1]) for b in self.slices.get(layer, ()))
+
+
+def store_kernel(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype, cpu_kernel: bool = True
+                 ) -> CpuKernels | None:
+    """The C functions a cache writes its pools and sorts its LSH indexes with: for a float32 model on the CPU
+    when `cpu_kernel` and they load and their build reads `kv_dtype` pools, else None (PyTorch ops)."""
+    if not cpu_kernel or device.type != "cpu" or dtype != torch.float32:
+        return None
+    kernel = kernels()
+    return kernel if kernel is not None and kv_dtype in kernel.reads else None
 
 
 def key_norm(key: Tensor, eps: float = KEY_NORM_EPS) -> Tensor:
@@ -112,25 +128,21 @@ def flat_buckets(nb: int | list[int]) -> int:
 class DecodeCache:
     def __init__(self, lm: ReformerLM, capacity_bytes: int, max_slots: int, block_size: int = BLOCK_SIZE,
                  max_tokens: int | None = None, recent: int = RECENT, cpu_kernel: bool = True,
-                 kv_dtype: torch.dtype | None = None, weights: WeightKind = "float32") -> None:
+                 kv_dtype: torch.dtype | None = None) -> None:
         """`recent`: the size of each LSH index's recent order (model/decoding/lsh_index.py; small in tests, so
-        merges happen within a few steps). `cpu_kernel`: a float32 model's CPU steps attend through the C
-        window kernel (model/kernels/bindings.py) when it can be built and reads `kv_dtype`; False keeps the PyTorch
-        path. `kv_dtype`: the dtype of cached keys and values (None: the model's; see the module docstring).
-        `weights`: what the C step's products keep the linear weights in, float32, bfloat16 or int8
-        (model/decoding/steps/linear.py)."""
+        merges happen within a few steps). `cpu_kernel`: a float32 model's CPU cache writes its pools and sorts
+        its indexes through the C kernels (model/kernels/bindings.py) when they can be built and read
+        `kv_dtype` (`store_kernel`); False keeps PyTorch ops. `kv_dtype`: the dtype of cached keys and values
+        (None: the model's; see the module docstring). What computes a step over the cache is the decoder's
+        choice (model/decoding/step.py `Decoder`)."""
         cfg = lm.config
         # the longest request (prompt plus new tokens) served: what an automatic bucket count is reserved for
         self.max_tokens = min(max_tokens or cfg.max_position_embeddings, cfg.max_position_embeddings)
         param = next(lm.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.kv_dtype = kv_dtype_for(self.dtype, kv_dtype)
-        # the step's backends, chosen once (model/decoding/steps/); tests may replace `fused_step` (None keeps
-        # the call per layer), `step_linears` or `window_kernel`
-        backends = StepBackends.choose(self.device, self.dtype, self.kv_dtype, cpu_kernel, weights)
-        self.window_kernel: CpuKernels | None = backends.window
-        self.step_linears: StepLinears = backends.linears
-        self.fused_step: FusedStep | None = backends.fused
+        self.cpu_kernel = cpu_kernel  # whether the owner allows C kernels on this cache's data at all
+        self.kernel = store_kernel(self.device, self.dtype, self.kv_dtype, cpu_kernel)
         self.block_size = block_size
         self.max_slots = max_slots
         self.heads, self.head_size = cfg.num_attention_heads, cfg.attention_head_size
@@ -191,15 +203,8 @@ class DecodeCache:
         self._written: set[int] = set()  # free blocks written since their pages were last given back
         self._last_take: int | None = None  # keep_blocks of the last take_releasable when no block was freed since
         self._free_slots = list(range(max_slots - 1, -1, -1))
-
-    def rows_independent(self, threads: int | None = None) -> bool:
-        """Whether a step on `threads` intra-op threads (None: the count now) computes each row alone, its bits
-        independent of the batch: true when the C window kernel attends and the C product kernel runs the
-        linear layers, layer norms, hashes and layer tails, which the per-layer path does on one thread
-        (model/decoding/steps/linear.py); its remaining PyTorch ops (embeddings, sums) work row by row
-        (tests/model/test_decode.py checks the whole step). The one-call step (model/decoding/steps/fused.py) computes
-        each row alone on any thread count; this answers for the per-layer path, which it falls back to."""
-        return self.window_kernel is not None and self.step_linears.runs_kernel(self.dtype, self.device, threads)
+        # per slot: its request's keys hashed ahead of a bucket-count change (model/decoding/rehash_ahead.py)
+        self.hashed_ahead: dict[int, HashedAhead] = {}
 
     @property
     def bytes_per_slot(self) -> int:
@@ -209,14 +214,14 @@ class DecodeCache:
 
     @classmethod
     def for_tokens(cls, lm: ReformerLM, tokens: int, slots: int = 1, block_size: int = BLOCK_SIZE,
-                   recent: int = RECENT, cpu_kernel: bool = True, kv_dtype: torch.dtype | None = None,
-                   weights: WeightKind = "float32") -> DecodeCache:
+                   recent: int = RECENT, cpu_kernel: bool = True, kv_dtype: torch.dtype | None = None
+                   ) -> DecodeCache:
         """A cache just large enough for `slots` requests of `tokens` positions each."""
         probe = cls(lm, 0, slots, block_size, max_tokens=tokens, recent=recent, cpu_kernel=False, kv_dtype=kv_dtype)
         need = (slots * (-(-tokens // block_size) * probe.bytes_per_block + probe.reserved_bytes_per_slot)
                 + probe.reserved_bytes_per_slot)
         return cls(lm, need, slots, block_size, max_tokens=tokens, recent=recent, cpu_kernel=cpu_kernel,
-                   kv_dtype=kv_dtype, weights=weights)
+                   kv_dtype=kv_dtype)
 
     # ---- accounting --------------------------------------------------------------------------------------
     @property
@@ -275,6 +280,7 @@ class DecodeCache:
             self._is_free[block] = True
         self._written.update(state.blocks)
         self._last_take = None
+        self.hashed_ahead.pop(state.slot, None)
         self._free_slots.append(state.slot)
         state.blocks, state.slot = [], -1
 
@@ -337,10 +343,10 @@ class DecodeCache:
     def write_step(self, layer: int, rows: Tensor, key: Tensor, value: Tensor) -> None:
         """A decode step's `write`: through the C kernel when the cache has it (one call instead of six
         index copies and the key factor's five ops)."""
-        if self.window_kernel is None:
+        if self.kernel is None:
             self.write(layer, rows, key, value)
             return
-        self.window_kernel.write(rows, key.contiguous(), value.contiguous(), self.keys[layer], self.values[layer],
+        self.kernel.write(rows, key.contiguous(), value.contiguous(), self.keys[layer], self.values[layer],
                                  self.norms[layer])
 
     def gather_keys(self, layer: int, flat: Tensor) -> tuple[Tensor, Tensor | None]:

@@ -10,7 +10,7 @@ from ..reformer import ReformerLM
 from ..sampling import Sampler, SamplingParams
 from .cache import DecodeCache
 from .prefill import prefill
-from .step import decode_step
+from .step import Decoder
 
 
 @torch.no_grad()
@@ -25,6 +25,7 @@ def generate(lm: ReformerLM, prompt: Sequence[int], max_new_tokens: int, params:
     device = next(lm.parameters()).device
     if use_cache:
         cache = DecodeCache.for_tokens(lm, len(ids) + max_new_tokens)
+        decoder = Decoder(lm, cache)
         first, states = prefill(lm, cache, [torch.tensor(ids, device=device)], [len(ids) + max_new_tokens])
         logits = first[0]
     else:
@@ -36,7 +37,7 @@ def generate(lm: ReformerLM, prompt: Sequence[int], max_new_tokens: int, params:
         if token in stop_ids or step == max_new_tokens - 1:
             break
         if use_cache:
-            logits = decode_step(lm, torch.tensor([token], device=device), cache, states)[0]
+            logits = decoder.step(torch.tensor([token], device=device), states)[0]
         else:
             logits = lm(torch.tensor([ids], device=device)).logits[0, -1]
     return out

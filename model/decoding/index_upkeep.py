@@ -65,7 +65,7 @@ def build_index_steps(cache: DecodeCache, layer: int, att: LSHSelfAttention, sta
     heads = buckets.shape[0]
     group = heads if heads * length <= INDEX_BUILD_ITEMS else 1
     for h in range(0, heads, group):
-        index.build(state.slot, rows, buckets[h : h + group], heads=slice(h, h + group), kernel=cache.window_kernel)
+        index.build(state.slot, rows, buckets[h : h + group], heads=slice(h, h + group), kernel=cache.kernel)
         yield
     state.num_buckets[layer] = nb
     state.index_len[layer] = length
@@ -111,10 +111,10 @@ def maintain_indexes(lm: ReformerLM, cache: DecodeCache, states: Sequence[Decode
                 build_index(cache, li, att, state, keys, nb, hashed)  # keys (H, L, D) or buckets (H, R, L)
             else:
                 index.merge(state.slot, rows, state.index_len[li], state.length - state.index_len[li],
-                            cache.window_kernel)
+                            cache.kernel)
                 state.index_len[li] = state.length
         if rebuilt:
-            state.rehash = None
+            cache.hashed_ahead.pop(state.slot, None)
         coming = coming_count(lm, cache, state, lsh)
         if coming is not None:  # a count change near: one slice of its hashing now, not all of it in one step
             rehash_ahead.advance(cache, state, lsh, coming)

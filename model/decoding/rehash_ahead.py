@@ -14,22 +14,20 @@ hashes them all before it ends (model/decoding/prefill/, between its own slices)
 hashes only the keys written since the layer's last slice and sorts; a slice is the same
 `LSHSelfAttention.hash` of the same keys, so the buckets are the ones one hash of all keys gives, up to the
 float rounding a matmul over another number of rows may give a rotated value (the cached decode's hash and
-the full forward's differ in the same way already). The buckets kept ahead are 4 bytes per position, head
-and round and LSH layer, outside the decode cache's capacity, until that step.
+the full forward's differ in the same way already). The buckets kept ahead (the cache's `hashed_ahead`, by
+slot) are 4 bytes per position, head and round and LSH layer, outside the decode cache's capacity, until that
+step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from ..attention import LSHSelfAttention
-    from .cache import DecodeCache, DecodeState
+from ..attention import LSHSelfAttention
+from .cache import DecodeCache, DecodeState, HashedAhead
 
 # cached keys hashed per step and request while a bucket-count change is near (one LSH layer's, heads
 # together): the bench config's 4 heads of 64 with [32, 64] buckets hash 512 keys in 0.95-1.00 ms on one
@@ -38,18 +36,6 @@ SLICE = 512
 # steps to spare beyond the slices' count: positions written meanwhile are hashed too (a slice once SLICE of
 # them are waiting, the rest in the crossing step)
 MARGIN = 64
-
-
-@dataclass
-class RehashAhead:
-    """A request's keys hashed so far with the bucket count `num_buckets` it reaches soon: per LSH layer
-    (indexed as the model's layers), the buckets (H, R, n) int32 of its first positions, slice by slice."""
-
-    num_buckets: int | list[int]
-    slices: dict[int, list[Tensor]] = field(default_factory=dict)
-
-    def hashed(self, layer: int) -> int:
-        return sum(int(b.shape[-1]) for b in self.slices.get(layer, ()))
 
 
 def lead(lsh_layers: int, length: int) -> int:
@@ -71,9 +57,9 @@ def advance(cache: DecodeCache, state: DecodeState, lsh: Sequence[tuple[int, LSH
     next SLICE of them; False when there was none to hash (fewer than SLICE left, some hashed: they wait for
     the step that changes the count, which hashes what is left anyway). A plan for another count is dropped
     first."""
-    plan = state.rehash
+    plan = cache.hashed_ahead.get(state.slot)
     if plan is None or str(plan.num_buckets) != str(num_buckets):
-        plan = state.rehash = RehashAhead(num_buckets)
+        plan = cache.hashed_ahead[state.slot] = HashedAhead(num_buckets)
     layer, att = min(lsh, key=lambda item: plan.hashed(item[0]))
     done = plan.hashed(layer)
     if done and state.length - done < SLICE:
@@ -88,7 +74,7 @@ def take(cache: DecodeCache, state: DecodeState, layer: int, att: LSHSelfAttenti
     """For the step that changes the count to `num_buckets`: the buckets (H, R, L) int64 of all the request's
     positions (`rows` (L,)), the ones hashed ahead and the rest now; None when nothing was hashed ahead for
     this count."""
-    plan = state.rehash
+    plan = cache.hashed_ahead.get(state.slot)
     if plan is None or str(plan.num_buckets) != str(num_buckets) or layer not in plan.slices:
         return None
     parts = plan.slices.pop(layer)

@@ -1,7 +1,8 @@
-"""One batched decode step for every running request, and how its rows are batched: padded to a batch
-bucket, or in fixed blocks of INVARIANT_ROWS where a row's bits would otherwise depend on its batch. The step
-runs on one backend, chosen by the cache (model/decoding/steps/): the fused C step, CUDA graphs of the PyTorch
-step, or the PyTorch step itself."""
+"""The decoder: one batched decode step for every running request over a decode cache, and how its rows are
+batched: padded to a batch bucket, or in fixed blocks of INVARIANT_ROWS where a row's bits would otherwise
+depend on its batch. The cache stores; the decoder chooses once what computes its steps (model/decoding/steps/:
+the fused C step, CUDA graphs of the PyTorch step, or the PyTorch step itself, with C products and windows
+where they run) and holds it."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..kernels.weights import WeightKind
 from .cache import DecodeCache, DecodeState
 from .index_upkeep import maintain_indexes
 from .plan import first_lsh_layer
+from .steps.backends import StepBackends
 from .steps.cuda_graphs import StepGraphs
 from .steps.torch_step import step_compute
 
@@ -24,17 +27,6 @@ if TYPE_CHECKING:
 INVARIANT_ROWS = 16
 
 
-def rows_per_call(cache: DecodeCache, rows: int, invariant: bool) -> int:
-    """The most rows one model call of a step over `rows` rows holds: INVARIANT_ROWS in invariant mode
-    unless the cache's steps compute each row alone now (`DecodeCache.rows_independent`), else all of them."""
-    return INVARIANT_ROWS if _in_blocks(cache, invariant) else rows
-
-
-def _in_blocks(cache: DecodeCache, invariant: bool) -> bool:
-    """Fixed blocks of INVARIANT_ROWS only where a row's bits would otherwise depend on the batch."""
-    return invariant and not cache.rows_independent()
-
-
 def batch_bucket(rows: int) -> int:
     """The padded row count of a step: a power of two up to 64, then a multiple of 64."""
     if rows <= 64:
@@ -42,51 +34,85 @@ def batch_bucket(rows: int) -> int:
     return -(-rows // 64) * 64
 
 
+class Decoder:
+    """Runs decode steps of `lm` over `cache`: holds the step's backends, chosen once (`StepBackends.choose`;
+    tests may replace `backends.fused` (None keeps the call per layer), `backends.linears` or
+    `backends.window`). `weights`: what the C step's products keep the linear weights in, float32, bfloat16
+    or int8 (model/decoding/steps/linear.py)."""
 
-@torch.no_grad()
-def decode_step(lm: ReformerLM, tokens: Tensor | Sequence[int], cache: DecodeCache, states: Sequence[DecodeState],
-                invariant: bool = False, graphs: StepGraphs | None = None) -> Tensor:
-    """Append tokens (B,) to the B requests; returns the logits (B, vocab) for the position after each. `tokens`
-    may be host ints (the service's sampled tokens) or a tensor. With `graphs` (CUDA), steps it can capture
-    replay CUDA graphs, with the same results (model/decoding/steps/cuda_graphs.py)."""
-    b = len(states)
-    # host ints where the step can use them (a CPU tensor's values are on the host already; a device tensor's
-    # stay there: reading them would be a sync)
-    host = [int(t) for t in tokens] if not isinstance(tokens, Tensor) else (
-        tokens.reshape(-1).tolist() if tokens.device.type == "cpu" else None)
-    n = len(host) if host is not None else int(tokens.numel())  # type: ignore[union-attr]
-    if n != b:
-        raise ValueError(f"{n} tokens for {b} decoding states")
-    for state in states:
-        if state.slot < 0:
-            raise ValueError("decoding a request whose cache was freed")
-        if state.length >= lm.config.max_position_embeddings:
-            raise ValueError(f"decoding past max_position_embeddings {lm.config.max_position_embeddings}")
-        if state.length >= state.capacity * cache.block_size:
-            raise ValueError(f"decoding past the {state.capacity * cache.block_size} positions reserved")
-    maintain_indexes(lm, cache, states)
-    if graphs is None and cache.fused_step is not None and host is not None:
-        # the one-call step computes each row alone (same bits in any batch): exactly the batch's rows, no
-        # padding to a batch bucket and no blocks, from host inputs (model/decoding/steps/fused.py)
-        rows_meta, nbs = row_facts(lm, cache, states)
-        logits = cache.fused_step.run(lm, cache, host, rows_meta, bucket_groups(nbs))
-        if logits is not None:
-            for state in states:
-                state.length += 1
-            return logits
-    if host is not None:
-        tokens = torch.tensor(host, dtype=torch.long, device=cache.device)
-    assert isinstance(tokens, Tensor)
-    tokens = tokens.reshape(-1).to(cache.device)
-    size = INVARIANT_ROWS if _in_blocks(cache, invariant) else batch_bucket(b)
-    out = []
-    for start in range(0, b, size):
-        part = list(states[start : start + size])
-        out.append(_step_rows(lm, cache, tokens[start : start + size], part, size, graphs)[: len(part)])
-    for state in states:
-        state.length += 1
-    return torch.cat(out) if len(out) > 1 else out[0]
+    def __init__(self, lm: ReformerLM, cache: DecodeCache, weights: WeightKind = "float32") -> None:
+        self.lm, self.cache = lm, cache
+        self.backends = StepBackends.choose(cache, weights)
 
+    def rows_independent(self, threads: int | None = None) -> bool:
+        """Whether a step on `threads` intra-op threads (None: the count now) computes each row alone, its bits
+        independent of the batch: true when the C window kernel attends and the C product kernel runs the
+        linear layers, layer norms, hashes and layer tails, which the per-layer path does on one thread
+        (model/decoding/steps/linear.py); its remaining PyTorch ops (embeddings, sums) work row by row
+        (tests/model/decoding/test_decode.py checks the whole step). The one-call step
+        (model/decoding/steps/fused.py) computes each row alone on any thread count; this answers for the
+        per-layer path, which it falls back to."""
+        cache = self.cache
+        return self.backends.window is not None and self.backends.linears.runs_kernel(cache.dtype, cache.device,
+                                                                                      threads)
+
+    def rows_per_call(self, rows: int, invariant: bool) -> int:
+        """The most rows one model call of a step over `rows` rows holds: INVARIANT_ROWS in invariant mode
+        unless the steps compute each row alone now (`rows_independent`), else all of them."""
+        return INVARIANT_ROWS if self._in_blocks(invariant) else rows
+
+    def _in_blocks(self, invariant: bool) -> bool:
+        """Fixed blocks of INVARIANT_ROWS only where a row's bits would otherwise depend on the batch."""
+        return invariant and not self.rows_independent()
+
+    def describe(self) -> dict[str, str]:
+        """Which code runs a step's parts (`StepBackends.describe`)."""
+        return self.backends.describe()
+
+    @torch.no_grad()
+    def step(self, tokens: Tensor | Sequence[int], states: Sequence[DecodeState], invariant: bool = False,
+             graphs: StepGraphs | None = None) -> Tensor:
+        """Append tokens (B,) to the B requests; returns the logits (B, vocab) for the position after each.
+        `tokens` may be host ints (the service's sampled tokens) or a tensor. With `graphs` (CUDA), steps it
+        can capture replay CUDA graphs, with the same results (model/decoding/steps/cuda_graphs.py)."""
+        lm, cache, backends = self.lm, self.cache, self.backends
+        b = len(states)
+        # host ints where the step can use them (a CPU tensor's values are on the host already; a device
+        # tensor's stay there: reading them would be a sync)
+        host = [int(t) for t in tokens] if not isinstance(tokens, Tensor) else (
+            tokens.reshape(-1).tolist() if tokens.device.type == "cpu" else None)
+        n = len(host) if host is not None else int(tokens.numel())  # type: ignore[union-attr]
+        if n != b:
+            raise ValueError(f"{n} tokens for {b} decoding states")
+        for state in states:
+            if state.slot < 0:
+                raise ValueError("decoding a request whose cache was freed")
+            if state.length >= lm.config.max_position_embeddings:
+                raise ValueError(f"decoding past max_position_embeddings {lm.config.max_position_embeddings}")
+            if state.length >= state.capacity * cache.block_size:
+                raise ValueError(f"decoding past the {state.capacity * cache.block_size} positions reserved")
+        maintain_indexes(lm, cache, states)
+        if graphs is None and backends.fused is not None and host is not None:
+            # the one-call step computes each row alone (same bits in any batch): exactly the batch's rows, no
+            # padding to a batch bucket and no blocks, from host inputs (model/decoding/steps/fused.py)
+            rows_meta, nbs = row_facts(lm, cache, states)
+            logits = backends.fused.run(lm, cache, backends.window, host, rows_meta, bucket_groups(nbs))
+            if logits is not None:
+                for state in states:
+                    state.length += 1
+                return logits
+        if host is not None:
+            tokens = torch.tensor(host, dtype=torch.long, device=cache.device)
+        assert isinstance(tokens, Tensor)
+        tokens = tokens.reshape(-1).to(cache.device)
+        size = INVARIANT_ROWS if self._in_blocks(invariant) else batch_bucket(b)
+        out = []
+        for start in range(0, b, size):
+            part = list(states[start : start + size])
+            out.append(_step_rows(lm, cache, backends, tokens[start : start + size], part, size, graphs)[: len(part)])
+        for state in states:
+            state.length += 1
+        return torch.cat(out) if len(out) > 1 else out[0]
 
 
 def row_facts(lm: ReformerLM, cache: DecodeCache, states: Sequence[DecodeState]
@@ -106,8 +132,8 @@ def row_facts(lm: ReformerLM, cache: DecodeCache, states: Sequence[DecodeState]
     return rows_meta, nbs
 
 
-def _step_rows(lm: ReformerLM, cache: DecodeCache, tokens: Tensor, states: list[DecodeState], rows: int,
-               graphs: StepGraphs | None = None) -> Tensor:
+def _step_rows(lm: ReformerLM, cache: DecodeCache, backends: StepBackends, tokens: Tensor,
+               states: list[DecodeState], rows: int, graphs: StepGraphs | None = None) -> Tensor:
     """One step over `rows` rows: the states' rows, then padding rows on the scratch slot. With `graphs`, a
     step whose structure it can capture replays a CUDA graph (model/decoding/steps/cuda_graphs.py); others run
     eagerly."""
@@ -124,12 +150,12 @@ def _step_rows(lm: ReformerLM, cache: DecodeCache, tokens: Tensor, states: list[
         tokens = F.pad(tokens, (0, pad), value=cfg.pad_token_id)
     groups = bucket_groups(nbs)
     if graphs is not None:
-        out = graphs.run(lambda t, m: step_compute(lm, cache, t, m, all_hashed, groups, first_lsh), tokens, meta,
-                         (rows, all_hashed, tuple(str(nb) for nb, _ in groups)), cache, single_group=len(groups) <= 1
-                         and all(sel is None for _, sel in groups))
+        out = graphs.run(lambda t, m: step_compute(lm, cache, backends, t, m, all_hashed, groups, first_lsh),
+                         tokens, meta, (rows, all_hashed, tuple(str(nb) for nb, _ in groups)), cache,
+                         single_group=len(groups) <= 1 and all(sel is None for _, sel in groups))
         if out is not None:
             return out
-    return step_compute(lm, cache, tokens, meta.to(cache.device), all_hashed, groups, first_lsh)
+    return step_compute(lm, cache, backends, tokens, meta.to(cache.device), all_hashed, groups, first_lsh)
 
 
 

@@ -11,7 +11,7 @@ import torch
 
 import bench.step_cost as step_cost
 from model import ReformerLM
-from model.decoding import DecodeCache, decode_step, prefill
+from model.decoding import DecodeCache, Decoder, prefill
 from tests.conftest import tiny_config, tiny_model
 
 
@@ -28,14 +28,15 @@ def test_fit_line_recovers_a_line() -> None:
     assert (a, b) == pytest.approx((3.0, 0.5))
 
 
-def _running(lm: ReformerLM, rows: int, length: int) -> tuple[DecodeCache, list, list[int]]:
+def _running(lm: ReformerLM, rows: int, length: int) -> tuple[Decoder, list, list[int]]:
     cache = DecodeCache.for_tokens(lm, length + 8, slots=rows)
+    decoder = Decoder(lm, cache)
     states: list = []
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for _ in range(rows):
             states += prefill(lm, cache, [torch.randint(3, 258, (length,), generator=gen)], [length + 8])[1]
-    return cache, states, [5] * rows
+    return decoder, states, [5] * rows
 
 
 def test_one_round_windows_hold_distinct_rows_and_the_cache_is_left_as_it_was() -> None:
@@ -44,22 +45,22 @@ def test_one_round_windows_hold_distinct_rows_and_the_cache_is_left_as_it_was() 
     # item and 7 padding slots (which hold no row). A window is two full chunks (16 rows) or holds the ninth
     # (9 rows), so with k of the 2 rows x 2 heads holding the ninth the share is ((4 - k) * 16 + k * 9) / 64.
     lm = tiny_model(num_hashes=1)
-    cache, states, tokens = _running(lm, 2, 64)
-    kernel, fused = cache.window_kernel, cache.fused_step
-    share = step_cost.lsh_distinct_share(lm, cache, states, tokens)
+    decoder, states, tokens = _running(lm, 2, 64)
+    kernel, fused = decoder.backends.window, decoder.backends.fused
+    share = step_cost.lsh_distinct_share(decoder, states, tokens)
     assert share in {((4 - k) * 16 + k * 9) / 64 for k in range(5)}
-    assert cache.window_kernel is kernel and cache.fused_step is fused
-    assert "gather_keys" not in vars(cache)
+    assert decoder.backends.window is kernel and decoder.backends.fused is fused
+    assert "gather_keys" not in vars(decoder.cache)
     assert all(s.length == 65 for s in states)  # the step it watched was a real step
 
 
 def test_two_rounds_share_rows() -> None:
     lm = tiny_model()
-    cache, states, tokens = _running(lm, 2, 64)
-    share = step_cost.lsh_distinct_share(lm, cache, states, tokens)
+    decoder, states, tokens = _running(lm, 2, 64)
+    share = step_cost.lsh_distinct_share(decoder, states, tokens)
     assert share is not None and 0.5 <= share < 1.0  # each round's window alone is distinct
     with torch.inference_mode():
-        decode_step(lm, tokens, cache, states)  # the cache still steps after the watched one
+        decoder.step(tokens, states)  # the cache still steps after the watched one
     assert all(s.length == 66 for s in states)
 
 

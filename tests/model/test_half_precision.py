@@ -20,7 +20,7 @@ import torch
 from model import ReformerLM
 from model.attention import AttentionContext, LSHSelfAttention, length_normalize, split_heads
 from model.chunking import mask_value, self_mask_value
-from model.decoding import DecodeCache, decode_step, prefill
+from model.decoding import DecodeCache, Decoder, prefill
 
 from .helpers import random_ids, tiny_config
 
@@ -144,10 +144,11 @@ def test_forward_matches_fp32(dtype: torch.dtype, padded: bool) -> None:
 def _decode(lm: ReformerLM, prompt: torch.Tensor, feed: torch.Tensor) -> torch.Tensor:
     """Prefill, then one cached step per fed token -> logits after each (steps + 1, vocab) in fp32."""
     cache = DecodeCache.for_tokens(lm, len(prompt) + len(feed) + 1)
+    decoder = Decoder(lm, cache)
     first, states = prefill(lm, cache, [prompt], [len(prompt) + len(feed) + 1])
     logits = [first[0]]
     for tok in feed:
-        logits.append(decode_step(lm, tok.view(1), cache, states)[0])
+        logits.append(decoder.step(tok.view(1), states)[0])
     return torch.stack(logits).float()
 
 

@@ -217,12 +217,12 @@ def test_the_decode_weights_setting_reaches_the_step_info_and_metrics(client: Te
         info = small.get("/info").json()
         assert info["runs"]["decode_weights"] == "int8" and info["runs"]["decode_step"] == "c-fused"
         assert 'decode_weights="int8"' in small.get("/metrics").text
-        cache = small.app.state.service.engine.runner.cache  # type: ignore[attr-defined]
-        assert cache.step_linears.weights == "int8"
+        linears = small.app.state.service.engine.runner.decoder.backends.linears  # type: ignore[attr-defined]
+        assert linears.weights == "int8"
         r = small.post("/generate", json=request)
         assert r.status_code == 200, r.text
         # the step read int8 packings (model/kernels/weights.py), not float32 ones
-        assert {p.weight.dtype for p in cache.step_linears._packed.values()} == {torch.uint8}
+        assert {p.weight.dtype for p in linears._packed.values()} == {torch.uint8}
 
 
 def test_the_prefill_budget_setting_reaches_the_engine_and_info(client: TestClient, artifact: Any) -> None:

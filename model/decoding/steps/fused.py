@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from ...attention import LSHSelfAttention
 from ...chunking import mask_value, self_mask_value
 from ...embeddings import AxialPositionEmbeddings, PositionEmbeddings
-from ...kernels import abi
+from ...kernels import CpuKernels, abi
 from ...kernels.bindings import KIND, check_status, pool_stride
 from ..plan import layer_plan
 from .linear import StepLinears, act_code, norm_params, parameter_stamp
@@ -110,14 +110,15 @@ class FusedStep:
         self._described: _Described | None = None  # the last step's arrays, reused while `_stamp` is the same
         self._buffers: dict[tuple[int, int], tuple[ctypes.Array[ctypes.c_float], ctypes.Array[ctypes.c_float]]] = {}
 
-    def run(self, lm: ReformerLM, cache: DecodeCache, tokens: Sequence[int], meta: Sequence[Sequence[int]],
-            groups: list[tuple[int | list[int], list[int] | None]]) -> Tensor | None:
+    def run(self, lm: ReformerLM, cache: DecodeCache, window: CpuKernels | None, tokens: Sequence[int],
+            meta: Sequence[Sequence[int]], groups: list[tuple[int | list[int], list[int] | None]]) -> Tensor | None:
         """tokens (B ints) the step's tokens, meta (B rows of 7 ints) its rows' facts (model/decoding/step.py
-        `row_facts`); `groups` the rows by bucket count (`bucket_groups`). Host inputs: the C side reads them
+        `row_facts`); `groups` the rows by bucket count (`bucket_groups`); `window`: the step's C window
+        functions (None: the windows are PyTorch's, and so is this step). Host inputs: the C side reads them
         from ctypes arrays, with no tensor made for them. Returns the logits (B, vocab) float32, the cache
         updated as the per-layer path updates it, or None (nothing done)."""
         kernel = self.linears.kernel
-        if kernel is None or cache.window_kernel is None or cache.device.type != "cpu" or cache.dtype != torch.float32:
+        if kernel is None or window is None or cache.device.type != "cpu" or cache.dtype != torch.float32:
             return None
         counts = tuple(str(nb) for nb, _ in groups)
         held = self._described

@@ -22,26 +22,29 @@ from ..plan import layer_plan, layers_of
 if TYPE_CHECKING:
     from ...reformer import ReformerLM
     from ..cache import DecodeCache
+    from .backends import StepBackends
 
 
-def step_compute(lm: ReformerLM, cache: DecodeCache, tokens: Tensor, meta: Tensor, all_hashed: bool,
-                  groups: list[tuple[int | list[int], list[int] | None]], first_lsh: int | None) -> Tensor:
+def step_compute(lm: ReformerLM, cache: DecodeCache, backends: StepBackends, tokens: Tensor, meta: Tensor,
+                 all_hashed: bool, groups: list[tuple[int | list[int], list[int] | None]], first_lsh: int | None
+                 ) -> Tensor:
     """The step's device work from its device inputs: tokens (B,) and the rows' facts meta (B, 7); no host
-    sync, shapes fixed by B and the cache, so a CUDA graph can capture it. `first_lsh`: the first LSH
+    sync, shapes fixed by B and the cache, so a CUDA graph can capture it. `backends`: the C window
+    functions and products where they run (model/decoding/steps/backends.py). `first_lsh`: the first LSH
     layer's index (its attention sets the window geometry every LSH layer shares), None without one."""
     device = cache.device
     rows = tokens.shape[0]
     slots, t = meta[:, Meta.SLOT], meta[:, Meta.POSITION]
     step = StepInputs(t=t, blocks=BlockLookup(cache.block_table, slots, cache.block_size),
-                 groups=[(nb, None if sel is None else torch.tensor(sel).to(device))
-                         for nb, sel in groups], meta=meta)
-    if first_lsh is not None and cache.window_kernel is None:  # the C kernel works the windows out itself
+                      groups=[(nb, None if sel is None else torch.tensor(sel).to(device))
+                              for nb, sel in groups], meta=meta, backends=backends)
+    if first_lsh is not None and backends.window is None:  # the C kernel works the windows out itself
         att0 = layers_of(lm)[first_lsh].attention.self_attention
         assert isinstance(att0, LSHSelfAttention)
         _lsh_geometry(cache, step, att0, meta, all_hashed, cache.indexes[first_lsh])
     x = lm.embeddings.word_embeddings(tokens) + lm.embeddings.position_embeddings(t)  # (B, hidden)
     x1 = x2 = x
-    linear = cache.step_linears  # the step's dense work (model/decoding/steps/linear.py)
+    linear = backends.linears  # the step's dense work (model/decoding/steps/linear.py)
     if linear.uses_kernel(x):
         x2 = x.clone()  # two tensors: the kernel's layer tails update them in place
     new_rows = step.blocks.rows(t.view(-1, 1)).view(-1)  # (B,): where the new keys go
@@ -59,7 +62,7 @@ def step_compute(lm: ReformerLM, cache: DecodeCache, tokens: Tensor, meta: Tenso
             cache.write_step(li, new_rows, k, v)
             if local is None:  # every local layer has the same window: built once per step
                 local = _local_window(cache, att, step, meta[:, Meta.LOCAL_DENSE].bool())
-            out = _local_attend(cache, li, q, local)
+            out = _local_attend(cache, backends, li, q, local)
         out = out.reshape(rows, -1)  # (B, H*D)
         if not linear.tail(out, x1, x2, p.output, p.ff_norm, p.ff_dense, p.ff_act, p.ff_output):
             x1 = x1 + linear(out, p.output)  # (B, hidden)
@@ -90,11 +93,12 @@ def _local_window(cache: DecodeCache, att: LocalSelfAttention, step: StepInputs,
     return flat, absent.unsqueeze(1)
 
 
-def _local_attend(cache: DecodeCache, li: int, q: Tensor, window: tuple[Tensor, Tensor]) -> Tensor:
+def _local_attend(cache: DecodeCache, backends: StepBackends, li: int, q: Tensor, window: tuple[Tensor, Tensor]
+                  ) -> Tensor:
     flat, absent = window
-    if cache.window_kernel is not None:
+    if backends.window is not None:
         b, heads, w = flat.shape
-        return cache.window_kernel.attend(q.contiguous(), cache.keys[li].view(-1, cache.head_size), None,
+        return backends.window.attend(q.contiguous(), cache.keys[li].view(-1, cache.head_size), None,
                                           cache.values[li].view(-1, cache.head_size), flat.view(b, heads, 1, w),
                                           absent.view(b, 1, 1, w), None, None, None, 0.0, mask_value(torch.float32))
     keys, _ = cache.gather_keys(li, flat)  # (B, H, W, D)
@@ -109,6 +113,7 @@ class StepInputs:
     t: Tensor  # (B,) the new position of each row
     blocks: BlockLookup  # the pool rows of each row's positions
     groups: list[tuple[int | list[int], Tensor | None]]  # bucket count -> rows (None: every row)
+    backends: StepBackends  # the C window functions and products where they run
     # LSH layers on the PyTorch path (built once per step by _lsh_geometry; the C kernel needs none of them)
     geo: WindowGeometry | None = None
     base: Tensor | None = None  # (B, H, R) flat (slot, head, round) of the index each row appends to
@@ -147,14 +152,14 @@ def _lsh_attend(cache: DecodeCache, li: int, att: LSHSelfAttention, qk: Tensor, 
     index = cache.indexes[li]
     assert index is not None
     # hash the new query of every row that keeps an index, one call per bucket count in the batch
-    hash_rows = cache.step_linears.hash
+    hash_rows = step.backends.linears.hash
     if len(step.groups) == 1 and step.groups[0][1] is None:  # every row hashes with one bucket count
         buckets = hash_rows(att, qk, step.groups[0][0])  # (B, H, R)
     else:
         buckets = torch.zeros(b, heads, rounds, dtype=torch.long, device=qk.device)
         for nb, sel in step.groups:
             buckets[sel] = hash_rows(att, qk[sel], nb)
-    kernel = cache.window_kernel
+    kernel = step.backends.window
     if kernel is not None:
         # two C calls: the insert into the recent order; the windows' positions from the index and the
         # attention over them (model/kernels/)

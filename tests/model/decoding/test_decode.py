@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from model import ReformerLM
-from model.decoding import INVARIANT_ROWS, DecodeCache, batch_bucket, decode_step, prefill, rows_per_call
+from model.decoding import INVARIANT_ROWS, DecodeCache, Decoder, batch_bucket, prefill
 from model.decoding.lsh_index import RECENT
 
 from ..helpers import tiny_config
@@ -19,7 +19,8 @@ def _max_step_difference(lm: ReformerLM, prompt_len: int, steps: int, recent: in
     g = torch.Generator().manual_seed(prompt_len)
     prompt = torch.randint(3, lm.config.vocab_size, (prompt_len,), generator=g)
     cache = DecodeCache.for_tokens(lm, prompt_len + steps + 1, recent=recent, cpu_kernel=cpu_kernel)
-    assert (cache.window_kernel is not None) == cpu_kernel
+    decoder = Decoder(lm, cache)
+    assert (cache.kernel is not None) == cpu_kernel
     first, states = prefill(lm, cache, [prompt], [prompt_len + steps + 1])
     logits = first[0]
     seq = prompt.tolist()
@@ -32,7 +33,7 @@ def _max_step_difference(lm: ReformerLM, prompt_len: int, steps: int, recent: in
                 break
             token = int(full.argmax())
             seq.append(token)
-            logits = decode_step(lm, torch.tensor([token]), cache, states)[0]
+            logits = decoder.step(torch.tensor([token]), states)[0]
     assert states[0].length == len(seq)
     return worst
 
@@ -100,6 +101,7 @@ def _run(lm: ReformerLM, prompts: list[torch.Tensor], steps: int, together: bool
     """Greedy decoding of every prompt, all in one batch (requests joining at `join_at[i]` steps and leaving
     after their own number of steps) or each alone; returns each request's logits per step."""
     cache = DecodeCache.for_tokens(lm, 128, slots=len(prompts))
+    decoder = Decoder(lm, cache)
     join_at = join_at or {}
     out: list[list[torch.Tensor]] = [[] for _ in prompts]
     if not together:
@@ -108,7 +110,7 @@ def _run(lm: ReformerLM, prompts: list[torch.Tensor], steps: int, together: bool
             logits = first[0]
             for _ in range(steps):
                 out[i].append(logits)
-                logits = decode_step(lm, logits.argmax().view(1), cache, [state], invariant)[0]
+                logits = decoder.step(logits.argmax().view(1), [state], invariant)[0]
             cache.free(state)
         return out
     running: dict[int, tuple[object, torch.Tensor]] = {}
@@ -126,7 +128,7 @@ def _run(lm: ReformerLM, prompts: list[torch.Tensor], steps: int, together: bool
             break
         order = sorted(running)
         tokens = torch.stack([running[i][1].argmax() for i in order])
-        logits = decode_step(lm, tokens, cache, [running[i][0] for i in order], invariant)  # type: ignore[misc]
+        logits = decoder.step(tokens, [running[i][0] for i in order], invariant)  # type: ignore[misc]
         for k, i in enumerate(order):
             running[i] = (running[i][0], logits[k])
     return out
@@ -156,12 +158,13 @@ def test_batched_prefill_equals_single_prefills(buckets: int | None) -> None:
     lm = ReformerLM(tiny_config(vocab_size=258, initializer_range=0.3, num_buckets=buckets)).eval()
     prompts = [torch.randint(3, 258, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 40, 17)]
     cache = DecodeCache.for_tokens(lm, 64, slots=6)
+    decoder = Decoder(lm, cache)
     together, states = prefill(lm, cache, prompts, [60] * 3)
     for i, p in enumerate(prompts):
         alone, (s,) = prefill(lm, cache, [p], [60])
         assert (together[i] - alone[0]).abs().max().item() <= 1e-4
-        step_a = decode_step(lm, torch.tensor([7]), cache, [s])[0]
-        step_b = decode_step(lm, torch.tensor([7]), cache, [states[i]])[0]
+        step_a = decoder.step(torch.tensor([7]), [s])[0]
+        step_b = decoder.step(torch.tensor([7]), [states[i]])[0]
         assert (step_a - step_b).abs().max().item() <= 1e-4
 
 
@@ -169,11 +172,12 @@ def test_cache_blocks_are_reserved_and_returned() -> None:
     torch.manual_seed(0)
     lm = ReformerLM(tiny_config(vocab_size=258)).eval()
     cache = DecodeCache.for_tokens(lm, 48, slots=2)
+    decoder = Decoder(lm, cache)
     assert cache.allocated_bytes == 0 and cache.capacity_bytes > 0
     _, (state,) = prefill(lm, cache, [torch.randint(3, 258, (40,))], [48])
     used = cache.allocated_bytes
     assert used == cache.bytes_for(48)
-    decode_step(lm, torch.tensor([5]), cache, [state])
+    decoder.step(torch.tensor([5]), [state])
     assert cache.allocated_bytes == used and state.length == 41  # growth copies nothing, allocates nothing
     assert not cache.fits_ever(10_000)
     cache.free(state)
@@ -186,11 +190,12 @@ def test_an_automatic_bucket_count_is_reserved_for_the_longest_request() -> None
     torch.manual_seed(0)
     lm = ReformerLM(tiny_config(vocab_size=258, num_buckets=None)).eval()
     cache = DecodeCache(lm, 2_000_000, max_slots=2, max_tokens=200)
+    decoder = Decoder(lm, cache)
     assert cache.reserved_bytes_per_slot > cache.bytes_per_slot  # the index starts with 2 buckets
     # a 190-token request grows every slot's index: the capacity counted that growth in advance
     _, (state,) = prefill(lm, cache, [torch.randint(3, 258, (150,))], [190])
     for _ in range(39):
-        decode_step(lm, torch.tensor([5]), cache, [state])
+        decoder.step(torch.tensor([5]), [state])
     assert cache.bytes_per_slot == cache.reserved_bytes_per_slot
     index_bytes = sum(t.numel() * t.element_size() for ix in cache.indexes if ix is not None for t in ix.tensors())
     held = (*cache.keys, *cache.values, *(n for n in cache.norms if n is not None))
@@ -402,7 +407,7 @@ def test_on_the_cpu_kernels_a_batched_step_gives_each_row_its_bits_alone(layers:
     try:
         torch.manual_seed(0)
         lm = ReformerLM(tiny_config(vocab_size=258, initializer_range=0.3, attn_layers=layers, num_buckets=None)).eval()
-        assert DecodeCache.for_tokens(lm, 128).rows_independent()
+        assert Decoder(lm, DecodeCache.for_tokens(lm, 128)).rows_independent()
         prompts = [torch.randint(3, 258, (n,), generator=torch.Generator().manual_seed(n))
                    for n in (7, 33, 64, 3, 20, 90, 41, 12, 9)]
         alone = _run(lm, prompts, 10, together=False, invariant=False)
@@ -416,15 +421,16 @@ def test_on_the_cpu_kernels_a_batched_step_gives_each_row_its_bits_alone(layers:
 
 def test_invariant_steps_run_in_fixed_blocks_only_where_rows_are_not_independent() -> None:
     lm = ReformerLM(tiny_config()).eval()
-    fast, plain = DecodeCache.for_tokens(lm, 64), DecodeCache.for_tokens(lm, 64, cpu_kernel=False)
+    fast = Decoder(lm, DecodeCache.for_tokens(lm, 64))
+    plain = Decoder(lm, DecodeCache.for_tokens(lm, 64, cpu_kernel=False))
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert rows_per_call(fast, 40, invariant=True) == 40 and rows_per_call(fast, 40, invariant=False) == 40
-        assert not plain.rows_independent() and rows_per_call(plain, 40, invariant=True) == INVARIANT_ROWS
-        assert rows_per_call(plain, 40, invariant=False) == 40
+        assert fast.rows_per_call(40, invariant=True) == 40 and fast.rows_per_call(40, invariant=False) == 40
+        assert not plain.rows_independent() and plain.rows_per_call(40, invariant=True) == INVARIANT_ROWS
+        assert plain.rows_per_call(40, invariant=False) == 40
         torch.set_num_threads(2)  # products through PyTorch's threaded matmul: fixed blocks again
-        assert not fast.rows_independent() and rows_per_call(fast, 40, invariant=True) == INVARIANT_ROWS
+        assert not fast.rows_independent() and fast.rows_per_call(40, invariant=True) == INVARIANT_ROWS
     finally:
         torch.set_num_threads(before)
 

@@ -1,4 +1,4 @@
-"""A decode step over bfloat16 or int8 weights (DecodeCache(weights=...), REFORMER_DECODE_WEIGHTS): the C step's
+"""A decode step over bfloat16 or int8 weights (Decoder(weights=...), REFORMER_DECODE_WEIGHTS): the C step's
 logits against the PyTorch step of a model whose linear weights are replaced by the same rounded values, the
 one-call and per-layer paths alike, the same bits on two threads, the prefill untouched, and within a stated
 bound of float32."""
@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from model import ReformerLM
-from model.decoding import DecodeCache, decode_step, prefill
+from model.decoding import DecodeCache, Decoder, prefill
 from model.decoding.steps import StepBackends
 from model.decoding.steps.linear import StepLinears
 from model.kernels.weights import quantize
@@ -45,15 +45,16 @@ def _decode(lm: ReformerLM, kind: str, tokens: list[int], fused: bool = True, ke
             threads: int = 1) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The prefill's logits and each step's, feeding `tokens` after a fixed prompt (one row)."""
     prompt = torch.randint(3, lm.config.vocab_size, (29,), generator=torch.Generator().manual_seed(2))
-    cache = DecodeCache.for_tokens(lm, 29 + len(tokens) + 1, cpu_kernel=kernel, weights=kind)  # type: ignore[arg-type]
+    cache = DecodeCache.for_tokens(lm, 29 + len(tokens) + 1, cpu_kernel=kernel)
+    decoder = Decoder(lm, cache, kind)  # type: ignore[arg-type]
     if not fused:
-        cache.fused_step = None
+        decoder.backends.fused = None
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         with torch.no_grad():
             first, states = prefill(lm, cache, [prompt], [29 + len(tokens) + 1])
-            steps = [decode_step(lm, torch.tensor([t]), cache, states)[0] for t in tokens]
+            steps = [decoder.step(torch.tensor([t]), states)[0] for t in tokens]
     finally:
         torch.set_num_threads(before)
     return first[0], steps
@@ -106,11 +107,11 @@ def test_the_per_layer_path_and_two_threads_give_the_one_calls_bits(kind: str) -
 
 
 def test_what_runs_says_float32_where_pytorch_multiplies() -> None:
-    """/info's runs.decode_weights (StepBackends.describe): the kind where the C products run, else float32."""
+    """/info's runs.decode_weights (Decoder.describe): the kind where the C products run, else float32."""
     kernel = StepLinears(None).kernel
     assert StepBackends(None, StepLinears(kernel, "int8"), None).describe()["decode_weights"] == "float32"
-    cache = DecodeCache.for_tokens(_model(), 64, weights="int8")
-    assert StepBackends(cache.window_kernel, cache.step_linears, cache.fused_step).describe() == {
+    lm = _model()
+    assert Decoder(lm, DecodeCache.for_tokens(lm, 64), "int8").describe() == {
         "decode_step": "c-fused", "decode_attention": "c", "decode_weights": "int8"}
 
 

@@ -10,7 +10,7 @@ import torch
 
 import model.decoding.huge_pages as huge_pages
 from model import ReformerLM
-from model.decoding import DecodeCache, decode_step, prefill
+from model.decoding import DecodeCache, Decoder, prefill
 from model.decoding.huge_pages import pool_empty
 
 from ..helpers import tiny_config
@@ -78,11 +78,12 @@ def test_huge_page_pools_decode_the_same_bits(monkeypatch: pytest.MonkeyPatch) -
     for least in (1 << 62, 0):  # every pool plain, then every pool mapped
         monkeypatch.setattr(huge_pages, "MIN_BYTES", least)
         cache = DecodeCache.for_tokens(lm, 80, slots=2)
+        decoder = Decoder(lm, cache)
         with torch.inference_mode():
             logits, states = prefill(lm, cache, prompts, [70, 70])
             out = [logits]
             for _ in range(20):
-                logits = decode_step(lm, logits.argmax(-1), cache, states)
+                logits = decoder.step(logits.argmax(-1), states)
                 out.append(logits)
         runs.append(torch.stack(out))
     assert torch.equal(runs[0], runs[1])

@@ -23,7 +23,7 @@ import torch
 
 from model import ReformerLM
 from model.chunking import mask_value, self_mask_value
-from model.decoding import DecodeCache, decode_step, prefill
+from model.decoding import DecodeCache, Decoder, prefill
 from model.kernels import CpuKernels, build
 
 from ..helpers import tiny_config
@@ -53,14 +53,15 @@ def _decode(lm: ReformerLM, kv_dtype: torch.dtype | None, cpu_kernel: bool, leng
             ) -> torch.Tensor:
     cache = DecodeCache.for_tokens(lm, max(lengths) + steps + 1, slots=len(lengths), recent=4,
                                    cpu_kernel=cpu_kernel, kv_dtype=kv_dtype)
-    assert (cache.window_kernel is not None) == cpu_kernel
+    decoder = Decoder(lm, cache)
+    assert (cache.kernel is not None) == cpu_kernel
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, 258, (n,), generator=g) for n in lengths]
     with torch.no_grad():
         first, states = prefill(lm, cache, prompts, [n + steps + 1 for n in lengths])
         token, out = first.argmax(-1), [first]
         for _ in range(steps):
-            logits = decode_step(lm, token, cache, states)
+            logits = decoder.step(token, states)
             out.append(logits)
             token = logits.argmax(-1)
     return torch.stack(out)
@@ -90,7 +91,7 @@ def test_a_step_write_rounds_as_tensor_to_rounds(kernel: CpuKernels, dtype: torc
     lm = _model(["local", "lsh"])
     plain = DecodeCache.for_tokens(lm, 40, cpu_kernel=False, kv_dtype=dtype)
     fused = DecodeCache.for_tokens(lm, 40, kv_dtype=dtype)
-    assert fused.window_kernel is not None and fused.keys[0].dtype == dtype and fused.norms[1] is not None
+    assert fused.kernel is not None and fused.keys[0].dtype == dtype and fused.norms[1] is not None
     g = torch.Generator().manual_seed(0)
     rows = torch.tensor([9, 30, 17])
     key = torch.randn(3, plain.heads, plain.head_size, generator=g) * 4
@@ -139,16 +140,18 @@ def test_a_half_cache_stays_near_the_float32_cache(dtype: torch.dtype) -> None:
 def test_a_row_of_a_half_cache_gets_the_same_bits_alone_and_batched(dtype: torch.dtype) -> None:
     lm = _model(["local", "lsh", "local", "lsh"])
     cache = DecodeCache.for_tokens(lm, 90, slots=3, kv_dtype=dtype)
+    decoder = Decoder(lm, cache)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 258, (n,), generator=g) for n in (70, 12, 45)]
     with torch.no_grad():
         _, states = prefill(lm, cache, prompts, [90] * 3)
         alone_cache = DecodeCache.for_tokens(lm, 90, slots=1, kv_dtype=dtype)
+        alone_decoder = Decoder(lm, alone_cache)
         _, alone_states = prefill(lm, alone_cache, prompts[:1], [90])
         tokens = torch.tensor([5, 6, 7])
         for _ in range(6):  # invariant mode: fixed row blocks, so the linear layers give every row its bits
-            batched = decode_step(lm, tokens, cache, states, invariant=True)
-            alone = decode_step(lm, tokens[:1], alone_cache, alone_states, invariant=True)
+            batched = decoder.step(tokens, states, invariant=True)
+            alone = alone_decoder.step(tokens[:1], alone_states, invariant=True)
             assert torch.equal(batched[0], alone[0])
             tokens = batched.argmax(-1)
 

@@ -10,7 +10,7 @@ import torch
 
 import model.decoding.index_upkeep as decode
 from model import ReformerLM
-from model.decoding import DecodeCache, decode_step, prefill, rehash_ahead
+from model.decoding import DecodeCache, Decoder, prefill, rehash_ahead
 
 from ..helpers import tiny_config
 
@@ -20,11 +20,12 @@ def _decode(lm: ReformerLM, prompt_len: int, steps: int) -> tuple[list[torch.Ten
     g = torch.Generator().manual_seed(3)
     prompt = torch.randint(3, lm.config.vocab_size, (prompt_len,), generator=g)
     cache = DecodeCache.for_tokens(lm, prompt_len + steps + 1)
+    decoder = Decoder(lm, cache)
     logits, states = prefill(lm, cache, [prompt], [prompt_len + steps + 1])
     out, orders = [logits[0]], []
     with torch.no_grad():
         for _ in range(steps):
-            logits = decode_step(lm, logits.argmax(-1), cache, states)
+            logits = decoder.step(logits.argmax(-1), states)
             out.append(logits[0])
             rows = cache.rows(torch.tensor([states[0].slot]), torch.arange(states[0].length).view(1, -1)).view(-1)
             state = states[0]
@@ -32,7 +33,8 @@ def _decode(lm: ReformerLM, prompt_len: int, steps: int) -> tuple[list[torch.Ten
             orders.append([t.clone() for li, ix in enumerate(cache.indexes) if ix is not None
                            for t in (ix.order[rows[: state.index_len[li]]], ix.recent[state.slot],
                                      ix.main_counts[state.slot], ix.recent_counts[state.slot])])
-    assert states[0].rehash is None or states[0].length < 128  # dropped once the count it was for is reached
+    # dropped once the count it was for is reached
+    assert cache.hashed_ahead.get(states[0].slot) is None or states[0].length < 128
     return out, orders
 
 
@@ -80,13 +82,14 @@ def test_the_crossing_step_hashes_only_the_keys_written_since_the_last_slice(mon
     monkeypatch.setattr(decode, "build_index", build)
     g = torch.Generator().manual_seed(3)
     cache = DecodeCache.for_tokens(lm, 90)
+    decoder = Decoder(lm, cache)
     logits, (state,) = prefill(lm, cache, [torch.randint(3, 258, (12,), generator=g)], [90])
     steps = []  # (length before the step, whether it changed the index's count, the hashes it ran)
     with torch.no_grad():
         for _ in range(50):
             hashed.clear()
             before, count = state.length, list(state.num_buckets)
-            logits = decode_step(lm, logits.argmax(-1), cache, [state])
+            logits = decoder.step(logits.argmax(-1), [state])
             steps.append((before, state.num_buckets != count, list(hashed)))
     assert not whole  # every rebuild came from keys hashed ahead
     # padded lengths 32 and 64 (chunks of 8): the steps that write positions 24 and 56
@@ -107,7 +110,8 @@ def test_a_prefill_close_to_a_change_hashes_ahead_before_it_ends(monkeypatch: py
         cache = DecodeCache.for_tokens(lm, 48)
         _, (state,) = prefill(lm, cache, [torch.randint(3, 258, (prompt,), generator=g)], [reserve])
         if not ahead:
-            assert state.rehash is None
+            assert state.slot not in cache.hashed_ahead
             continue
-        assert state.rehash is not None and str(state.rehash.num_buckets) == "8"
-        assert all(prompt - state.rehash.hashed(li) < rehash_ahead.SLICE for li in (1, 2))
+        plan = cache.hashed_ahead.get(state.slot)
+        assert plan is not None and str(plan.num_buckets) == "8"
+        assert all(prompt - plan.hashed(li) < rehash_ahead.SLICE for li in (1, 2))

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from model import ReformerLM
-from model.decoding import DecodeCache, DecodeState, decode_step, prefill
+from model.decoding import DecodeCache, Decoder, DecodeState, prefill
 from model.decoding.steps.fused import FusedStep
 from model.decoding.steps.linear import StepLinears
 from model.kernels import CpuKernels, abi, build
@@ -38,21 +38,22 @@ class _Counting(FusedStep):
         out = super().run(*args, **kwargs)
         self.ran += out is not None
         if out is not None:
-            self.rows.append(len(args[2]))
+            self.rows.append(len(args[3]))  # run(lm, cache, window, tokens, ...)
         return out
 
 
 def _decode(lm: ReformerLM, prompts: list[torch.Tensor], steps: int, fused: bool, join_at: dict[int, int] | None = None,
-            setup: Callable[[DecodeCache], None] | None = None
+            setup: Callable[[Decoder], None] | None = None
             ) -> tuple[list[list[torch.Tensor]], DecodeCache, list[DecodeState], int]:
     """Greedy decoding of the prompts in one batch (prompt i joining after join_at[i] steps; `setup` edits the
-    cache first); each request's logits per step, the cache and states after, and how many steps ran in one
+    decoder first); each request's logits per step, the cache and states after, and how many steps ran in one
     call."""
     cache = DecodeCache.for_tokens(lm, 256, slots=len(prompts))
+    decoder = Decoder(lm, cache)
     if setup is not None:
-        setup(cache)
-    counting = _Counting(cache.fused_step) if fused and cache.fused_step is not None else None
-    cache.fused_step = counting
+        setup(decoder)
+    counting = _Counting(decoder.backends.fused) if fused and decoder.backends.fused is not None else None
+    decoder.backends.fused = counting
     join_at = join_at or {}
     out: list[list[torch.Tensor]] = [[] for _ in prompts]
     states: dict[int, DecodeState] = {}
@@ -66,7 +67,7 @@ def _decode(lm: ReformerLM, prompts: list[torch.Tensor], steps: int, fused: bool
                     logits[i] = first[0]
             order = sorted(states)
             tokens = torch.stack([logits[i].argmax() for i in order])
-            new = decode_step(lm, tokens, cache, [states[i] for i in order])
+            new = decoder.step(tokens, [states[i] for i in order])
             for k, i in enumerate(order):
                 logits[i] = new[k]
                 out[i].append(new[k])
@@ -118,13 +119,14 @@ def test_a_step_in_one_call_holds_only_the_batch_rows(kernel: CpuKernels) -> Non
     lm = ReformerLM(tiny_config(vocab_size=258, attn_layers=["local", "lsh"], num_buckets=4)).eval()
     prompts = [torch.randint(3, 258, (n,)) for n in (5, 40, 70, 9, 66)]
     cache = DecodeCache.for_tokens(lm, 128, slots=5)
-    assert cache.fused_step is not None
-    counting = cache.fused_step = _Counting(cache.fused_step)
+    decoder = Decoder(lm, cache)
+    assert decoder.backends.fused is not None
+    counting = decoder.backends.fused = _Counting(decoder.backends.fused)
     with torch.no_grad():
         first, states = prefill(lm, cache, prompts[:3], [80] * 3)
-        logits = decode_step(lm, first.argmax(-1), cache, states)
+        logits = decoder.step(first.argmax(-1), states)
         more, joined = prefill(lm, cache, prompts[3:], [80] * 2)
-        decode_step(lm, torch.cat([logits.argmax(-1), more.argmax(-1)]), cache, [*states, *joined])
+        decoder.step(torch.cat([logits.argmax(-1), more.argmax(-1)]), [*states, *joined])
     assert counting.rows == [3, 5]
 
 
@@ -163,12 +165,13 @@ def test_the_one_call_path_matches_pytorch(kernel: CpuKernels) -> None:
     one, _, _, ran = _decode(lm, prompts, 20, True)
     assert ran == 20
     cache = DecodeCache.for_tokens(lm, 160, slots=2, cpu_kernel=False)
-    assert cache.fused_step is None and cache.window_kernel is None
+    decoder = Decoder(lm, cache)
+    assert decoder.backends.fused is None and cache.kernel is None
     with torch.no_grad():
         first, states = prefill(lm, cache, prompts, [80, 80])
         token = first.argmax(-1)
         for step in range(20):
-            logits = decode_step(lm, token, cache, states)
+            logits = decoder.step(token, states)
             for i in range(2):
                 assert torch.allclose(logits[i], one[i][step], atol=1e-4), step
             token = logits.argmax(-1)
@@ -179,18 +182,19 @@ def test_weights_changed_after_a_step_are_read_as_they_are_now(kernel: CpuKernel
     lm = ReformerLM(tiny_config(vocab_size=258, attn_layers=["lsh", "local"], num_buckets=4)).eval()
     prompt = torch.randint(3, 258, (40,))
     cache = DecodeCache.for_tokens(lm, 160, slots=1)
+    decoder = Decoder(lm, cache)
     with torch.no_grad():
         first, (state,) = prefill(lm, cache, [prompt], [60])
-        decode_step(lm, first.argmax(-1), cache, [state])
+        decoder.step(first.argmax(-1), [state])
         layer = lm.layers[1]
         layer.feed_forward.dense.weight.mul_(2.0)  # type: ignore[union-attr,operator]
         layer.attention.layer_norm.bias.add_(0.5)  # type: ignore[union-attr,operator]
         lm.final_layer_norm.weight.mul_(0.5)
         before = {i: (cache.keys[i].clone(), cache.values[i].clone()) for i in range(2)}
-        fused = cache.fused_step
+        fused = decoder.backends.fused
         assert fused is not None
         token = torch.tensor([5])
-        got = decode_step(lm, token, cache, [state])
+        got = decoder.step(token, [state])
         # the same step on the per-layer path, from the cache as it was
         for i, (k, v) in before.items():
             cache.keys[i].copy_(k)
@@ -198,10 +202,10 @@ def test_weights_changed_after_a_step_are_read_as_they_are_now(kernel: CpuKernel
         state.length -= 1
         index = cache.indexes[0]
         assert index is not None
-        cache.fused_step = None
+        decoder.backends.fused = None
         recent = [t.clone() for t in index.tensors()]
         _undo_append(cache, state, recent)
-        want = decode_step(lm, token, cache, [state])
+        want = decoder.step(token, [state])
     assert torch.equal(got, want)
 
 
@@ -230,7 +234,8 @@ def test_it_leaves_to_the_per_layer_path_what_it_cannot_run(kernel: CpuKernels) 
     lm = ReformerLM(tiny_config(vocab_size=258, attn_layers=["lsh", "local"], num_buckets=4)).eval()
     prompt = torch.randint(3, 258, (30,))
     cache = DecodeCache.for_tokens(lm, 160, slots=2)
-    fused = cache.fused_step
+    decoder = Decoder(lm, cache)
+    fused = decoder.backends.fused
     assert fused is not None
     tokens = [5]
     meta = [[0] * 7]
@@ -238,7 +243,7 @@ def test_it_leaves_to_the_per_layer_path_what_it_cannot_run(kernel: CpuKernels) 
         prefill(lm, cache, [prompt], [50])
         # an activation the C side does not compute
         lm.layers[0].feed_forward.act = nn.Softplus()  # type: ignore[union-attr]
-        assert fused.run(lm, cache, tokens, meta, [(4, None)]) is None
+        assert fused.run(lm, cache, decoder.backends.window, tokens, meta, [(4, None)]) is None
 
 
 def test_a_row_token_or_position_outside_the_tables_is_refused_leaving_the_cache(
@@ -246,7 +251,8 @@ def test_a_row_token_or_position_outside_the_tables_is_refused_leaving_the_cache
     torch.manual_seed(5)
     lm = ReformerLM(tiny_config(vocab_size=258, attn_layers=["lsh", "local"], num_buckets=4)).eval()
     cache = DecodeCache.for_tokens(lm, 160, slots=1)
-    fused = cache.fused_step
+    decoder = Decoder(lm, cache)
+    fused = decoder.backends.fused
     assert fused is not None
     with torch.no_grad():
         _, (state,) = prefill(lm, cache, [torch.randint(3, 258, (20,))], [60])
@@ -256,7 +262,7 @@ def test_a_row_token_or_position_outside_the_tables_is_refused_leaving_the_cache
     for tokens, row in [(5, [cache.block_table.shape[0] + 3, *good[1:]]), (258, good), (-1, good),
                         (5, [good[0], outside, *good[2:]])]:
         with pytest.raises(IndexError, match="outside the decode cache"):
-            fused.run(lm, cache, [tokens], [row], [])
+            fused.run(lm, cache, decoder.backends.window, [tokens], [row], [])
     assert all(torch.equal(a.view(torch.int32), b.view(torch.int32))
                for a, b in zip(before, (*cache.keys, *cache.values), strict=True))
 
@@ -286,10 +292,10 @@ def test_a_compiler_without_openmp_builds_a_step_that_gives_the_same_bits(kernel
     prompts = [torch.randint(3, 258, (n,), generator=torch.Generator().manual_seed(n)) for n in (9, 40)]
     want, _, _, _ = _decode(lm, prompts, 8, True)
 
-    def with_plain(cache: DecodeCache) -> None:
-        cache.window_kernel = plain
-        cache.step_linears = StepLinears(plain)
-        cache.fused_step = FusedStep(cache.step_linears)
+    def with_plain(decoder: Decoder) -> None:
+        decoder.cache.kernel = decoder.backends.window = plain
+        decoder.backends.linears = StepLinears(plain)
+        decoder.backends.fused = FusedStep(decoder.backends.linears)
 
     torch.set_num_threads(2)
     got, _, _, ran = _decode(lm, prompts, 8, True, setup=with_plain)

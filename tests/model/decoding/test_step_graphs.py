@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from model import ReformerLM
-from model.decoding import DecodeCache, decode_step, prefill
+from model.decoding import DecodeCache, Decoder, prefill
 from model.decoding.steps.cuda_graphs import StepGraphs
 from service.runner import ModelRunner, step_graphs_for
 
@@ -29,12 +29,13 @@ def _decode(lm: ReformerLM, lengths: list[int], steps: int, graphs: StepGraphs |
     """Greedy steps of every prompt together; the logits of each step (B, vocab)."""
     prompts = [torch.randint(3, 258, (n,), generator=torch.Generator().manual_seed(n)) for n in lengths]
     cache = DecodeCache.for_tokens(lm, max(lengths) + steps + 2, slots=len(lengths))
+    decoder = Decoder(lm, cache)
     # the per-layer path, as on CUDA (the one-call step is CPU-only and runs outside the graphs)
-    cache.fused_step = None
+    decoder.backends.fused = None
     logits, states = prefill(lm, cache, prompts, [n + steps + 1 for n in lengths])
     out = []
     for _ in range(steps):
-        logits = decode_step(lm, logits.argmax(-1), cache, states, invariant, graphs)
+        logits = decoder.step(logits.argmax(-1), states, invariant, graphs)
         out.append(logits)
     return out
 

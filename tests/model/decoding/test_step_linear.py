@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model import ReformerLM
-from model.decoding import DecodeCache, decode_step, prefill
+from model.decoding import DecodeCache, Decoder, prefill
 from model.decoding.steps.linear import StepLinears
 from model.kernels import CpuKernels, build
 
@@ -116,11 +116,12 @@ def _decode(lm: ReformerLM, prompts: list[torch.Tensor], steps: int, kernel_line
     """Greedy tokens and logits of each step, and how many kernel calls (products, layer tails) the steps ran,
     on the per-layer path (the step in one call, tests/model/test_step_fused.py, makes none of those calls)."""
     cache = DecodeCache(lm, 64 << 20, max_slots=len(prompts))
-    cache.fused_step = None
+    decoder = Decoder(lm, cache)
+    decoder.backends.fused = None
     calls = 0
     if kernel_linears:
-        assert cache.step_linears.kernel is not None
-        kernel = cache.step_linears.kernel = copy.copy(cache.step_linears.kernel)
+        assert decoder.backends.linears.kernel is not None
+        kernel = decoder.backends.linears.kernel = copy.copy(decoder.backends.linears.kernel)
 
         def counting(fn: object) -> object:
             def counted(*args: object) -> int:
@@ -131,11 +132,11 @@ def _decode(lm: ReformerLM, prompts: list[torch.Tensor], steps: int, kernel_line
 
         kernel.linear_raw, kernel.tail_raw = counting(kernel.linear_raw), counting(kernel.tail_raw)
     else:
-        cache.step_linears = StepLinears(None)
+        decoder.backends.linears = StepLinears(None)
     first, states = prefill(lm, cache, prompts, [p.shape[0] + steps + 1 for p in prompts])
     token, tokens, logits = first.argmax(-1), [], []
     for _ in range(steps):
-        out = decode_step(lm, token, cache, states)
+        out = decoder.step(token, states)
         logits.append(out)
         token = out.argmax(-1)
         tokens.append(token.tolist())
@@ -185,7 +186,7 @@ def test_the_hash_kernel_gives_the_attentions_buckets(num_buckets: int | list[in
     torch.manual_seed(7)
     lm = ReformerLM(tiny_config(attn_layers=["lsh"], num_hashes=3, num_buckets=None)).eval()
     att = lm.layers[0].attention.self_attention
-    linears = DecodeCache(lm, 8 << 20, max_slots=1).step_linears
+    linears = Decoder(lm, DecodeCache(lm, 8 << 20, max_slots=1)).backends.linears
     assert linears.kernel is not None
     for rows in (1, 3, 8, 13):
         qk = torch.randn(rows, att.heads, att.head_size)

@@ -13,7 +13,7 @@ import torch
 
 from model import ReformerLM
 from model.chunking import mask_value, self_mask_value
-from model.decoding import DecodeCache, decode_step, prefill
+from model.decoding import DecodeCache, Decoder, prefill
 from model.kernels import CpuKernels, build
 
 from ..helpers import tiny_config
@@ -146,14 +146,15 @@ def test_a_row_gets_the_same_bits_whatever_its_batch_and_threads(kernel: CpuKern
 def _decode_run(lm: ReformerLM, lengths: list[int], steps: int, cpu_kernel: bool, recent: int) -> torch.Tensor:
     cache = DecodeCache.for_tokens(lm, max(lengths) + steps + 1, slots=len(lengths), recent=recent,
                                    cpu_kernel=cpu_kernel)
-    assert (cache.window_kernel is not None) == cpu_kernel
+    decoder = Decoder(lm, cache)
+    assert (cache.kernel is not None) == cpu_kernel
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, lm.config.vocab_size, (n,), generator=g) for n in lengths]
     with torch.no_grad():
         first, states = prefill(lm, cache, prompts, [n + steps + 1 for n in lengths])
         token, out = first.argmax(-1), []
         for _ in range(steps):
-            logits = decode_step(lm, token, cache, states)
+            logits = decoder.step(token, states)
             out.append(logits)
             token = logits.argmax(-1)
     return torch.stack(out)
@@ -187,7 +188,7 @@ def test_the_kernel_can_be_turned_off_or_be_missing(monkeypatch: pytest.MonkeyPa
         build.load.cache_clear()
         monkeypatch.setenv(build.ENV_SWITCH, "off")
         assert build.load().kernels is None and build.load().source == "off"
-        assert DecodeCache.for_tokens(lm, 32).window_kernel is None
+        assert DecodeCache.for_tokens(lm, 32).kernel is None
         build.load.cache_clear()
         monkeypatch.setenv(build.ENV_SWITCH, "auto")
         monkeypatch.setattr(build, "installed", lambda folder=build.HERE: {})  # a source checkout
@@ -200,8 +201,8 @@ def test_the_kernel_can_be_turned_off_or_be_missing(monkeypatch: pytest.MonkeyPa
         status = build.load()
         assert status.kernels is not None and status.source == "first-use build"
         assert status.kernels.path.parent == tmp_path
-        assert DecodeCache.for_tokens(lm, 32).window_kernel is not None
-        assert DecodeCache.for_tokens(lm, 32, cpu_kernel=False).window_kernel is None
+        assert DecodeCache.for_tokens(lm, 32).kernel is not None
+        assert DecodeCache.for_tokens(lm, 32, cpu_kernel=False).kernel is None
     finally:
         build.load.cache_clear()
 
@@ -236,16 +237,17 @@ def test_a_corrupt_index_raises_instead_of_reading_outside_the_cache(kernel: Cpu
         kernel.attend(**x, self_mask=self_mask_value(torch.float32), mask=mask_value(torch.float32))
     lm = ReformerLM(tiny_config(vocab_size=258)).eval()
     cache = DecodeCache.for_tokens(lm, 40)
+    decoder = Decoder(lm, cache)
     _, states = prefill(lm, cache, [torch.arange(3, 33)], [40])
     cache.block_table[states[0].slot, 1] = cache.blocks + 5  # a block past the pools
     with pytest.raises(IndexError, match="outside the decode cache"):
-        decode_step(lm, torch.tensor([5]), cache, states)
+        decoder.step(torch.tensor([5]), states)
 
 
 def test_a_step_writes_what_the_pytorch_write_writes(kernel: CpuKernels) -> None:
     lm = ReformerLM(tiny_config()).eval()
     plain, fused = DecodeCache.for_tokens(lm, 40, cpu_kernel=False), DecodeCache.for_tokens(lm, 40)
-    assert fused.window_kernel is not None and plain.window_kernel is None
+    assert fused.kernel is not None and plain.kernel is None
     g = torch.Generator().manual_seed(0)
     rows = torch.tensor([9, 30, 17])
     key, value = torch.randn(3, plain.heads, plain.head_size, generator=g) * 4, torch.randn(3, 2, 16, generator=g)
