@@ -5,7 +5,7 @@ Bits per byte (the default, and `--bpb-passages` under `--retrieval`): of the la
 just before them. The Reformer's reason to exist: with distant text to look at, the long-context figure
 should be lower.
 
-    python bench/long_context.py MODEL [--data ../shared/data] [--passage 16384] [--tail 1024]
+    python bench/long_context.py MODEL [--books DIR ...] [--passage 16384] [--tail 1024]
                                  [--context 1024] [--max-passages 0] [--threads 2] [--out FILE.json]
 
 MODEL is an artifact directory (export/default_artifact) or a training checkpoint (runs/NAME/checkpoint).
@@ -18,18 +18,22 @@ short input), so a third, the control, gives the short context at the passage's 
 offset `passage - context - tail`): whole against control is the effect of distant text alone, control
 against short that of the positions alone.
 
-Retrieval (`--retrieval`): at each of `--lengths` bytes, `--trials` passkey documents (train/long_docs.py:
+Retrieval (`--retrieval`): at each of `--lengths` bytes, `--trials` documents of each kind
+(train/long_docs.py): passkey with prose filler and with the standard filler ("The grass is green...";
 the standard prompt, a random five-digit key at a random depth; correct iff the five greedy bytes after
-"The pass key is " are the key) and as many copy documents (a 140-byte passage, prose, the passage's first
-60 bytes again; score = share of the next 80 bytes equal to the passage's next 80), each with its control
-(the same document with the first occurrence replaced by other prose: what plain prediction scores). Every
-document is exactly the length (prompt + answer), its prose cut from the validation tails of `--data`
-(both shared folders by default), keys, depths and places drawn from `--seed`. Asked three ways
-(bench/long_context_ways.py): full forward, cached decoding in process, and the running service.
+"The pass key is " are the key), and copy documents (a 140-byte passage, prose, the passage's first 60
+bytes again; score = share of the next 80 greedy bytes equal to the passage's next 80) each beside its
+control (the same document with the first occurrence replaced by other prose: what plain prediction
+scores). Copy is also scored teacher-forced (the share of the 80 bytes whose argmax is right given the true
+bytes before it), beside its control. Every document is exactly the length (prompt + answer), its prose cut
+from the validation tails of `--books` (default: the project's two book folders, train/corpus.py), keys,
+depths and places drawn from `--seed`. Asked three ways (bench/long_context_ways.py): the forward pass
+(teacher-forced, or greedy over the prefix only), cached decoding in process (greedy; teacher-forced by
+forced decode steps, which never see a later byte), and the running service (greedy).
 
     python bench/long_context.py MODEL --retrieval [--lengths 1024,4096,16384,65536] [--trials 20]
         [--seed 0] [--ways forward,cached,service] [--forward-mode teacher] [--service-artifact DIR]
-        [--port 0 | --url URL] [--bpb-passages 16384,65536] [--out FILE.json]"""
+        [--port 0 | --url URL] [--bpb-passages 16384,65536] [--books DIR ...] [--out FILE.json]"""
 
 from __future__ import annotations
 
@@ -50,8 +54,16 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from train.corpus import NAMED_SETS  # noqa: E402
 from train.evaluation import add_passage_args, load_lm, nll_bits_of_last, passages, validation_tails  # noqa: E402
-from train.long_docs import LongDoc, copy_control, copy_document, passkey_document, random_key  # noqa: E402
+from train.long_docs import (  # noqa: E402
+    LongDoc,
+    copy_control,
+    copy_document,
+    passkey_document,
+    random_key,
+    standard_filler,
+)
 
 
 def measure(model_path: Path, data: list[str], passage: int, tail: int, context: int, val_fraction: float,
@@ -106,12 +118,12 @@ def table(result: dict[str, Any]) -> str:
 
 # ---------------------------------------------------------------------------------------------- retrieval
 COPY_PASSAGE, COPY_CUE, COPY_NEW = 140, 60, 80  # the cue then the 80 scored bytes
-SHARED = ROOT.parent / "shared"
+KINDS = ("passkey", "passkey_standard", "copy", "copy_control")
 
 
 @dataclass(frozen=True)
 class Trial:
-    kind: str  # "passkey", "copy", or "copy_control"
+    kind: str  # one of KINDS
     length: int
     index: int
     doc: LongDoc
@@ -130,8 +142,9 @@ _ASCII_ONLY = bytes(b if b < 0x80 else 0x20 for b in range(256))
 
 
 def make_trials(pool: bytes, length: int, trials: int, seed: int) -> list[Trial]:
-    """`trials` passkey documents, copy documents and their controls of `length` bytes each, a pure function
-    of (pool, length, trials, seed)."""
+    """`trials` documents of each kind (KINDS) of `length` bytes, a pure function of (pool, length, trials,
+    seed); the standard-filler passkeys draw from their own generator, so the other documents are those an
+    earlier version of this benchmark drew."""
     if len(pool) < length + COPY_PASSAGE:
         raise SystemExit(f"long_context: {len(pool)} bytes of validation prose cannot hold a {length}-byte document")
     out: list[Trial] = []
@@ -140,6 +153,10 @@ def make_trials(pool: bytes, length: int, trials: int, seed: int) -> list[Trial]
         depth = float(rng.random())
         start = int(rng.integers(0, len(pool) - length + 1))
         out.append(Trial("passkey", length, i, passkey_document(pool[start:], random_key(rng), depth, length), depth))
+        own = np.random.default_rng([seed, length, i, 1])
+        depth_s = float(own.random())
+        doc_s = passkey_document(standard_filler(length), random_key(own), depth_s, length)
+        out.append(Trial("passkey_standard", length, i, doc_s, depth_s))
         start = int(rng.integers(0, len(pool) - length + 1))
         doc = copy_document(pool[start:], COPY_PASSAGE, length - 2 * COPY_PASSAGE, COPY_CUE)
         other = int(rng.integers(0, len(pool) - COPY_PASSAGE + 1))
@@ -160,7 +177,9 @@ def copy_score(generated: bytes, target: bytes) -> float:
 
 
 def score(kind: str, generated: bytes, expected: bytes) -> float:
-    return float(passkey_correct(generated, expected)) if kind == "passkey" else copy_score(generated, expected)
+    if kind.startswith("passkey"):
+        return float(passkey_correct(generated, expected))
+    return copy_score(generated, expected)
 
 
 def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -173,36 +192,57 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
     return (max(lo, 0.0), min(hi, 1.0))  # clamped: rounding leaves -1e-17 at k = 0
 
 
+def _mean(values: list[float]) -> float | None:
+    return round(float(np.mean(values)), 4) if values else None
+
+
+def _minus(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else round(a - b, 4)
+
+
 def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per (length, way): passkey k/n with its interval, mean copy score, mean control, and copy -
-    control (what the earlier passage adds)."""
+    """One row per (length, way): passkey k/n with its interval for each filler, mean greedy copy score
+    beside its control, the teacher-forced copy share beside its control (where the way has one), and the
+    differences (what the earlier passage adds)."""
     rows = []
     for length, way in dict.fromkeys((r["length"], r["way"]) for r in records):
         mine = [r for r in records if r["length"] == length and r["way"] == way]
-        by = {k: [r["score"] for r in mine if r["kind"] == k] for k in ("passkey", "copy", "copy_control")}
-        k, n = int(sum(by["passkey"])), len(by["passkey"])
-        copy = float(np.mean(by["copy"])) if by["copy"] else math.nan
-        control = float(np.mean(by["copy_control"])) if by["copy_control"] else math.nan
-        lo, hi = wilson(k, n) if n else (0.0, 1.0)
-        rows.append({"length": length, "way": way, "passkey_correct": k, "passkey_trials": n,
-                     "passkey_accuracy": round(k / n, 4) if n else None, "passkey_95ci": [round(lo, 3), round(hi, 3)],
-                     "copy_score": round(copy, 4), "copy_control": round(control, 4),
-                     "copy_minus_control": round(copy - control, 4),
-                     "seconds": round(sum(r["seconds"] for r in mine), 1)})
+        by = {k: [r["score"] for r in mine if r["kind"] == k] for k in KINDS}
+        teach = {k: [r["teacher"] for r in mine if r["kind"] == k and r.get("teacher") is not None]
+                 for k in ("copy", "copy_control")}
+        row: dict[str, Any] = {"length": length, "way": way}
+        for kind, name in (("passkey", "passkey"), ("passkey_standard", "passkey_standard")):
+            k, n = int(sum(by[kind])), len(by[kind])
+            lo, hi = wilson(k, n) if n else (0.0, 1.0)
+            row.update({f"{name}_correct": k, f"{name}_trials": n, f"{name}_accuracy": round(k / n, 4) if n else None,
+                        f"{name}_95ci": [round(lo, 3), round(hi, 3)]})
+        copy, control = _mean(by["copy"]), _mean(by["copy_control"])
+        t_copy, t_control = _mean(teach["copy"]), _mean(teach["copy_control"])
+        row.update({"copy_score": copy, "copy_control": control, "copy_minus_control": _minus(copy, control),
+                    "copy_teacher": t_copy, "copy_teacher_control": t_control,
+                    "copy_teacher_minus_control": _minus(t_copy, t_control),
+                    "seconds": round(sum(r["seconds"] for r in mine), 1)})
+        rows.append(row)
     return rows
 
 
+def _f(v: float | None, sign: bool = False) -> str:
+    return "-" if v is None else f"{v:+.3f}" if sign else f"{v:.3f}"
+
+
 def retrieval_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| bytes | way | passkey | 95% interval | copy score | control | copy - control | seconds |",
-             "|---:|---|---:|---|---:|---:|---:|---:|"]
+    lines = ["| bytes | way | passkey, prose filler | passkey, standard filler | copy, greedy | control | "
+             "copy - control | copy, teacher-forced | control | seconds |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lo, hi = r["passkey_95ci"]
         lines.append(f"| {r['length']:,} | {r['way']} | {r['passkey_correct']}/{r['passkey_trials']} "
-                     f"| {lo:.2f}-{hi:.2f} | {r['copy_score']:.3f} | {r['copy_control']:.3f} "
-                     f"| {r['copy_minus_control']:+.3f} | {r['seconds']} |")
+                     f"| {r['passkey_standard_correct']}/{r['passkey_standard_trials']} "
+                     f"| {_f(r['copy_score'])} | {_f(r['copy_control'])} | {_f(r['copy_minus_control'], True)} "
+                     f"| {_f(r['copy_teacher'])} | {_f(r['copy_teacher_control'])} | {r['seconds']} |")
     if any(r["way"] == "forward (teacher)" for r in rows):
-        lines.append("\nforward (teacher): the passkey column is greedy exact match (all five argmaxes right); the "
-                     "copy columns are teacher-forced next-byte accuracy, not generated copies.")
+        lines.append("\nforward (teacher): one forward over the prompt and the expected bytes; the passkey columns are "
+                     "greedy exact match (all five argmaxes right), the copy greedy columns the teacher-forced "
+                     "share, not generated copies.")
     return "\n".join(lines)
 
 
@@ -211,12 +251,15 @@ def run_trials(ways: list[Any], trials: list[Trial]) -> list[dict[str, Any]]:
     for way in ways:
         for t in trials:
             t0 = time.perf_counter()
-            got = way.answer(t.doc.prompt, t.doc.answer_bytes)
+            expected = t.doc.answer_bytes
+            got = way.answer(t.doc.prompt, expected)
+            forced = way.teacher(t.doc.prompt, expected) if t.kind.startswith("copy") else None
+            teacher = None if forced is None else copy_score(forced, expected)
             records.append({"length": t.length, "way": way.name, "kind": t.kind, "index": t.index,
                             "depth": None if t.depth is None else round(t.depth, 4), "gap": t.doc.gap,
-                            "expected": t.doc.answer_bytes.decode("utf-8", "replace"),
-                            "got": got.decode("utf-8", "replace"), "score": score(t.kind, got, t.doc.answer_bytes),
-                            "seconds": round(time.perf_counter() - t0, 3)})
+                            "expected": expected.decode("utf-8", "replace"),
+                            "got": got.decode("utf-8", "replace"), "score": score(t.kind, got, expected),
+                            "teacher": teacher, "seconds": round(time.perf_counter() - t0, 3)})
         print(f"  {way.name}: done", file=sys.stderr)
     return records
 
@@ -266,6 +309,10 @@ def _ints(text: str) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_passage_args(p, passage=16384, out=ROOT / "bench" / "results" / "long_context.json")
+    p.add_argument("--books", dest="data", nargs="+", metavar="DIR",
+                   help="folders (or files) of books whose validation tails are read (the same as --data); "
+                        "default: the project's book folders (train/corpus.py): both with --retrieval, the "
+                        "three books without")
     p.set_defaults(data=None, out=None)  # defaults below depend on --retrieval
     p.add_argument("--tail", type=int, default=1024)
     p.add_argument("--context", type=int, default=1024)
@@ -285,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="passage lengths for bits per byte of the last 1,024 bytes, whole vs preceding 1,024")
     args = p.parse_args(argv)
     if args.data is None:
-        args.data = [str(SHARED / "data"), str(SHARED / "corpus")] if args.retrieval else [str(SHARED / "data")]
+        names = ("data", "corpus") if args.retrieval else ("data",)
+        args.data = [str(NAMED_SETS[n]) for n in names]
     if args.out is None:
         name = "long_context_retrieval.json" if args.retrieval else "long_context.json"
         args.out = ROOT / "bench" / "results" / name

@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+import torch
 
 from bench import long_context
 from bench.long_context import copy_score, make_trials, passkey_correct, summarize, wilson
@@ -43,14 +44,22 @@ def test_wilson_interval_and_summary() -> None:
     lo, hi = wilson(20, 20)
     assert 0.83 < lo < 0.85 and hi == pytest.approx(1.0)
     assert all(math.isnan(v) for v in wilson(0, 0))
-    recs = [{"length": 1024, "way": "cached", "kind": k, "score": s, "seconds": 1.0}
-            for k, s in (("passkey", 1.0), ("passkey", 0.0), ("passkey", 1.0), ("copy", 0.5), ("copy", 0.75),
-                         ("copy_control", 0.25), ("copy_control", 0.25))]
-    recs.append({"length": 4096, "way": "cached", "kind": "passkey", "score": 0.0, "seconds": 2.0})
+    recs = [{"length": 1024, "way": "cached", "kind": k, "score": s, "teacher": t, "seconds": 1.0}
+            for k, s, t in (("passkey", 1.0, None), ("passkey", 0.0, None), ("passkey", 1.0, None),
+                            ("passkey_standard", 1.0, None), ("copy", 0.5, 0.75), ("copy", 0.75, 1.0),
+                            ("copy_control", 0.25, 0.5), ("copy_control", 0.25, 0.25))]
+    recs.append({"length": 4096, "way": "service", "kind": "passkey", "score": 0.0, "teacher": None, "seconds": 2.0})
     rows = summarize(recs)
     assert [(r["length"], r["passkey_correct"], r["passkey_trials"]) for r in rows] == [(1024, 2, 3), (4096, 0, 1)]
+    assert (rows[0]["passkey_standard_correct"], rows[0]["passkey_standard_trials"]) == (1, 1)
     assert rows[0]["copy_score"] == 0.625 and rows[0]["copy_control"] == 0.25
-    assert rows[0]["copy_minus_control"] == 0.375 and rows[0]["seconds"] == 7.0
+    assert rows[0]["copy_minus_control"] == 0.375 and rows[0]["seconds"] == 8.0
+    assert rows[0]["copy_teacher"] == 0.875 and rows[0]["copy_teacher_control"] == 0.375
+    assert rows[0]["copy_teacher_minus_control"] == 0.5
+    assert rows[1]["copy_score"] is None and rows[1]["copy_teacher"] is None  # a way without copy trials
+    table = long_context.retrieval_table(rows)
+    assert "| 1,024 | cached | 2/3 | 1/1 | 0.625 | 0.250 | +0.375 | 0.875 | 0.375 |" in table
+    assert "| 4,096 | service | 0/1 | 0/0 | - | - | - | - | - |" in table
 
 
 POOL = ("It was the best of times, it was the worst of times, \u201cit was the age of wisdom\u201d. ".encode() * 200)
@@ -58,13 +67,16 @@ POOL = ("It was the best of times, it was the worst of times, \u201cit was the a
 
 def test_trials_are_seeded_documents_of_the_stated_length() -> None:
     trials = make_trials(POOL, 1024, 3, seed=7)
-    assert [t.kind for t in trials] == ["passkey", "copy", "copy_control"] * 3
+    assert [t.kind for t in trials] == ["passkey", "passkey_standard", "copy", "copy_control"] * 3
     assert all(len(t.doc.data) == 1024 and len(t.doc.prompt) + len(t.doc.answer_bytes) == 1024 for t in trials)
     for t in trials:
         t.doc.prompt.decode("utf-8")  # the service takes text
-    keys = [t.doc.answer_bytes for t in trials if t.kind == "passkey"]
-    assert all(t.doc.prompt.endswith(QUESTION) for t in trials if t.kind == "passkey") and len(set(keys)) == 3
-    copy, control = trials[1].doc, trials[2].doc
+    keys = [t.doc.answer_bytes for t in trials if t.kind.startswith("passkey")]
+    assert all(t.doc.prompt.endswith(QUESTION) for t in trials if t.kind.startswith("passkey")) and len(set(keys)) == 6
+    prose, standard = trials[0].doc, trials[1].doc
+    assert b"The grass is green. The sky is blue." in standard.data and b"The grass is" not in prose.data
+    assert b"best of times" in prose.data and b"best of times" not in standard.data
+    copy, control = trials[2].doc, trials[3].doc
     assert len(copy.answer_bytes) == 80 and control.answer_bytes == copy.answer_bytes
     assert copy.data[:140] in copy.prompt[140:] + copy.answer_bytes
     assert control.data[140:] == copy.data[140:] and control.data[:140] != copy.data[:140]
@@ -81,6 +93,19 @@ def test_teacher_forced_forward_agrees_with_greedy_and_cached_decoding() -> None
     # where greedy wrote the expected bytes, the teacher-forced argmax is those same bytes
     assert ForwardWay(lm, "teacher").answer(prompt, greedy) == greedy
     assert CachedWay(lm).answer(prompt, b"?????") == greedy
+
+
+def test_cached_teacher_forcing_is_the_truncated_forward_at_every_byte() -> None:
+    lm = tiny_model(seed=3)
+    prompt, expected = POOL[:300], POOL[300:340]
+    forced = CachedWay(lm).teacher(prompt, expected)
+    with torch.no_grad():
+        ids = [int(lm(torch.tensor([[b + 2 for b in prompt + expected[:j]]])).logits[0, -1].argmax())
+               for j in range(len(expected))]
+    want = bytes(i - 2 if i >= 2 else 0 for i in ids)  # a special id reads as NUL, as the ways write it
+    assert forced == want and len(forced) == 40
+    assert ForwardWay(lm, "greedy").teacher(prompt, expected) == ForwardWay(lm, "teacher").answer(prompt, expected)
+    assert ServiceWay("http://x").teacher(prompt, expected) is None
 
 
 def test_service_way_asks_greedy_and_reads_the_token_ids() -> None:
@@ -111,7 +136,9 @@ def test_retrieval_run_writes_rows_records_and_bits_per_byte(tiny_artifact: Path
     result = json.loads(out.read_text())
     assert [(r["length"], r["way"]) for r in result["rows"]] == [
         (512, "forward (teacher)"), (600, "forward (teacher)"), (512, "cached"), (600, "cached")]
-    assert len(result["records"]) == 2 * 2 * 3 * 2 and result["rows"][0]["passkey_trials"] == 2
+    assert len(result["records"]) == 2 * 2 * 4 * 2 and result["rows"][0]["passkey_trials"] == 2
+    assert result["rows"][0]["passkey_standard_trials"] == 2 and result["rows"][2]["copy_teacher"] is not None
+    assert all(r["teacher"] is None for r in result["records"] if r["kind"].startswith("passkey"))
     assert result["bits_per_byte"][0]["passage_bytes"] == 1536 and result["forward_mode"] == "teacher"
 
 
