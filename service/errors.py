@@ -122,9 +122,15 @@ def error_body(path: str, error_type: str, message: str, status_code: int, param
     return {"error": message, "error_type": error_type}
 
 
+def status_for(path: str, status_code: int) -> int:
+    """The status a route's clients expect: OpenAI (and vLLM) answer an invalid request with 400, which the
+    official client raises as BadRequestError; TGI and TEI answer 422."""
+    return 400 if status_code == 422 and is_openai_path(path) else status_code
+
+
 def error_response(path: str, error: ServiceError) -> JSONResponse:
     body = error_body(path, error.error_type, error.message, error.status_code, error.param)
-    return JSONResponse(body, status_code=error.status_code, headers=error.headers)
+    return JSONResponse(body, status_code=status_for(path, error.status_code), headers=error.headers)
 
 
 # Union members pydantic names in an error's location (`bool | int`); no request field has these names.

@@ -21,6 +21,9 @@ class GenerationSpec:
     max_new_tokens: int
     stop_sequences: tuple[str, ...] = ()
     stop_on_eos: bool = True
+    # score the prompt too: None no; k >= 0 each prompt token's logprob and its k most likely alternatives,
+    # from the prefill's forward (TokenEvent.prompt_logprobs)
+    prompt_logprobs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,18 @@ class Timings:
         return (self.finished or time.monotonic()) - self.started
 
 
+Alternatives = tuple[tuple[int, float], ...]  # (token id, log-probability), most likely first
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """A prompt scored by its prefill's forward: entry i is prompt token i+1's log-probability given the
+    tokens before it, and the most likely tokens at that position (as many as the spec asked)."""
+
+    logprobs: tuple[float, ...]
+    top: tuple[Alternatives, ...]
+
+
 @dataclass(frozen=True)
 class FinishEvent:
     """The end of a generation."""
@@ -79,7 +94,9 @@ class TokenEvent:
     special: bool
     finish: FinishEvent | None = None
     # the most likely alternatives (id, log-probability), most likely first, when the spec's sampling asks
-    top: tuple[tuple[int, float], ...] = ()
+    top: Alternatives = ()
+    # on a generation's first token, when the spec asked: its prompt scored by the prefill
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass(frozen=True)

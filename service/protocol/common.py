@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import logging
+import random
 from dataclasses import dataclass
-from typing import Annotated, Any, Protocol
+from typing import Annotated, Protocol
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict
 
-from model.sampling import SamplingParams
+from model.sampling import SamplingParams, choice_seed
 from service.errors import InputTooLong, ValidationFailed
-
-log = logging.getLogger("service.protocol")
 
 
 class Tokenizer(Protocol):
@@ -19,20 +17,12 @@ class Tokenizer(Protocol):
 
 
 class RequestModel(BaseModel):
-    """Request base: unknown fields are kept aside and logged (clients written for TGI/OpenAI send extras);
-    NaN and infinities are refused, and so are values of the wrong JSON type (strict: `true` is not a
-    number and `"5"` is not an integer, as the published schema says)."""
+    """Request base: a field the model does not declare is refused by name (a parameter a client sends is
+    honoured or refused, never ignored: service/protocol/parameters.py lists them all); NaN and infinities
+    are refused, and so are values of the wrong JSON type (strict: `true` is not a number and `"5"` is not an
+    integer, as the published schema says)."""
 
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
-
-    @model_validator(mode="after")
-    def _log_unknown_fields(self) -> RequestModel:
-        if self.model_extra:
-            log.warning(
-                "ignoring unknown fields %s in %s", sorted(self.model_extra), type(self).__name__,
-                extra={"unknown_fields": sorted(self.model_extra)},
-            )
-        return self
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
 class ResponseModel(BaseModel):
@@ -74,6 +64,12 @@ class Limits:
     # The model's position limit (max_position_embeddings): a prompt and the tokens generated after it must
     # fit in it together (TGI's max_total_tokens; vLLM's max_model_len).
     max_total_tokens: int
+    # sequences one prompt may ask for (TGI's best_of, OpenAI's n and best_of): each is a generation of its own
+    max_best_of: int = 4
+
+
+# Alternatives per token at most (OpenAI's logprobs, TGI's top_n_tokens; vLLM's default max_logprobs).
+MAX_LOGPROBS = 20
 
 
 def check_batch_size(count: int, limits: Limits, field: str) -> None:
@@ -161,15 +157,25 @@ MIN_REPETITION_PENALTY = 1e-6
 
 
 def sampling_params(*, temperature: float, top_k: int, top_p: float, repetition_penalty: float, do_sample: bool,
-                    seed: int | None) -> SamplingParams:
+                    seed: int | None, typical_p: float = 1.0, frequency_penalty: float = 0.0,
+                    presence_penalty: float = 0.0, logit_bias: tuple[tuple[int, float], ...] = (),
+                    top_logprobs: int = 0) -> SamplingParams:
     """SamplingParams from a request's (already range-checked) values, with the float32 floors above."""
     if temperature < GREEDY_BELOW_TEMPERATURE:
         temperature, do_sample = 1.0, False
     return SamplingParams(
         temperature=temperature, top_k=top_k, top_p=max(top_p, MIN_TOP_P),
         repetition_penalty=max(repetition_penalty, MIN_REPETITION_PENALTY), do_sample=do_sample, seed=seed,
+        typical_p=max(typical_p, MIN_TOP_P), frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
+        logit_bias=logit_bias, top_logprobs=top_logprobs,
     )
 
 
-def extra_of(model: BaseModel) -> dict[str, Any]:
-    return dict(model.model_extra or {})
+def choice_seeds(seed: int | None, count: int) -> list[int | None]:
+    """The seeds of a request's `count` sequences: one sequence keeps the request's seed (None: the sampler
+    draws one); several derive theirs from it (model/sampling.py choice_seed), from a drawn one when unset, so
+    each sequence is reproduced alone by a request with its seed."""
+    if count == 1:
+        return [seed]
+    base = seed if seed is not None else random.randrange(2**63)
+    return [choice_seed(base, i) for i in range(count)]

@@ -122,6 +122,8 @@ def disconnected_response() -> Response:
 
 
 _ERROR_TEXT = {
+    400: "Invalid request: a field's value, a field this server does not take, or input longer than the limit "
+         "(OpenAI's error object; `code` names the service's error_type).",
     401: "Missing or wrong API key (when one is configured).",
     408: "Request body not received within body_timeout_s (error_type body_timeout).",
     413: "Request body larger than max_payload_bytes.",
@@ -160,6 +162,8 @@ def error_responses(model: type[BaseModel], codes: tuple[int, ...]) -> dict[int 
     return documented
 
 
-# Error responses each inference route documents in the OpenAPI schema.
+# Error responses each inference route documents in the OpenAPI schema; /v1 routes answer 400 where the
+# native ones answer 422 (service/errors.py status_for).
 NATIVE_ERRORS = error_responses(ErrorResponse, INFERENCE_CODES)
-OPENAI_ERRORS = error_responses(OpenAIErrorResponse, INFERENCE_CODES)
+OPENAI_INFERENCE_CODES = tuple(400 if code == 422 else code for code in INFERENCE_CODES)
+OPENAI_ERRORS = error_responses(OpenAIErrorResponse, OPENAI_INFERENCE_CODES)

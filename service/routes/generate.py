@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
 
-from service.engine import GenerationStream
-from service.errors import ServiceError
-from service.jobs import FinishEvent, TokenEvent
+from service.engine import Engine, GenerationStream
+from service.errors import ServiceError, ValidationFailed
+from service.jobs import FinishEvent, GenerationSpec, TokenEvent
 from service.protocol import (
     GenerateDetails,
     GenerateRequest,
@@ -21,6 +23,8 @@ from service.protocol import (
     StreamEvent,
     Token,
 )
+from service.protocol.logprobs import tgi_prefill, tgi_token, tgi_top_tokens
+from service.protocol.native import BestOfSequence
 from service.routes.common import (
     NATIVE_ERRORS,
     ClientDisconnected,
@@ -49,34 +53,89 @@ async def collect(stream: GenerationStream) -> tuple[list[TokenEvent], FinishEve
             return tokens, event.finish
 
 
-def _token(event: TokenEvent) -> Token:
-    return Token(id=event.id, text=event.text, logprob=event.logprob, special=event.special)
+async def collect_all(streams: list[GenerationStream]) -> list[tuple[list[TokenEvent], FinishEvent]]:
+    return list(await asyncio.gather(*(collect(s) for s in streams)))
+
+
+def start_all(engine: Engine, specs: list[GenerationSpec], request: Request, stream: bool) -> list[GenerationStream]:
+    """Queue every spec (one request's sequences); if one is refused, the ones queued already are dropped."""
+    streams: list[GenerationStream] = []
+    try:
+        for spec in specs:
+            streams.append(engine.generate(spec, reservation=reservation_of(request), stream=stream))
+    except ServiceError:
+        for s in streams:
+            s.cancel()
+        raise
+    return streams
+
+
+def summed_logprob(tokens: list[TokenEvent]) -> float:
+    """What best_of ranks sequences by (TGI and vLLM): the generated tokens' summed logprob."""
+    return sum(t.logprob for t in tokens)
+
+
+def _details(tokenizer: Any, prompt_ids: list[int], tokens: list[TokenEvent], finish: FinishEvent,
+             top_n: int) -> dict[str, Any]:
+    """The parts TGI's details and best_of_sequences share."""
+    return dict(
+        finish_reason=finish.finish_reason, generated_tokens=len(finish.generated_ids), seed=finish.seed,
+        prefill=tgi_prefill(tokenizer, prompt_ids, tokens[0].prompt_logprobs), tokens=[tgi_token(t) for t in tokens],
+        top_tokens=[tgi_top_tokens(tokenizer, t.top) for t in tokens] if top_n else None,
+    )
+
+
+def _refuse_contradicting_stream(body: GenerateRequest, streaming: bool) -> None:
+    if "stream" in body.model_fields_set and body.stream != streaming:
+        route = "/generate_stream or POST /" if body.stream else "/generate or POST /"
+        raise ValidationFailed(f"stream: {str(body.stream).lower()} is answered by {route}", param="stream")
 
 
 @router.post("/generate", response_model=GenerateResponse, responses=NATIVE_ERRORS)
 async def generate(body: GenerateRequest, request: Request, state: State) -> Response:
     """Generate a continuation of `inputs` (TGI's /generate)."""
+    _refuse_contradicting_stream(body, streaming=False)
+    content, headers = await _generate(body, request, state, "/generate")
+    if content is None:
+        return disconnected_response()
+    return JSONResponse(content, headers=headers)
+
+
+async def _generate(body: GenerateRequest, request: Request, state: State, route: str
+                    ) -> tuple[dict[str, Any] | None, dict[str, str]]:
+    """/generate's answer and headers (None: the client went away); with best_of, the best of its sequences."""
     started = time.perf_counter()
     engine, limits, tokenizer = ready_parts(state)
-    spec = body.to_spec(tokenizer, limits)
+    specs = body.to_specs(tokenizer, limits)
     log.debug("generate prompt %r", body.inputs)
-    stream = engine.generate(spec, reservation=reservation_of(request), stream=False)
+    streams = start_all(engine, specs, request, stream=False)
     try:
-        tokens, finish = await until_disconnected(request, collect(stream))
+        results = await until_disconnected(request, collect_all(streams))
     except ClientDisconnected:
-        return disconnected_response()
-    observe(state, "/generate", stream.timings, finish.prompt_tokens)
-    text = (body.inputs if body.parameters.return_full_text else "") + finish.generated_text
+        return None, {}
+    finally:
+        for s in streams:
+            s.cancel()
+    for s, (_, finish) in zip(streams, results, strict=True):
+        observe(state, route, s.timings, finish.prompt_tokens)
+    best = max(range(len(results)), key=lambda i: summed_logprob(results[i][0]))
+    tokens, finish = results[best]
+    p = body.parameters
+    text = (body.inputs if p.return_full_text else "") + finish.generated_text
     details = None
-    if body.parameters.details:
-        details = GenerateDetails(
-            finish_reason=finish.finish_reason, generated_tokens=len(finish.generated_ids),
-            prompt_tokens=finish.prompt_tokens, seed=finish.seed, tokens=[_token(t) for t in tokens],
-        )
+    if p.details:
+        prompt_ids = specs[best].prompt_ids
+        top_n = p.top_n_tokens or 0
+        others = [BestOfSequence(generated_text=(body.inputs if p.return_full_text else "") + f.generated_text,
+                                 **_details(tokenizer, prompt_ids, t, f, top_n))
+                  for i, (t, f) in enumerate(results) if i != best]
+        details = GenerateDetails(prompt_tokens=finish.prompt_tokens, **_details(tokenizer, prompt_ids, tokens, finish,
+                                                                                  top_n),
+                                  best_of_sequences=others if len(results) > 1 else None)
     content = GenerateResponse(generated_text=text, details=details).model_dump(mode="json", exclude_none=True)
-    headers = timing_headers(stream.timings, time.perf_counter() - started, finish.prompt_tokens,
-                             len(finish.generated_ids))
-    return JSONResponse(content, headers=headers)
+    generated = sum(len(f.generated_ids) for _, f in results)
+    headers = timing_headers(streams[best].timings, time.perf_counter() - started, finish.prompt_tokens, generated)
+    return content, headers
 
 
 @router.post(
@@ -88,6 +147,12 @@ async def generate(body: GenerateRequest, request: Request, state: State) -> Res
 )
 async def generate_stream(body: GenerateRequest, request: Request, state: State) -> Response:
     """Generate with Server-Sent Events, one per token; the last carries generated_text and details."""
+    _refuse_contradicting_stream(body, streaming=True)
+    return await _generate_stream(body, request, state)
+
+
+async def _generate_stream(body: GenerateRequest, request: Request, state: State) -> Response:
+    body.check_streamable()
     engine, limits, tokenizer = ready_parts(state)
     spec = body.to_spec(tokenizer, limits)
     stream = engine.generate(spec, reservation=reservation_of(request))
@@ -96,16 +161,26 @@ async def generate_stream(body: GenerateRequest, request: Request, state: State)
     except ClientDisconnected:
         return disconnected_response()
     prefix = body.inputs if body.parameters.return_full_text else ""
-    return EventStreamResponse(_events(state, stream, first, prefix))
+    top_n = body.parameters.top_n_tokens or 0
+    return EventStreamResponse(_events(state, stream, first, prefix, tokenizer if top_n else None))
 
 
-async def _events(state: State, stream: GenerationStream, first: TokenEvent, prefix: str) -> AsyncIterator[bytes]:
+def _unasked(top: list[Token] | None) -> set[str]:
+    """TGI leaves top_tokens out of an event unless top_n_tokens asked for them."""
+    return {"top_tokens"} if top is None else set()
+
+
+async def _events(state: State, stream: GenerationStream, first: TokenEvent, prefix: str,
+                  tokenizer: Any) -> AsyncIterator[bytes]:
+    """The stream's events; `tokenizer` given: each carries its token's top_tokens."""
     event = first
     try:
         while True:
             finish = event.finish
+            top = tgi_top_tokens(tokenizer, event.top) if tokenizer is not None else None
             if finish is None:
-                yield sse(StreamEvent(index=event.index, token=_token(event)).model_dump(mode="json"))
+                yield sse(StreamEvent(index=event.index, token=tgi_token(event), top_tokens=top).model_dump(
+                    mode="json", exclude=_unasked(top)))
                 event = await stream.next_event()
                 continue
             observe(state, "/generate_stream", stream.timings, finish.prompt_tokens)
@@ -113,9 +188,9 @@ async def _events(state: State, stream: GenerationStream, first: TokenEvent, pre
                 finish_reason=finish.finish_reason, generated_tokens=len(finish.generated_ids),
                 prompt_tokens=finish.prompt_tokens, input_length=finish.prompt_tokens, seed=finish.seed,
             )
-            final = StreamEvent(index=event.index, token=_token(event), generated_text=prefix + finish.generated_text,
-                                details=details)
-            yield sse(final.model_dump(mode="json"))
+            final = StreamEvent(index=event.index, token=tgi_token(event), top_tokens=top,
+                                generated_text=prefix + finish.generated_text, details=details)
+            yield sse(final.model_dump(mode="json", exclude=_unasked(top)))
             return
     except ServiceError as error:
         yield sse(StreamError(error=error.message, error_type=error.error_type).model_dump(mode="json"))
@@ -129,13 +204,17 @@ async def _events(state: State, stream: GenerationStream, first: TokenEvent, pre
 
 @router.post(
     "/",
-    response_model=GenerateResponse,
+    response_model=list[GenerateResponse],
     responses={**NATIVE_ERRORS, 200: {"content": {"text/event-stream": {}},
-                                      "description": "As /generate, or with `stream: true` as /generate_stream."}},
+                                      "description": "As /generate in a one-element list, or with `stream: true` "
+                                                     "as /generate_stream."}},
 )
 async def tgi_root(body: GenerateRequest, request: Request, state: State) -> Response:
     """TGI's route for clients pointed at the server's URL (huggingface_hub's `InferenceClient(url)`):
-    `stream: true` in the body answers as /generate_stream, otherwise as /generate."""
+    `stream: true` in the body answers as /generate_stream, otherwise as /generate in a one-element list."""
     if body.stream:
-        return await generate_stream(body, request, state)
-    return await generate(body, request, state)
+        return await _generate_stream(body, request, state)
+    content, headers = await _generate(body, request, state, "/generate")
+    if content is None:
+        return disconnected_response()
+    return JSONResponse([content], headers=headers)

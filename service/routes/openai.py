@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import numpy as np
 from fastapi import APIRouter, Request
@@ -19,7 +19,6 @@ from service.jobs import FinishEvent, TokenEvent
 from service.protocol import (
     OPENAI_FINISH_REASON,
     CompletionChoice,
-    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     EmbeddingData,
@@ -30,6 +29,7 @@ from service.protocol import (
     OpenAIErrorResponse,
     Usage,
 )
+from service.protocol.logprobs import completion_logprobs, prompt_texts
 from service.routes.common import (
     OPENAI_ERRORS,
     READ_CODES,
@@ -45,7 +45,7 @@ from service.routes.common import (
     timing_headers,
     until_disconnected,
 )
-from service.routes.generate import collect
+from service.routes.generate import collect_all, start_all, summed_logprob
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 log = logging.getLogger("service.routes.openai")
@@ -57,13 +57,12 @@ def _cut_at_stop(text: str, stops: list[str]) -> str:
     return text[: min(hits)] if hits else text
 
 
-def _logprobs(tokens: list[TokenEvent], offset: int) -> CompletionLogprobs:
-    offsets, position = [], offset
-    for t in tokens:
-        offsets.append(position)
-        position += len(t.text)
-    return CompletionLogprobs(tokens=[t.text for t in tokens], token_logprobs=[t.logprob for t in tokens],
-                              text_offset=offsets)
+def _rank(results: list[tuple[list[TokenEvent], FinishEvent]], n: int) -> list[int]:
+    """The n of a prompt's sequences to answer: all in order when n of n ran, else (best_of) the n of the
+    highest summed logprob, best first."""
+    if len(results) == n:
+        return list(range(n))
+    return sorted(range(len(results)), key=lambda i: -summed_logprob(results[i][0]))[:n]
 
 
 @router.post("/completions", response_model=CompletionResponse, responses={
@@ -72,79 +71,117 @@ async def completions(body: CompletionRequest, request: Request, state: State) -
     """OpenAI text completions; `stream: true` sends Server-Sent Events ending with `data: [DONE]`."""
     started = time.perf_counter()
     engine, limits, tokenizer = ready_parts(state)
-    specs = body.to_specs(tokenizer, limits)
-    if body.stream and len(specs) > 1:
+    per_prompt = body.to_specs(tokenizer, limits)
+    if body.stream and len(per_prompt) > 1:
         raise ValidationFailed("stream supports a single prompt", param="prompt")
-    streams = []
-    try:
-        for spec in specs:
-            streams.append(engine.generate(spec, reservation=reservation_of(request), stream=body.stream))
-    except ServiceError:
-        for s in streams:
-            s.cancel()
-        raise
+    specs = [spec for group in per_prompt for spec in group]
+    streams = start_all(engine, specs, request, stream=body.stream)
     if body.stream:
         try:
             first = await until_disconnected(request, streams[0].next_event())
         except ClientDisconnected:
             return disconnected_response()
-        return EventStreamResponse(_stream(state, body, streams[0], first))
+        return EventStreamResponse(_stream(state, body, streams[0], first, tokenizer))
     try:
-        results = await until_disconnected(request, asyncio.gather(*(collect(s) for s in streams)))
+        results = await until_disconnected(request, collect_all(streams))
     except ClientDisconnected:
         return disconnected_response()
     finally:
         for s in streams:
             s.cancel()
-    choices, prompt_tokens, generated = [], 0, 0
-    for index, ((tokens, finish), prompt, stream) in enumerate(zip(results, body.prompts(), streams, strict=True)):
+    for stream, (_, finish) in zip(streams, results, strict=True):
         observe(state, "/v1/completions", stream.timings, finish.prompt_tokens)
-        text = _cut_at_stop(finish.generated_text, body.stop_list()) if finish.finish_reason == "stop_sequence" \
-            else finish.generated_text
-        prefix = prompt if body.echo else ""
-        choices.append(CompletionChoice(
-            index=index, text=prefix + text, finish_reason=OPENAI_FINISH_REASON[finish.finish_reason],  # type: ignore[arg-type]
-            logprobs=_logprobs(tokens, len(prefix)) if body.logprobs is not None else None,
-        ))
-        prompt_tokens += finish.prompt_tokens
-        generated += len(finish.generated_ids)
+    choices, seeds, prompt_tokens, generated = [], [], 0, 0
+    width = len(per_prompt[0])
+    for p, group in enumerate(per_prompt):
+        ran = results[p * width:(p + 1) * width]
+        prompt_tokens += ran[0][1].prompt_tokens
+        generated += sum(0 if body.scores_only else len(f.generated_ids) for _, f in ran)
+        for j, k in enumerate(_rank(ran, body.n)):
+            tokens, finish = ran[k]
+            choices.append(_choice(body, tokenizer, group[k].prompt_ids, tokens, finish, p * body.n + j))
+            seeds.append(finish.seed)
     response = CompletionResponse(
         id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=state.model_id, choices=choices,
         usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=generated, total_tokens=prompt_tokens + generated),
+        seeds=seeds,
     )
     headers = timing_headers(streams[0].timings, time.perf_counter() - started, prompt_tokens, generated)
     return JSONResponse(response.model_dump(mode="json"), headers=headers)
 
 
-async def _stream(state: State, body: CompletionRequest, stream: GenerationStream,
-                  first: TokenEvent) -> AsyncIterator[bytes]:
+def _choice(body: CompletionRequest, tokenizer: Any, prompt_ids: list[int], tokens: list[TokenEvent],
+            finish: FinishEvent, index: int) -> CompletionChoice:
+    """One choice: the echoed prompt (the text of its tokens, truncation applied), the generated text cut at a
+    stop sequence, and the logprobs asked for (the prompt's first with echo)."""
+    scores = tokens[0].prompt_logprobs if body.echo else None
+    if body.scores_only:  # the prefill's one token was only there to run it
+        tokens, text, reason = [], "", "length"
+    else:
+        text = _cut_at_stop(finish.generated_text, body.stop_list()) if finish.finish_reason == "stop_sequence" \
+            else finish.generated_text
+        reason = OPENAI_FINISH_REASON[finish.finish_reason]
+    prefix = "".join(prompt_texts(tokenizer, prompt_ids)) if body.echo else ""
+    logprobs = None
+    if body.logprobs is not None:
+        logprobs = completion_logprobs(tokenizer, tokens, body.logprobs, prompt_ids=prompt_ids, scores=scores)
+    return CompletionChoice(index=index, text=prefix + text, finish_reason=reason,  # type: ignore[arg-type]
+                            logprobs=logprobs)
+
+
+async def _stream(state: State, body: CompletionRequest, stream: GenerationStream, first: TokenEvent,
+                  tokenizer: Any) -> AsyncIterator[bytes]:
+    """The completion's chunks: text as it is safe to send (never part of a stop sequence), each chunk with the
+    logprobs of the tokens generated since the previous chunk when asked (the echoed prompt and its scores
+    with the first), and with stream_options.include_usage a last chunk holding usage and no choices."""
     completion_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     stops = body.stop_list()
     # Hold back what could be the start of a stop sequence, so that no part of one is ever sent.
     hold = max((len(s) for s in stops), default=1) - 1
-    text, sent = body.prompt if body.echo and isinstance(body.prompt, str) else "", 0
+    prompt_ids = stream.job.spec.prompt_ids
+    echoed = "".join(prompt_texts(tokenizer, prompt_ids)) if body.echo else ""
+    scores = first.prompt_logprobs if body.echo else None
+    text, sent, reported = echoed, 0, 0  # reported: the characters of the tokens whose logprobs went out
+    pending: list[TokenEvent] = []
 
-    def chunk(piece: str, finish: FinishEvent | None) -> bytes:
-        reason = OPENAI_FINISH_REASON[finish.finish_reason] if finish else None
-        choice = CompletionChoice(index=0, text=piece, finish_reason=reason)  # type: ignore[arg-type]
+    def chunk(piece: str, reason: str | None) -> bytes:
+        nonlocal pending, scores, reported
+        logprobs = None
+        if body.logprobs is not None:
+            logprobs = completion_logprobs(tokenizer, pending, body.logprobs, offset=reported, prompt_ids=prompt_ids,
+                                           scores=scores)
+            reported = logprobs.text_offset[-1] + len(logprobs.tokens[-1]) if logprobs.tokens else reported
+        pending, scores = [], None
+        choice = CompletionChoice(index=0, text=piece, finish_reason=reason, logprobs=logprobs)  # type: ignore[arg-type]
         payload = CompletionResponse(id=completion_id, created=created, model=state.model_id, choices=[choice])
-        return sse(payload.model_dump(mode="json", exclude={"usage"}))
+        return sse(payload.model_dump(mode="json", exclude={"usage", "seeds"}))
 
     event = first
     try:
         while True:
-            text += event.text
-            if event.finish is None:
+            finish = event.finish
+            if not body.scores_only:
+                text += event.text
+                pending.append(event)
+            if finish is None:
                 safe = len(text) - hold
                 if safe > sent:
                     yield chunk(text[sent:safe], None)
                     sent = safe
                 event = await stream.next_event()
                 continue
-            if event.finish.finish_reason == "stop_sequence":
-                text = _cut_at_stop(text, stops)
-            observe(state, "/v1/completions", stream.timings, event.finish.prompt_tokens)
-            yield chunk(text[sent:], event.finish)
+            if finish.finish_reason == "stop_sequence":
+                text = echoed + _cut_at_stop(text[len(echoed):], stops)
+            observe(state, "/v1/completions", stream.timings, finish.prompt_tokens)
+            # scores only: the prefill's one token is dropped, so its end is not the text's
+            yield chunk(text[sent:], "length" if body.scores_only else OPENAI_FINISH_REASON[finish.finish_reason])
+            if body.stream_options is not None and body.stream_options.include_usage:
+                made = 0 if body.scores_only else len(finish.generated_ids)
+                usage = Usage(prompt_tokens=finish.prompt_tokens, completion_tokens=made,
+                              total_tokens=finish.prompt_tokens + made)
+                last = CompletionResponse(id=completion_id, created=created, model=state.model_id, choices=[],
+                                          usage=usage)
+                yield sse(last.model_dump(mode="json", exclude={"seeds"}))
             break
     except ServiceError as error:
         yield sse(error_body("/v1", error.error_type, error.message, error.status_code, error.param))

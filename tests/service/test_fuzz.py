@@ -65,14 +65,15 @@ def error_schema_name(responses: dict[str, Any], code: str) -> str:
 
 
 def test_schema_documents_every_error_response() -> None:
-    """Each inference route documents 401/413/422/429/500/503/504 with the error body its clients get; every
-    other route documents at least 401, 500 and (but /metrics) 503; 429 and 503 carry Retry-After."""
+    """Each inference route documents 401/413/422 (/v1: 400)/429/500/503/504 with the error body its clients
+    get; every other route documents at least 401, 500 and (but /metrics) 503; 429 and 503 carry Retry-After."""
     inference = {"/generate", "/generate_stream", "/embed", "/v1/completions", "/v1/embeddings"}
     for path, operations in OPENAPI["paths"].items():
         for method, operation in operations.items():
             responses = operation["responses"]
             shape = "OpenAIErrorResponse" if path.startswith("/v1") else "ErrorResponse"
-            codes = ("401", "413", "422", "429", "500", "503", "504") if path in inference else ("401", "500")
+            invalid = "400" if path.startswith("/v1") else "422"  # OpenAI's clients expect 400
+            codes = ("401", "413", invalid, "429", "500", "503", "504") if path in inference else ("401", "500")
             for code in codes + (("503",) if path != "/metrics" else ()):
                 assert error_schema_name(responses, code) == shape, (method, path, code)
             if "429" in responses:
