@@ -1,10 +1,10 @@
 """Embedding statistics shipped with an artifact (embedding_stats.safetensors) and estimated on mean-pooled
 final hidden states of passages of the TRAINING part of each document (the head before the held-out
-validation tail, cut as `reformer train` cuts it), so no validation byte shapes them: the per-dimension
-mean and std, and the shrinkage-whitening matrix (model/pooling.py's whitening_matrix). The service whitens
-mean-pooled embeddings with them, or, for an older file without the matrix, standardises them per dimension
-(model/pooling.py); bench/embed_quality.py estimates its standardised and whitened rows with the same
-functions.
+validation tail, cut by export/documents.py as `reformer train` cuts it), so no validation byte shapes
+them: the per-dimension mean and std, and the shrinkage-whitening matrix (model/pooling.py's
+whitening_matrix). The service whitens mean-pooled embeddings with them, or, for an older file without the
+matrix, standardises them per dimension (model/pooling.py); bench/embed_quality.py estimates its standardised
+and whitened rows with the same functions.
 
 The shrinkage is chosen per model, on training passages only (`select_shrinkage`): the last fifth of each
 document's passages (in text order) are held out, every shrinkage of SHRINKAGE_GRID whitens with the
@@ -25,9 +25,9 @@ import torch.nn.functional as F
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from export.documents import find_text_files, read_document, split_point
 from model import ByteTokenizer, ReformerLM
 from model.pooling import EmbeddingStats, pool_hidden, standardize
-from train.data import find_text_files, read_document, split_point
 
 STATS_FILE = "embedding_stats.safetensors"
 # up to 1,000 passages per document of the default data (all its non-overlapping 2,048-byte passages but War

@@ -1,5 +1,7 @@
 """Training data: UTF-8 text files -> cleaned documents -> byte tokens in memory-mapped files, split into
 training heads and held-out validation tails, served as random (training) or fixed (validation) windows.
+Finding, cleaning and cutting the documents is export/documents.py's, shared with the embedding statistics
+an artifact ships (export may not import train).
 
 Every document contributes its head to `train.bin` and its tail (the last `val_fraction` of its tokens)
 to `val.bin`; windows never cross a document boundary, so no validation byte is inside a training window."""
@@ -8,25 +10,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from export.documents import DataError, find_text_files, read_document, split_point
 from model.tokenizer import ByteTokenizer
 
 CACHE_FORMAT = 1  # bump when cleaning or the file layout changes, so stale caches are rebuilt
 _TOKEN_DTYPE = np.uint16  # ids are byte + 2 (2..257): one byte is not enough
-_GUTENBERG_START = re.compile(r"^\*\*\* ?START OF (THE|THIS) PROJECT GUTENBERG.*$", re.MULTILINE)
-_GUTENBERG_END = re.compile(
-    r"^(\*\*\* ?END OF (THE|THIS) PROJECT GUTENBERG|End of (the )?Project Gutenberg)", re.MULTILINE
-)
-
-
-class DataError(ValueError):
-    """A problem with the training data that the user must fix (the message names it)."""
 
 
 @dataclass(frozen=True)
@@ -45,52 +38,8 @@ class Segment:
     length: int
 
 
-def clean_text(text: str) -> str:
-    """Drop a byte-order mark, make line ends LF, and keep only the body of a Project Gutenberg book
-    (after the `*** START OF ...` line, before `End of (the) Project Gutenberg` / `*** END OF ...`)."""
-    text = text.lstrip("\ufeff").replace("\r\n", "\n").replace("\r", "\n")
-    start = _GUTENBERG_START.search(text)
-    if start is not None:
-        text = text[start.end():]
-    end = _GUTENBERG_END.search(text)
-    if end is not None:
-        text = text[: end.start()]
-    return text.strip("\n") + "\n" if text.strip() else ""
-
-
-def find_text_files(sources: Sequence[str | Path]) -> list[Path]:
-    """Each source is a file or a directory (its *.txt files, sorted, non-recursive)."""
-    files: list[Path] = []
-    for src in sources:
-        p = Path(src)
-        if p.is_dir():
-            files.extend(sorted(f for f in p.iterdir() if f.is_file() and f.suffix == ".txt"))
-        elif p.is_file():
-            files.append(p)
-        else:
-            raise DataError(f"training data {str(p)!r} is neither a file nor a directory")
-    if not files:
-        raise DataError(f"no .txt files found in {[str(s) for s in sources]}: the corpus is empty")
-    return files
-
-
 def describe_files(files: list[Path]) -> list[SourceFile]:
     return [SourceFile(f, hashlib.sha256(f.read_bytes()).hexdigest(), f.stat().st_size) for f in files]
-
-
-def read_document(path: Path) -> str:
-    try:
-        return clean_text(path.read_bytes().decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise DataError(f"{path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
-
-
-def split_point(n_tokens: int, val_fraction: float) -> int:
-    """Index where a document's validation tail starts (at least one token each side when possible)."""
-    n_val = int(round(n_tokens * val_fraction))
-    if val_fraction > 0 and n_tokens >= 2:
-        n_val = min(max(n_val, 1), n_tokens - 1)
-    return n_tokens - n_val
 
 
 class TokenFile:

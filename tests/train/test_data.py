@@ -8,15 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from export.documents import DataError, clean_text, read_document
 from model import ByteTokenizer
-from train.data import (
-    DataError,
-    WindowSampler,
-    clean_text,
-    prepare_corpus,
-    read_document,
-    validation_windows,
-)
+from train.data import WindowSampler, prepare_corpus, validation_windows
 from train.loop import main as train_main
 
 GUTENBERG = (
