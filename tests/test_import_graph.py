@@ -1,7 +1,8 @@
 """The import graph of the project's packages: no circles, no module reaching for another's private names, and
-the C kernels' package importing nothing from the model. Read from the source with `ast` (every import, inside
-functions too, except those under `if TYPE_CHECKING:`, which never run), so a new circle fails here before it
-fails at some import order at run time."""
+every folder importing only the folders below it (`MAY_IMPORT`). Read from the source with `ast`: every
+import, inside functions and under `if TYPE_CHECKING:` too (an annotation's import ties two modules as much
+as one that runs: neither can be read, moved or tested without the other), so a new circle or a reach up the
+layers fails here before it fails at some import order at run time."""
 
 from __future__ import annotations
 
@@ -13,6 +14,20 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("model", "export", "service", "train")
 
+# Each folder and the folders it may import besides its own; a module belongs to the deepest folder named here
+# that holds it (model/decoding/steps is model.decoding, model/tokenizers is model). The C kernels' package is
+# the bottom; the network is on it; decoding is on the network; export and train are above the model, and train
+# may use export but not the reverse; the service is above all but train.
+MODEL_LAYERS = {"model.kernels", "model", "model.decoding"}
+MAY_IMPORT: dict[str, set[str]] = {
+    "model.kernels": set(),
+    "model": {"model.kernels"},
+    "model.decoding": {"model", "model.kernels"},
+    "export": MODEL_LAYERS,
+    "train": MODEL_LAYERS | {"export"},
+    "service": MODEL_LAYERS | {"export"},
+}
+
 
 def _module_name(path: Path) -> str:
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
@@ -23,23 +38,13 @@ def _modules() -> dict[str, Path]:
     return {_module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
 def _imports(path: Path, name: str, modules: dict[str, Path]) -> list[tuple[str, list[str]]]:
-    """(imported module, names taken from it) for every import that runs."""
+    """(imported module, names taken from it) for every import in the file, whether it runs or not."""
     is_package = path.name == "__init__.py"
     package = name if is_package else name.rpartition(".")[0]
     found: list[tuple[str, list[str]]] = []
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node):
-            for child in node.orelse:
-                visit(child)
-            return
         if isinstance(node, ast.Import):
             found.extend((alias.name, []) for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -126,12 +131,46 @@ def test_no_module_imports_another_modules_private_names() -> None:
     assert not bad, bad
 
 
-def test_the_kernels_package_imports_nothing_from_the_model() -> None:
+def _layer(module: str) -> str:
+    holders = [folder for folder in MAY_IMPORT if module == folder or module.startswith(folder + ".")]
+    assert holders, f"{module} is in no folder of MAY_IMPORT: give its folder a place in the layers"
+    return max(holders, key=len)
+
+
+def _layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Every import of a module from a folder its own folder may not import."""
+    return [f"{module} ({_layer(module)}) imports {dep} ({_layer(dep)})"
+            for module, deps in sorted(graph.items()) for dep in sorted(deps)
+            if _layer(dep) != _layer(module) and _layer(dep) not in MAY_IMPORT[_layer(module)]]
+
+
+def test_every_folder_imports_only_the_folders_below_it() -> None:
     graph = _graph()
-    outside = {m: sorted(d for d in deps if not d.startswith("model.kernels"))
-               for m, deps in graph.items() if m.startswith("model.kernels")}
-    assert graph.get("model.kernels.bindings") is not None
-    assert not any(outside.values()), outside
+    assert {_layer(m) for m in graph} == set(MAY_IMPORT)  # every layer is found, so the check reads them all
+    violations = _layer_violations(graph)
+    assert not violations, "imports against the layers:\n" + "\n".join(violations)
+
+
+@pytest.mark.parametrize(("low", "high"), [
+    ("model.kernels.abi", "model.config"),
+    ("model.attention", "model.decoding.cache"),
+    ("model.decoding.cache", "export.artifact"),
+    ("export.embedding_stats", "train.data"),
+    ("export.artifact", "service.engine"),
+])
+def test_the_check_allows_an_import_down_and_refuses_one_up(low: str, high: str) -> None:
+    assert _layer_violations({high: {low}, low: set()}) == []
+    assert _layer_violations({low: {high}, high: set()}) == [f"{low} ({_layer(low)}) imports {high} ({_layer(high)})"]
+
+
+def test_the_check_refuses_train_and_the_service_each_other() -> None:
+    assert len(_layer_violations({"service.engine": {"train.data"}, "train.loop": {"service.engine"}})) == 2
+
+
+def test_an_import_under_type_checking_counts(tmp_path: Path) -> None:
+    source = tmp_path / "mod.py"
+    source.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from service.engine import Engine\n")
+    assert ("service.engine", ["Engine"]) in _imports(source, "model.mod", _modules())
 
 
 @pytest.mark.parametrize("layer", ["model.decoding.plan", "model.kernels.abi"])
