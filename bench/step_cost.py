@@ -165,7 +165,7 @@ def time_steps(lm: ReformerLM, batch_sizes: list[int], prompt: int, steps: int, 
                                   [reserve])[1]
             runs[b] = (decoder, states, [5] * b)
     times: dict[int, list[float]] = {b: [] for b in batch_sizes}
-    distinct = lsh_distinct_share(lm, *runs[max(batch_sizes)])
+    distinct = lsh_distinct_share(*runs[max(batch_sizes)])
     with torch.inference_mode():
         for _ in range(rounds):
             for b, (decoder, states, tokens) in runs.items():
