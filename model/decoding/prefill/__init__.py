@@ -17,12 +17,13 @@ from ..cache import DecodeCache, DecodeState
 from ..index_upkeep import build_index_steps, coming_count, index_buckets, row_buckets
 from ..plan import layers_of
 from .row_blocks import in_blocks, position_blocks, rows_in_blocks
+from .scores import PromptScores, score_prompts
 from .slices import DEFAULT_SLICE_CHUNKS, at_positions, layer_f_slices, projections
 
 if TYPE_CHECKING:
     from ...reformer import ReformerLM
 
-__all__ = ["WRITE_ROWS", "prefill", "prefill_steps"]
+__all__ = ["WRITE_ROWS", "PromptScores", "prefill", "prefill_scored_steps", "prefill_steps"]
 
 
 # A prefill writes its keys and values into the cache this many positions at a time, yielding between: the
@@ -48,7 +49,20 @@ def prefill(lm: ReformerLM, cache: DecodeCache, prompts: Sequence[Tensor], reser
 
 def prefill_steps(lm: ReformerLM, cache: DecodeCache, prompts: Sequence[Tensor], reserve: Sequence[int] | None = None,
                   slice_chunks: int = DEFAULT_SLICE_CHUNKS) -> Generator[None, None, tuple[Tensor, list[DecodeState]]]:
-    """`prefill` in slices: it yields after the embeddings, each projection and cache write, each LSH index build,
+    """`prefill_scored_steps` scoring nothing: the logits after each prompt and the states."""
+    logits, states, _ = yield from prefill_scored_steps(lm, cache, prompts, reserve, slice_chunks)
+    return logits, states
+
+
+def prefill_scored_steps(lm: ReformerLM, cache: DecodeCache, prompts: Sequence[Tensor],
+                         reserve: Sequence[int] | None = None, slice_chunks: int = DEFAULT_SLICE_CHUNKS,
+                         score: Sequence[int | None] | None = None
+                         ) -> Generator[None, None, tuple[Tensor, list[DecodeState], list[PromptScores | None]]]:
+    """`score[i]` None or k: prompt i is also scored by this forward, each position's next-token log-probability
+    and top k (model/decoding/prefill/scores.py; the last layer then runs at every position, not only the
+    last). Returns the logits, the states and each prompt's PromptScores (None where not asked).
+
+    `prefill` in slices: it yields after the embeddings, each projection and cache write, each LSH index build,
     each `slice_chunks` chunk-window attentions (model/decoding/prefill/slices.py) and each feed-forward slice, so a
     caller can run decode steps in between (chunked prefill); the embeddings, layer norms, projections and
     hashing of a long prompt also between blocks of positions (model/decoding/prefill/row_blocks.py). The
@@ -63,7 +77,8 @@ def prefill_steps(lm: ReformerLM, cache: DecodeCache, prompts: Sequence[Tensor],
         for n, w in zip(lengths, want, strict=True):
             states.append(cache.allocate(max(n, w)))
         with torch.no_grad():
-            result = yield from _prefill_layers(lm, cache, prompts, lengths, states, slice_chunks)
+            asked = list(score) if score is not None else [None] * len(prompts)
+            result = yield from _prefill_layers(lm, cache, prompts, lengths, states, slice_chunks, asked)
             lsh = [(li, att) for li, layer in enumerate(layers_of(lm))
                    if isinstance(att := layer.attention.self_attention, LSHSelfAttention)]
             for state in states:  # close to a bucket-count change: hashed ahead now (model/decoding/rehash_ahead.py)
@@ -78,8 +93,10 @@ def prefill_steps(lm: ReformerLM, cache: DecodeCache, prompts: Sequence[Tensor],
 
 
 def _prefill_layers(lm: ReformerLM, cache: DecodeCache, prompts: Sequence[Tensor], lengths: list[int],
-                    states: list[DecodeState], slice_chunks: int = DEFAULT_SLICE_CHUNKS
-                    ) -> Generator[None, None, tuple[Tensor, list[DecodeState]]]:
+                    states: list[DecodeState], slice_chunks: int = DEFAULT_SLICE_CHUNKS,
+                    asked: Sequence[int | None] = ()
+                    ) -> Generator[None, None, tuple[Tensor, list[DecodeState], list[PromptScores | None]]]:
+    scoring = any(k is not None for k in asked)
     longest = max(lengths)
     ids = torch.full((len(prompts), longest), lm.config.pad_token_id, dtype=torch.long, device=cache.device)
     mask = torch.zeros(len(prompts), longest, dtype=torch.long, device=cache.device)
@@ -130,7 +147,7 @@ def _prefill_layers(lm: ReformerLM, cache: DecodeCache, prompts: Sequence[Tensor
         # the layer as ReformerLayer.forward computes it (eval, no dropout), its attention in slices of chunks.
         # The last layer's outputs feed only the logits after each prompt: its output projection and
         # feed-forward run on those positions alone (its keys and values, above, cover every position)
-        if li == len(layers) - 1:
+        if li == len(layers) - 1 and not scoring:
             x1 = at_positions(x1, last) + (yield from layer_f_slices(layer, x2, ctx, slice_chunks, given, last))
             x2 = at_positions(x2, last) + layer.feed_forward(x1)  # (N, 1, hidden)
             break
@@ -149,8 +166,12 @@ def _prefill_layers(lm: ReformerLM, cache: DecodeCache, prompts: Sequence[Tensor
                 torch.add(x2[:, a : a + size], ff(x1[:, a : a + size]), out=summed[:, a : a + size])
                 yield
             x2 = summed
+    scores: list[PromptScores | None] = [None] * len(prompts)
+    if scoring:  # every position's streams are here: score them, then keep each prompt's last
+        scores = yield from score_prompts(lm, x1, x2, tokens, lengths, asked)
+        x1, x2 = at_positions(x1, last), at_positions(x2, last)  # (N, 1, hidden)
     hidden = torch.cat([x1, x2], dim=-1)[:, 0]  # (N, 2*hidden): after each prompt's last position
     for state, n in zip(states, lengths):
         state.length = n
-    return lm.lm_head(lm.final_layer_norm(hidden)), states
+    return lm.lm_head(lm.final_layer_norm(hidden)), states, scores
 
