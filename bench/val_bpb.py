@@ -2,7 +2,7 @@
 folder: the figure `reformer train` reports at its end, split so that the books a model was first trained on
 and the books it was later given can be read apart.
 
-    python bench/val_bpb.py MODEL [--data ../shared/data ../shared/corpus] [--window 4096] [--threads 2]
+    python bench/val_bpb.py MODEL [--data corpus/data corpus/corpus] [--window 4096] [--threads 2]
                             [--out bench/results/val_bpb.json]
 
 MODEL is an artifact directory or a training checkpoint. Each file's tail (the last `--val-fraction`, cut
@@ -28,9 +28,8 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from train.corpus import NAMED_SETS  # noqa: E402
 from train.evaluation import load_lm, validation_tails  # noqa: E402
-
-SHARED = ROOT.parent / "shared"
 
 
 @torch.no_grad()
@@ -78,7 +77,8 @@ def table(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model", type=Path, help="artifact directory or training checkpoint")
-    p.add_argument("--data", type=Path, nargs="+", default=[SHARED / "data", SHARED / "corpus"])
+    p.add_argument("--data", type=Path, nargs="+", default=[NAMED_SETS["data"], NAMED_SETS["corpus"]],
+                   help="folders of books (default: the two sets `reformer data` writes, train/corpus.py)")
     p.add_argument("--window", type=int, default=4096)
     p.add_argument("--val-fraction", type=float, default=0.05)
     p.add_argument("--threads", type=int, default=2)
