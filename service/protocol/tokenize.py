@@ -16,7 +16,9 @@ class TokenizeBody(RequestModel):
     `prompt` or `messages` (vLLM: the ids, their count and the model's length)."""
 
     inputs: PlainText | None = Field(None, description="TGI: text to tokenize; answers a list of tokens.")
-    prompt: PlainText | None = Field(None, description="vLLM: text to tokenize; answers `tokens` and `count`.")
+    prompt: PlainText | None = Field(
+        None, description="vLLM: text to tokenize; answers `tokens` and `count`. A special token spelled out "
+        "(`/tokenizer_info`'s eos_token) is its id, as vLLM's Hugging Face tokenizers treat their special tokens.")
     messages: list[ChatMessage] | None = Field(
         None, description="vLLM: a conversation, rendered with the artifact's chat template, then tokenized.")
     add_special_tokens: bool | None = Field(

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from fastapi import APIRouter
@@ -43,6 +44,28 @@ def render_messages(state: State, tokenizer: Any, body: Any) -> str:
     )
 
 
+def encode_spelled_specials(tokenizer: Any, text: str) -> list[int]:
+    """Ids of `text` where a named special token spelled out (`</s>`) is its id, as a Hugging Face tokenizer
+    treats its added special tokens and so vLLM's /tokenize: lm-eval finds the end-of-text id by tokenizing
+    /tokenizer_info's eos_token. Everywhere else (prompts, TGI's /tokenize) text is only text."""
+    named = {tokenizer.pad_id, tokenizer.eos_id, tokenizer.bos_id, tokenizer.unk_id} - {None}
+    specials = {str(tokenizer.id_to_piece(i)): int(i) for i in named}
+    specials.pop("", None)
+    if not specials:
+        return list(tokenizer.encode(text))
+    pattern = re.compile("|".join(re.escape(s) for s in sorted(specials, key=len, reverse=True)))
+    ids: list[int] = []
+    start = 0
+    for match in pattern.finditer(text):
+        if match.start() > start:
+            ids.extend(tokenizer.encode(text[start:match.start()]))
+        ids.append(specials[match.group()])
+        start = match.end()
+    if start < len(text):
+        ids.extend(tokenizer.encode(text[start:]))
+    return ids
+
+
 def _with_specials(ids: list[int], tokenizer: Any, add: bool) -> list[int]:
     """The tokenizer's encode adds no special tokens; asked to, the beginning-of-text id goes first (a
     tokenizer without one, as the byte tokenizer, has none to add)."""
@@ -69,12 +92,12 @@ async def tokenize(body: TokenizeBody, state: State) -> JSONResponse:
     if body.inputs is not None:
         return JSONResponse(_tgi_tokens(body, tokenizer, limits))
     if body.messages is not None:
-        text, add_default = render_messages(state, tokenizer, body), False
+        # the ids /v1/chat/completions generates after: the rendered text as its prompt is encoded
+        ids, add_default = list(tokenizer.encode(render_messages(state, tokenizer, body))), False
     else:
         assert body.prompt is not None
-        text, add_default = body.prompt, True
-    # no length limit: a client tokenizes whole documents to cut them into windows itself (lm-eval does)
-    ids = tokenizer.encode(text)
+        # no length limit: a client tokenizes whole documents to cut them into windows itself (lm-eval does)
+        ids, add_default = encode_spelled_specials(tokenizer, body.prompt), True
     add = body.add_special_tokens if body.add_special_tokens is not None else add_default
     ids = _with_specials(ids, tokenizer, add)
     strs = [tokenizer.id_to_piece(i) for i in ids] if body.return_token_strs else None

@@ -147,3 +147,17 @@ def test_token_id_prompts_obey_the_input_limit_and_truncation(client: TestClient
     assert r.status_code // 100 == 4 and r.json()["error"]["param"] == "prompt", r.text
     r = client.post("/v1/completions", json={"prompt": ids, "max_tokens": 1, "truncate_prompt_tokens": 10})
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 10
+
+
+def test_special_tokens_spelled_in_a_vllm_prompt_are_their_ids(client: TestClient, artifact: Any) -> None:
+    """lm-eval's remote tokenizer finds the end-of-text id as the tokens of /tokenizer_info's eos_token."""
+    tok = artifact.tokenizer
+    info = client.get("/tokenizer_info").json()
+    eos = client.post("/tokenize", json={"prompt": info["eos_token"], "add_special_tokens": False}).json()
+    assert eos["tokens"] == [tok.eos_id]
+    mixed = client.post("/tokenize", json={"prompt": f"a{info['eos_token']}b{info['pad_token']}",
+                                           "add_special_tokens": False}).json()
+    assert mixed["tokens"] == [*tok.encode("a"), tok.eos_id, *tok.encode("b"), tok.pad_id]
+    # TGI's /tokenize and prompts keep text as text
+    assert [p["id"] for p in client.post("/tokenize", json={"inputs": info["eos_token"]}).json()] \
+        == tok.encode(info["eos_token"])

@@ -1,0 +1,136 @@
+"""`POST /v1/chat/completions` (and `/tokenize` with `messages`): the artifact's chat template rendered in a
+sandbox, the prompt generated as `/v1/completions` generates it, chat's shapes (streaming too); an artifact
+without a template answers 400 naming it; templates that fail or misbehave are the request's 4xx, never 5xx."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from tests.service.helpers import running_app, sse_events
+
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tools here') }}"
+            "{% endif %}[{{ m.role }}] {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}[assistant] "
+            "{% endif %}{{ greeting | default('') }}")
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me a story"}]
+RENDERED = "[system] Be brief.\n[user] Tell me a story\n[assistant] "
+
+
+@pytest.fixture(scope="module")
+def client(artifact: Any) -> Any:
+    with running_app(dataclasses.replace(artifact, chat_template=TEMPLATE), max_new_tokens=16,
+                     max_input_tokens=256) as c:
+        yield c
+
+
+def completion_text(client: TestClient, prompt: str, **fields: Any) -> dict[str, Any]:
+    r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 6, "temperature": 0,
+                                             "ignore_eos": True, **fields})
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+def test_chat_answers_what_completions_answers_for_the_rendered_prompt(client: TestClient) -> None:
+    r = client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 6, "temperature": 0,
+                                                  "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    expected = completion_text(client, RENDERED)
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": expected["choices"][0]["text"]}
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"] == expected["usage"]
+    assert "x-prompt-tokens" in r.headers
+
+
+def test_max_completion_tokens_and_text_parts(client: TestClient) -> None:
+    parts = [{"role": "system", "content": [{"type": "text", "text": "Be"}, {"type": "text", "text": "brief."}]},
+             MESSAGES[1]]
+    r = client.post("/v1/chat/completions", json={"messages": parts, "max_completion_tokens": 3,
+                                                  "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 3
+    rendered = RENDERED.replace("Be brief.", "Be\nbrief.")
+    assert r.json()["usage"]["prompt_tokens"] == len(rendered.encode())
+
+
+def test_chat_streams_chunks_with_the_role_first(client: TestClient) -> None:
+    request = {"messages": MESSAGES, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    whole = client.post("/v1/chat/completions", json=request).json()["choices"][0]["message"]["content"]
+    r = client.post("/v1/chat/completions", json={**request, "stream": True})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all("role" not in c["choices"][0]["delta"] for c in chunks[1:])
+    assert "".join(c["choices"][0]["delta"]["content"] for c in chunks) == whole
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_chat_logprobs_come_per_token(client: TestClient) -> None:
+    r = client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 4, "temperature": 0,
+                                                  "ignore_eos": True, "logprobs": True})
+    assert r.status_code == 200, r.text
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert len(content) == 4 and all(entry["logprob"] <= 0 for entry in content)
+    assert "".join(entry["token"] for entry in content) == r.json()["choices"][0]["message"]["content"]
+
+
+def test_tokenize_with_messages_uses_the_same_template(client: TestClient, artifact: Any) -> None:
+    r = client.post("/tokenize", json={"messages": MESSAGES})
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens"] == artifact.tokenizer.encode(RENDERED)
+    open_turn = client.post("/tokenize", json={"messages": [*MESSAGES, {"role": "assistant", "content": "Once"}],
+                                               "add_generation_prompt": False, "continue_final_message": True})
+    assert open_turn.json()["tokens"] == artifact.tokenizer.encode(RENDERED + "Once")
+    assert client.get("/tokenizer_info").json()["chat_template"] == TEMPLATE
+
+
+def test_template_variables_come_from_chat_template_kwargs(client: TestClient, artifact: Any) -> None:
+    r = client.post("/tokenize", json={"messages": MESSAGES, "chat_template_kwargs": {"greeting": "hi"}})
+    assert r.json()["tokens"] == artifact.tokenizer.encode(RENDERED + "hi")
+    r = client.post("/tokenize", json={"messages": MESSAGES, "chat_template_kwargs": {"messages": []}})
+    assert r.status_code // 100 == 4 and "chat_template_kwargs" in r.text
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages"),  # the template's raise_exception
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]},
+     "messages.0.content.0.type"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+    ({"messages": "hello"}, "messages"),
+    ({"messages": MESSAGES, "continue_final_message": True, "add_generation_prompt": False},
+     "continue_final_message"),
+    ({"messages": MESSAGES, "max_tokens": 2, "max_completion_tokens": 3}, "max_completion_tokens"),
+    ({"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": MESSAGES, "tools": []}, "tools"),
+])
+def test_bad_chat_requests_are_refused_by_name(client: TestClient, body: dict[str, Any], param: str) -> None:
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code // 100 == 4, r.text
+    error = r.json()["error"]
+    assert param in (error["param"] or "") or param in error["message"], error
+
+
+def test_a_template_that_reaches_outside_the_sandbox_is_refused(artifact: Any) -> None:
+    escape = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
+    with running_app(dataclasses.replace(artifact, chat_template=escape), max_new_tokens=4) as c:
+        r = c.post("/v1/chat/completions", json={"messages": MESSAGES})
+    assert r.status_code // 100 == 4 and r.json()["error"]["param"] == "messages", r.text
+
+
+def test_without_a_template_chat_answers_400_naming_it(artifact: Any) -> None:
+    with running_app(artifact, max_new_tokens=4) as c:
+        r = c.post("/v1/chat/completions", json={"messages": MESSAGES})
+        assert r.status_code // 100 == 4, r.text
+        error = r.json()["error"]
+        assert error["param"] == "messages" and "chat template" in error["message"]
+        r = c.post("/tokenize", json={"messages": MESSAGES})
+        assert r.status_code // 100 == 4 and "chat template" in r.json()["error"]
