@@ -20,13 +20,15 @@ from safetensors.torch import load_file, save_file
 
 from model import ByteTokenizer, ReformerConfig, ReformerLM
 from model.pooling import EmbeddingStats
+from model.tokenizer import Tokenizer
+from model.tokenizers.files import HF_FILE, TokenizerFileError, read_tokenizer, sizing_file, write_tokenizer_files
 
 from .embedding_stats import STATS_FILE, read_embedding_stats, write_embedding_stats
 
 FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
-TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_FILE = HF_FILE  # a `tokenizers` file; older artifacts: the byte tokenizer's description
 MANIFEST_FILE = "manifest.json"
 ONNX_FILE = "model.onnx"
 ONNX_INT8_FILE = "model.int8.onnx"
@@ -42,7 +44,7 @@ class ArtifactError(Exception):
 class Artifact:
     path: Path
     model: ReformerLM  # eval mode, on CPU
-    tokenizer: ByteTokenizer
+    tokenizer: Tokenizer
     config: ReformerConfig
     manifest: dict[str, Any]
     sha256: str  # of model.safetensors: identifies the weights
@@ -76,14 +78,15 @@ def _state_for_saving(model: ReformerLM) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu").contiguous().clone() for k, v in model.state_dict().items()}
 
 
-def write_model_files(model: ReformerLM, tokenizer: ByteTokenizer, directory: Path) -> None:
-    """config.json, model.safetensors (config in its metadata too) and tokenizer.json."""
+def write_model_files(model: ReformerLM, tokenizer: Tokenizer, directory: Path) -> None:
+    """config.json, model.safetensors (config in its metadata too) and the tokenizer's files
+    (model/tokenizers/files.py)."""
     model.config.to_json(directory / CONFIG_FILE)
     # one metadata entry: safetensors writes several in hash order, which would make the bytes (and the
     # artifact's sha256) differ between two exports of the same weights
     meta = {"config": json.dumps(model.config.to_dict(), sort_keys=True)}
     save_file(_state_for_saving(model), str(directory / WEIGHTS_FILE), metadata=meta)
-    tokenizer.save(directory / TOKENIZER_FILE)
+    write_tokenizer_files(tokenizer, directory)
 
 
 def file_entry(path: Path) -> dict[str, Any]:
@@ -119,7 +122,7 @@ def write_manifest(directory: Path, provenance: dict[str, Any], evaluation: dict
 def save_artifact(
     model: ReformerLM,
     out_dir: str | Path,
-    tokenizer: ByteTokenizer | None = None,
+    tokenizer: Tokenizer | None = None,
     provenance: dict[str, Any] | None = None,
     evaluation: dict[str, Any] | None = None,
     onnx: bool = True,
@@ -142,8 +145,9 @@ def save_artifact(
         raise ValueError("quantize='int8' quantises the ONNX graph: it needs onnx=True")
     model = model.eval()
     tokenizer = tokenizer or ByteTokenizer()
-    if tokenizer.vocab_size > model.config.vocab_size:
-        raise ValueError(f"tokenizer has {tokenizer.vocab_size} ids but the model only {model.config.vocab_size}")
+    if tokenizer.vocab_size != model.config.vocab_size:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but the model's vocab_size is "
+                         f"{model.config.vocab_size}")
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
@@ -290,12 +294,13 @@ def load_artifact(path: str | Path | None = None, *, check_hashes: bool = True) 
     except (ValueError, TypeError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ArtifactError(f"{CONFIG_FILE}: not a valid model configuration ({e})") from e
     try:
-        tokenizer = ByteTokenizer.load(directory / TOKENIZER_FILE)
-    except (ValueError, KeyError, TypeError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ArtifactError(f"{TOKENIZER_FILE}: not a valid tokenizer ({e})") from e
-    if tokenizer.vocab_size > config.vocab_size:
-        raise ArtifactError(f"{TOKENIZER_FILE}: {tokenizer.vocab_size} ids exceed the model's vocab_size"
-                            f" {config.vocab_size} ({CONFIG_FILE})")
+        tokenizer = read_tokenizer(directory)
+    except TokenizerFileError as e:
+        raise ArtifactError(str(e)) from e
+    if tokenizer.vocab_size != config.vocab_size:
+        raise ArtifactError(f"{sizing_file(directory)}: the {tokenizer.kind} tokenizer has "
+                            f"{tokenizer.vocab_size} ids, but the model's vocab_size is {config.vocab_size} "
+                            f"({CONFIG_FILE})")
     try:
         state = load_file(str(directory / WEIGHTS_FILE))
     except (SafetensorError, OSError) as e:

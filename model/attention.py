@@ -23,6 +23,7 @@ from .chunking import (
 )
 from .config import ReformerConfig
 from .fused_attention import fused_lsh_attend, local_window_attend, native_kernels, window_kernel_for
+from .lsh.successor import successor_values, zero_rows_without_keys
 
 
 @dataclass
@@ -79,9 +80,13 @@ def auto_num_buckets(length: int, chunk: int, max_positions: int) -> int | list[
 
 
 class LSHSelfAttention(nn.Module):
-    def __init__(self, config: ReformerConfig, *, fused: bool = True) -> None:
+    def __init__(self, config: ReformerConfig, *, layer_index: int, fused: bool = True) -> None:
+        """`layer_index`: this layer's index among all attention layers (its successor-value head count,
+        `ReformerConfig.successor_heads`)."""
         super().__init__()
         self.config = config
+        # heads 0..successor_heads-1 read the next position's value (model/lsh/successor.py)
+        self.successor_heads = config.successor_heads(layer_index)
         # eval forwards on CPU may use PyTorch's fused attention kernel (chunking.can_fuse)
         self.fused = fused
         # a float32 eval forward on CPU attends its chunk windows through the C kernel where it builds
@@ -167,11 +172,13 @@ class LSHSelfAttention(nn.Module):
         """x (B, L, hidden) -> (B, L, H*D), and the buckets used (for the reversible backward)."""
         b, t, _ = x.shape
         qk = split_heads(self.query_key(x), self.heads, self.head_size)  # (B, H, L, D)
-        v = split_heads(self.value(x), self.heads, self.head_size)
+        v = successor_values(split_heads(self.value(x), self.heads, self.head_size), self.successor_heads,
+                             ctx.valid)  # (B, H, L, D)
         if t <= self.chunk:
             return merge_heads(self._dense(qk, v, ctx)), None
         if buckets is None:
             buckets = self._hash_rows(qk, ctx)
+
         def dense(rows: Tensor, sub: AttentionContext) -> Tensor:
             return self._dense(qk[rows, :, : self.chunk], v[rows, :, : self.chunk], sub)
 
@@ -199,9 +206,15 @@ class LSHSelfAttention(nn.Module):
         k = length_normalize(qk) / math.sqrt(self.head_size)
         pos = torch.arange(qk.shape[2], device=qk.device)
         kv = None if ctx.valid is None else ctx.valid[:, None, :]  # (B, 1, L)
-        bias = attention_bias(pos, pos, kv, self.causal, True, qk.dtype)  # (B|1, 1, L, L)
-        out, _ = attend(qk, k, v, bias, self.dropout if self.training else 0.0, ctx.generator, fused=self.fused)
-        return out
+        bias = attention_bias(pos, pos, kv, self.causal, True, qk.dtype)  # (B, 1, L, L), or (L, L) if kv is None
+        s, h = self.successor_heads, qk.shape[1]
+        if s:
+            strict = attention_bias(pos, pos, kv, True, False, qk.dtype, strict=True)  # as bias
+            lead = kv.shape[0] if kv is not None else 1
+            bias = torch.cat([strict.expand(lead, s, *strict.shape[-2:]), bias.expand(lead, h - s, *bias.shape[-2:])],
+                             dim=1)  # (B|1, H, L, L)
+        out, lse = attend(qk, k, v, bias, self.dropout if self.training else 0.0, ctx.generator, fused=self.fused)
+        return zero_rows_without_keys(out, lse, s)
 
     def _chunked(self, qk: Tensor, v: Tensor, buckets: Tensor, ctx: AttentionContext) -> Tensor:
         b, h, t, d = qk.shape
@@ -227,8 +240,12 @@ class LSHSelfAttention(nn.Module):
         rows = torch.arange(b, device=device).view(b, 1, 1) * t
         # heads one at a time outside training: peak memory is one head's score blocks. (Training keeps one
         # layout so the reversible backward's recomputation draws the same dropout masks as the forward.)
-        head_groups = [slice(0, h)] if self.training else [slice(i, i + 1) for i in range(h)]
+        # Successor-value heads (0..s-1) form their own group: they mask differently.
+        s = self.successor_heads
+        head_groups = [g for g in (slice(0, s), slice(s, h)) if g.stop > g.start] if self.training \
+            else [slice(i, i + 1) for i in range(h)]
         for hs in head_groups:
+            successor = hs.start < s  # the group is all successor heads or all plain heads
             sp = sorted_pos[:, hs]  # (B, h', R*L)
             hh = sp.shape[1]
             if hh == 1:
@@ -253,11 +270,18 @@ class LSHSelfAttention(nn.Module):
                 kp = gather_chunks(qp.unsqueeze(-1), win).squeeze(-1)
             kv = None if valid is None else valid[torch.arange(b, device=device).view(b, 1, 1, 1), kp]
             if kernel is not None:
-                o, lse = fused_lsh_attend(q_c, k_w, v_w, v_c, qp, kp, kv, self.causal, kernel, self.c_kernel)
+                o, lse = fused_lsh_attend(q_c, k_w, v_w, v_c, qp, kp, kv, self.causal, kernel, self.c_kernel,
+                                          successor=successor)
             else:
-                bias = attention_bias(qp, kp, kv, self.causal, True, qk.dtype)  # (B, h', R*N, C, W*C)
+                bias = attention_bias(qp, kp, kv, self.causal, not successor, qk.dtype,
+                                      strict=successor)  # (B, h', R*N, C, W*C)
                 o, lse = attend(q_c, k_w, v_w, bias, dropout, ctx.generator)  # (B,h',R*N,C,D), (B,h',R*N,C)
-            out[:, hs] = self._combine_rounds(o.reshape(b, hh, r, t, d), lse.reshape(b, hh, r, t), order[:, hs])
+            lse = lse.reshape(b, hh, r, t)  # (B, h', R, L) in sorted order
+            combined = self._combine_rounds(o.reshape(b, hh, r, t, d), lse, order[:, hs])  # (B, h', L, D)
+            if successor:
+                lse_u = torch.empty_like(lse).scatter_(3, order[:, hs], lse)  # (B, h', R, L) in position order
+                combined = zero_rows_without_keys(combined, lse_u, hh)
+            out[:, hs] = combined
         return out  # (B, H, L, D)
 
     @staticmethod
@@ -409,7 +433,10 @@ def _subset(ctx: AttentionContext, rows: Tensor, length: int | None) -> Attentio
     return AttentionContext(valid=valid, own_length=ctx.own_length[rows], generator=ctx.generator)
 
 
-def make_attention(kind: str, config: ReformerConfig, *, fused: bool = True) -> nn.Module:
-    return LSHSelfAttention(config, fused=fused) if kind == "lsh" else LocalSelfAttention(config, fused=fused)
+def make_attention(kind: str, config: ReformerConfig, *, layer_index: int, fused: bool = True) -> nn.Module:
+    """The attention module of layer `layer_index` (its index among all attention layers), of `kind`."""
+    if kind == "lsh":
+        return LSHSelfAttention(config, layer_index=layer_index, fused=fused)
+    return LocalSelfAttention(config, fused=fused)
 
 

@@ -97,14 +97,17 @@ def strided_windows(x: Tensor, chunk: int, before: int, after: int) -> Tensor:
 
 
 def attention_bias(
-    q_pos: Tensor, k_pos: Tensor, k_valid: Tensor | None, causal: bool, self_mask: bool, dtype: torch.dtype
+    q_pos: Tensor, k_pos: Tensor, k_valid: Tensor | None, causal: bool, self_mask: bool, dtype: torch.dtype,
+    *, strict: bool = False,
 ) -> Tensor:
     """Additive mask. q_pos (..., Q), k_pos (..., K), k_valid (..., K) bool -> (..., Q, K).
 
     Keys in the future or in padding get -1e9; with `self_mask` a query's own position gets -1e5, so a
     token attends to itself only when nothing else is allowed. The reference replaces logits by these
     values instead of adding them: the softmax is the same, and a row that sees only itself gets a
-    log-sum-exp of -1e5 + q.k instead of -1e5, which rounds to the same hash-round weights."""
+    log-sum-exp of -1e5 + q.k instead of -1e5, which rounds to the same hash-round weights.
+    `strict` (successor-value heads, model/lsh/successor.py): only earlier keys are allowed; the query's own
+    position gets -1e9 too."""
     qp = q_pos.unsqueeze(-1)
     kp = k_pos.unsqueeze(-2)
     device = q_pos.device
@@ -112,7 +115,9 @@ def attention_bias(
     neg = torch.full((), mask_value(dtype), dtype=dtype, device=device)
     bias = torch.where(kp == qp, torch.full((), self_mask_value(dtype), dtype=dtype, device=device), zero) \
         if self_mask else zero
-    if causal:
+    if strict:
+        bias = torch.where(kp >= qp, neg, bias)
+    elif causal:
         bias = torch.where(kp > qp, neg, bias)
     if k_valid is not None:
         bias = torch.where(k_valid.unsqueeze(-2), bias, neg)

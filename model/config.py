@@ -12,6 +12,7 @@ from typing import Any
 
 AttnKind = str  # "lsh" | "local"
 NumBuckets = int | list[int] | None
+SuccessorHeads = int | list[int]
 
 _HF_FIELDS = (
     "attention_head_size", "attn_layers", "axial_norm_std", "axial_pos_embds", "axial_pos_shape",
@@ -60,6 +61,9 @@ class ReformerConfig:
     is_decoder: bool = True
     pad_token_id: int = 0
     eos_token_id: int = 1
+    # not a transformers field: how many heads of each LSH layer read the value of the position after each key
+    # (heads 0..k-1; an int for every LSH layer, or one count per LSH layer in order). See `successor_heads`.
+    lsh_successor_heads: SuccessorHeads = 0
 
     def __post_init__(self) -> None:
         self.attn_layers = list(self.attn_layers)
@@ -67,6 +71,8 @@ class ReformerConfig:
         self.axial_pos_embds_dim = tuple(int(v) for v in self.axial_pos_embds_dim)  # type: ignore[assignment]
         if isinstance(self.num_buckets, tuple):
             self.num_buckets = list(self.num_buckets)
+        if isinstance(self.lsh_successor_heads, tuple):
+            self.lsh_successor_heads = list(self.lsh_successor_heads)
         self.validate()
 
     # ----------------------------------------------------------------------------------------------
@@ -97,6 +103,38 @@ class ReformerConfig:
             raise ValueError("a causal (is_decoder) model cannot look at chunks after the current one")
         if self.hidden_act not in _ACTIVATIONS:
             raise ValueError(f"hidden_act must be one of {sorted(_ACTIVATIONS)}, got {self.hidden_act!r}")
+        self._validate_successor_heads()
+
+    def _validate_successor_heads(self) -> None:
+        counts = self.lsh_successor_heads
+        lsh_layers = self.attn_layers.count("lsh")
+        if isinstance(counts, list):
+            if len(counts) != lsh_layers:
+                raise ValueError(f"lsh_successor_heads lists {len(counts)} counts for {lsh_layers} LSH layers")
+            values = counts
+        else:
+            values = [counts]
+        bad = [k for k in values if isinstance(k, bool) or not isinstance(k, int)
+               or not 0 <= k <= self.num_attention_heads]
+        if bad:
+            raise ValueError(f"lsh_successor_heads must be integers from 0 to num_attention_heads "
+                             f"({self.num_attention_heads}), got {counts!r}")
+
+    def successor_heads(self, layer_index: int) -> int:
+        """How many heads of layer `layer_index` (counted over all attention layers) are successor-value heads:
+        heads 0..k-1, in which key s contributes the value of position s+1 and query t attends keys s < t
+        only. 0 for local layers."""
+        if not 0 <= layer_index < len(self.attn_layers):
+            raise IndexError(f"layer_index {layer_index} is out of range for {len(self.attn_layers)} layers")
+        if self.attn_layers[layer_index] != "lsh":
+            return 0
+        counts = self.lsh_successor_heads
+        if isinstance(counts, int):
+            return counts
+        return counts[self.attn_layers[:layer_index].count("lsh")]
+
+    def has_successor_heads(self) -> bool:
+        return any(self.successor_heads(i) for i in range(len(self.attn_layers)))
 
     @property
     def num_hidden_layers(self) -> int:
@@ -165,7 +203,12 @@ class ReformerConfig:
         return cls(**kwargs)
 
     def to_hf(self) -> Any:
-        """A `transformers.ReformerConfig` (transformers is a test/import-time dependency only)."""
+        """A `transformers.ReformerConfig` (transformers is a test/import-time dependency only). Refused for
+        a model with successor-value heads: transformers has no such heads, so the conversion would change
+        the model's function."""
+        if self.has_successor_heads():
+            raise ValueError(f"lsh_successor_heads={self.lsh_successor_heads!r}: transformers' Reformer has no "
+                             "successor-value heads, so this model has no transformers equivalent")
         from transformers import ReformerConfig as HFReformerConfig
 
         d = self.to_dict()

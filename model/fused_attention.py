@@ -96,8 +96,8 @@ def window_kernel_for(q: Tensor, fusable: bool) -> FusedKernel | None:
 
 
 def fused_lsh_attend(q: Tensor, k: Tensor, v: Tensor, v_own: Tensor, q_pos: Tensor, k_pos: Tensor,
-                     k_valid: Tensor | None, causal: bool, kernel: FusedKernel = CPU, c_kernel: bool = True
-                     ) -> tuple[Tensor, Tensor]:
+                     k_valid: Tensor | None, causal: bool, kernel: FusedKernel = CPU, c_kernel: bool = True,
+                     *, successor: bool = False) -> tuple[Tensor, Tensor]:
     """q, v_own (B, H, N, C, D); k, v (B, H, N, W*C, D); q_pos (B, H, N, C); k_pos, k_valid (B, H, N, W*C).
     v_own holds each query's own value. `c_kernel`: the C kernel may run in the CPU kernel's place.
     Returns (output (B, H, N, C, D) in q's dtype, log-sum-exp (B, H, N, C) in fp32) as the reference
@@ -106,17 +106,27 @@ def fused_lsh_attend(q: Tensor, k: Tensor, v: Tensor, v_own: Tensor, q_pos: Tens
     A query's own position is masked outright here. In the reference it gets the logit -1e5 instead,
     which contributes nothing (exp(-1e5) = 0) unless the query sees nothing else. Those rows (the first
     token, or a token alone with later tokens in its window) come out of the kernel fully masked and are
-    rebuilt below exactly as the reference computes them."""
+    rebuilt below exactly as the reference computes them.
+
+    `successor` (successor-value heads, model/lsh/successor.py): only earlier keys are allowed whatever
+    `causal` says, and rows that see no key are left as the kernel returns them (their log-sum-exp is about
+    the mask value; the caller zeroes them)."""
+    if successor:
+        causal = True
     b, h, n, c, d = q.shape
     native = _native_cpu(kernel, q) if c_kernel else None
     if native is not None:  # the masks from the positions, no bias (model/kernels/csrc/chunk_attend.c)
         out, lse = native.chunk_attend(q, k, v, q_pos, k_pos, k_valid, "earlier" if causal else "other",
                                        mask_value(q.dtype))
+        if successor:
+            return out, lse
         return _attend_to_self(out, lse, q_pos, k_pos, v_own, kernel.sparse_self_rows)
     bias = window_bias(q_pos, k_pos, k_valid, causal, q.dtype, kernel.bias_alignment)  # (B*H, N, C, W*C)
     out, lse = kernel.run(q.reshape(b * h, n, c, d), _merge_batch_heads(k), _merge_batch_heads(v), bias)
     out = out.reshape(b, h, n, c, d)  # (B, H, N, C, D)
     lse = lse[..., :c].reshape(b, h, n, c)  # the kernel's rows past C are padding
+    if successor:
+        return out, lse
     return _attend_to_self(out, lse, q_pos, k_pos, v_own, kernel.sparse_self_rows)
 
 

@@ -30,7 +30,7 @@ class ReformerLM(nn.Module):
         super().__init__()
         self.config = config
         self.embeddings = ReformerEmbeddings(config)
-        self.layers = nn.ModuleList([ReformerLayer(kind, config) for kind in config.attn_layers])
+        self.layers = nn.ModuleList([ReformerLayer(kind, config, i) for i, kind in enumerate(config.attn_layers)])
         for module in self.modules():
             if isinstance(module, (LSHSelfAttention, LocalSelfAttention)):
                 module.fused = fused_attention

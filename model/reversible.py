@@ -26,11 +26,11 @@ def _generator(seed: int | None, like: Tensor) -> torch.Generator | None:
 class AttentionBlock(nn.Module):
     """f(X2) = Dropout(Linear(SelfAttention(LayerNorm(X2))))."""
 
-    def __init__(self, kind: str, config: ReformerConfig) -> None:
+    def __init__(self, kind: str, config: ReformerConfig, layer_index: int) -> None:
         super().__init__()
         self.kind = kind
         self.layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.self_attention = make_attention(kind, config)
+        self.self_attention = make_attention(kind, config, layer_index=layer_index)
         self.output = nn.Linear(config.all_head_size, config.hidden_size, bias=False)
         self.dropout = config.hidden_dropout_prob
 
@@ -45,9 +45,10 @@ class AttentionBlock(nn.Module):
 
 
 class ReformerLayer(nn.Module):
-    def __init__(self, kind: str, config: ReformerConfig) -> None:
+    def __init__(self, kind: str, config: ReformerConfig, layer_index: int) -> None:
+        """`layer_index`: the layer's index among all attention layers (`config.attn_layers`)."""
         super().__init__()
-        self.attention = AttentionBlock(kind, config)
+        self.attention = AttentionBlock(kind, config, layer_index)
         self.feed_forward = ChunkedFeedForward(config)
         # without dropout no generator is built: nothing would draw from it, and under torch.compile
         # creating one per layer call is a graph break

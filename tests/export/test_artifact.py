@@ -45,7 +45,7 @@ def test_round_trip_gives_the_same_model(tiny_artifact: Path) -> None:
     assert art.sha256 == file_sha256(tiny_artifact / "model.safetensors")
     assert art.onnx_path is None
     files = art.manifest["files"]
-    assert set(files) == {"config.json", "model.safetensors", "tokenizer.json"}
+    assert set(files) == {"config.json", "model.safetensors", "tokenizer.json", "reformer_tokenizer.json"}
     assert all(files[n]["size"] == (tiny_artifact / n).stat().st_size for n in files)
     assert art.manifest["format_version"] == 1
     assert art.manifest["provenance"]["note"] == "random weights for tests"

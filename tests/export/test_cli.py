@@ -84,9 +84,10 @@ def test_verify_command_names_a_tampered_file(tiny_artifact: Path, tmp_path: Pat
 
     d = tmp_path / "copy"
     shutil.copytree(tiny_artifact, d)
-    (d / "tokenizer.json").write_text((d / "tokenizer.json").read_text().replace('"eos_id": 1', '"eos_id": 2'))
+    description = d / "reformer_tokenizer.json"
+    description.write_text(description.read_text().replace('"eos_id": 1', '"eos_id": 2'))
     assert verify_main([str(d)]) == 1
-    assert "tokenizer.json: altered" in capsys.readouterr().err
+    assert "reformer_tokenizer.json: altered" in capsys.readouterr().err
 
 
 def test_random_default_refuses_to_replace_the_packaged_model(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,

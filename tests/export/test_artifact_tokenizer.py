@@ -1,0 +1,100 @@
+"""The tokenizer an artifact carries: written, read back, refused when damaged or of the wrong size."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer as HFFile
+
+from export.artifact import DEFAULT_ARTIFACT, ArtifactError, load_artifact, save_artifact, write_manifest
+from model import ByteTokenizer
+from tests.conftest import tiny_model
+from tests.model.tokenizers.helpers import SAMPLE, sentencepiece_tokenizer
+
+
+@pytest.fixture(scope="module")
+def sp_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tok = sentencepiece_tokenizer()
+    out = tmp_path_factory.mktemp("sp") / "artifact"
+    save_artifact(tiny_model(vocab_size=tok.vocab_size, eos_token_id=tok.eos_id), out, tokenizer=tok, onnx=False)
+    return out
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _resign(d: Path) -> None:
+    """Rewrite the manifest after a change, so that loading gets past the hashes to the tokenizer checks."""
+    write_manifest(d, {}, {}, {})
+
+
+def test_a_sentencepiece_artifact_loads_its_tokenizer(sp_artifact: Path) -> None:
+    art = load_artifact(sp_artifact)
+    tok = sentencepiece_tokenizer()
+    assert art.tokenizer.kind == "sentencepiece"
+    assert art.tokenizer.encode(SAMPLE) == tok.encode(SAMPLE)
+    assert {"tokenizer.json", "reformer_tokenizer.json", "tokenizer.model"} <= set(art.manifest["files"])
+    assert HFFile.from_file(str(sp_artifact / "tokenizer.json")).encode(SAMPLE).ids == tok.encode(SAMPLE)
+
+
+def test_a_corrupted_tokenizer_is_refused_with_the_files_name(sp_artifact: Path, tmp_path: Path) -> None:
+    d = _copy(sp_artifact, tmp_path / "copy")
+    (d / "tokenizer.model").write_bytes((d / "tokenizer.model").read_bytes()[:100])
+    with pytest.raises(ArtifactError, match="tokenizer.model: truncated"):  # the manifest sees it first
+        load_artifact(d)
+    _resign(d)
+    with pytest.raises(ArtifactError, match="^tokenizer.model: not a SentencePiece model"):
+        load_artifact(d)
+
+
+def test_a_tokenizer_of_the_wrong_size_is_refused(sp_artifact: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="the tokenizer has 64 ids but the model's vocab_size is 258"):
+        save_artifact(tiny_model(), tmp_path / "never", tokenizer=sentencepiece_tokenizer(), onnx=False)
+    assert not (tmp_path / "never").exists()
+    d = _copy(sp_artifact, tmp_path / "copy")
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, "vocab_size": 258}))
+    _resign(d)
+    with pytest.raises(ArtifactError, match="^reformer_tokenizer.json: the sentencepiece tokenizer has 64 ids, "
+                                            "but the model's vocab_size is 258"):
+        load_artifact(d)
+
+
+def test_an_older_artifact_with_the_byte_description_in_tokenizer_json_loads(tiny_artifact: Path,
+                                                                             tmp_path: Path) -> None:
+    d = _copy(tiny_artifact, tmp_path / "old")
+    (d / "reformer_tokenizer.json").unlink()
+    (d / "tokenizer.json").write_text(json.dumps(ByteTokenizer().describe(), indent=2, sort_keys=True) + "\n")
+    _resign(d)
+    assert load_artifact(d).tokenizer == ByteTokenizer()
+
+
+def test_the_shipped_artifact_carries_a_tokenizers_file() -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    art = load_artifact(DEFAULT_ARTIFACT)
+    text = "naïve\x00日本 🤖"
+    fast = PreTrainedTokenizerFast(tokenizer_file=str(DEFAULT_ARTIFACT / "tokenizer.json"))
+    assert fast(text, add_special_tokens=False)["input_ids"] == art.tokenizer.encode(text)
+
+
+def test_an_older_artifact_is_upgraded_in_place(tiny_artifact: Path, tmp_path: Path) -> None:
+    from export.tokenizer_upgrade import upgrade_tokenizer_files
+
+    d = _copy(tiny_artifact, tmp_path / "old")
+    (d / "reformer_tokenizer.json").unlink()
+    (d / "tokenizer.json").write_text(json.dumps(ByteTokenizer(eos_id=2).describe()))
+    _resign(d)
+    before = json.loads((d / "manifest.json").read_text())
+    assert upgrade_tokenizer_files(d) is True
+    after = json.loads((d / "manifest.json").read_text())
+    assert load_artifact(d).tokenizer == ByteTokenizer(eos_id=2)
+    assert HFFile.from_file(str(d / "tokenizer.json")).encode("é\x00").ids == ByteTokenizer().encode("é\x00")
+    assert {k: v for k, v in after.items() if k != "files"} == {k: v for k, v in before.items() if k != "files"}
+    assert after["files"]["model.safetensors"] == before["files"]["model.safetensors"]
+    assert upgrade_tokenizer_files(d) is False
