@@ -76,6 +76,11 @@ def read_tokenizer(directory: Path) -> Tokenizer:
     return tokenizer
 
 
+def sizing_file(directory: Path) -> str:
+    """The file that states the artifact's tokenizer size: the description, or an older artifact's tokenizer.json."""
+    return DESCRIPTION_FILE if (directory / DESCRIPTION_FILE).is_file() else HF_FILE
+
+
 def _from_description(directory: Path, desc: dict[str, Any], hf_path: Path) -> Tokenizer:
     kind = desc.get("type")
     ids = {k: desc.get(k) for k in ("pad_id", "eos_id")}
