@@ -32,7 +32,7 @@ COPY model ./model
 COPY train ./train
 COPY export ./export
 COPY service ./service
-COPY bench ./bench
+COPY loadtest ./loadtest
 COPY docker/install.sh ./docker/install.sh
 # Every package install is in this one script; tests/docker/test_install.py runs it (VARIANT=cpu).
 RUN docker/install.sh /opt/venv /src

@@ -27,8 +27,8 @@ serve: $(STAMP)
 	$(VENV)/bin/reformer serve
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check model export service train bench tests
-	$(VENV)/bin/mypy model export service train
+	$(VENV)/bin/ruff check model export service train loadtest bench tests
+	$(VENV)/bin/mypy model export service train loadtest
 
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -c constraints-cpu.txt -e ".[bench]"

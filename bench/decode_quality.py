@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from model.decoding import DecodeCache, Decoder, prefill
+from train.corpus_manifest import set_folder
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -84,7 +85,8 @@ def greedy_agreement(lm, prompt: list[int], steps: int, kv_dtype: torch.dtype | 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--artifact", default=None, help="artifact directory (default: the shipped model)")
-    p.add_argument("--data", type=Path, default=Path(__file__).resolve().parents[2] / "shared" / "data")
+    p.add_argument("--data", type=Path, default=set_folder("data"),
+                   help="folder of books (default: corpus/data, written by `reformer data`)")
     p.add_argument("--prompt-len", type=int, default=1024)
     p.add_argument("--eval-len", type=int, default=256)
     p.add_argument("--samples", type=int, default=3)

@@ -55,6 +55,7 @@ from model.decoding.runtime import tune_cpu_runtime  # noqa: E402
 from model.decoding.steps.fused import FusedStep  # noqa: E402
 from model.decoding.steps.linear import StepLinears  # noqa: E402
 from model.kernels.weights import KINDS, WeightKind  # noqa: E402
+from train.corpus_manifest import set_folder  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 PERF_STEPS = 2048  # positions reserved for --perf's steps (it stops there)
@@ -198,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--artifact", default=None, help="artifact for the quality part (default: the shipped model)")
-    p.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
+    p.add_argument("--data", type=Path, default=set_folder("data"),
+                   help="folder of books (default: corpus/data, written by `reformer data`)")
     p.add_argument("--quality-prompt", type=int, default=1024)
     p.add_argument("--eval-len", type=int, default=256)
     p.add_argument("--continuation", type=int, default=96)

@@ -11,7 +11,7 @@ is an artifact that ships
 embedding_stats.safetensors, "served (artifact stats)": the final mean transformed with the artifact's
 statistics as the service does (whitened when the file holds the matrix, else standardised per dimension).
 
-    python bench/embed_quality.py MODEL [--data ../shared/data] [--passage 2048] [--per-book 40]
+    python bench/embed_quality.py MODEL [--data corpus/data] [--passage 2048] [--per-book 40]
                                   [--stats-passages 3000] [--shrinkage S] [--threads 2] [--out FILE.json]
 
 MODEL is an artifact directory or a training checkpoint. Passages are cut, without overlap, from the

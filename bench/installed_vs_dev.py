@@ -2,7 +2,7 @@
 image's install step (docker/install.sh into a fresh venv, VARIANT=cpu, served with no compiler on PATH) and of
 `make serve`'s development install (this checkout's .venv), in one run on one machine.
 
-    python bench/installed_vs_dev.py [--data ../shared/data] [--clients 1,8] [--requests 16] [--new-tokens 128]
+    python bench/installed_vs_dev.py [--data corpus/data] [--clients 1,8] [--requests 16] [--new-tokens 128]
                                      [--rounds 2] [--out bench/results/installed_vs_dev.json]
 
 Each server runs alone (the other is stopped), started as the image starts it; `/info`'s kernels and runs are
@@ -10,7 +10,7 @@ recorded for both. The two are measured in alternating rounds (dev, installed, d
 client count: closed loop, each client sending held-out prompts (512 bytes from the validation tails of the
 books in --data) with greedy decoding of --new-tokens tokens (ignore_eos), tokens/s = generated tokens over
 the wall time of the round. Prints a table with the load average beside it (run it through
-../shared/tools/quiet-run) and writes the JSON.
+bench/quiet_run.sh) and writes the JSON.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from train.corpus_manifest import set_folder  # noqa: E402
 
 
 def free_port() -> int:
@@ -118,7 +120,8 @@ async def round_tokens_per_s(url: str, texts: list[str], clients: int, new_token
 
 def add_load_args(p: argparse.ArgumentParser, out: str) -> None:
     """The load options both A/B scripts take (this one and bench/serve_ab.py)."""
-    p.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
+    p.add_argument("--data", type=Path, default=set_folder("data"),
+                   help="folder of books (default: corpus/data, written by `reformer data`)")
     p.add_argument("--clients", default="1,8")
     p.add_argument("--requests", type=int, default=16, help="requests per round")
     p.add_argument("--new-tokens", type=int, default=128)

@@ -9,7 +9,7 @@ package `model_at_rev` (the model package imports itself only relatively), both 
 artifact's weights (default: the shipped one) and each case (N prompts of L bytes of a book, `NxL`) is
 prefilled by `model.decoding.prefill` of each, in turns, `--reps` times (4 for prompts past 20,000 bytes). The
 table gives the median of each and the largest difference of their logits. Writes the JSON and prints a table
-with the load average (run it through ../shared/tools/quiet-run).
+with the load average (run it through bench/quiet_run.sh).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from export import load_artifact  # noqa: E402
 from model.decoding.runtime import tune_cpu_runtime  # noqa: E402
+from train.corpus_manifest import set_folder  # noqa: E402
 
 BOOK = "war_and_peace_pg2600.txt"
 OLD = "model_at_rev"
@@ -47,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--artifact", default=None, help="artifact directory (default: the shipped one)")
-    p.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
+    p.add_argument("--data", type=Path, default=set_folder("data"),
+                   help="folder of books (default: corpus/data, written by `reformer data`)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "prefill_cost.json")
     return p
 

@@ -1,7 +1,7 @@
 """A long prompt arriving while streams decode (issue 12, item 4): the longest gap between the streams'
 tokens while it is prefilled, and its prefill time against its time alone.
 
-    python bench/prefill_gap.py [MODEL] [--data ../shared/data] [--long-bytes 60000] [--streams 8]
+    python bench/prefill_gap.py [MODEL] [--data corpus/data] [--long-bytes 60000] [--streams 8]
                                 [--stream-bytes 256] [--threads 2] [--prefill-budget-ms 100]
                                 [--out bench/results/prefill_gap.json]
 
@@ -20,7 +20,7 @@ interleaving of sliced prefills), without HTTP, under the service's process sett
    gap ends after the submission and at or before the long prompt's first token). The long prompt's
    prefill time is again submission to first token.
 
-Writes the JSON and prints a table with the load average (run it through ../shared/tools/quiet-run).
+Writes the JSON and prints a table with the load average (run it through bench/quiet_run.sh).
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from service.engine import Engine, EngineConfig, GenerationStream  # noqa: E402
 from service.jobs import GenerationSpec  # noqa: E402
 from service.metrics import ServiceMetrics  # noqa: E402
 from service.server import apply_process_settings  # noqa: E402
+from train.corpus_manifest import set_folder  # noqa: E402
 
 BOOKS = ("war_and_peace_pg2600.txt", "crime_and_punishment_pg2554.txt")
 
@@ -53,7 +54,8 @@ BOOKS = ("war_and_peace_pg2600.txt", "crime_and_punishment_pg2554.txt")
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model", nargs="?", default=None, help="artifact directory (default: the shipped one)")
-    p.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
+    p.add_argument("--data", type=Path, default=set_folder("data"),
+                   help="folder of books (default: corpus/data, written by `reformer data`)")
     p.add_argument("--long-bytes", type=int, default=60_000)
     p.add_argument("--streams", type=int, default=8)
     p.add_argument("--stream-bytes", type=int, default=256)

@@ -1,7 +1,7 @@
 """Every piece of a long prompt's sliced prefill timed and labelled (issue 34, item 4): which whole-prompt
 pieces are left longer than the engine's prefill budget allows between two decode steps.
 
-    python bench/prefill_pieces.py [MODEL] [--data ../shared/data] [--long-bytes 60000] [--threads 1]
+    python bench/prefill_pieces.py [MODEL] [--data corpus/data] [--long-bytes 60000] [--threads 1]
                                    [--runs 3] [--top 15] [--sort wall|cpu] [--out PATH]
 
 MODEL is an artifact directory (default: the shipped export/default_artifact). The prompt is the same
@@ -40,6 +40,7 @@ from export import load_artifact  # noqa: E402
 from model.decoding import prefill_steps  # noqa: E402
 from service.runner import ModelRunner  # noqa: E402
 from service.server import apply_process_settings  # noqa: E402
+from train.corpus_manifest import set_folder  # noqa: E402
 
 BOOK = "war_and_peace_pg2600.txt"  # bench/prefill_gap.py's long prompt: these bytes from offset 200,000
 
@@ -47,7 +48,8 @@ BOOK = "war_and_peace_pg2600.txt"  # bench/prefill_gap.py's long prompt: these b
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model", nargs="?", default=None, help="artifact directory (default: the shipped one)")
-    p.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
+    p.add_argument("--data", type=Path, default=set_folder("data"),
+                   help="folder of books (default: corpus/data, written by `reformer data`)")
     p.add_argument("--long-bytes", type=int, default=60_000)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--runs", type=int, default=3)

@@ -2,7 +2,7 @@
 model through `reformer serve` of each, in one run on one machine (what a change to the engine, the process
 settings or the model code costs or buys a user).
 
-    python bench/serve_ab.py --against REV [--artifact DIR] [--data ../shared/data] [--clients 1,8]
+    python bench/serve_ab.py --against REV [--artifact DIR] [--data corpus/data] [--clients 1,8]
                              [--requests 16] [--new-tokens 128] [--rounds 2] [--out bench/results/serve_ab.json]
 
 REV is checked out with `git worktree` into a temporary folder and served by this checkout's .venv python
@@ -11,7 +11,7 @@ server runs alone, in alternating rounds, measured as bench/installed_vs_dev.py 
 512-byte prompts, greedy, ignore_eos); both record `/info`. Both serve one artifact (REFORMER_ARTIFACT:
 `--artifact`, default this checkout's shipped model), so a commit that shipped another model is compared on
 the same weights. Prints a table with the load (run it through
-../shared/tools/quiet-run) and writes the JSON.
+bench/quiet_run.sh) and writes the JSON.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Timed (the documented benchmark; bench/README.md, "Soak"):
 
     python bench/soak.py --minutes 60 [--clients 6] [--window-minutes 10] [--sample-s 10] [--long-every 200]
-                         [--data ../shared/data --data ../shared/corpus] [--artifact DIR | --url URL]
+                         [--data corpus/data --data corpus/corpus] [--artifact DIR | --url URL]
                          [--idle-trim-s S] [--busy-trim-s S] [--memory-budget-mb MB] [--no-debug-memory]
                          [--out bench/results/soak_60min.json]
 
@@ -51,8 +51,7 @@ from bench.overload import REPO, local_server, metric  # noqa: E402
 from bench.soak_load import Prompts, plan, send  # noqa: E402
 from bench.soak_report import Record, error_counts, memory_sample, verdict, windows  # noqa: E402
 from service.memory_metrics import DEBUG_MIN_INTERVAL_S  # noqa: E402
-
-SHARED = REPO.parent / "shared"
+from train.corpus_manifest import set_folder  # noqa: E402
 
 TEXT = "The Reformer uses locality-sensitive hashing to attend over long documents. "
 
@@ -281,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--long-every", type=int, default=200, help="timed soak: every n-th request a 32-64 KB "
                         "prompt (0: none)")
     parser.add_argument("--data", type=Path, action="append",
-                        help="directories of *.txt books for the prompts (default ../shared/data and ../shared/corpus)")
+                        help="directories of *.txt books for the prompts (default: corpus/data and corpus/corpus, as "
+                             "`reformer data` writes them)")
     parser.add_argument("--idle-trim-s", type=float, help="server started here: REFORMER_IDLE_TRIM_S")
     parser.add_argument("--busy-trim-s", type=float, help="server started here: REFORMER_BUSY_TRIM_S")
     parser.add_argument("--memory-budget-mb", type=int, help="server started here: REFORMER_MEMORY_BUDGET_MB")
@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     default_out = f"soak_{args.minutes:g}min.json" if timed else "soak.json"
     out = Path(args.out or REPO / "bench" / "results" / default_out)
     if timed:
-        prompts = Prompts(args.data or [SHARED / "data", SHARED / "corpus"])
+        prompts = Prompts(args.data or [set_folder("data"), set_folder("corpus")])
         window_s = args.window_minutes * 60.0
 
         def run(url: str, pid: int | None) -> dict[str, Any]:

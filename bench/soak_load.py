@@ -1,5 +1,5 @@
 """The timed soak's load (bench/soak.py): the mixed requests of the issue, built from book text read from
-../shared/data and ../shared/corpus (never copied into the repository), and one request sent and timed.
+the corpus folders `reformer data` writes (corpus/data and corpus/corpus, git-ignored), and one request sent and timed.
 
 The mix, by request number i (each request draws from a generator seeded with i, so a run's sequence of
 requests is the same every time): every `long_every`-th request a 32-64 KB prompt (alternately /generate

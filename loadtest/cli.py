@@ -18,7 +18,7 @@ import httpx
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from bench.loadtest_client import (
+from loadtest.client import (
     SENDERS,
     Bound,
     GenerationSettings,
@@ -29,9 +29,9 @@ from bench.loadtest_client import (
     make_client,
     open_loop,
 )
-from bench.loadtest_documents import Document, DocumentError, cut_documents
-from bench.loadtest_metrics import MetricsCheck, MetricsSnapshot, mean_batch_sizes, scrape, settled_check
-from bench.loadtest_report import (
+from loadtest.documents import Document, DocumentError, cut_documents
+from loadtest.metrics import MetricsCheck, MetricsSnapshot, mean_batch_sizes, scrape, settled_check
+from loadtest.report import (
     LevelResult,
     LoadTestReport,
     add_gains,

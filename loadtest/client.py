@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 
-from bench.loadtest_documents import Document
+from loadtest.documents import Document
 
 # endpoint name (as on the command line) -> the route it drives
 ROUTES: dict[str, str] = {"generate": "/generate", "stream": "/generate_stream", "embed": "/embed"}

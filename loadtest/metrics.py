@@ -12,7 +12,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel
 
-from bench.loadtest_client import ROUTES, TRANSPORT_ERROR, RequestRecord
+from loadtest.client import ROUTES, TRANSPORT_ERROR, RequestRecord
 
 REQUESTS = "reformer_requests_total"
 GENERATED_TOKENS = "reformer_generated_tokens_total"

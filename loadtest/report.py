@@ -12,8 +12,8 @@ from pydantic import BaseModel
 from rich.console import Console
 from rich.table import Table
 
-from bench.loadtest_client import TRANSPORT_ERROR, RequestRecord
-from bench.loadtest_metrics import MetricsCheck
+from loadtest.client import TRANSPORT_ERROR, RequestRecord
+from loadtest.metrics import MetricsCheck
 
 GAIN_LEVEL = 8  # the batching gain: throughput at concurrency 8 over concurrency 1
 

@@ -11,11 +11,12 @@ import sys
 SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "serve": ("service.server", "main", "serve an artifact over HTTP (default: the shipped model)"),
     "train": ("train.loop", "main", "train a byte-level Reformer on text files"),
+    "data": ("train.corpus_fetch", "main", "write the training corpus into corpus/ (download or --from DIR)"),
     "export": ("export.cli", "export_main", "turn a training checkpoint into a served artifact"),
     "export-stats": ("export.cli", "export_stats_main", "recompute an artifact's embedding statistics in place"),
     "import-hf": ("export.cli", "import_hf_main", "convert a transformers Reformer checkpoint"),
     "verify": ("export.cli", "verify_main", "check an artifact's manifest, hashes and ONNX parity"),
-    "loadtest": ("bench.loadtest", "main", "load-test a running server with long documents"),
+    "loadtest": ("loadtest.cli", "main", "load-test a running server with long documents"),
 }
 
 

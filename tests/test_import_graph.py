@@ -12,12 +12,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("model", "export", "service", "train")
+PACKAGES = ("model", "export", "service", "train", "loadtest")
 
 # Each folder and the folders it may import besides its own; a module belongs to the deepest folder named here
 # that holds it (model/decoding/steps is model.decoding, model/tokenizers is model). The C kernels' package is
 # the bottom; the network is on it; decoding is on the network; export and train are above the model, and train
-# may use export but not the reverse; the service is above all but train.
+# may use export but not the reverse; the service is above all but train. The load test is a client of the
+# service over HTTP only: it imports none of the project's packages (so it runs without torch).
 MODEL_LAYERS = {"model.kernels", "model", "model.decoding"}
 MAY_IMPORT: dict[str, set[str]] = {
     "model.kernels": set(),
@@ -26,6 +27,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "export": MODEL_LAYERS,
     "train": MODEL_LAYERS | {"export"},
     "service": MODEL_LAYERS | {"export"},
+    "loadtest": set(),
 }
 
 

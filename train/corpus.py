@@ -1,13 +1,13 @@
-"""Which text files `reformer train` reads: paths given on the command line, and/or the project's two shared
-folders by name, optionally narrowed to some files by name patterns.
+"""Which text files `reformer train` reads: paths given on the command line, and/or the corpus's two named
+sets (the folders `reformer data` writes, train/corpus_fetch.py), optionally narrowed to some files by name.
 
-    reformer train --out runs/x ...                          both shared folders (../shared/data, ../shared/corpus)
-    reformer train ../shared/data --out runs/x ...           the paths only (as before)
-    reformer train --corpus data,corpus --files 'war*,emma*' two files of the two folders
+    reformer train --out runs/x ...                          both named sets (corpus/data, corpus/corpus)
+    reformer train corpus/data --out runs/x ...              the paths only
+    reformer train --corpus data,corpus --files 'war*,emma*' two files of the two sets
 
-The folders are read where they are, never copied into the repository. Where a folder's README.md lists
-sha256 digests (in full, or the first 16 hex digits of a table column), each file read from that folder must
-match its listed digest, so a run never trains on a silently changed book. Every file's full digest is
+Where a folder's README.md lists sha256 digests (in full, or the first 16 hex digits of a table column; `reformer
+data` writes one per set), each file read from that folder must match its listed digest, so a run never trains
+on a silently changed book. Every file's full digest is
 recorded in the checkpoint's provenance (train/data.py Corpus.provenance) and so in the exported artifact."""
 
 from __future__ import annotations
@@ -19,19 +19,20 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
+from .corpus_manifest import SETS, set_folder
 from .data import DataError, find_text_files
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"  # the worktree's sibling folder, as bench/ assumes
-NAMED_SETS: dict[str, Path] = {"data": SHARED / "data", "corpus": SHARED / "corpus"}
-DEFAULT_SETS = ("data", "corpus")
+NAMED_SETS: dict[str, Path] = {name: set_folder(name) for name in SETS}
+DEFAULT_SETS = SETS
 _HEX = re.compile(r"\b[0-9a-f]{16,64}\b")
 
 
 def add_corpus_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("training text (train/corpus.py)")
     g.add_argument("--corpus", type=parse_sets,
-                   help="named folders to read, comma-separated: data (../shared/data, 3 books), corpus "
-                        "(../shared/corpus, 18 novels); default: both when no DATA path is given, none otherwise")
+                   help="named sets to read, comma-separated: data (corpus/data, 3 books), corpus (corpus/corpus, "
+                        "18 novels), as `reformer data` writes them; default: both when no DATA path is given, "
+                        "none otherwise")
     g.add_argument("--files", type=_patterns, default=(),
                    help="keep only files whose name matches one of these comma-separated shell patterns")
     g.add_argument("--exclude-files", type=_patterns, default=(),
@@ -52,13 +53,13 @@ def parse_sets(text: str) -> tuple[str, ...]:
 
 def resolve_sources(paths: Sequence[str | Path], sets: Sequence[str] | None) -> list[Path]:
     """The files and folders to read: the paths as given, plus the named folders; with neither, both
-    shared folders (the wider corpus is the default for a bare `reformer train --out ...`)."""
+    named sets (the wider corpus is the default for a bare `reformer train --out ...`)."""
     chosen = list(sets) if sets is not None else ([] if paths else list(DEFAULT_SETS))
     out = [Path(p) for p in paths]
     for name in chosen:
         folder = NAMED_SETS[name]
         if not folder.is_dir():
-            raise DataError(f"--corpus {name}: {folder} is not a directory (the shared folder is missing)")
+            raise DataError(f"--corpus {name}: {folder} is not a directory (run `reformer data` to write it)")
         out.append(folder)
     if not out:
         raise DataError("no training text: give DATA paths or --corpus")

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from model import ByteTokenizer, ReformerLM
 
+from .corpus_manifest import set_folder
 from .data import find_text_files, read_document, split_point
 
 
@@ -68,7 +69,8 @@ def add_passage_args(p: argparse.ArgumentParser, passage: int, out: Path) -> Non
     """The arguments of every benchmark over validation passages: the model, the books and their held-out
     split, the passage length, threads and the JSON output."""
     p.add_argument("model", type=Path, help="artifact directory or training checkpoint")
-    p.add_argument("--data", nargs="+", default=[str(Path(__file__).resolve().parents[2] / "shared" / "data")])
+    p.add_argument("--data", nargs="+", default=[str(set_folder("data"))],
+                   help="files or folders of books (default: corpus/data, written by `reformer data`)")
     p.add_argument("--val-fraction", type=float, default=0.05)
     p.add_argument("--passage", type=int, default=passage)
     p.add_argument("--threads", type=int, default=2)

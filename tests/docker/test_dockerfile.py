@@ -139,13 +139,27 @@ def in_build_context(relative: str) -> bool:
     return not excluded
 
 
+# Top-level packages of the tree that are deliberately not installed, and why.
+NOT_INSTALLED = {
+    "bench": "the benchmarks run from a clone; the installed package carries the load test (loadtest/) only",
+    "tests": "the test suite runs from a clone",
+}
+
+
 def test_build_context_holds_the_package_and_its_default_artifact() -> None:
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
     packages = pyproject["tool"]["setuptools"]["packages"]
     build_stage = parse_stages(DOCKERFILE.read_text())[0]
     copies = " ".join(i.argument for i in build_stage if i.keyword == "COPY")
-    # setuptools installs only the packages listed: every subpackage in the tree must be named too.
+    # setuptools installs only the packages listed: every subpackage in the tree must be named too, and every
+    # top-level package is either installed or named in NOT_INSTALLED (which the image does not copy).
     tops = sorted({name.split(".")[0] for name in packages})
+    tops_in_tree = {init.parent.name for init in REPO.glob("*/__init__.py")}
+    assert tops_in_tree == set(tops) | set(NOT_INSTALLED), (
+        f"installed: {tops}; not installed on purpose: {sorted(NOT_INSTALLED)}; in the tree: {sorted(tops_in_tree)}")
+    assert not set(tops) & set(NOT_INSTALLED)
+    for left_out in NOT_INSTALLED:
+        assert not re.search(rf"\b{left_out} \./{left_out}\b", copies), f"{left_out} is copied but not installed"
     in_tree = {init.parent.relative_to(REPO).as_posix().replace("/", ".") for top in tops
                for init in (REPO / top).rglob("__init__.py") if "__pycache__" not in init.parts}
     assert in_tree == set(packages), f"pyproject's packages miss {in_tree - set(packages)}"
@@ -162,5 +176,5 @@ def test_build_context_holds_the_package_and_its_default_artifact() -> None:
     # pyproject names README.md as the readme: `pip install .` in the image fails without it.
     assert pyproject["project"]["readme"] == "README.md" and (REPO / "README.md").is_file()
     for clutter in (".venv/bin/python", ".git/HEAD", "tests/conftest.py", "model/__pycache__/x.pyc",
-                    "bench/results/forward.json"):
+                    "bench/results/forward.json", "bench/step_cost.py"):
         assert not in_build_context(clutter), clutter

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.loadtest import build_parser as loadtest_parser
+from loadtest.cli import build_parser as loadtest_parser
 from service.settings import build_parser as serve_parser
 from tests.docker.conftest import REPO
 

@@ -16,10 +16,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-import bench.loadtest as loadtest
-from bench.loadtest_client import Bound, RequestRecord, closed_loop, open_loop
-from bench.loadtest_documents import Document, DocumentError, cut_documents
-from bench.loadtest_metrics import MetricsCheck, MetricsSnapshot, compare, parse_metrics
+from loadtest import cli
+from loadtest.client import Bound, RequestRecord, closed_loop, open_loop
+from loadtest.documents import Document, DocumentError, cut_documents
+from loadtest.metrics import MetricsCheck, MetricsSnapshot, compare, parse_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 API_KEY = "loadtest-secret"  # the test server's inference routes need it
@@ -196,7 +196,7 @@ def server_url(tiny_artifact: Path, tmp_path_factory: pytest.TempPathFactory) ->
 
 def test_load_test_against_the_real_server(server_url: str, docs_dir: Path, tmp_path: Path) -> None:
     out, md, plots = tmp_path / "report.json", tmp_path / "report.md", tmp_path / "plots"
-    code = loadtest.main([
+    code = cli.main([
         "--url", server_url, "--docs", str(docs_dir), "--lengths", "256,512", "--concurrency", "1,8",
         "--requests", "4", "--endpoint", "all", "--max-new-tokens", "4", "--docs-per-length", "4",
         "--out", str(out), "--markdown", str(md), "--plot", str(plots), "--strict", "--api-key", API_KEY,
@@ -241,18 +241,18 @@ def test_load_test_against_the_real_server(server_url: str, docs_dir: Path, tmp_
 def test_strict_run_fails_when_the_server_counted_something_else(
     server_url: str, docs_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real_check = loadtest.settled_check
+    real_check = cli.settled_check
 
     async def check_missing_one(
         client: httpx.AsyncClient, before: MetricsSnapshot, records: list[RequestRecord]
     ) -> MetricsCheck:
         return await real_check(client, before, records[1:], attempts=2)  # as if one request went unrecorded
 
-    monkeypatch.setattr(loadtest, "settled_check", check_missing_one)
+    monkeypatch.setattr(cli, "settled_check", check_missing_one)
     args = ["--url", server_url, "--docs", str(docs_dir), "--lengths", "256", "--concurrency", "1",
             "--requests", "2", "--endpoint", "embed", "--api-key", API_KEY]  # fmt: skip
-    assert loadtest.main([*args, "--strict"]) == 1
-    assert loadtest.main(args) == 0  # without --strict the mismatch is reported, not fatal
+    assert cli.main([*args, "--strict"]) == 1
+    assert cli.main(args) == 0  # without --strict the mismatch is reported, not fatal
 
 
 def test_refused_requests_are_reported_by_status_and_still_cross_checked(
@@ -263,7 +263,7 @@ def test_refused_requests_are_reported_by_status_and_still_cross_checked(
     args = ["--url", server_url, "--docs", str(docs_dir), "--lengths", "4096", "--concurrency", "2",
             "--requests", "2", "--warmup", "0", "--endpoint", "both", "--out", str(out), "--strict",
             "--api-key", API_KEY]  # fmt: skip
-    assert loadtest.main(args) == 1  # nothing answered: a failed run, though the report is written
+    assert cli.main(args) == 1  # nothing answered: a failed run, though the report is written
     report = json.loads(out.read_text())
     for row in report["results"]:
         assert row["ok"] == 0 and row["errors"] == {"422": 2}
@@ -277,7 +277,7 @@ def test_without_the_api_key_every_request_is_a_counted_401(server_url: str, doc
     out = tmp_path / "report.json"
     args = ["--url", server_url, "--docs", str(docs_dir), "--lengths", "256", "--concurrency", "1",
             "--requests", "2", "--warmup", "0", "--endpoint", "stream", "--out", str(out), "--strict"]  # fmt: skip
-    assert loadtest.main(args) == 1
+    assert cli.main(args) == 1
     report = json.loads(out.read_text())
     assert report["results"][0]["error_types"] == {"401 unauthorized": 2}
     # The 401s are compared with the server's count. Not asserted equal here: the service labels a request

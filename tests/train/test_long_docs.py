@@ -274,7 +274,7 @@ def test_weighted_loss_adds_the_answer_mean_and_the_meter_keeps_it_apart() -> No
 
 def test_corpus_selection_defaults_patterns_and_listed_digests(tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    # the named sets point at folders made here, so the test does not depend on ../shared being beside the clone
+    # the named sets point at folders made here, so the test does not depend on `reformer data` having run
     shared = {name: tmp_path / "shared" / name for name in ("data", "corpus")}
     monkeypatch.setattr(corpus_module, "NAMED_SETS", shared)
     with pytest.raises(DataError, match="--corpus data: .* is not a directory"):
