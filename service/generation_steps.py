@@ -112,9 +112,7 @@ class GenerationSteps:
                 # long: sliced between decode steps, so running streams are not stalled for its whole prefill
                 for job in members:
                     job.begin()
-                self.prefilling.append(SlicedPrefill(members, self.runner.prefill_slices(
-                    [j.spec.prompt_ids for j in members],
-                    [len(j.spec.prompt_ids) + j.spec.max_new_tokens for j in members]), deque(maxlen=SLICE_HISTORY)))
+                self.prefilling.append(SlicedPrefill(members, self._slices(members), deque(maxlen=SLICE_HISTORY)))
             else:
                 self._prefill(members)
 
@@ -134,21 +132,41 @@ class GenerationSteps:
                         break
                 continue
             except StopIteration as done:
-                logits, states = done.value
+                logits, states, *scored = done.value  # a scored prefill adds the prompts' scores
             except Exception:
                 log.exception("sliced prefill failed", extra={"request_id": jobs[0].request_id})
                 self.prefilling.remove(entry)
                 self.fail(jobs)
                 continue
             self.prefilling.remove(entry)
-            self._prefilled(jobs, logits, states)
+            self._prefilled(jobs, logits, states, scored[0] if scored else None)
+
+    @staticmethod
+    def _scoring(jobs: list[GenerationJob]) -> list[int | None] | None:
+        """What each job's prompt asks to be scored with (None: no job asks; the plain prefill runs)."""
+        asked = [j.spec.prompt_logprobs for j in jobs]
+        return asked if any(k is not None for k in asked) else None
+
+    def _slices(self, jobs: list[GenerationJob]) -> Generator[None, None, tuple[Any, ...]]:
+        prompts = [j.spec.prompt_ids for j in jobs]
+        reserve = [len(j.spec.prompt_ids) + j.spec.max_new_tokens for j in jobs]
+        asked = self._scoring(jobs)
+        if asked is not None:
+            return self.runner.prefill_scored_slices(prompts, reserve, asked)
+        return self.runner.prefill_slices(prompts, reserve)
 
     def _prefill(self, jobs: list[GenerationJob]) -> None:
+        scores = None
         try:
             for job in jobs:
                 job.begin()
-            logits, states = self.runner.prefill([j.spec.prompt_ids for j in jobs],
-                                                 [len(j.spec.prompt_ids) + j.spec.max_new_tokens for j in jobs])
+            prompts = [j.spec.prompt_ids for j in jobs]
+            reserve = [len(j.spec.prompt_ids) + j.spec.max_new_tokens for j in jobs]
+            asked = self._scoring(jobs)
+            if asked is not None:
+                logits, states, scores = self.runner.prefill_scored(prompts, reserve, asked)
+            else:
+                logits, states = self.runner.prefill(prompts, reserve)
         except Exception:
             if len(jobs) > 1:  # find the request that fails: each one alone
                 log.warning("a prefill batch of %d failed; retrying each alone", len(jobs))
@@ -158,15 +176,19 @@ class GenerationSteps:
             log.exception("prefill failed", extra={"request_id": jobs[0].request_id})
             self.fail(jobs)
             return
-        self._prefilled(jobs, logits, states)
+        self._prefilled(jobs, logits, states, scores)
 
-    def _prefilled(self, jobs: list[GenerationJob], logits: torch.Tensor, states: list[Any]) -> None:
+    def _prefilled(self, jobs: list[GenerationJob], logits: torch.Tensor, states: list[Any],
+                   scores: list[Any] | None = None) -> None:
+        """`scores`: each job's prompt scores when the prefill scored them (its first token carries them)."""
         self.metrics.batch_size.labels("prefill").observe(len(jobs))
         self.metrics.batch_tokens.labels("prefill").observe(max(len(j.spec.prompt_ids) for j in jobs) * len(jobs))
         deliveries: list[tuple[GenerationJob, Event]] = []
         with self.runner.sampling_scope():
-            for job, state, row, choice in zip(jobs, states, logits, _greedy(jobs, logits), strict=True):
+            for i, (job, state, row, choice) in enumerate(zip(jobs, states, logits, _greedy(jobs, logits),
+                                                                strict=True)):
                 job.cache = state
+                job.prompt_scores = scores[i] if scores is not None else None
                 with self.cond:
                     self.running.append(job)
                 self._advance_safely(job, row, deliveries, choice)

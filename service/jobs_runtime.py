@@ -13,7 +13,16 @@ from typing import Any
 
 from model.sampling import Sampler
 from service.errors import ServiceError
-from service.jobs import EmbeddingResult, EmbeddingSpec, FinishEvent, FinishReason, GenerationSpec, Timings, TokenEvent
+from service.jobs import (
+    EmbeddingResult,
+    EmbeddingSpec,
+    FinishEvent,
+    FinishReason,
+    GenerationSpec,
+    PromptLogprobs,
+    Timings,
+    TokenEvent,
+)
 
 log = logging.getLogger("service.engine")
 
@@ -111,6 +120,9 @@ class GenerationJob(Job):
         self.pending_token: int | None = None  # sampled, not yet fed to the model
         self.last_token_at: float | None = None
         self.decoder: Any = None
+        # the prompt's scores from its prefill (model/decoding/prefill/scores.py PromptScores), when the spec
+        # asked: the first token's event carries them
+        self.prompt_scores: Any = None
 
     def begin(self) -> None:
         self.sampler = Sampler(self.spec.sampling)
@@ -159,7 +171,9 @@ class GenerationJob(Job):
                 prompt_tokens=len(self.spec.prompt_ids),
                 seed=self.seed,
             )
-        return TokenEvent(len(self.generated) - 1, token, text, float(logprob), special, finish, top)
+        scored, self.prompt_scores = self.prompt_scores, None
+        return TokenEvent(len(self.generated) - 1, token, text, float(logprob), special, finish, top,
+                          prompt_logprobs(scored) if scored is not None else None)
 
     def to_deliver(self, event: TokenEvent) -> list[TokenEvent]:
         """The events to hand to the loop now that `event` is produced: itself when streaming, else nothing
@@ -182,6 +196,13 @@ class GenerationJob(Job):
         """Free the decode cache (the request ended, failed or was dropped)."""
         self.cache = None
         self.decoder = None
+
+
+def prompt_logprobs(scores: Any) -> PromptLogprobs:
+    """A prefill's PromptScores as the event carries them (host values, alternatives paired with their ids)."""
+    top = tuple(tuple(zip(ids, values, strict=True))
+                for ids, values in zip(scores.top_ids.tolist(), scores.top_logprobs.tolist(), strict=True))
+    return PromptLogprobs(tuple(scores.logprobs.tolist()), top)
 
 
 def deliver_together(deliveries: list[tuple[GenerationJob, Event]]) -> None:

@@ -21,6 +21,7 @@ from model.decoding import (
     sampling_threads,
     step_threads,
 )
+from model.decoding.prefill import PromptScores, prefill_scored_steps
 from model.decoding.steps.cuda_graphs import StepGraphs
 from model.kernels.weights import WeightKind
 from service.memory import HUGE_PAGE, release_pages
@@ -116,6 +117,40 @@ class ModelRunner:
                 except StopIteration as done:
                     logits, states = done.value
                     return logits.float().cpu(), states
+            try:
+                yield
+            except GeneratorExit:
+                steps.close()
+                raise
+
+    def prefill_scored(self, prompts: Sequence[Sequence[int]], reserve: Sequence[int], score: Sequence[int | None]
+                       ) -> tuple[torch.Tensor, list[DecodeState], list[PromptScores | None]]:
+        """`prefill` that also scores the prompts `score` asks for (None or the alternatives k per prompt;
+        model/decoding/prefill/scores.py): the logits, the states and each prompt's scores on the host."""
+        with prefill_threads(max((len(p) for p in prompts), default=0) * len(prompts), self.device):
+            steps = self.prefill_scored_slices(prompts, reserve, score)
+            while True:
+                try:
+                    next(steps)
+                except StopIteration as done:
+                    return done.value  # type: ignore[no-any-return]
+
+    def prefill_scored_slices(self, prompts: Sequence[Sequence[int]], reserve: Sequence[int],
+                              score: Sequence[int | None]
+                              ) -> Generator[None, None, tuple[torch.Tensor, list[DecodeState],
+                                                               list[PromptScores | None]]]:
+        """`prefill_scored` in slices, as `prefill_slices`."""
+        with torch.inference_mode():
+            tensors = [torch.tensor(list(p), dtype=torch.long, device=self.device) for p in prompts]
+        steps = prefill_scored_steps(self.model, self.cache, tensors, [min(n, self.max_positions) for n in reserve],
+                                     score=score)
+        while True:
+            with torch.inference_mode():
+                try:
+                    next(steps)
+                except StopIteration as done:
+                    logits, states, scores = done.value
+                    return logits.float().cpu(), states, scores
             try:
                 yield
             except GeneratorExit:

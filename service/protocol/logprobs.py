@@ -12,8 +12,15 @@ from service.protocol.openai import CompletionLogprobs
 
 
 def token_text(tokenizer: Any, token_id: int) -> str:
-    """A token's text on its own (an alternative's): empty for a special token, as generated ones are."""
+    """A token's text on its own (TGI's alternatives): empty for a special token, as generated ones are."""
     return "" if tokenizer.is_special(token_id) else str(tokenizer.decode([token_id]))
+
+
+def token_key(tokenizer: Any, token_id: int) -> str:
+    """A token's name in OpenAI's top_logprobs: its text, or where that is empty or not text on its own (a
+    special token, part of a UTF-8 character) its piece (`<0xE2>`), so no two alternatives share a key."""
+    text = token_text(tokenizer, token_id)
+    return text if text and "\ufffd" not in text else str(tokenizer.id_to_piece(token_id))
 
 
 def prompt_texts(tokenizer: Any, ids: Sequence[int]) -> list[str]:
@@ -44,10 +51,10 @@ def tgi_prefill(tokenizer: Any, ids: Sequence[int], scores: PromptLogprobs | Non
     return [PrefillToken(id=i, text=t, logprob=v) for i, t, v in zip(ids, texts, logprobs, strict=True)]
 
 
-def _top_dict(tokenizer: Any, top: Alternatives, chosen: int, chosen_logprob: float, text: str) -> dict[str, float]:
-    """OpenAI's top_logprobs entry: the alternatives by text, and always the chosen token (up to N+1)."""
-    out = {token_text(tokenizer, i): v for i, v in top}
-    out.setdefault(text, chosen_logprob)
+def _top_dict(tokenizer: Any, top: Alternatives, chosen: int, chosen_logprob: float) -> dict[str, float]:
+    """OpenAI's top_logprobs entry: the alternatives by `token_key`, and always the chosen token (up to N+1)."""
+    out = {token_key(tokenizer, i): v for i, v in top}
+    out.setdefault(token_key(tokenizer, chosen), chosen_logprob)
     return out
 
 
@@ -64,13 +71,12 @@ def completion_logprobs(tokenizer: Any, tokens: Sequence[TokenEvent], top_n: int
         texts.extend(prompt_text)
         values.extend([None, *scores.logprobs])
         tops.append(None)
-        for token_id, text, value, top in zip(prompt_ids[1:], prompt_text[1:], scores.logprobs, scores.top,
-                                              strict=True):
-            tops.append(_top_dict(tokenizer, top, token_id, value, text))
+        for token_id, value, top in zip(prompt_ids[1:], scores.logprobs, scores.top, strict=True):
+            tops.append(_top_dict(tokenizer, top, token_id, value))
     for event in tokens:
         texts.append(event.text)
         values.append(event.logprob)
-        tops.append(_top_dict(tokenizer, event.top, event.id, event.logprob, event.text))
+        tops.append(_top_dict(tokenizer, event.top, event.id, event.logprob))
     offsets, position = [], offset
     for text in texts:
         offsets.append(position)

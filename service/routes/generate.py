@@ -85,6 +85,17 @@ def _details(tokenizer: Any, prompt_ids: list[int], tokens: list[TokenEvent], fi
     )
 
 
+def _drop_unasked(content: dict[str, Any]) -> None:
+    """TGI leaves out details, top_tokens and best_of_sequences unless asked (a prefill logprob stays null)."""
+    if content["details"] is None:
+        del content["details"]
+        return
+    for part in (content["details"], *(content["details"].get("best_of_sequences") or ())):
+        for key in ("top_tokens", "best_of_sequences"):
+            if key in part and part[key] is None:
+                del part[key]
+
+
 def _refuse_contradicting_stream(body: GenerateRequest, streaming: bool) -> None:
     if "stream" in body.model_fields_set and body.stream != streaming:
         route = "/generate_stream or POST /" if body.stream else "/generate or POST /"
@@ -132,7 +143,8 @@ async def _generate(body: GenerateRequest, request: Request, state: State, route
         details = GenerateDetails(prompt_tokens=finish.prompt_tokens, **_details(tokenizer, prompt_ids, tokens, finish,
                                                                                   top_n),
                                   best_of_sequences=others if len(results) > 1 else None)
-    content = GenerateResponse(generated_text=text, details=details).model_dump(mode="json", exclude_none=True)
+    content = GenerateResponse(generated_text=text, details=details).model_dump(mode="json")
+    _drop_unasked(content)
     generated = sum(len(f.generated_ids) for _, f in results)
     headers = timing_headers(streams[best].timings, time.perf_counter() - started, finish.prompt_tokens, generated)
     return content, headers
