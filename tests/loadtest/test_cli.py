@@ -1,9 +1,8 @@
-"""`reformer loadtest`: document cutting, the /metrics cross-check, and a run against a real server started
-here (the service on a tiny random artifact, on a free loopback port)."""
+"""`reformer loadtest` (loadtest/cli.py): runs against a real server started here (the service on a tiny
+random artifact, on a free loopback port), their reports, the --strict cross-check and refused requests."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import socket
@@ -17,139 +16,11 @@ import httpx
 import pytest
 
 from loadtest import cli
-from loadtest.client import Bound, RequestRecord, closed_loop, open_loop
-from loadtest.documents import Document, DocumentError, cut_documents
-from loadtest.metrics import MetricsCheck, MetricsSnapshot, compare, parse_metrics
+from loadtest.client import RequestRecord
+from loadtest.metrics import MetricsCheck, MetricsSnapshot
 
 REPO = Path(__file__).resolve().parents[2]
 API_KEY = "loadtest-secret"  # the test server's inference routes need it
-HEADER = "The Project Gutenberg EBook of A Test Book\n\n*** START OF THIS PROJECT GUTENBERG EBOOK TEST ***\n"
-FOOTER = "\n*** END OF THIS PROJECT GUTENBERG EBOOK TEST ***\nLICENCE TEXT that must never be sent\n"
-
-
-def write_book(path: Path, chapters: int = 12, paragraphs: int = 6) -> None:
-    """A small Gutenberg-style book: header, CRLF line ends, chapters of multi-byte prose, licence footer."""
-    body = []
-    for c in range(1, chapters + 1):
-        body.append(f"CHAPTER {c}\r\n\r\n")
-        for p in range(paragraphs):
-            body.append(f"Paragraph {p} of chapter {c}: Rostóv said “naïve café” — déjà vu, {c * p}.\r\n\r\n")
-    path.write_text(HEADER + "".join(body) + FOOTER, encoding="utf-8")
-
-
-@pytest.fixture()
-def docs_dir(tmp_path: Path) -> Path:
-    docs = tmp_path / "docs"
-    docs.mkdir()
-    write_book(docs / "book.txt")
-    return docs
-
-
-def test_documents_start_at_chapters_fit_the_length_and_drop_gutenberg_boilerplate(docs_dir: Path) -> None:
-    lengths = [256, 1024]
-    documents = cut_documents(docs_dir, lengths, per_length=4)
-    for length in lengths:
-        docs = documents[length]
-        assert len(docs) == 4 and len({d.text for d in docs}) == 4
-        for doc in docs:
-            assert 0.9 * length <= doc.nbytes <= length
-            assert doc.text.startswith("CHAPTER ")
-            assert "\r" not in doc.text and "GUTENBERG" not in doc.text and "LICENCE" not in doc.text
-            assert doc.text.encode("utf-8").decode("utf-8") == doc.text  # no split character
-
-
-def test_symlinked_books_and_directories_are_followed(tmp_path: Path) -> None:
-    library = tmp_path / "library"
-    (library / "shelf").mkdir(parents=True)
-    write_book(library / "linked.txt", chapters=4, paragraphs=3)
-    write_book(library / "shelf" / "in_linked_dir.txt", chapters=4, paragraphs=3)
-    docs = tmp_path / "docs"
-    docs.mkdir()
-    (docs / "book.txt").symlink_to(library / "linked.txt")  # a directory of links to books elsewhere
-    (docs / "shelf").symlink_to(library / "shelf", target_is_directory=True)
-    (docs / "shelf_again").symlink_to(library / "shelf", target_is_directory=True)  # same files: read once
-    (library / "shelf" / "loop").symlink_to(docs, target_is_directory=True)  # a cycle must not hang
-    sources = {d.source for d in cut_documents(docs, [256], per_length=8)[256]}
-    assert sources == {"book.txt", "shelf/in_linked_dir.txt"}
-
-
-def test_only_links_is_still_enough_and_no_text_is_named(tmp_path: Path) -> None:
-    docs = tmp_path / "docs"
-    docs.mkdir()
-    (docs / "notes.md").write_text("not a book")
-    with pytest.raises(DocumentError, match="no text files"):
-        cut_documents(docs, [256])
-    write_book(tmp_path / "elsewhere.txt", chapters=2, paragraphs=2)
-    (docs / "book.txt").symlink_to(tmp_path / "elsewhere.txt")
-    with pytest.raises(DocumentError, match="too little"):
-        cut_documents(docs, [65536])
-    assert cut_documents(docs, [256])[256]
-
-
-def _metrics(embed_ok: int, generate_ok: int, tokens: int) -> str:
-    return (
-        "# TYPE reformer_requests_total counter\n"
-        f'reformer_requests_total{{route="/embed",status="200"}} {embed_ok}\n'
-        f'reformer_requests_total{{route="/generate",status="200"}} {generate_ok}\n'
-        'reformer_requests_total{route="/metrics",status="200"} 7\n'
-        "# TYPE reformer_generated_tokens_total counter\n"
-        f"reformer_generated_tokens_total {tokens}\n"
-    )
-
-
-def test_cross_check_matches_and_names_each_mismatch() -> None:
-    before = parse_metrics(_metrics(embed_ok=5, generate_ok=1, tokens=10))
-    records = [RequestRecord("embed", 200, 0.0, 0.1)] * 2 + [
-        RequestRecord("generate", 200, 0.0, 0.1, generated_tokens=4)
-    ]
-    assert compare(before, parse_metrics(_metrics(embed_ok=7, generate_ok=2, tokens=14)), records).ok
-    wrong = compare(before, parse_metrics(_metrics(embed_ok=8, generate_ok=2, tokens=13)), records)
-    assert not wrong.ok
-    assert {c.what for c in wrong.checks if not c.ok} == {"requests /embed 200", "generated tokens"}
-    assert any(p.startswith("MISMATCH requests /embed 200: client 2") for p in wrong.problems)
-
-
-def test_closed_loop_holds_exactly_its_concurrency_and_sends_the_bounded_count() -> None:
-    docs = _documents(5)
-    in_flight, peak, sent = 0, 0, []
-    full = asyncio.Event()
-
-    async def send(doc: Document) -> RequestRecord:
-        nonlocal in_flight, peak
-        in_flight += 1
-        peak = max(peak, in_flight)
-        sent.append(doc)
-        if in_flight == 3:
-            full.set()
-        await full.wait()  # nobody is answered before three are in flight together
-        await asyncio.sleep(0)
-        in_flight -= 1
-        return RequestRecord("embed", 200, 0.0, 0.0)
-
-    records, _ = asyncio.run(closed_loop(send, docs, 3, Bound(requests=7), lambda _r: None))
-    assert len(records) == len(sent) == 7 and peak == 3
-    assert sent == docs + docs[:2]  # documents are taken in turn, round and round
-
-
-def test_open_loop_keeps_sending_while_earlier_requests_are_unanswered() -> None:
-    docs = _documents(2)
-    answer = asyncio.Event()
-    issued = 0
-
-    async def send(doc: Document) -> RequestRecord:
-        nonlocal issued
-        issued += 1
-        if issued == 5:
-            answer.set()
-        await answer.wait()  # a closed loop would deadlock here; an open loop sends all five first
-        return RequestRecord("generate", 200, 0.0, 0.0)
-
-    records, _ = asyncio.run(open_loop(send, docs, 1000.0, Bound(requests=5), lambda _r: None))
-    assert len(records) == 5
-
-
-def _documents(count: int) -> list[Document]:
-    return [Document(source="book.txt", text=f"document {i}") for i in range(count)]
 
 
 def _free_port() -> int:
