@@ -19,7 +19,7 @@ log = logging.getLogger("service.errors")
 
 
 class ServiceError(Exception):
-    """An error with a status code and an `error_type` from DESIGN.md's table."""
+    """An error with a status code and an `error_type` of docs/ERRORS.md's table."""
 
     status_code = 500
     error_type = "internal"

@@ -1,4 +1,4 @@
-"""GPU series (DESIGN.md section 6) for the devices this process uses, read at scrape time.
+"""GPU series (docs/METRICS.md, "GPU") for the devices this process uses, read at scrape time.
 
 Every series carries the torch index (`device`, what the service's own settings and logs name) and the GPU
 UUID (`uuid`, what NVML, nvidia-smi and the orchestrator name). Torch index i is the i-th entry of

@@ -1,4 +1,4 @@
-"""Prometheus metrics (DESIGN.md section 6), on the service's own registry.
+"""Prometheus metrics (every family listed in docs/METRICS.md), on the service's own registry.
 
 Engine gauges, GPU memory and the heap (service/memory_metrics.py) are read at scrape time by collectors;
 every collector is wrapped so that one that fails is logged and skipped instead of failing the scrape. GPU
