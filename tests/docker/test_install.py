@@ -95,6 +95,13 @@ def test_install_script_then_the_image_command_serves_and_passes_its_healthcheck
     image["PATH"] = str(venv / "bin")
     image["REFORMER_KERNEL_DIR"] = str(tmp_path / "no-first-use-builds")
     assert shutil.which("cc", path=image["PATH"]) is None and shutil.which("gcc", path=image["PATH"]) is None
+    # the installed package carries the load test (pyproject's packages), not the benchmarks
+    loadtest_help = subprocess.run([str(venv / "bin" / "reformer"), "loadtest", "--help"], cwd=home, env=image,
+                                   capture_output=True, text=True, timeout=60)
+    assert loadtest_help.returncode == 0 and "--url" in loadtest_help.stdout, loadtest_help.stderr
+    no_bench = subprocess.run([str(venv / "bin" / "python"), "-c", "import bench"], cwd=home, env=image,
+                              capture_output=True, text=True, timeout=60)
+    assert no_bench.returncode != 0 and "No module named 'bench'" in no_bench.stderr
     command = with_port(last(final, "ENTRYPOINT").exec_form() + last(final, "CMD").exec_form(), port)
     healthcheck = last(final, "HEALTHCHECK").argument
     probe = with_port(parse_healthcheck(healthcheck), port)
