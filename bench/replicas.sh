@@ -14,7 +14,7 @@
 set -euo pipefail
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)
-DOCS=/work/shared/data
+DOCS="$REPO/corpus/data"  # written by `reformer data`
 ARTIFACT=""
 DURATION=30
 CONCURRENCY=8

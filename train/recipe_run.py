@@ -123,7 +123,7 @@ class RecipeRun:
         return phase_at(self.phases, progress)
 
     def warnings(self, cfg: ReformerConfig) -> list[str]:
-        """Stages longer than the model's LSH layers can reach (shared/notes/long-range-retrieval.md)."""
+        """Stages longer than the model's LSH layers can reach (train/recipe.py lsh_reach)."""
         reach = lsh_reach(cfg.num_buckets, cfg.lsh_attn_chunk_length, cfg.lsh_num_chunks_before)
         if reach is None or "lsh" not in cfg.attn_layers:
             return []
