@@ -34,7 +34,7 @@ from .checkpoint import TrainerState, code_version, load_training_state, save_ch
 from .corpus import check_listed_digests, resolve_sources, select_files
 from .data import Corpus, DataError, WindowSampler, prepare_corpus, validation_windows
 from .evaluation import load_lm
-from .options import build_parser, model_config, rehashed
+from .options import build_parser, check_resume_config, init_config, model_config
 from .phases import Phase, phase_at
 from .recipe import recipe_from_args
 from .recipe_run import CURVE_FIELDS as RECIPE_CURVE_FIELDS
@@ -395,13 +395,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.rehash is not None and init is None:
             raise DataError("--rehash changes the hashing of an --init-from model; for a new model use "
                             "--num-buckets and --num-hashes")
-        cfg = rehashed(init.config, args.rehash) if init is not None else model_config(args)
+        cfg = init_config(init.config, args) if init is not None else model_config(args)
         src = resume_source(args)
         if src is not None:
             from .checkpoint import read_checkpoint_metadata
 
             if (src / "model.safetensors").exists():
                 cfg = ReformerConfig.from_dict(read_checkpoint_metadata(src)["config"])
+                check_resume_config(cfg, args)
         trainer = Trainer(args, argv, info, device, corpus, cfg, init)
         if info.is_main:
             print(f"model: {trainer.lm.num_parameters():,} parameters; data: {corpus.train.num_tokens:,} "

@@ -29,6 +29,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --init-from: replace the model's num_buckets (a number, or auto: 2 x length / "
                         "chunk per call, as the reference) and optionally num_hashes, e.g. 1024x4. No weight "
                         "depends on them: the hash rotations are drawn from hash_seed for the new shape")
+    p.add_argument("--successor-heads", type=parse_successor_heads, metavar="N | N1,N2,...",
+                   help="successor-value heads per LSH layer (heads 0..N-1 read the value of the position after "
+                        "each key; one count for every LSH layer or one per LSH layer). Applies to a new model "
+                        "and to --init-from (the weights load unchanged: no weight depends on it); with --resume "
+                        "it must match the checkpoint's")
     m = p.add_argument_group("model (ignored with --resume or --init-from: that model's config is used)")
     m.add_argument("--config", type=Path, help="ReformerConfig JSON; overrides the flags below")
     m.add_argument("--hidden-size", type=int, default=128)
@@ -110,6 +115,41 @@ def parse_rehash(text: str) -> tuple[int | None, int | None]:
     return nb, nh
 
 
+def parse_successor_heads(text: str) -> int | list[int]:
+    """'4' -> 4 (every LSH layer); '4,2' -> [4, 2] (one count per LSH layer, in order)."""
+    try:
+        counts = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"cannot read --successor-heads {text!r}: use e.g. 4 or 4,2") from None
+    if any(c < 0 for c in counts):
+        raise argparse.ArgumentTypeError(f"--successor-heads {text!r}: counts must be >= 0")
+    return counts[0] if len(counts) == 1 else counts
+
+
+def with_successor_heads(cfg: ReformerConfig, heads: int | list[int] | None) -> ReformerConfig:
+    """`cfg` with --successor-heads applied (unchanged without it); the config's own checks name a count that
+    does not fit its heads or LSH layers."""
+    if heads is None:
+        return cfg
+    try:
+        return dataclasses.replace(cfg, lsh_successor_heads=heads)
+    except ValueError as e:
+        raise DataError(f"--successor-heads: {e}") from None
+
+
+def init_config(cfg: ReformerConfig, args: argparse.Namespace) -> ReformerConfig:
+    """The --init-from model's config with --rehash and --successor-heads applied: converting plain heads to
+    successor-value heads keeps every weight (the heads relearn to use them, ~100 steps on short windows)."""
+    return with_successor_heads(rehashed(cfg, args.rehash), args.successor_heads)
+
+
+def check_resume_config(cfg: ReformerConfig, args: argparse.Namespace) -> None:
+    """--successor-heads given with --resume must be the checkpoint's: a resumed model keeps its shape."""
+    if args.successor_heads is not None and args.successor_heads != cfg.lsh_successor_heads:
+        raise DataError(f"--successor-heads {args.successor_heads} differs from the checkpoint's "
+                        f"{cfg.lsh_successor_heads}: a resumed run keeps its model")
+
+
 def rehashed(cfg: ReformerConfig, rehash: tuple[int | None, int | None] | None) -> ReformerConfig:
     """The --init-from model's config with --rehash applied (unchanged without it)."""
     if rehash is None:
@@ -119,6 +159,11 @@ def rehashed(cfg: ReformerConfig, rehash: tuple[int | None, int | None] | None) 
 
 
 def model_config(args: argparse.Namespace) -> ReformerConfig:
+    """The new model the options describe (a --config file, or the flags), with --successor-heads applied."""
+    return with_successor_heads(_base_config(args), args.successor_heads)
+
+
+def _base_config(args: argparse.Namespace) -> ReformerConfig:
     if args.config is not None:
         return ReformerConfig.from_json(args.config)
     hidden, heads = args.hidden_size, args.num_heads
