@@ -189,24 +189,43 @@ def export_stats_main(argv: list[str]) -> int:
     return 0
 
 
+def _without_token(argv: list[str]) -> list[str]:
+    """argv as the manifest records it: a --token value is a secret."""
+    out = list(argv)
+    for i, arg in enumerate(out):
+        if arg.startswith("--token="):
+            out[i] = "--token=<hidden>"
+        elif arg == "--token" and i + 1 < len(out):
+            out[i + 1] = "<hidden>"
+    return out
+
+
 def import_hf_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="reformer import-hf", description=(
-        "Convert a local transformers Reformer checkpoint directory (config.json plus model.safetensors or "
-        "pytorch_model.bin) into an artifact, after checking logits parity against transformers."))
-    p.add_argument("hf_dir", type=Path, help="directory saved by transformers (save_pretrained) or downloaded")
+        "Convert a transformers Reformer checkpoint (config.json plus model.safetensors or pytorch_model.bin, "
+        "and its tokenizer: spiece.model or tokenizer.json; none for byte-level vocabularies) into an artifact, "
+        "after checking logits parity against transformers. A hub id (owner/name) is downloaded with "
+        "huggingface_hub, into its cache."))
+    p.add_argument("hf_dir", help="a directory saved by transformers (save_pretrained), or a hub id such as "
+                                  "google/reformer-crime-and-punishment")
     p.add_argument("out_dir", type=Path, help="artifact directory to write")
     _add_output_flags(p)
     p.add_argument("--skip-parity", action="store_true",
                    help="write the artifact without the logits check against transformers (needed when "
                         "transformers is not installed); the manifest records that parity was skipped")
+    p.add_argument("--revision", help="hub id only: the branch, tag or commit to download (default: main)")
+    p.add_argument("--cache-dir", type=Path, help="hub id only: huggingface_hub's cache directory (default: "
+                                                  "HF_HUB_CACHE, or HF_HOME/hub)")
+    p.add_argument("--token", help="hub id only: a hub access token (default: HF_TOKEN, or the saved login)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from .hf_import import HFImportError, import_hf
 
     try:
         out, parity = import_hf(args.hf_dir, args.out_dir, onnx=not args.no_onnx, quantize=args.quantize,
-                                overwrite=args.force, command=_command("reformer import-hf", argv),
-                                skip_parity=args.skip_parity)
+                                overwrite=args.force, command=_command("reformer import-hf", _without_token(argv)),
+                                skip_parity=args.skip_parity, revision=args.revision, cache_dir=args.cache_dir,
+                                token=args.token)
     except (HFImportError, ExportError, FileExistsError, ValueError) as e:
         return _fail(p.prog, e)
     if parity["checked"]:

@@ -1,6 +1,7 @@
-"""Import of a local `transformers` Reformer checkpoint directory (config.json plus model.safetensors or
-pytorch_model.bin, e.g. a downloaded google/reformer-enwik8) as an artifact, after checking that our
-model gives the same logits as transformers' on random inputs."""
+"""Import of a `transformers` Reformer checkpoint (a local directory with config.json plus model.safetensors or
+pytorch_model.bin, or a hub id such as google/reformer-crime-and-punishment, downloaded by export/hf_hub.py) as
+an artifact with its tokenizer (export/hf_tokenizer.py), after checking that our model gives the same logits
+as transformers' on random inputs."""
 
 from __future__ import annotations
 
@@ -17,11 +18,13 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from tqdm import tqdm
 
-from model import ByteTokenizer, ReformerConfig, ReformerLM
+from model import ReformerConfig, ReformerLM
 from model.hf import hf_state_dict_to_ours
 
 from .artifact import ArtifactError, check_shapes, file_sha256, save_artifact
 from .hf_errors import HFImportError
+from .hf_hub import resolve_checkpoint
+from .hf_tokenizer import checkpoint_tokenizer
 
 log = logging.getLogger(__name__)
 _HUB_BLOB = re.compile(r"[0-9a-f]{64}")  # huggingface_hub names an LFS file's blob by its sha256
@@ -156,23 +159,17 @@ def check_hf_parity(hf_model: Any, model: ReformerLM, where: str, seed: int = 0,
     return record
 
 
-def tokenizer_for(config: ReformerConfig, weights: Path) -> ByteTokenizer:
-    if config.vocab_size == 258:
-        return ByteTokenizer(eos_id=2)  # bytes + 2, as google/reformer-enwik8 (NUL doubles as end of text)
-    raise HFImportError(
-        f"{weights.name}: vocab_size {config.vocab_size} is not byte-level (258); only byte-level Reformer "
-        "checkpoints can be imported (sentencepiece tokenizers such as crime-and-punishment's are not supported)")
-
-
 def import_hf(hf_dir: str | Path, out_dir: str | Path, onnx: bool = True, quantize: str | None = None,
-              overwrite: bool = False, command: str | None = None,
-              skip_parity: bool = False) -> tuple[Path, dict[str, Any]]:
+              overwrite: bool = False, command: str | None = None, skip_parity: bool = False,
+              revision: str | None = None, cache_dir: str | Path | None = None,
+              token: str | bool | None = None) -> tuple[Path, dict[str, Any]]:
     """Convert, check parity against transformers (unless `skip_parity`, which the manifest records), write
-    the artifact. Returns (path, parity record)."""
-    src = Path(hf_dir)
+    the artifact. `hf_dir` is a local folder or a hub id (`revision`, `cache_dir` and `token` are
+    huggingface_hub's, for a hub id). Returns (path, parity record)."""
+    src = resolve_checkpoint(hf_dir, revision=revision, cache_dir=cache_dir, token=token)
     start = time.perf_counter()
     config, hf_state, weights = read_hf_checkpoint(src)
-    tokenizer = tokenizer_for(config, weights)
+    tokenizer, tokenizer_source = checkpoint_tokenizer(src, config)
     digest = check_weights_file(weights, hf_state)
     log.info("read %s: %s tensors, %.0f MB (%.1f s)", weights.name, len(hf_state), weights.stat().st_size / 1e6,
              time.perf_counter() - start)
@@ -194,12 +191,19 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, onnx: bool = True, quanti
         parity = check_hf_parity(hf_model, model, weights.name)
         del hf_model  # its weights are not needed for the ONNX export that follows
     del hf_state
+    files = {"config.json": file_sha256(src / "config.json"), weights.name: digest}
+    if (src / tokenizer_source).is_file():
+        files[tokenizer_source] = file_sha256(src / tokenizer_source)
     provenance = {
         "source": "transformers Reformer checkpoint",
         "hf_dir": str(src.resolve()),
-        "files": {"config.json": file_sha256(src / "config.json"), weights.name: digest},
-        "command": command or f"reformer import-hf {src} {out_dir}",
+        "files": files,
+        "tokenizer": {"kind": tokenizer.kind, "from": tokenizer_source},
+        "command": command or f"reformer import-hf {hf_dir} {out_dir}",
     }
+    if str(hf_dir) != str(src):
+        provenance["hub"] = {"repo_id": str(hf_dir), "revision": revision or "main",
+                             "commit": src.name if src.parent.name == "snapshots" else None}
     out = save_artifact(model, out_dir, tokenizer=tokenizer, provenance=provenance,
                         evaluation={"transformers_parity": parity}, onnx=onnx, quantize=quantize,
                         overwrite=overwrite,

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from model.sampling import Sampler
+from service.detokenize import TextStream
 from service.errors import ServiceError
 from service.jobs import (
     EmbeddingResult,
@@ -108,25 +109,22 @@ class GenerationJob(Job):
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.tokenizer = tokenizer
         self.eos_id: int = tokenizer.eos_id
-        self.is_special: Callable[[int], bool] = getattr(
-            tokenizer, "is_special", lambda i: i in (tokenizer.pad_id, tokenizer.eos_id)
-        )
+        self.is_special: Callable[[int], bool] = tokenizer.is_special
         self.sampler: Sampler | None = None
         self.cache: Any = None  # the model's DecodeState while running
         self.history: list[int] = list(spec.prompt_ids)
         self.generated: list[int] = []
         self.text_parts: list[str] = []
-        self.tail = ""  # the last characters generated, enough to see any stop sequence
         self.pending_token: int | None = None  # sampled, not yet fed to the model
         self.last_token_at: float | None = None
-        self.decoder: Any = None
+        self.decoder: TextStream | None = None
         # the prompt's scores from its prefill (model/decoding/prefill/scores.py PromptScores), when the spec
         # asked: the first token's event carries them
         self.prompt_scores: Any = None
 
     def begin(self) -> None:
         self.sampler = Sampler(self.spec.sampling)
-        self.decoder = self.tokenizer.incremental_decoder()
+        self.decoder = TextStream(self.tokenizer, self.spec.stop_sequences)
 
     @property
     def seed(self) -> int | None:
@@ -135,7 +133,7 @@ class GenerationJob(Job):
     def accept(self, logits: Any, greedy: tuple[int, float] | None = None) -> TokenEvent:
         """Sample from the next-token logits (a plain-greedy request takes `greedy`, the batch's choice for its
         row, when given); the event carries `finish` if this token ends the generation."""
-        assert self.sampler is not None
+        assert self.sampler is not None and self.decoder is not None
         top: tuple[tuple[int, float], ...] = ()
         if greedy is not None and self.sampler.plain_greedy:
             token, logprob = greedy
@@ -146,7 +144,7 @@ class GenerationJob(Job):
         self.generated.append(token)
         self.history.append(token)
         special = self.is_special(token)
-        text = "" if special else self.decoder.push(token)
+        text = self.decoder.push(token)
         reason: FinishReason | None = None
         if self.spec.stop_on_eos and token == self.eos_id:
             reason = "eos_token"
@@ -154,12 +152,9 @@ class GenerationJob(Job):
             reason = "length"
         if reason is not None:
             text += self.decoder.flush()
-        if reason is None and text and self.spec.stop_sequences:
-            longest = max(len(s) for s in self.spec.stop_sequences)
-            self.tail = (self.tail + text)[-(longest + len(text)) :]
-            if any(s in self.tail for s in self.spec.stop_sequences):
-                reason = "stop_sequence"
-                text += self.decoder.flush()
+        if reason is None and self.decoder.stopped(text):
+            reason = "stop_sequence"
+            text += self.decoder.flush()
         self.text_parts.append(text)
         self.pending_token = token
         finish = None

@@ -63,9 +63,9 @@ def test_import_hf_gives_transformers_logits(tmp_path: Path, fmt: str, capsys: p
     assert (ref - got).abs().max() <= 1e-4
 
 
-def test_non_byte_level_vocabulary_is_refused(tmp_path: Path) -> None:
+def test_a_non_byte_level_vocabulary_without_a_tokenizer_is_refused(tmp_path: Path) -> None:
     save_hf(tmp_path / "hf320", "safetensors", vocab_size=320)
-    with pytest.raises(HFImportError, match="vocab_size 320 is not byte-level"):
+    with pytest.raises(HFImportError, match="vocab_size 320 is not byte-level .258. and there is no tokenizer"):
         import_hf(tmp_path / "hf320", tmp_path / "art320", onnx=False)
     assert not (tmp_path / "art320").exists()
 
