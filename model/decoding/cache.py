@@ -340,14 +340,25 @@ class DecodeCache:
         if norms is not None:
             norms.index_copy_(0, rows, key_norm(key).to(self.dtype))
 
-    def write_step(self, layer: int, rows: Tensor, key: Tensor, value: Tensor) -> None:
+    def write_step(self, layer: int, rows: Tensor, key: Tensor, value: Tensor, successor: int = 0,
+                   prev_rows: Tensor | None = None) -> None:
         """A decode step's `write`: through the C kernel when the cache has it (one call instead of six
-        index copies and the key factor's five ops)."""
+        index copies and the key factor's five ops). Heads 0..successor-1 are successor-value heads
+        (model/lsh/successor.py): a position's value slot holds the value of the position after it, so the
+        new value goes to `prev_rows` (B,), the rows of the positions before the new ones, and the new
+        positions' slots hold 0 until the next step writes them."""
+        if successor and prev_rows is None:
+            raise ValueError("a step's write with successor-value heads needs the previous positions' rows")
         if self.kernel is None:
+            if successor:
+                ahead = value[:, :successor]  # (B, k, D): the previous positions' values in those heads
+                value = torch.cat([torch.zeros_like(ahead), value[:, successor:]], dim=1)  # (B, H, D)
             self.write(layer, rows, key, value)
+            if successor:
+                self.values[layer][prev_rows, :successor] = ahead.to(self.kv_dtype)
             return
         self.kernel.write(rows, key.contiguous(), value.contiguous(), self.keys[layer], self.values[layer],
-                                 self.norms[layer])
+                          self.norms[layer], successor=successor, prev_rows=prev_rows)
 
     def gather_keys(self, layer: int, flat: Tensor) -> tuple[Tensor, Tensor | None]:
         """flat (row * heads + head) indices (...) -> keys (..., D) and, for LSH layers, the key factors (...)."""

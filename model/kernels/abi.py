@@ -51,7 +51,8 @@ class StepLayer(ctypes.Structure):
         ("ln_w", _PTR), ("ln_b", _PTR), ("proj_w", _PTR), ("proj_b", _PTR), ("keys", _PTR), ("values", _PTR),
         ("norms", _PTR), ("rounds", _I64), ("buckets", _I64), ("recent_size", _I64), ("items_len", _I64),
         ("item_bytes", _I64), ("shift", _I64), ("recent_offset", _I64), ("main_counts", _PTR),
-        ("recent_counts", _PTR), ("items", _PTR), ("chunk", _I64), ("before", _I64), ("after", _I64), ("ff", _I64),
+        ("recent_counts", _PTR), ("items", _PTR), ("chunk", _I64), ("before", _I64), ("after", _I64),
+        ("successor", _I64), ("ff", _I64),
         ("act", _I64), ("w_out", _PTR), ("b_out", _PTR), ("ff_ln_w", _PTR), ("ff_ln_b", _PTR), ("w_dense", _PTR),
         ("b_dense", _PTR), ("w_ff", _PTR), ("b_ff", _PTR),
     ]
@@ -68,10 +69,10 @@ class StepEmbedding(ctypes.Structure):
 # each exported function: its C return type and its parameters, one letter each: I int64_t, F float, P pointer
 PROTOTYPES: dict[str, tuple[str, str]] = {
     "window_attend": ("int", "IIIIIIPPPPIIPPIIPPPFFPI"),
-    "lsh_attend": ("int", "IIIIIIIIIIPPPPIIPPPPPIIIIPIIIFFPI"),
+    "lsh_attend": ("int", "IIIIIIIIIIPPPPIIPPPPPIIIIPIIIFFIPI"),
     "chunk_attend": ("int", "IIIIIIPPPPPPPPPPPPIFPPPPI"),
     "lsh_merge": ("int", "IIIIIPIIPPPP"),
-    "decode_write": ("int", "IIIIIIPPPPPPFF"),
+    "decode_write": ("int", "IIIIIIPPPPPPFFIP"),
     "lsh_append": ("int", "IIIIIPPPPIII"),
     "step_linear": ("int", "IIIPIPPP"),
     "step_linear_w": ("int", "IIIIPIPPP"),

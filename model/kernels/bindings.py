@@ -156,12 +156,13 @@ class CpuKernels:
 
     def lsh_attend(self, q: Tensor, keys: Tensor, norms: Tensor, values: Tensor, meta: Tensor, buckets: Tensor,
                    index: IndexArrays, block_table: Tensor, block_size: int, scratch_slot: int, chunk: int, before: int,
-                   after: int, self_mask: float, mask: float) -> Tensor:
+                   after: int, self_mask: float, mask: float, successor: int = 0) -> Tensor:
         """One LSH layer's decode attention: q (B, H, D) float32, the layer's key, factor (float32) and value pools, the
         step's row facts meta (B, META_COLUMNS) int64 (model/decoding/step.py), the new position's buckets
         (B, H, R) int64,
         the layer's index after the step's insert and the cache's block table. Returns (B, H, D) float32;
-        rows on `scratch_slot` (padding) get zeros."""
+        rows on `scratch_slot` (padding) get zeros. Heads 0..successor-1 (successor-value heads) never attend
+        the row's own position and give exactly 0 where nothing else is there."""
         b, h, d = q.shape
         rounds = buckets.shape[-1]
         if rounds > abi.MAX_ROUNDS or buckets.shape != (b, h, rounds) or meta.shape != (b, abi.META_COLUMNS):
@@ -183,7 +184,7 @@ class CpuKernels:
                            items.element_size(), index.shift,
                            index.recent_offset, block_table.data_ptr(), block_table.shape[1], block_size, scratch_slot,
                            self_mask,
-                           mask, out.data_ptr(), torch.get_num_threads())
+                           mask, successor, out.data_ptr(), torch.get_num_threads())
         check_status(status, "lsh kernel")
         return out
 
@@ -220,12 +221,19 @@ class CpuKernels:
         return out, lse
 
     def write(self, rows: Tensor, key: Tensor, value: Tensor, keys: Tensor, values: Tensor, norms: Tensor | None,
-              eps: float = abi.KEY_NORM_EPS) -> None:
+              eps: float = abi.KEY_NORM_EPS, successor: int = 0, prev_rows: Tensor | None = None) -> None:
         """A step's new keys and values (B, H, D) float32 into pool rows `rows` (B,) of the pools (N, H, D),
         rounded to the pools' dtype as `Tensor.to` rounds, and for LSH layers each key's factor (from the
-        float32 key) into `norms` (N, H) float32, as `DecodeCache.write` does."""
+        float32 key) into `norms` (N, H) float32, as `DecodeCache.write_step` does: in heads 0..successor-1
+        (successor-value heads) the value goes to rows `prev_rows` (B,) and the new rows' values are 0."""
         b, h, d = key.shape
         rows = rows.contiguous()
+        if not 0 <= successor <= h:
+            raise ValueError(f"write kernel: {successor} successor-value heads of {h}")
+        if successor:
+            if prev_rows is None or prev_rows.shape != (b,) or prev_rows.dtype != torch.int64 or not prev_rows.is_cpu:
+                raise ValueError("write kernel: successor-value heads need prev_rows, (B,) int64 on the CPU")
+            prev_rows = prev_rows.contiguous()
         kind = self._kind("write kernel", keys, values)
         stride = pool_stride("write kernel", keys, values)
         _require("write kernel", (rows, torch.int64),
@@ -238,7 +246,7 @@ class CpuKernels:
             raise ValueError(f"write kernel: rows {tuple(rows.shape)} for {b} keys")
         status = self._write(b, h, d, kind, keys.shape[0], stride, rows.data_ptr(), key.data_ptr(), value.data_ptr(),
                              keys.data_ptr(), values.data_ptr(), 0 if norms is None else norms.data_ptr(), eps,
-                             math.sqrt(d))
+                             math.sqrt(d), successor, 0 if prev_rows is None or not successor else prev_rows.data_ptr())
         check_status(status, "write kernel")
 
     def append(self, index: IndexArrays, meta: Tensor, buckets: Tensor) -> None:

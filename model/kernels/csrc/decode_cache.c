@@ -64,19 +64,30 @@ int lsh_merge(int64_t columns, int64_t buckets, int64_t main_len, int64_t recent
 /* rows (B,) positions' pool rows; key and value (B, heads, dim) float32, stored as the pools' kind at the
  * (position, head) rows at * heads + h, `stride` elements apart; norms (pool, heads) or NULL: the float32
  * key's length-normalisation factor rsqrt(mean(k * k) + eps) / sqrt(dim), as model/decoding/cache.py key_norm
- * computes it. Returns 0, or BAD_INDEX for a row outside the pool. */
+ * computes it. Heads 0..successor-1 are successor-value heads (model/lsh/successor.py): a position's value
+ * slot holds the next position's value, so their values go to rows prev_at (B,) (the positions before) and
+ * the new rows' values in those heads are 0 until the next step; prev_at may be NULL when successor is 0.
+ * Returns 0, or BAD_INDEX for a row outside the pool or a successor count outside 0..heads. */
 int decode_write(int64_t rows, int64_t heads, int64_t dim, int64_t kind, int64_t pool_rows, int64_t stride,
                  const int64_t *at, const float *key, const float *value, void *keys, void *values, float *norms,
-                 float eps, float sqrt_dim) {
+                 float eps, float sqrt_dim, int64_t successor, const int64_t *prev_at) {
     if (!kind_ok(kind)) return BAD_KIND;
+    if (successor < 0 || successor > heads || (successor && !prev_at)) return BAD_INDEX;
     for (int64_t b = 0; b < rows; b++)
-        if (at[b] < 0 || at[b] >= pool_rows) return BAD_INDEX;
-    const int64_t row = heads * dim;
+        if (at[b] < 0 || at[b] >= pool_rows || (successor && (prev_at[b] < 0 || prev_at[b] >= pool_rows)))
+            return BAD_INDEX;
+    const int64_t row = heads * dim, bytes = kind_bytes((int)kind);
     for (int64_t b = 0; b < rows; b++) {
         for (int64_t h = 0; h < heads; h++) {
             store_row(keys, (int)kind, at[b] * heads + h, stride, key + b * row + h * dim, dim);
-            store_row(values, (int)kind, at[b] * heads + h, stride, value + b * row + h * dim, dim);
+            if (h < successor) /* zero bits are +0 in every kind */
+                memset((char *)values + (at[b] * heads + h) * stride * bytes, 0, (size_t)(dim * bytes));
+            else
+                store_row(values, (int)kind, at[b] * heads + h, stride, value + b * row + h * dim, dim);
         }
+        /* after the new row's zeros: a padding row's previous position may be its own (position 0) */
+        for (int64_t h = 0; h < successor; h++)
+            store_row(values, (int)kind, prev_at[b] * heads + h, stride, value + b * row + h * dim, dim);
         if (!norms) continue;
         for (int64_t h = 0; h < heads; h++) {
             const float *k = key + b * row + h * dim;

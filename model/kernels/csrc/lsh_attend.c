@@ -25,6 +25,7 @@ typedef struct {
     int64_t table_width, block_size;
     int64_t skip_slot; /* rows on this slot (the scratch slot: padding) are not computed */
     float self_mask, mask;
+    int64_t successor; /* heads 0..successor-1: successor-value heads (model/lsh/successor.py) */
     float *out;
     int64_t begin, end;
     int status;
@@ -146,6 +147,14 @@ static int lsh_slots(const LshJob *job, int64_t b, int64_t h, int64_t *flat, int
     return 0;
 }
 
+/* whether any round's log-sum-exp (attend_slots' lse[0..R)) came from a key that was not masked: a round of
+ * masked slots only sums to about `mask` (model/lsh/successor.py no_key_threshold: half of it) */
+static inline int saw_key(const float *lse, int64_t rounds, float mask) {
+    for (int64_t r = 0; r < rounds; r++)
+        if (lse[r] >= 0.5f * mask) return 1;
+    return 0;
+}
+
 static void *run_lsh_job(void *arg) {
     LshJob *job = (LshJob *)arg;
     const int64_t R = job->rounds, W = (job->before + 1 + job->after) * job->chunk, n = R * W;
@@ -167,11 +176,15 @@ static void *run_lsh_job(void *arg) {
             continue;
         }
         job->status = lsh_slots(job, b, h, flat, pos, absent, dead);
+        /* a successor-value head never attends its own position (its value slot is the next position's) */
+        const int successor = h < job->successor;
         if (!job->status)
             job->status = attend_slots(job->q + item * job->dim, job->dim, R, W, flat, pos, job->meta[b * META_COLUMNS + META_POSITION],
                                        absent, dead, job->keys, job->norms, job->values, job->kind,
-                                       job->pool_rows * job->heads, job->stride, job->self_mask, job->mask, out, score,
-                                       lse, row);
+                                       job->pool_rows * job->heads, job->stride,
+                                       successor ? job->mask : job->self_mask, job->mask, out, score, lse, row);
+        if (!job->status && successor && !saw_key(lse, R, job->mask))
+            memset(out, 0, (size_t)job->dim * sizeof(float)); /* nothing but itself to attend: exactly 0 */
     }
     free(buffer);
     return NULL;
@@ -186,11 +199,11 @@ static LshJob lsh_job(int64_t heads, int64_t rounds, int64_t buckets, int64_t ch
                       const int64_t *bucket_of, const int32_t *main_counts, const int16_t *recent_counts,
                       const void *items, int64_t items_len, int64_t item_bytes, int64_t shift, int64_t recent_offset,
                       const int64_t *block_table, int64_t table_width, int64_t block_size, int64_t skip_slot,
-                      float self_mask, float mask, float *out, int64_t begin, int64_t end) {
+                      float self_mask, float mask, int64_t successor, float *out, int64_t begin, int64_t end) {
     return (LshJob){heads, rounds, buckets, chunk, before, after, dim, recent_size, (int)kind, q, norms, keys, values,
                     pool_rows, stride, meta, bucket_of, main_counts, recent_counts, items, items_len, item_bytes,
-                    shift, recent_offset, block_table, table_width, block_size, skip_slot, self_mask, mask, out, begin,
-                    end, 1};
+                    shift, recent_offset, block_table, table_width, block_size, skip_slot, self_mask, mask, successor,
+                    out, begin, end, 1};
 }
 
 int lsh_attend(int64_t rows, int64_t heads, int64_t rounds, int64_t buckets, int64_t chunk, int64_t before,
@@ -199,7 +212,8 @@ int lsh_attend(int64_t rows, int64_t heads, int64_t rounds, int64_t buckets, int
                const int64_t *bucket_of, const int32_t *main_counts, const int16_t *recent_counts,
                const void *items, int64_t items_len, int64_t item_bytes,
                int64_t shift, int64_t recent_offset, const int64_t *block_table, int64_t table_width,
-               int64_t block_size, int64_t skip_slot, float self_mask, float mask, float *out, int64_t threads) {
+               int64_t block_size, int64_t skip_slot, float self_mask, float mask, int64_t successor, float *out,
+               int64_t threads) {
     if (!kind_ok(kind)) return BAD_KIND;
     const int64_t items_n = rows * heads;
     threads = clamp_threads(threads, items_n);
@@ -208,7 +222,7 @@ int lsh_attend(int64_t rows, int64_t heads, int64_t rounds, int64_t buckets, int
         jobs[k] = lsh_job(heads, rounds, buckets, chunk, before, after, dim, recent_size, kind, q, keys, norms, values,
                           pool_rows, stride, meta, bucket_of, main_counts, recent_counts, items, items_len,
                           item_bytes, shift, recent_offset, block_table, table_width, block_size, skip_slot,
-                          self_mask, mask, out, items_n * k / threads, items_n * (k + 1) / threads);
+                          self_mask, mask, successor, out, items_n * k / threads, items_n * (k + 1) / threads);
     run_parallel(run_lsh_job, (char *)jobs, sizeof(LshJob), threads);
     int status = 0;
     for (int64_t k = 0; k < threads; k++) status |= jobs[k].status;
@@ -222,13 +236,13 @@ int lsh_attend_items(int64_t heads, int64_t rounds, int64_t buckets, int64_t chu
                      const int64_t *bucket_of, const int32_t *main_counts, const int16_t *recent_counts,
                      const void *items, int64_t items_len, int64_t item_bytes, int64_t shift, int64_t recent_offset,
                      const int64_t *block_table, int64_t table_width, int64_t block_size, int64_t skip_slot,
-                     float self_mask, float mask, float *out, int64_t begin, int64_t end) {
+                     float self_mask, float mask, int64_t successor, float *out, int64_t begin, int64_t end) {
     if (!kind_ok(kind)) return BAD_KIND;
     if (begin >= end) return 0;
     LshJob job = lsh_job(heads, rounds, buckets, chunk, before, after, dim, recent_size, kind, q, keys, norms, values,
                          pool_rows, stride, meta, bucket_of, main_counts, recent_counts, items, items_len,
                          item_bytes, shift, recent_offset, block_table, table_width, block_size, skip_slot,
-                         self_mask, mask, out, begin, end);
+                         self_mask, mask, successor, out, begin, end);
     run_lsh_job(&job);
     return job.status;
 }

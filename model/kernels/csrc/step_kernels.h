@@ -75,6 +75,7 @@ typedef struct {
     int16_t *recent_counts;
     void *items;
     int64_t chunk, before, after;     /* the attention's chunk and windows */
+    int64_t successor;                /* LSH: heads 0..successor-1 are successor-value heads (decode_write) */
     /* the tail (step_tail) */
     int64_t ff, act;
     const void *w_out;                /* packed as proj_w, as are w_dense and w_ff */
@@ -114,7 +115,7 @@ int lsh_hash(int64_t m, int64_t heads, int64_t rounds, int64_t dim, int64_t half
 void layer_norm_rows(int64_t m, int64_t n, const float *x, const float *w, const float *b, float eps, float *y);
 int decode_write(int64_t rows, int64_t heads, int64_t dim, int64_t kind, int64_t pool_rows, int64_t stride,
                  const int64_t *at, const float *key, const float *value, void *keys, void *values, float *norms,
-                 float eps, float sqrt_dim);
+                 float eps, float sqrt_dim, int64_t successor, const int64_t *prev_at);
 int lsh_append(int64_t rows, int64_t heads, int64_t rounds, int64_t buckets, int64_t recent_size,
                const int64_t *meta, const int64_t *bucket_of, int16_t *recent_counts, void *items,
                int64_t item_bytes, int64_t shift, int64_t recent_offset);
@@ -124,7 +125,7 @@ int lsh_attend_items(int64_t heads, int64_t rounds, int64_t buckets, int64_t chu
                      const int64_t *bucket_of, const int32_t *main_counts, const int16_t *recent_counts,
                      const void *items, int64_t items_len, int64_t item_bytes, int64_t shift, int64_t recent_offset,
                      const int64_t *block_table, int64_t table_width, int64_t block_size, int64_t skip_slot,
-                     float self_mask, float mask, float *out, int64_t begin, int64_t end);
+                     float self_mask, float mask, int64_t successor, float *out, int64_t begin, int64_t end);
 int window_attend_items(int64_t heads, int64_t rounds, int64_t width, int64_t dim, int64_t kind, const float *q,
                         const void *keys, const float *norms, const void *values, int64_t pool_len, int64_t stride,
                         const int64_t *flat, const uint8_t *absent, int64_t absent_row_stride,

@@ -210,7 +210,7 @@ int decode_layers(int64_t m, int64_t hidden, int64_t nlayers, const StepLayer *l
     }
     const size_t floats_n = (size_t)(m * (2 * hidden + most_proj + 3 * most_att + most_ff) + m * 2 * hidden);
     float *fbuf = malloc(floats_n * sizeof(float));
-    int64_t *ibuf = malloc((size_t)(m * (1 + most_rounds + most_flat)) * sizeof(int64_t));
+    int64_t *ibuf = malloc((size_t)(m * (2 + most_rounds + most_flat)) * sizeof(int64_t));
     uint8_t *absent = malloc((size_t)(m * most_window));
     int status = 0;
     if (!fbuf || !ibuf || !absent) {
@@ -221,13 +221,18 @@ int decode_layers(int64_t m, int64_t hidden, int64_t nlayers, const StepLayer *l
     }
     float *h = fbuf, *y = h + m * hidden, *qkv = y + m * hidden, *key = qkv + m * most_proj;
     float *value = key + m * most_att, *out = value + m * most_att, *u = out + m * most_att, *joined = u + m * most_ff;
-    int64_t *new_rows = ibuf, *bucket_of = ibuf + m, *flat = bucket_of + m * most_rounds;
+    /* prev_rows: the rows of the positions before the new ones, where successor-value heads write */
+    int64_t *new_rows = ibuf, *prev_rows = ibuf + m, *bucket_of = ibuf + 2 * m, *flat = bucket_of + m * most_rounds;
     status = embed(embedding, m, hidden, tokens, meta, x1);
     memcpy(x2, x1, (size_t)(m * hidden) * sizeof(float));
     for (int64_t b = 0; b < m && nlayers; b++) {
         new_rows[b] = table_row(table, table_width, table_rows, block_size, meta[b * META_COLUMNS + META_SLOT], meta[b * META_COLUMNS + META_POSITION],
                                 layers[0].pool_rows);
         if (new_rows[b] < 0) status |= BAD_INDEX;
+        const int64_t before = meta[b * META_COLUMNS + META_POSITION] - 1; /* a padding row's is its own, 0 */
+        prev_rows[b] = table_row(table, table_width, table_rows, block_size, meta[b * META_COLUMNS + META_SLOT],
+                                 before < 0 ? 0 : before, layers[0].pool_rows);
+        if (prev_rows[b] < 0) status |= BAD_INDEX;
     }
     if (threads < 1) threads = 1;
     if (status) goto done; /* a token, position or new row outside the tables: the cache is left untouched */
@@ -253,7 +258,8 @@ int decode_layers(int64_t m, int64_t hidden, int64_t nlayers, const StepLayer *l
                 }
                 int st = status ? status
                                 : decode_write(m, L->heads, L->dim, L->kind, L->pool_rows, L->stride, new_rows, key,
-                                               value, L->keys, L->values, L->lsh ? L->norms : NULL, KEY_NORM_EPS, scale);
+                                               value, L->keys, L->values, L->lsh ? L->norms : NULL, KEY_NORM_EPS, scale,
+                                               L->lsh ? L->successor : 0, prev_rows);
                 if (!L->lsh) {
                     if (!st) st = local_window(L, m, meta, table, table_width, table_rows, block_size, flat, absent);
                     /* the query, contiguous, where the value was (written to the pools already) */
@@ -277,7 +283,7 @@ int decode_layers(int64_t m, int64_t hidden, int64_t nlayers, const StepLayer *l
                                       L->recent_size, L->kind, key, L->keys, L->norms, L->values, L->pool_rows,
                                       L->stride, meta, bucket_of, L->main_counts, L->recent_counts, L->items,
                                       L->items_len, L->item_bytes, L->shift, L->recent_offset, table, table_width,
-                                      block_size, scratch_slot, fl[2], fl[3], out, begin, end);
+                                      block_size, scratch_slot, fl[2], fl[3], L->successor, out, begin, end);
             else {
                 const int64_t w = (L->before + 1) * L->chunk;
                 st = window_attend_items(L->heads, 1, w, L->dim, L->kind, value, L->keys, NULL, L->values,
