@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import importlib.util
 import sys
 from collections.abc import Awaitable
 from pathlib import Path
@@ -270,6 +271,10 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name) is not None and getattr(args, name) <= floor:
             console.print(f"[bold red]--{name} must be more than {floor:g}[/]")
             return 2
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        # refused before the run, not after it: matplotlib is no dependency of the installed package
+        console.print("[bold red]--plot needs matplotlib, which is not installed here (pip install matplotlib)[/]")
+        return 2
     try:
         documents = cut_documents(args.docs, args.lengths, per_length=args.docs_per_length)
     except DocumentError as exc:

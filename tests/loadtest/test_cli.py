@@ -157,3 +157,14 @@ def test_without_the_api_key_every_request_is_a_counted_401(server_url: str, doc
     check = MetricsCheck.model_validate(report["metrics_check"])
     compared = {c.what: c.client for c in check.checks}
     assert compared["requests /generate_stream 401"] == 2
+
+
+def test_plot_without_matplotlib_is_refused_by_name_before_the_run(docs_dir: Path, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as where it is not installed
+    # no server listens on port 9: the refusal comes before any request
+    args = ["--url", "http://127.0.0.1:9", "--docs", str(docs_dir), "--lengths", "256", "--requests", "1"]
+    assert cli.main([*args, "--plot", str(tmp_path / "plots")]) == 2
+    assert "--plot needs matplotlib" in capsys.readouterr().err
+    assert cli.main(args) == 1  # without --plot the run goes on, to the unreachable server
