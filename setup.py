@@ -1,24 +1,25 @@
 """Builds the C kernels with the package (pyproject.toml holds everything else): one shared library per CPU
-variant of model/kernels/build.py's VARIANTS, loaded through ctypes (no Python module init), so a machine without
+variant of model/kernels/sources.py's VARIANTS, loaded through ctypes (no Python module init), so a machine without
 a compiler runs them. A variant whose build fails is skipped (`optional`); with none, the kernels fall back to a
 first-use build where a compiler is present, else to PyTorch ops (`/info` says which)."""
 
 from __future__ import annotations
 
 import platform
+import runpy
 from pathlib import Path
+from typing import Any
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).parent
-SOURCES = [f"model/kernels/csrc/{name}.c" for name in ("window_attend", "lsh_attend", "decode_cache", "step_linear",
-                                                      "step_linear_q", "step_layers", "chunk_attend")]
-HEADERS = [f"model/kernels/csrc/{name}.h" for name in ("step_kernels", "window_rows")]
-# model/kernels/build.py's VARIANTS (flags only; that module is not importable before torch is installed)
-MARCH = {"avx512": ["-march=x86-64-v4", "-mtune=generic"], "avx2": ["-march=x86-64-v3", "-mtune=generic"],
-         "portable": []}
-X86 = platform.machine() in ("x86_64", "AMD64", "amd64")
+CSRC = "model/kernels/csrc"
+
+
+def kernel_sources() -> dict[str, Any]:
+    """model/kernels/sources.py's names, loaded by path: the package imports torch, not installed yet here."""
+    return runpy.run_path(str(ROOT / "model" / "kernels" / "sources.py"))
 
 
 class BuildKernels(build_ext):
@@ -29,10 +30,12 @@ class BuildKernels(build_ext):
 
 
 def kernels() -> list[Extension]:
-    names = list(MARCH) if X86 else ["portable"]
-    return [Extension(f"model.kernels._reformer_kernels_{name}", sources=SOURCES, depends=HEADERS,
-        extra_compile_args=["-O3", "-fopenmp", "-pthread", *MARCH[name]],
-        extra_link_args=["-fopenmp", "-pthread", "-lm"], optional=True) for name in names]
+    k = kernel_sources()
+    return [Extension(f"model.kernels._reformer_kernels_{name}", sources=[f"{CSRC}/{f}" for f in k["SOURCES"]],
+                      depends=[f"{CSRC}/{f}" for f in k["HEADERS"]],
+                      extra_compile_args=[*k["COMMON_FLAGS"], k["OPENMP"], *k["VARIANTS"][name][0]],
+                      extra_link_args=[k["OPENMP"], *k["LINK_FLAGS"]], optional=True)
+            for name in k["variants_for"](platform.machine())]
 
 
 setup(ext_modules=kernels(), cmdclass={"build_ext": BuildKernels})

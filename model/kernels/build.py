@@ -27,40 +27,22 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import sources
 from .bindings import CpuKernels
+from .sources import COMMON_FLAGS, LINK_FLAGS, OPENMP, VARIANTS
 
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = tuple(HERE / "csrc" / name for name in ("window_attend.c", "lsh_attend.c", "decode_cache.c",
-                                                   "step_linear.c", "step_linear_q.c", "step_layers.c",
-                                                   "chunk_attend.c"))
-HEADERS = (HERE / "csrc" / "step_kernels.h", HERE / "csrc" / "window_rows.h")
+# the sources, variants and flags: sources.py, the list setup.py reads too
+SOURCES = tuple(HERE / "csrc" / name for name in sources.SOURCES)
+HEADERS = tuple(HERE / "csrc" / name for name in sources.HEADERS)
 LIBRARY = "_reformer_kernels"  # installed variants: model/kernels/_reformer_kernels_<variant><ext suffix>
 ENV_SWITCH = "REFORMER_CPU_KERNELS"
 ENV_VARIANT = "REFORMER_CPU_KERNEL_VARIANT"
 ENV_DIR = "REFORMER_KERNEL_DIR"  # where first-use builds are kept (default: the user's cache folder)
 MODES = ("auto", "on", "off")
-
-# the variants an install builds, best first: their compiler flags, and the CPU flags each needs
-# (x86-64-v3 and -v4 as gcc and clang define them)
-VARIANTS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
-    "avx512": (("-march=x86-64-v4", "-mtune=generic"),
-               frozenset({"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx2", "fma", "f16c",
-                          "bmi2", "movbe"})),
-    "avx2": (("-march=x86-64-v3", "-mtune=generic"), frozenset({"avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"})),
-    "portable": ((), frozenset()),
-}
-COMMON_FLAGS = ("-O3", "-fPIC", "-pthread")
-# step_layers.c splits a step between OpenMP threads (the OpenMP runtime PyTorch has loaded: one pool of
-# threads for both); a compiler without OpenMP builds it single-threaded
-OPENMP = "-fopenmp"
 KEEP_BUILDS = 4  # first-use builds kept in the cache folder: each edit of the sources makes a new one
-
-
-def variants_for(machine: str) -> list[str]:
-    """The variants an install builds on this architecture, best first."""
-    return list(VARIANTS) if machine in ("x86_64", "AMD64", "amd64") else ["portable"]
 
 
 def cpu_flags() -> frozenset[str]:
@@ -133,7 +115,7 @@ def compile_library(compiler: str, target: Path, march: tuple[str, ...]) -> None
     try:
         for flags in ((*base, OPENMP), base):  # without OpenMP only when the compiler refuses it
             try:
-                subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", tmp, "-lm"], check=True,
+                subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", tmp, *LINK_FLAGS], check=True,
                                capture_output=True, text=True, timeout=300)
                 break
             except subprocess.CalledProcessError:
@@ -162,8 +144,9 @@ def first_use_build() -> Path:
     if compiler is None:
         raise OSError("no C compiler found and no installed build of the kernels")
     digest = hashlib.sha256()
-    for part in (*(src.read_bytes() for src in (*SOURCES, *HEADERS)), " ".join((*COMMON_FLAGS, OPENMP)).encode(),
-                 compiler.encode(), platform.machine().encode(), " ".join(sorted(cpu_flags())).encode()):
+    flags = " ".join((*COMMON_FLAGS, OPENMP, *LINK_FLAGS))
+    for part in (*(src.read_bytes() for src in (*SOURCES, *HEADERS)), flags.encode(), compiler.encode(),
+                 platform.machine().encode(), " ".join(sorted(cpu_flags())).encode()):
         digest.update(part)
     folder = _cache_dir()
     folder.mkdir(parents=True, exist_ok=True)
