@@ -76,6 +76,11 @@ class NotFound(ServiceError):
     error_type = "not_found"
 
 
+class ModelNotFound(ServiceError):
+    status_code = 404
+    error_type = "model_not_found"
+
+
 class MethodNotAllowed(ServiceError):
     status_code = 405
     error_type = "method_not_allowed"
@@ -99,6 +104,7 @@ _OPENAI_TYPES = {
     "timeout": "timeout_error",
     "internal": "server_error",
     "not_found": "not_found_error",
+    "model_not_found": "not_found_error",
     "method_not_allowed": "invalid_request_error",
     "body_timeout": "timeout_error",
 }

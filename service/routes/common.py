@@ -125,6 +125,7 @@ _ERROR_TEXT = {
     400: "Invalid request: a field's value, a field this server does not take, or input longer than the limit "
          "(OpenAI's error object; `code` names the service's error_type).",
     401: "Missing or wrong API key (when one is configured).",
+    404: "The request names a model this server does not serve (error code model_not_found).",
     408: "Request body not received within body_timeout_s (error_type body_timeout).",
     413: "Request body larger than max_payload_bytes.",
     422: "Validation failed (error_type validation), or input longer than the limit, or input plus new tokens "
@@ -165,5 +166,5 @@ def error_responses(model: type[BaseModel], codes: tuple[int, ...]) -> dict[int 
 # Error responses each inference route documents in the OpenAPI schema; /v1 routes answer 400 where the
 # native ones answer 422 (service/errors.py status_for).
 NATIVE_ERRORS = error_responses(ErrorResponse, INFERENCE_CODES)
-OPENAI_INFERENCE_CODES = tuple(400 if code == 422 else code for code in INFERENCE_CODES)
+OPENAI_INFERENCE_CODES = tuple(sorted({400 if code == 422 else code for code in INFERENCE_CODES} | {404}))
 OPENAI_ERRORS = error_responses(OpenAIErrorResponse, OPENAI_INFERENCE_CODES)

@@ -14,7 +14,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
 
 from service.engine import GenerationStream
-from service.errors import ServiceError, ValidationFailed, error_body
+from service.errors import ModelNotFound, ServiceError, ValidationFailed, error_body
 from service.jobs import FinishEvent, TokenEvent
 from service.protocol import (
     OPENAI_FINISH_REASON,
@@ -57,6 +57,19 @@ def _cut_at_stop(text: str, stops: list[str]) -> str:
     return text[: min(hits)] if hits else text
 
 
+def check_model(model: str | None, state: State) -> None:
+    """A request names the model it wants: this server's (or none); any other is not here (404, as vLLM)."""
+    if model is not None and model != state.model_id:
+        raise ModelNotFound(f"the model {model[:100]!r} does not exist; this server serves {state.model_id!r}",
+                            param="model")
+
+
+def note_user(user: str | None, route: str) -> None:
+    """OpenAI's `user` identifies the end user for abuse monitoring: it goes into the request's log line."""
+    if user is not None:
+        log.info("%s for user %r", route, user[:200], extra={"end_user": user[:200]})
+
+
 def _rank(results: list[tuple[list[TokenEvent], FinishEvent]], n: int) -> list[int]:
     """The n of a prompt's sequences to answer: all in order when n of n ran, else (best_of) the n of the
     highest summed logprob, best first."""
@@ -72,6 +85,8 @@ async def completions(body: CompletionRequest, request: Request, state: State) -
     started = time.perf_counter()
     engine, limits, tokenizer = ready_parts(state)
     per_prompt = body.to_specs(tokenizer, limits)
+    check_model(body.model, state)
+    note_user(body.user, "/v1/completions")
     if body.stream and len(per_prompt) > 1:
         raise ValidationFailed("stream supports a single prompt", param="prompt")
     specs = [spec for group in per_prompt for spec in group]
@@ -199,6 +214,8 @@ async def embeddings(body: EmbeddingsRequest, request: Request, state: State) ->
     started = time.perf_counter()
     engine, limits, tokenizer = ready_parts(state)
     spec = body.to_spec(tokenizer, limits, state.embedding_dim)
+    check_model(body.model, state)
+    note_user(body.user, "/v1/embeddings")
     try:
         result = await until_disconnected(request, engine.embed(spec, reservation=reservation_of(request)))
     except ClientDisconnected:
