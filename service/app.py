@@ -26,6 +26,7 @@ from service.middleware import (
 from service.routes import chat, embed, generate, meta, openai, tokenize
 from service.settings import Settings
 from service.state import ServiceState, package_version
+from service.tracing import Tracing, TracingMiddleware
 
 # Every router, mounted when this module is imported (routes depend on service.state, never on this module).
 ROUTERS: tuple[APIRouter, ...] = tuple(module.router for module in (generate, embed, openai, chat, meta, tokenize))
@@ -41,9 +42,11 @@ def route_paths(app: FastAPI, routers: tuple[APIRouter, ...]) -> frozenset[str]:
     return frozenset(path for route in routes if (path := getattr(route, "path", None)))
 
 
-def create_app(settings: Settings | None = None, artifact: Any = None) -> FastAPI:
-    """Build the app; `artifact` (an already loaded export.Artifact) skips loading in the lifespan."""
+def create_app(settings: Settings | None = None, artifact: Any = None, tracing: Tracing | None = None) -> FastAPI:
+    """Build the app; `artifact` (an already loaded export.Artifact) skips loading in the lifespan; `tracing`
+    (default: as the OTEL_* variables say, service/tracing.py) makes OpenTelemetry spans of each request."""
     settings = settings or Settings()  # type: ignore[call-arg]  # values come from the environment
+    tracing = tracing if tracing is not None else Tracing.from_environment()
     state = ServiceState(settings)
 
     async def boot() -> None:
@@ -69,6 +72,7 @@ def create_app(settings: Settings | None = None, artifact: Any = None) -> FastAP
             task.cancel()
             if state.engine is not None:
                 await asyncio.to_thread(state.engine.stop)
+            await asyncio.to_thread(tracing.shutdown)
 
     app = FastAPI(
         title="reformer-serve",
@@ -99,4 +103,5 @@ def create_app(settings: Settings | None = None, artifact: Any = None) -> FastAP
                            allow_headers=["authorization", "content-type", "x-request-id"])
     app.add_middleware(RequestContextMiddleware, metrics=state.metrics, inflight=state.count_inflight,
                        known_paths=known_paths)
+    app.add_middleware(TracingMiddleware, tracing=tracing)  # outermost: the request span covers everything
     return app

@@ -38,6 +38,7 @@ from service.memory import HeapKeeper
 from service.metrics import ServiceMetrics
 from service.policy import QueuedGeneration, take_generations
 from service.runner import ModelRunner
+from service.tracing import note_job
 
 log = logging.getLogger("service.engine")
 
@@ -163,6 +164,8 @@ class Engine:
 
     def _admit(self, job: Job, enqueue: Callable[[], None], reservation: Reservation | None = None) -> None:
         self.admission.admit(job, enqueue, reservation, lambda: self._dead or self._stopping)
+        job.timings.admitted = time.monotonic()
+        note_job(job.timings)  # the request's trace makes spans of the timings once it is answered
 
     def cancel(self, job: Job) -> None:
         """The client went away: drop queued work now, running work at the worker's next step."""

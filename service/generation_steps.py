@@ -128,6 +128,8 @@ class GenerationSteps:
                     next(slices)
                     now = time.monotonic()
                     recent.append(now - began)
+                    for job in jobs:
+                        job.timings.prefill_slices.append((began, now))
                     if not another_slice_fits(now - start, recent, self.prefill_budget_s):
                         break
                 continue
@@ -163,10 +165,14 @@ class GenerationSteps:
             prompts = [j.spec.prompt_ids for j in jobs]
             reserve = [len(j.spec.prompt_ids) + j.spec.max_new_tokens for j in jobs]
             asked = self._scoring(jobs)
+            began = time.monotonic()
             if asked is not None:
                 logits, states, scores = self.runner.prefill_scored(prompts, reserve, asked)
             else:
                 logits, states = self.runner.prefill(prompts, reserve)
+            ended = time.monotonic()
+            for job in jobs:
+                job.timings.prefill_slices.append((began, ended))
         except Exception:
             if len(jobs) > 1:  # find the request that fails: each one alone
                 log.warning("a prefill batch of %d failed; retrying each alone", len(jobs))

@@ -44,9 +44,13 @@ class Timings:
     """Monotonic timestamps of a job's life; the durations feed headers and histograms."""
 
     enqueued: float = field(default_factory=time.monotonic)
+    admitted: float | None = None  # past the admission checks, in the queue
     started: float | None = None
     first_token: float | None = None
     finished: float | None = None
+    # (start, end) of each prefill call the job's prompt took part in: one, or one per slice (service/tracing.py
+    # makes a span of each)
+    prefill_slices: list[tuple[float, float]] = field(default_factory=list)
 
     @property
     def queue_s(self) -> float:

@@ -142,7 +142,7 @@ class CompletionRequest(RequestModel):
             pairs.append((int(key), float(value)))
         return tuple(sorted(pairs))
 
-    def to_specs(self, tokenizer: Tokenizer, limits: Limits) -> list[list[GenerationSpec]]:
+    def to_specs(self, tokenizer: PromptTokenizer, limits: Limits) -> list[list[GenerationSpec]]:
         """Per prompt, one spec per sequence to generate (`sequences`), each with its own seed."""
         prompts = prompt_items(self.prompt)
         check_batch_size(len(prompts), limits, "prompt")

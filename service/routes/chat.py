@@ -5,8 +5,8 @@ whose answer is reshaped into chat's: one set of sampling rules, limits and stre
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterable, AsyncIterator
+from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from pydantic import ValidationError
@@ -57,24 +57,24 @@ def _chat_response(completion: dict[str, Any]) -> ChatCompletionResponse:
                                   usage=Usage.model_validate(completion["usage"]))
 
 
-async def _chat_events(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+async def _chat_events(events: AsyncIterable[str | bytes | memoryview]) -> AsyncIterator[bytes]:
     """The completion stream's events as chat chunks: each choice's first delta carries the role; errors and
     the closing `[DONE]` pass through as they are."""
     opened: set[int] = set()
     try:
         async for event in events:
-            text = event.decode()
+            text = event if isinstance(event, str) else bytes(event).decode()
             payload = text[len("data: "):].strip() if text.startswith("data: ") else ""
             if not payload or payload == "[DONE]":
-                yield event
+                yield text.encode()
                 continue
             data = json.loads(payload)
             if "error" in data:
-                yield event
+                yield text.encode()
                 continue
             choices = []
             for c in data.get("choices") or []:
-                role = None if c["index"] in opened else "assistant"
+                role: Literal["assistant"] | None = None if c["index"] in opened else "assistant"
                 opened.add(c["index"])
                 choices.append(ChatStreamChoice(index=c["index"], delta=ChatDelta(role=role, content=c["text"]),
                                                 logprobs=_logprobs(c), finish_reason=c.get("finish_reason")))

@@ -1,0 +1,250 @@
+"""OpenTelemetry spans for each request's life: the request itself (a server span whose parent is the W3C
+`traceparent` the client sent), and under it, for every engine job the request queued, `admission`, `queue`,
+one `prefill` per prefill slice, `decode` (or `embed`) and `delivery` (from the job's end to the response's
+last byte).
+
+The engine only records timestamps on the job's Timings (service/jobs.py) and names the job to the request
+that queued it (`note_job`); the spans are made here, from those timestamps, once the response is sent, so
+no tracing code runs on the model's worker thread. Every tracing call is guarded: a tracer, span or
+exporter that fails is logged, never the request's failure.
+
+Off unless the standard OTEL_* variables ask for it (`from_environment`): OTEL_TRACES_EXPORTER `otlp` or
+`console`, or, with it unset, an OTLP endpoint (OTEL_EXPORTER_OTLP_ENDPOINT / ..._TRACES_ENDPOINT);
+OTEL_SDK_DISABLED=true or OTEL_TRACES_EXPORTER=none keep it off. The SDK and the OTLP exporter come with the
+`otel` extra (`pip install reformer-serve[otel]`); the exporter reads its endpoint, headers and protocol from
+the same variables."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Mapping
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from service.jobs import Timings
+
+log = logging.getLogger("service.tracing")
+
+TRACER_NAME = "reformer-serve"
+DEFAULT_SERVICE_NAME = "reformer-serve"
+
+
+@dataclass
+class RequestTrace:
+    """What one request's spans are made from: the Timings of the engine jobs it queued."""
+
+    jobs: list[Timings] = field(default_factory=list)
+
+
+_current: ContextVar[RequestTrace | None] = ContextVar("reformer_request_trace", default=None)
+
+
+def note_job(timings: Timings) -> None:
+    """Engine hook (on the event loop, where the request queues its job): the job's Timings join the current
+    request's trace. Outside a traced request, nothing."""
+    trace = _current.get()
+    if trace is not None:
+        trace.jobs.append(timings)
+
+
+def _wanted(environ: Mapping[str, str]) -> str | None:
+    """The exporter the OTEL_* variables ask for ("otlp" or "console"), or None for tracing off."""
+    if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return None
+    names = [n.strip().lower() for n in environ.get("OTEL_TRACES_EXPORTER", "").split(",") if n.strip()]
+    if not names:
+        endpoint = environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+        return "otlp" if endpoint else None
+    if "none" in names:
+        return None
+    for name in names:
+        if name in ("otlp", "console"):
+            return name
+    log.error("OTEL_TRACES_EXPORTER=%s: only otlp, console and none are supported; tracing is off", ",".join(names))
+    return None
+
+
+def _otlp_exporter(environ: Mapping[str, str]) -> Any:
+    """The OTLP exporter for the protocol and endpoint the variables name (the SDK's defaults otherwise; its
+    other settings, such as OTEL_EXPORTER_OTLP_HEADERS, it reads from the process environment itself)."""
+    protocol = (environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+                or "http/protobuf").strip()
+    traces = environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    base = environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    if protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
+
+        return GrpcExporter(endpoint=traces or base)
+    if protocol != "http/protobuf":
+        raise ValueError(f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol}: use http/protobuf or grpc")
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    # the signal's own endpoint is used as given; the base endpoint gets the traces path, as the spec says
+    endpoint = traces or (base.rstrip("/") + "/v1/traces" if base else None)
+    return OTLPSpanExporter(endpoint=endpoint)
+
+
+class Tracing:
+    """The tracer the middleware uses (None: off) and, when this module made the provider, the provider to
+    flush and shut down with the app."""
+
+    def __init__(self, tracer: Any = None, provider: Any = None) -> None:
+        self.tracer = tracer
+        self.provider = provider
+
+    @property
+    def enabled(self) -> bool:
+        return self.tracer is not None
+
+    @classmethod
+    def off(cls) -> Tracing:
+        return cls()
+
+    @classmethod
+    def with_provider(cls, provider: Any) -> Tracing:
+        """Spans through a given TracerProvider (tests pass one with an in-memory exporter)."""
+        return cls(provider.get_tracer(TRACER_NAME))
+
+    @classmethod
+    def from_environment(cls, environ: Mapping[str, str] | None = None) -> Tracing:
+        env = os.environ if environ is None else environ
+        kind = _wanted(env)
+        if kind is None:
+            return cls.off()
+        try:
+            from opentelemetry.sdk.resources import Resource
+            from opentelemetry.sdk.trace import TracerProvider
+            from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+
+            exporter = ConsoleSpanExporter() if kind == "console" else _otlp_exporter(env)
+            attributes = {} if env.get("OTEL_SERVICE_NAME") else {"service.name": DEFAULT_SERVICE_NAME}
+            provider = TracerProvider(resource=Resource.create(attributes))
+            provider.add_span_processor(BatchSpanProcessor(exporter))
+        except ImportError as err:
+            log.error("tracing asked for by OTEL_* variables, but %s is not installed (pip install "
+                      "'reformer-serve[otel]'); tracing is off", err.name)
+            return cls.off()
+        except Exception as err:
+            log.error("tracing could not be set up (%s); tracing is off", err)
+            return cls.off()
+        log.info("tracing on: %s exporter", kind)
+        return cls(provider.get_tracer(TRACER_NAME), provider)
+
+    def shutdown(self) -> None:
+        """Flush what is batched and stop the exporter (only a provider this module made)."""
+        if self.provider is not None:
+            try:
+                self.provider.shutdown()
+            except Exception:
+                log.exception("tracing shutdown failed")
+
+
+def _wall_ns(monotonic_s: float, offset_ns: int) -> int:
+    return int(monotonic_s * 1e9) + offset_ns
+
+
+def job_spans(tracer: Any, parent: Any, job: Timings, response_end: float, offset_ns: int) -> None:
+    """The child spans of one job, from its timestamps (those it never reached are left out)."""
+    from opentelemetry import trace
+
+    context = trace.set_span_in_context(parent)
+
+    def span(name: str, start: float | None, end: float | None, **attributes: Any) -> None:
+        if start is None or end is None:
+            return
+        s = tracer.start_span(name, context=context, start_time=_wall_ns(start, offset_ns), attributes=attributes)
+        s.end(end_time=_wall_ns(max(end, start), offset_ns))
+
+    admitted = job.admitted if job.admitted is not None else job.enqueued
+    span("admission", job.enqueued, admitted)
+    span("queue", admitted, job.started if job.started is not None else job.finished)
+    slices = list(job.prefill_slices)
+    for index, (began, ended) in enumerate(slices):
+        span("prefill", began, ended, **{"reformer.prefill.slice": index, "reformer.prefill.slices": len(slices)})
+    if job.first_token is not None:
+        span("decode", job.first_token, job.finished)
+    elif not slices:
+        span("embed", job.started, job.finished)
+    span("delivery", job.finished, response_end)
+
+
+class TracingMiddleware:
+    """The request span around the app, its parent taken from the request's `traceparent`; the job spans
+    made once the response's last byte is sent (or the request failed)."""
+
+    def __init__(self, app: ASGIApp, tracing: Tracing) -> None:
+        self.app = app
+        self.tracing = tracing
+        self._propagator: Any = None
+        if tracing.enabled:
+            from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+            self._propagator = TraceContextTextMapPropagator()
+
+    def _start(self, scope: Scope) -> Any:
+        from opentelemetry.trace import SpanKind
+
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        parent = self._propagator.extract(carrier=headers)
+        method, path = scope.get("method", ""), scope.get("path", "")
+        return self.tracing.tracer.start_span(
+            f"{method} {path}", context=parent, kind=SpanKind.SERVER,
+            attributes={"http.request.method": method, "url.path": path})
+
+    def _finish(self, span: Any, trace: RequestTrace, status: int | None, response_end: float,
+                error: BaseException | None) -> None:
+        from opentelemetry.trace import Status, StatusCode
+
+        offset_ns = time.time_ns() - int(time.monotonic() * 1e9)
+        for job in trace.jobs:
+            job_spans(self.tracing.tracer, span, job, response_end, offset_ns)
+        if status is not None:
+            span.set_attribute("http.response.status_code", status)
+        if error is not None:
+            span.record_exception(error)
+        if error is not None or (status is not None and status >= 500):
+            span.set_status(Status(StatusCode.ERROR))
+        span.end()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not self.tracing.enabled:
+            await self.app(scope, receive, send)
+            return
+        try:
+            span = self._start(scope)
+        except Exception:
+            log.exception("tracing: the request span could not start; the request goes on untraced")
+            await self.app(scope, receive, send)
+            return
+        trace = RequestTrace()
+        token = _current.set(trace)
+        status: int | None = None
+        response_end = time.monotonic()
+
+        async def traced_send(message: Message) -> None:
+            nonlocal status, response_end
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                response_end = time.monotonic()
+
+        error: BaseException | None = None
+        try:
+            await self.app(scope, receive, traced_send)
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            _current.reset(token)
+            if error is not None:
+                response_end = time.monotonic()
+            try:
+                self._finish(span, trace, status, response_end, error)
+            except Exception:
+                log.exception("tracing: the request's spans could not be recorded")

@@ -1,0 +1,214 @@
+"""OpenTelemetry spans of a request's life (SDK in-memory exporter): the request span under the client's
+`traceparent`, and admission, queue, each prefill slice, decode and delivery under it; OTLP export when the
+OTEL_* variables ask (to a loopback collector), off otherwise; a failing tracer, span or exporter never fails
+the request."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
+
+from service.app import create_app
+from service.jobs import Timings
+from service.settings import Settings
+from service.tracing import Tracing, job_spans
+from tests.service.helpers import wait_ready
+
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+PARENT_ID = "00f067aa0ba902b7"
+TRACEPARENT = f"00-{TRACE_ID}-{PARENT_ID}-01"
+
+
+def traced_client(artifact: Any, tracing: Tracing) -> Iterator[TestClient]:
+    app = create_app(Settings(max_new_tokens=8, max_input_tokens=256), artifact, tracing=tracing)  # type: ignore[call-arg]
+    with TestClient(app, raise_server_exceptions=False) as client:
+        wait_ready(app.state.service)
+        yield client
+
+
+@pytest.fixture(scope="module")
+def exporter() -> InMemorySpanExporter:
+    return InMemorySpanExporter()
+
+
+@pytest.fixture(scope="module")
+def client(artifact: Any, exporter: InMemorySpanExporter) -> Iterator[TestClient]:
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    yield from traced_client(artifact, Tracing.with_provider(provider))
+
+
+def spans_of(exporter: InMemorySpanExporter, path: str) -> tuple[ReadableSpan, list[ReadableSpan]]:
+    """The last request span of `path` and its children, in start order."""
+    spans = list(exporter.get_finished_spans())
+    request = [s for s in spans if s.name == f"POST {path}"][-1]
+    children = [s for s in spans if s.parent is not None and s.parent.span_id == request.context.span_id]
+    return request, sorted(children, key=lambda s: (s.start_time or 0, s.end_time or 0))
+
+
+def test_a_completion_is_traced_from_admission_to_delivery(client: TestClient,
+                                                           exporter: InMemorySpanExporter) -> None:
+    exporter.clear()
+    r = client.post("/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 4, "ignore_eos": True},
+                    headers={"traceparent": TRACEPARENT})
+    assert r.status_code == 200, r.text
+    request, children = spans_of(exporter, "/v1/completions")
+    assert request.kind == SpanKind.SERVER
+    assert format(request.context.trace_id, "032x") == TRACE_ID
+    assert request.parent is not None and format(request.parent.span_id, "016x") == PARENT_ID
+    assert request.attributes is not None and request.attributes["http.response.status_code"] == 200
+    assert [s.name for s in children] == ["admission", "queue", "prefill", "decode", "delivery"]
+    for before, after in zip(children, children[1:]):
+        assert before.end_time is not None and after.start_time is not None
+        assert before.start_time <= after.start_time
+    for span in children:
+        assert span.context.trace_id == request.context.trace_id
+        assert span.start_time is not None and span.end_time is not None and span.start_time <= span.end_time
+        assert request.start_time is not None and request.end_time is not None
+        assert request.start_time <= span.start_time and span.end_time <= request.end_time
+
+
+def test_each_prompt_of_a_request_gets_its_own_spans(client: TestClient, exporter: InMemorySpanExporter) -> None:
+    exporter.clear()
+    r = client.post("/v1/completions", json={"prompt": ["one", "two"], "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    request, children = spans_of(exporter, "/v1/completions")
+    assert request.parent is None  # no traceparent: a new trace
+    assert sorted(s.name for s in children).count("queue") == 2
+
+
+def test_an_embedding_is_traced_without_decode(client: TestClient, exporter: InMemorySpanExporter) -> None:
+    exporter.clear()
+    assert client.post("/embed", json={"inputs": "hello"}).status_code == 200
+    _, children = spans_of(exporter, "/embed")
+    assert [s.name for s in children] == ["admission", "queue", "embed", "delivery"]
+
+
+def test_a_refused_request_has_only_its_own_span(client: TestClient, exporter: InMemorySpanExporter) -> None:
+    exporter.clear()
+    assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 10_000}).status_code // 100 == 4
+    request, children = spans_of(exporter, "/v1/completions")
+    assert children == [] and request.attributes is not None
+    assert request.attributes["http.response.status_code"] // 100 == 4
+
+
+def test_every_prefill_slice_is_a_span() -> None:
+    provider = TracerProvider()
+    memory = InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    tracer = provider.get_tracer("test")
+    parent = tracer.start_span("request")
+    job = Timings(enqueued=10.0, admitted=10.1, started=10.5, first_token=13.0, finished=14.0,
+                  prefill_slices=[(10.5, 11.0), (11.2, 12.0), (12.1, 12.9)])
+    job_spans(tracer, parent, job, response_end=14.5, offset_ns=0)
+    spans = sorted(memory.get_finished_spans(), key=lambda s: s.start_time or 0)
+    assert [s.name for s in spans] == ["admission", "queue", "prefill", "prefill", "prefill", "decode", "delivery"]
+    prefill = [s for s in spans if s.name == "prefill"]
+    assert [(s.attributes or {}).get("reformer.prefill.slice") for s in prefill] == [0, 1, 2]
+    assert [(s.start_time, s.end_time) for s in prefill] == [(10_500_000_000, 11_000_000_000),
+                                                            (11_200_000_000, 12_000_000_000),
+                                                            (12_100_000_000, 12_900_000_000)]
+
+
+class FailingExporter(SpanExporter):
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        raise RuntimeError("the collector is down")
+
+
+class FailingTracer:
+    def __init__(self, fail_on: str) -> None:
+        self.fail_on = fail_on
+        self.inner = TracerProvider().get_tracer("inner")
+
+    def start_span(self, name: str, **kwargs: Any) -> Any:
+        if self.fail_on == "start":
+            raise RuntimeError("tracer broken")
+        span = self.inner.start_span(name, **kwargs)
+        if self.fail_on == "end":
+            def broken_end(end_time: int | None = None) -> None:
+                raise RuntimeError("span broken")
+            span.end = broken_end  # type: ignore[method-assign]
+        return span
+
+
+@pytest.mark.parametrize("tracing", [
+    pytest.param(lambda: Tracing(FailingTracer("start")), id="tracer-fails-to-start-spans"),
+    pytest.param(lambda: Tracing(FailingTracer("end")), id="spans-fail-to-end"),
+    pytest.param(lambda: Tracing.with_provider(_provider_with(FailingExporter())), id="exporter-fails"),
+])
+def test_a_failing_tracer_span_or_exporter_never_fails_the_request(artifact: Any, tracing: Any) -> None:
+    for client in traced_client(artifact, tracing()):
+        plain = client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 3, "temperature": 0})
+        assert plain.status_code == 200, plain.text
+        streamed = client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 3, "stream": True},
+                               headers={"traceparent": TRACEPARENT})
+        assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]")
+        assert client.post("/embed", json={"inputs": "abc"}).status_code == 200
+
+
+def _provider_with(exporter: SpanExporter) -> TracerProvider:
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return provider
+
+
+@pytest.mark.parametrize("environ, on", [
+    ({}, False),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318"}, True),
+    ({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://127.0.0.1:4318/v1/traces"}, True),
+    ({"OTEL_TRACES_EXPORTER": "otlp"}, True),
+    ({"OTEL_TRACES_EXPORTER": "console"}, True),
+    ({"OTEL_TRACES_EXPORTER": "none", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318"}, False),
+    ({"OTEL_SDK_DISABLED": "true", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318"}, False),
+    ({"OTEL_TRACES_EXPORTER": "zipkin"}, False),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"}, False),
+])
+def test_the_otel_variables_turn_tracing_on_or_off(environ: dict[str, str], on: bool) -> None:
+    tracing = Tracing.from_environment(environ)
+    assert tracing.enabled is on
+    tracing.shutdown()
+
+
+class Collector(BaseHTTPRequestHandler):
+    received: list[tuple[str, bytes]] = []
+
+    def do_POST(self) -> None:  # noqa: N802 - the handler's name is http.server's
+        body = self.rfile.read(int(self.headers.get("content-length", 0)))
+        Collector.received.append((self.path, body))
+        self.send_response(200)
+        self.send_header("content-type", "application/x-protobuf")
+        self.end_headers()
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def test_spans_are_exported_over_otlp_to_the_configured_endpoint(artifact: Any) -> None:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Collector)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+        tracing = Tracing.from_environment({"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_SERVICE_NAME": "t"})
+        assert tracing.enabled
+        for client in traced_client(artifact, tracing):  # leaving it shuts the app down, which flushes
+            r = client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2},
+                            headers={"traceparent": TRACEPARENT})
+            assert r.status_code == 200
+    finally:
+        server.shutdown()
+    paths = [path for path, _ in Collector.received]
+    assert "/v1/traces" in paths
+    body = b"".join(data for path, data in Collector.received if path == "/v1/traces")
+    for name in (b"POST /v1/completions", b"admission", b"queue", b"prefill", b"decode", b"delivery"):
+        assert name in body
+    assert bytes.fromhex(TRACE_ID) in body
