@@ -41,8 +41,9 @@ from export.embedding_stats import (  # noqa: E402
     select_shrinkage,
     training_passages,
 )
-from model import ByteTokenizer, ReformerLM  # noqa: E402
+from model import ReformerLM  # noqa: E402
 from model.pooling import EmbeddingStats, pool_hidden, standardize, standardize_pooled  # noqa: E402
+from model.tokenizer import Tokenizer  # noqa: E402
 from train.evaluation import add_passage_args, load_lm, passages, validation_tails  # noqa: E402
 
 
@@ -67,7 +68,7 @@ def poolings(lm: ReformerLM, ids: np.ndarray) -> dict[str, Tensor]:
     return out
 
 
-def load(model_path: Path) -> tuple[ReformerLM, ByteTokenizer, EmbeddingStats | None]:
+def load(model_path: Path) -> tuple[ReformerLM, Tokenizer, EmbeddingStats | None]:
     """The model, its tokenizer and, for an artifact that ships them, its embedding statistics (checked)."""
     if (model_path / STATS_FILE).exists() and (model_path / "manifest.json").exists():
         from export import load_artifact

@@ -26,8 +26,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from export.documents import find_text_files, read_document, split_point
-from model import ByteTokenizer, ReformerLM
+from model import ReformerLM
 from model.pooling import EmbeddingStats, pool_hidden, standardize
+from model.tokenizer import Tokenizer
 
 STATS_FILE = "embedding_stats.safetensors"
 # up to 1,000 passages per document of the default data (all its non-overlapping 2,048-byte passages but War
@@ -49,7 +50,7 @@ def whitening_what(shrinkage: float) -> str:
 DEFAULT_PASSAGE_BYTES = 2048
 
 
-def training_passages(sources: Sequence[str | Path], tokenizer: ByteTokenizer, val_fraction: float,
+def training_passages(sources: Sequence[str | Path], tokenizer: Tokenizer, val_fraction: float,
                       length: int = DEFAULT_PASSAGE_BYTES, count: int = DEFAULT_PASSAGES
                       ) -> list[tuple[str, np.ndarray]]:
     """Up to `count` passages of `length` tokens, shared evenly among the documents and spread evenly over
@@ -150,7 +151,7 @@ def compute_embedding_stats(lm: ReformerLM, passages: list[tuple[str, np.ndarray
     return EmbeddingStats.from_vectors(pooled_vectors(lm, passages), shrinkage)
 
 
-def stats_for_export(lm: ReformerLM, tokenizer: ByteTokenizer, sources: list[str | Path] | None, val_fraction: float,
+def stats_for_export(lm: ReformerLM, tokenizer: Tokenizer, sources: list[str | Path] | None, val_fraction: float,
                      length: int = DEFAULT_PASSAGE_BYTES, count: int = DEFAULT_PASSAGES,
                      shrinkage: float | None = None) -> tuple[EmbeddingStats | None, dict[str, Any]]:
     """The statistics and the manifest's record of how they were computed, or (None, why they were not).

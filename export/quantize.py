@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from model import ByteTokenizer, ReformerLM
+from model.tokenizer import Tokenizer
 
 from .onnx_export import max_export_length, ort_session
 
@@ -65,6 +66,15 @@ def byte_ids(text: bytes, tokenizer: ByteTokenizer) -> list[int]:
     return [b + tokenizer.offset for b in text]
 
 
+def text_ids(text: bytes, tokenizer: Tokenizer) -> tuple[list[int], float]:
+    """(token ids of `text`, bytes per token): the bytes themselves for a byte tokenizer, else the tokenizer's
+    encoding of the text as UTF-8 (bits per token divided by bytes per token is bits per byte)."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return byte_ids(text, tokenizer), 1.0
+    ids = tokenizer.encode(text.decode("utf-8", errors="replace"))
+    return ids, len(text) / max(len(ids), 1)
+
+
 def eval_windows(ids: list[int], window: int) -> list[list[int]]:
     """Consecutive non-overlapping windows; each predicts its tokens after the first."""
     return [ids[i : i + window] for i in range(0, len(ids) - 1, window) if len(ids[i : i + window]) > 1]
@@ -77,28 +87,28 @@ def _bits(logits: np.ndarray, targets: np.ndarray) -> float:
     return float(-logp[np.arange(len(targets)), targets].sum() / math.log(2))
 
 
-def bits_per_byte_onnx(path: Path, text: bytes, tokenizer: ByteTokenizer, window: int) -> float:
-    """Validation bits per byte of an ONNX graph. Byte tokenizer: one token per byte."""
+def bits_per_byte_onnx(path: Path, text: bytes, tokenizer: Tokenizer, window: int) -> float:
+    """Validation bits per byte of an ONNX graph (windows of `window` tokens)."""
     session = ort_session(path)
-    ids = byte_ids(text, tokenizer)
+    ids, bytes_per_token = text_ids(text, tokenizer)
     total, count = 0.0, 0
     for w in eval_windows(ids, window):
         x = np.asarray([w], dtype=np.int64)
         (logits,) = session.run(["logits"], {"input_ids": x, "attention_mask": np.ones_like(x)})
         total += _bits(logits[0, :-1], np.asarray(w[1:]))
         count += len(w) - 1
-    return total / max(count, 1)
+    return total / max(count, 1) / bytes_per_token
 
 
-def bits_per_byte_torch(model: ReformerLM, text: bytes, tokenizer: ByteTokenizer, window: int) -> float:
-    ids = byte_ids(text, tokenizer)
+def bits_per_byte_torch(model: ReformerLM, text: bytes, tokenizer: Tokenizer, window: int) -> float:
+    ids, bytes_per_token = text_ids(text, tokenizer)
     total, count = 0.0, 0
     with torch.no_grad():
         for w in eval_windows(ids, window):
             logits = model(torch.tensor([w])).logits[0, :-1].numpy()
             total += _bits(logits, np.asarray(w[1:]))
             count += len(w) - 1
-    return total / max(count, 1)
+    return total / max(count, 1) / bytes_per_token
 
 
 def quantize_int8(src: Path, dst: Path) -> None:
@@ -111,7 +121,7 @@ def quantize_int8(src: Path, dst: Path) -> None:
                      extra_options={"MatMulConstBOnly": True})
 
 
-def quantize_and_evaluate(model: ReformerLM, onnx_path: Path, int8_path: Path, tokenizer: ByteTokenizer,
+def quantize_and_evaluate(model: ReformerLM, onnx_path: Path, int8_path: Path, tokenizer: Tokenizer,
                           eval_text: bytes | None = None, window: int = 4096) -> tuple[dict[str, Any], dict[str, Any]]:
     """Quantise, then measure bits per byte of both graphs on the evaluation text, in windows as long as
     the training default (4096 bytes, or the model's maximum). Returns (export record, evaluation record)

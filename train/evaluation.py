@@ -14,12 +14,13 @@ import torch
 import torch.nn.functional as F
 
 from model import ByteTokenizer, ReformerLM
+from model.tokenizer import Tokenizer
 
 from .corpus_manifest import set_folder
 from .data import find_text_files, read_document, split_point
 
 
-def load_lm(path: str | Path) -> tuple[ReformerLM, ByteTokenizer]:
+def load_lm(path: str | Path) -> tuple[ReformerLM, Tokenizer]:
     """An artifact directory (config.json + model.safetensors + tokenizer.json) or a training checkpoint
     (model.safetensors with the config in its metadata), in eval mode."""
     p = Path(path)
@@ -33,7 +34,7 @@ def load_lm(path: str | Path) -> tuple[ReformerLM, ByteTokenizer]:
     return load_checkpoint_model(p), ByteTokenizer()
 
 
-def validation_tails(sources: Sequence[str | Path], val_fraction: float, tokenizer: ByteTokenizer
+def validation_tails(sources: Sequence[str | Path], val_fraction: float, tokenizer: Tokenizer
                      ) -> list[tuple[str, np.ndarray]]:
     """(file name, token ids) of each document's held-out tail: the bytes the trainer never trained on."""
     out = []

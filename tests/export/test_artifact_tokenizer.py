@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from tokenizers import Tokenizer as HFFile
 
 from export.artifact import DEFAULT_ARTIFACT, ArtifactError, load_artifact, save_artifact, write_manifest
@@ -98,3 +99,16 @@ def test_an_older_artifact_is_upgraded_in_place(tiny_artifact: Path, tmp_path: P
     assert {k: v for k, v in after.items() if k != "files"} == {k: v for k, v in before.items() if k != "files"}
     assert after["files"]["model.safetensors"] == before["files"]["model.safetensors"]
     assert upgrade_tokenizer_files(d) is False
+
+
+def test_bits_per_byte_counts_bytes_whatever_the_tokenizer(sp_artifact: Path) -> None:
+    from export.quantize import bits_per_byte_torch, text_ids
+
+    text = SAMPLE.encode() * 4
+    assert text_ids(text, ByteTokenizer()) == ([b + 2 for b in text], 1.0)
+    tok = sentencepiece_tokenizer()
+    ids, bytes_per_token = text_ids(text, tok)
+    assert ids == tok.encode(text.decode()) and bytes_per_token == len(text) / len(ids) > 1
+    art = load_artifact(sp_artifact)
+    per_token = bits_per_byte_torch(art.model, text, tok, window=len(ids)) * bytes_per_token
+    assert 0 < per_token < 2 * torch.log2(torch.tensor(float(tok.vocab_size))).item()

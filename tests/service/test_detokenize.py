@@ -3,7 +3,6 @@ stop sequences that span token boundaries end a generation."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
