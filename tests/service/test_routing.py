@@ -33,11 +33,11 @@ def hub_body(stream: bool) -> dict[str, Any]:
                                                   "decoder_input_details": False}, "stream": stream}
 
 
-def test_post_root_without_stream_answers_as_generate(server: Any) -> None:
+def test_post_root_without_stream_answers_as_generate_in_a_list(server: Any) -> None:
     r = httpx.post(server.url + "/", json=hub_body(stream=False), timeout=30)
     assert r.status_code == 200, r.text
     assert r.headers["content-type"].startswith("application/json")
-    body = r.json()
+    (body,) = r.json()  # TGI answers a one-element list here
     assert body["details"]["generated_tokens"] == 4 and isinstance(body["generated_text"], str)
     assert r.headers["x-generated-tokens"] == "4"
 
@@ -66,6 +66,17 @@ def test_huggingface_hub_inference_client_pointed_at_the_server(server: Any) -> 
     assert output.generated_text == text and output.details is not None
     streamed = "".join(client.text_generation("Once upon", max_new_tokens=4, stream=True, seed=3))
     assert streamed == text
+    scored = client.text_generation("Once upon", max_new_tokens=4, details=True, decoder_input_details=True,
+                                    top_n_tokens=3, seed=3)
+    assert scored.generated_text == text and scored.details is not None
+    prefill = scored.details.prefill
+    assert len(prefill) == len("Once upon") and prefill[0].logprob is None
+    assert all(isinstance(t.logprob, float) for t in prefill[1:])
+    assert scored.details.top_tokens is not None and len(scored.details.top_tokens) == 4
+    assert all(len(top) == 3 for top in scored.details.top_tokens)
+    best = client.text_generation("Once upon", max_new_tokens=4, details=True, best_of=2, do_sample=True, seed=3)
+    assert best.details is not None and best.details.best_of_sequences is not None
+    assert len(best.details.best_of_sequences) == 1
 
 
 def test_405_has_its_own_error_type_in_both_shapes(artifact: Any) -> None:
