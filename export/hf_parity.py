@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from model import ReformerConfig, ReformerLM
 from model.attention import LSHSelfAttention
 from model.hf import hf_state_dict_to_ours
+from model.lsh.hashing import bucket_factors, hash_rotations
 
 from .hf_errors import HFImportError
 
@@ -131,15 +132,13 @@ def reset_num_buckets(hf_model: Any) -> None:
 
 
 def _factors(num_buckets: int | list[int] | tuple[int, ...]) -> list[int]:
-    return [num_buckets] if isinstance(num_buckets, int) else [int(f) for f in num_buckets]
+    return bucket_factors(num_buckets if isinstance(num_buckets, int) else list(num_buckets))
 
 
 def _their_rotations(att: Any, vectors: Tensor, rounds: int, size: int) -> Tensor:
-    """The rotations transformers' _hash_vectors draws (same seed, shape and call), without touching the
-    global generator."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(att.hash_seed)
-        return torch.randn((att.num_attention_heads, vectors.shape[-1], rounds, size // 2), dtype=vectors.dtype)
+    """The rotations transformers' _hash_vectors draws after `torch.manual_seed(hash_seed)` for a float32
+    model: model/lsh/hashing.py draws the same numbers from a private generator."""
+    return hash_rotations(att.hash_seed, att.num_attention_heads, vectors.shape[-1], rounds, size).to(vectors.dtype)
 
 
 def _tie_gaps(att: Any, vectors: Tensor, ours: Tensor, theirs: Tensor, where: Tensor) -> Tensor:

@@ -29,7 +29,9 @@ from torch import Tensor
 
 from model.attention import LocalSelfAttention, LSHSelfAttention, length_normalize, merge_heads, split_heads
 from model.batch import prepare_batch
-from model.chunking import attend_masked, gather_chunks, round_weights, window_chunk_index
+from model.chunking import attend_masked, round_weights
+from model.lsh.order import bucket_order
+from model.lsh.windows import gather_chunks, window_chunk_index
 from model.reversible import ReformerLayer
 
 if TYPE_CHECKING:
@@ -131,8 +133,7 @@ def lsh_attention(att: LSHSelfAttention, h: Tensor, valid: Tensor, batch: GraphB
     assert num_buckets is not None
     buckets = att.hash(qk, num_buckets, valid)  # (B, H, R, L), padding in the extra bucket
     pos = torch.arange(t, device=h.device)
-    # sort each round by (bucket, position): unique keys, so the sort is stable
-    order = torch.argsort(buckets * t + pos, dim=-1)  # (B, H, R, L)
+    order = bucket_order(buckets)  # (B, H, R, L): each round sorted by (bucket, position)
     bh = b * heads
     per_head = GraphBatch(real_length=batch.real_length.repeat_interleave(heads),
                           own_length=batch.own_length.repeat_interleave(heads), causal=batch.causal)

@@ -11,19 +11,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .chunking import (
-    attend,
-    attention_bias,
-    fusable,
-    gather_chunks,
-    look_adjacent,
-    round_weights,
-    strided_windows,
-    window_chunk_index,
-)
+from .chunking import attend, fusable, round_weights
 from .config import ReformerConfig
 from .fused_attention import fused_lsh_attend, local_window_attend, native_kernels, window_kernel_for
+from .lsh.hashing import auto_num_buckets, hash_buckets, hash_rotations, rotation_size
+from .lsh.masks import attention_bias
+from .lsh.order import bucket_order
 from .lsh.successor import successor_values, zero_rows_without_keys
+from .lsh.windows import gather_chunks, look_adjacent, strided_windows, window_chunk_index
+
+__all__ = ["KEY_NORM_EPS", "AttentionContext", "LSHSelfAttention", "LocalSelfAttention", "auto_num_buckets",
+           "hash_rotations", "length_normalize", "make_attention", "merge_heads", "split_heads"]
 
 
 @dataclass
@@ -59,26 +57,6 @@ def merge_heads(x: Tensor) -> Tensor:
     return x.transpose(1, 2).reshape(b, t, h * d)  # (B, L, H*D)
 
 
-def hash_rotations(seed: int, heads: int, head_size: int, rounds: int, rotation_size: int) -> Tensor:
-    """The random rotations the reference draws after `torch.manual_seed(hash_seed)`, drawn here from a
-    private CPU generator: same numbers, no global RNG side effect, independent of the device."""
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    return torch.randn((heads, head_size, rounds, rotation_size // 2), generator=g, dtype=torch.float32)
-
-
-def auto_num_buckets(length: int, chunk: int, max_positions: int) -> int | list[int]:
-    """The reference's choice when num_buckets is unset: 2*length/chunk rounded down to a power of two,
-    factorised in two when it grows past 2*max(sqrt(max_positions/chunk), chunk). At least 2: a row no
-    longer than a chunk attends densely and never hashes, and the formula would give it the fraction 1/2 (a
-    batch mixing such a row with longer ones, or a cache built for so few tokens, then failed)."""
-    power = max((2 * (length // chunk)).bit_length() - 1, 1)
-    buckets = 2**power
-    limit = 2 * max(int((max_positions // chunk) ** 0.5), chunk)
-    if buckets > limit:
-        return [2 ** (power // 2), 2 ** (power - power // 2)]
-    return buckets
-
-
 class LSHSelfAttention(nn.Module):
     def __init__(self, config: ReformerConfig, *, layer_index: int, fused: bool = True) -> None:
         """`layer_index`: this layer's index among all attention layers (its successor-value head count,
@@ -105,7 +83,7 @@ class LSHSelfAttention(nn.Module):
         self._rotation_cache: dict[tuple[int, str], Tensor] = {}  # (rotation size, device) -> fp32 rotations
         if config.num_buckets is not None:
             # a fixed bucket count makes the rotations a constant of the model (and of its ONNX graph)
-            size = _rotation_size(config.num_buckets)
+            size = rotation_size(config.num_buckets)
             rot = hash_rotations(config.hash_seed, self.heads, self.head_size, self.rounds, size)
             self.register_buffer("rotations", rot, persistent=False)
         else:
@@ -119,52 +97,25 @@ class LSHSelfAttention(nn.Module):
 
     # ----------------------------------------------------------------------------------------------
     def hash(self, qk: Tensor, num_buckets: int | list[int], valid: Tensor | None) -> Tensor:
-        """qk (B, H, L, D) -> buckets (B, H, R, L); padding gets the extra bucket `num_buckets`.
-        Hashing runs in fp32 whatever the model's dtype (an fp32 copy of qk, the rotations as drawn), so a
-        half-precision model buckets its projections as the fp32 model buckets the same values."""
+        """qk (B, H, L, D) -> buckets (B, H, R, L); padding gets the extra bucket `num_buckets`
+        (model/lsh/hashing.py). Hashing runs in fp32 whatever the model's dtype (an fp32 copy of qk, the
+        rotations as drawn), so a half-precision model buckets its projections as the fp32 model buckets the
+        same values."""
         x = qk.detach() if qk.dtype == torch.float32 else qk.detach().float()  # (B, H, L, D)
         if self.rotations is not None and (torch.jit.is_tracing() or torch.compiler.is_compiling()):
             rot = self.rotations.float()  # the exported graph's constant
         else:
             # the rotations as drawn, not the buffer: casting the model (lm.to(torch.bfloat16), and back)
             # rounds buffers
-            size = _rotation_size(num_buckets)
+            size = rotation_size(num_buckets)
             key = (size, str(x.device))
             if key not in self._rotation_cache:
                 self._rotation_cache[key] = hash_rotations(self.config.hash_seed, self.heads, self.head_size,
                                                            self.rounds, size).to(x.device)
             rot = self._rotation_cache[key]  # (H, D, R, rot/2)
-        hh, dd, rr, kk = rot.shape
-        if x.shape[2] == 1 and x.shape[0] > 1:
-            # a decode step's one position per row: per head, all rows' products in one (B, D) x (D, R*rot/2)
-            # matmul; broadcasting the rotations over B copies them B times (96 against 16 us at 32 rows,
-            # timed by hand)
-            rotated = torch.bmm(x.view(x.shape[0], hh, dd).transpose(0, 1), rot.reshape(hh, dd, rr * kk))
-            rotated = rotated.transpose(0, 1).unsqueeze(2)  # (B, H, 1, R*rot/2)
-        else:
-            rotated = torch.matmul(x, rot.reshape(hh, dd, rr * kk))  # (B, H, L, R*rot/2)
-        rotated = rotated.view(*qk.shape[:3], rr, kk)  # (B, H, L, R, rot/2)
-        factors = [num_buckets] if isinstance(num_buckets, int) else list(num_buckets)
-        scale = math.prod(factors)
-        native = native_kernels(rotated) if self.c_kernel else None
-        if native is not None:  # the same comparisons in one C pass over the rows (model/kernels/bindings.py)
-            chosen = native.lsh_buckets(rotated, factors).transpose(2, 3)  # (B, H, R, L)
-            return chosen if valid is None else chosen.masked_fill(~valid[:, None, None, :], scale)
-        buckets: Tensor | None = None
-        start, scale = 0, 1
-        for f in factors:
-            part = rotated[..., start : start + f // 2]
-            # argmax over [x, -x] without building it: the larger of max(x) and -min(x) wins, x on ties
-            hi, hi_idx = part.max(dim=-1)
-            lo, lo_idx = part.min(dim=-1)
-            b = torch.where(hi >= -lo, hi_idx, lo_idx + f // 2)  # (B, H, L, R)
-            buckets = b if buckets is None else buckets + scale * b
-            start, scale = start + f // 2, scale * f
-        assert buckets is not None
-        buckets = buckets.transpose(2, 3)  # (B, H, R, L)
-        if valid is not None:
-            buckets = buckets.masked_fill(~valid[:, None, None, :], scale)
-        return buckets
+        # the C kernel makes the same bucket choice in one pass over the rows (model/kernels/bindings.py)
+        native = native_kernels(x) if self.c_kernel else None
+        return hash_buckets(x, rot, num_buckets, valid, native)
 
     def forward(
         self, x: Tensor, ctx: AttentionContext, buckets: Tensor | None = None
@@ -221,9 +172,7 @@ class LSHSelfAttention(nn.Module):
         r, c = self.rounds, self.chunk
         n = t // c
         device = qk.device
-        pos = torch.arange(t, device=device)
-        # sort each round by (bucket, position); keys are unique, so any sort is stable here
-        order = torch.argsort(buckets * t + pos, dim=-1)  # (B, H, R, L)
+        order = bucket_order(buckets)  # (B, H, R, L): each round sorted by (bucket, position)
         sorted_pos = order.reshape(b, h, r * t)  # (B, H, R*L)
         own_chunks = torch.clamp((ctx.own_length + c - 1) // c, min=1)
         win = window_chunk_index(own_chunks, r, n, self.before, self.after)  # (B, R*N, W)
@@ -300,10 +249,6 @@ class LSHSelfAttention(nn.Module):
         idx = order.reshape(o.shape[0], o.shape[1], -1, 1).expand(-1, -1, -1, o.shape[4])
         # rounds are summed in order for each position, as the reference's sum over the round axis
         return out.scatter_add_(2, idx, weighted.reshape(o.shape[0], o.shape[1], -1, o.shape[4])).to(o.dtype)
-
-
-def _rotation_size(num_buckets: int | list[int]) -> int:
-    return num_buckets if isinstance(num_buckets, int) else sum(num_buckets)
 
 
 class LocalSelfAttention(nn.Module):

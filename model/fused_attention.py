@@ -20,8 +20,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .chunking import attend, attention_bias, fusable, mask_value, self_mask_value
+from .chunking import attend, fusable
 from .kernels import kernels
+from .lsh.masks import attention_bias, mask_value, self_mask_value
 
 # (q (B, H, L, D), k and v (B, H, K, D), bias (B, H, L, K) in q's dtype) -> (out (B, H, L, D), fp32 raw
 # log-sum-exp (B, H, L') with L' >= L: the CUDA kernel pads it to a multiple of 32)

@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from ..kernels.bindings import IndexArrays
+from ..lsh.order import bucket_order
 from .huge_pages import pool_empty
 
 if TYPE_CHECKING:
@@ -48,16 +49,6 @@ def position_storage(max_positions: int) -> tuple[torch.dtype, int]:
     """The dtype positions are stored as and the shift applied first: below 2**16 positions fit int16 once
     shifted by -32768, half the bytes of int32."""
     return (torch.int16, -32768) if max_positions <= 2**16 else (torch.int32, 0)
-
-
-def bucket_order(buckets: Tensor, count: int | None = None, kernel: CpuKernels | None = None) -> Tensor:
-    """Positions (..., L) of each series of buckets (..., L) int64 sorted by (bucket, position): through the
-    CPU `kernel`'s counting sort where given (buckets in [0, count); count None: their maximum + 1), else
-    PyTorch's argsort of bucket * L + position. The same order either way (the keys are distinct)."""
-    length = buckets.shape[-1]
-    if kernel is not None and buckets.is_cpu and length:
-        return kernel.lsh_order(buckets, count if count is not None else int(buckets.max()) + 1)
-    return torch.argsort(buckets * length + torch.arange(length, device=buckets.device), dim=-1)
 
 
 class StepCounts(NamedTuple):

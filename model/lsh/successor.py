@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..chunking import mask_value
+from .masks import mask_value
 
 
 def successor_values(v: Tensor, heads: int, valid: Tensor | None) -> Tensor:

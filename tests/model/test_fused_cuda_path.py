@@ -12,7 +12,7 @@ import torch
 
 from model import ReformerLM, fused_attention
 from model.attention import LocalSelfAttention
-from model.chunking import attend, attention_bias, mask_value
+from model.chunking import attend
 from model.fused_attention import (
     CPU,
     CUDA,
@@ -22,6 +22,7 @@ from model.fused_attention import (
     window_bias,
     window_kernel_for,
 )
+from model.lsh.masks import attention_bias, mask_value
 
 from .helpers import random_ids, tiny_config
 

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 from model import ReformerLM, attention, chunking
 from model.attention import LocalSelfAttention
-from model.chunking import OnePassAttend, attention_bias
+from model.chunking import OnePassAttend
+from model.lsh.masks import attention_bias
 
 from .helpers import random_ids, reference_pair, tiny_config
 

@@ -23,9 +23,11 @@ import torch
 from torch import Tensor
 
 from ...attention import AttentionContext, LSHSelfAttention, length_normalize
-from ...chunking import attend, attention_bias, fusable, round_weights, window_chunk_index
+from ...chunking import attend, fusable, round_weights
 from ...fused_attention import FusedKernel, fused_lsh_attend, native_kernels, window_kernel_for
-from ..lsh_index import bucket_order
+from ...lsh.masks import attention_bias
+from ...lsh.order import bucket_order
+from ...lsh.windows import window_chunk_index
 
 Slices = Generator[None, None, Tensor]
 

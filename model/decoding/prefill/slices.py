@@ -46,8 +46,8 @@ from ...attention import (
     merge_heads,
     split_heads,
 )
-from ...chunking import window_chunk_index
 from ...fused_attention import local_window_attend
+from ...lsh.windows import window_chunk_index
 from .lsh_windows import lsh_chunked
 from .row_blocks import Blocks, in_blocks, rows_in_blocks
 

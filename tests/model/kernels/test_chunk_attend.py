@@ -13,9 +13,11 @@ import pytest
 import torch
 
 from model import fused_attention
-from model.chunking import attend, attention_bias, strided_windows
+from model.chunking import attend
 from model.fused_attention import CPU, fused_lsh_attend
 from model.kernels import CpuKernels, abi, build, kernels
+from model.lsh.masks import attention_bias
+from model.lsh.windows import strided_windows
 
 
 @pytest.fixture
