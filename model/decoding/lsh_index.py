@@ -2,7 +2,7 @@
 
 A full forward sorts a request's positions by (bucket, position) in every head and hash round and attends
 over chunk windows of that order. Decoding appends the newest position, which is always the *last* item of
-its bucket (/work/shared/notes/batched-lsh-decode.md), so the order is kept in two parts:
+its bucket (no earlier position is greater), so the order is kept in two parts:
 
 - the **main order**: every position up to the request's last build or merge, in sorted order, stored in
   the decode cache's blocks beside its keys (sorted index j of (slot, head, round) lives at the pool row
