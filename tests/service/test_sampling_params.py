@@ -33,7 +33,8 @@ def completion(client: TestClient, **fields: Any) -> dict[str, Any]:
     return dict(r.json())
 
 
-@pytest.mark.parametrize("warper", [{"temperature": 1.5}, {"top_k": 50}, {"top_p": 0.99}, {"typical_p": 0.99}])
+@pytest.mark.parametrize("warper", [{"temperature": 1.5}, {"top_k": 50}, {"top_p": 0.99}, {"typical_p": 0.99},
+                                    {"do_sample": True}])
 def test_a_tgi_warper_samples_without_do_sample(client: TestClient, warper: dict[str, Any]) -> None:
     greedy = tgi_text(client)
     assert {tgi_text(client, seed=s) for s in range(3)} == {greedy}  # no warper, no do_sample: greedy
