@@ -1,5 +1,7 @@
-"""The docs a user reads first say what the code has: every setting in the README's table, every README link
-and cited result file present, and no lab-notebook wording ("session" is only an HTTP or ONNX Runtime one)."""
+"""The docs say what the code has and point only inside the repository: every setting in the README's table,
+every linked or backticked file and every cited section present, every metric the service defines in
+docs/METRICS.md's tables with its type, nothing naming a path outside the clone, and no lab-notebook wording
+("session" is only an HTTP or ONNX Runtime one)."""
 
 from __future__ import annotations
 
@@ -7,10 +9,37 @@ import re
 import subprocess
 from pathlib import Path
 
+from prometheus_client.parser import text_string_to_metric_families
+
+from service.metrics import ServiceMetrics
 from service.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
+DOCS = ("README.md", "docs/*.md", "bench/README.md", "bench/HISTORY.md")
+# a backticked path into one of the repository's folders (placeholders such as {2,4,8}, * or <variant> aside)
+REPO_PATH = re.compile(r"`((?:bench|docs|tests|model|service|train|export|loadtest|docker|scripts)/[^`\s{*<\[]*)`")
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+# a cited section: `docs/X.md, "Heading"`, `bench/README.md's "Heading"` or a link's `X.md#anchor`
+CITED_SECTION = re.compile(r"((?:docs/[A-Z_]+|bench/README|bench/HISTORY|README)\.md)(?:, |'s )\"([^\"]+)\"")
+# what no clone has: the design file and the folders beside the working copy it was written in
+OUTSIDE = re.compile(r"DESIGN\.md|\.\./shared|/work/shared|shared/(notes|tools|data|corpus)\b")
+# the shipped artifact's provenance records the training and export commands exactly as they were run
+RECORDED_AS_RUN = ("bench/results/", "export/default_artifact/manifest.json")
+
+
+def _tracked(*patterns: str) -> list[str]:
+    out = subprocess.run(["git", "ls-files", *patterns], cwd=ROOT, capture_output=True, text=True, check=True)
+    return [f for f in out.stdout.split() if (ROOT / f).is_file()]
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _headings(doc: Path) -> list[str]:
+    return [line.lstrip("#").strip() for line in doc.read_text().splitlines() if re.match(r"#{1,6} ", line)]
 
 
 def test_every_setting_is_in_the_readme_table() -> None:
@@ -33,3 +62,59 @@ def test_no_session_numbers_in_the_repository() -> None:
     hits = [f"{f}:{n}" for f in files if f != "tests/test_docs.py" and (ROOT / f).exists()
             for n, line in enumerate((ROOT / f).read_text(errors="replace").splitlines(), 1) if pattern.search(line)]
     assert not hits, hits
+
+
+def test_every_link_and_backticked_path_in_the_docs_exists() -> None:
+    missing = []
+    for doc in _tracked(*DOCS):
+        text = (ROOT / doc).read_text()
+        for path in REPO_PATH.findall(text):
+            if not (ROOT / path.split(":")[0].rstrip(".,;")).exists():
+                missing.append(f"{doc}: `{path}`")
+        for link in LINK.findall(text):
+            if re.match(r"[a-z]+://|mailto:", link):
+                continue
+            path, _, anchor = link.partition("#")
+            target = (ROOT / doc).parent / path if path else ROOT / doc
+            if not target.exists():
+                missing.append(f"{doc}: ({link})")
+            elif anchor and target.suffix == ".md" and anchor not in map(_slug, _headings(target)):
+                missing.append(f"{doc}: ({link}) has no such section")
+    assert not missing, missing
+
+
+def test_every_cited_section_exists() -> None:
+    """`bench/README.md, "Soak"` in a docstring or a doc names a heading that starts with those words."""
+    missing = []
+    for f in _tracked("*.py", "*.md", "*.sh", "*.yml", "*.yaml", "*.toml", "*.c", "*.h"):
+        if f.startswith(RECORDED_AS_RUN) or f == "tests/test_docs.py":
+            continue
+        for n, line in enumerate((ROOT / f).read_text(errors="replace").splitlines(), 1):
+            for doc, section in CITED_SECTION.findall(line):
+                headings = _headings(ROOT / doc) if (ROOT / doc).is_file() else None
+                if headings is None or not any(h.lower().startswith(section.lower()) for h in headings):
+                    missing.append(f"{f}:{n}: {doc}, {section!r}")
+    assert not missing, missing
+
+
+def test_nothing_points_outside_the_repository() -> None:
+    hits = [f"{f}:{n}" for f in _tracked() if f != "tests/test_docs.py" and not f.startswith(RECORDED_AS_RUN)
+            for n, line in enumerate((ROOT / f).read_text(errors="replace").splitlines(), 1) if OUTSIDE.search(line)]
+    assert not hits, hits
+
+
+def _documented_metrics() -> dict[str, str]:
+    """name (without a counter's `_total`) -> type, from docs/METRICS.md's table rows."""
+    rows = re.findall(r"^\| `(reformer_\w+)` \| (\w+)", (ROOT / "docs" / "METRICS.md").read_text(), re.MULTILINE)
+    return {name.removesuffix("_total") if kind == "counter" else name: kind for name, kind in rows}
+
+
+def test_metrics_doc_lists_every_metric_the_service_defines() -> None:
+    code = "".join((ROOT / "service" / f).read_text() for f in ("metrics.py", "memory_metrics.py", "gpu_metrics.py"))
+    defined = {f"reformer_{n}" for n in re.findall(r'PREFIX \+ "(\w+)"', code)}
+    defined |= set(re.findall(r'^[A-Z_]+ = "(reformer_\w+)"', code, re.MULTILINE))
+    documented = _documented_metrics()
+    assert sorted(documented) == sorted(defined)
+    rendered = text_string_to_metric_families(ServiceMetrics(debug_memory=True).render().decode())
+    types = {f.name: f.type for f in rendered if f.name.startswith("reformer_")}
+    assert types and all(documented[name] == kind for name, kind in types.items()), (types, documented)
