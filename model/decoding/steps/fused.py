@@ -196,6 +196,7 @@ class FusedStep:
                     return held
                 items = index.items
                 f.update(lsh=1, norms=norms.data_ptr(), rounds=att.rounds, after=att.after, buckets=index.buckets,
+                         successor=att.successor_heads,
                          recent_size=index.recent_size, items_len=items.numel(), item_bytes=items.element_size(),
                          shift=index.shift, recent_offset=index.recent_offset,
                          main_counts=index.main_counts.data_ptr(), recent_counts=index.recent_counts.data_ptr(),

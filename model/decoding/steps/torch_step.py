@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from ...attention import LocalSelfAttention, LSHSelfAttention
 from ...chunking import mask_value, round_weights, self_mask_value
 from ...kernels.abi import Meta
+from ...lsh.successor import no_key_threshold
 from ..lsh_index import BlockLookup, LSHIndex, WindowGeometry
 from ..plan import layer_plan, layers_of
 
@@ -48,6 +49,7 @@ def step_compute(lm: ReformerLM, cache: DecodeCache, backends: StepBackends, tok
     if linear.uses_kernel(x):
         x2 = x.clone()  # two tensors: the kernel's layer tails update them in place
     new_rows = step.blocks.rows(t.view(-1, 1)).view(-1)  # (B,): where the new keys go
+    prev_rows: Tensor | None = None  # (B,): where successor-value heads put the new values (position t - 1)
     local: tuple[Tensor, Tensor] | None = None
     for li, p in enumerate(layer_plan(lm)):
         att = p.attention
@@ -55,7 +57,10 @@ def step_compute(lm: ReformerLM, cache: DecodeCache, backends: StepBackends, tok
         qkv = linear(h, *p.projections).view(rows, len(p.projections), att.heads, att.head_size)  # (B, 2|3, H, D)
         if isinstance(att, LSHSelfAttention):
             qk, v = qkv[:, 0], qkv[:, 1]
-            cache.write_step(li, new_rows, qk, v)
+            if att.successor_heads and prev_rows is None:
+                # a padding row's position is 0: its "previous" row is its own (scratch, dropped)
+                prev_rows = step.blocks.rows((t - 1).clamp(min=0).view(-1, 1)).view(-1)
+            cache.write_step(li, new_rows, qk, v, att.successor_heads, prev_rows)
             out = _lsh_attend(cache, li, att, qk, step)
         else:
             q, k, v = qkv[:, 0], qkv[:, 1] / math.sqrt(att.head_size), qkv[:, 2]
@@ -171,7 +176,7 @@ def _lsh_attend(cache: DecodeCache, li: int, att: LSHSelfAttention, qk: Tensor, 
         return kernel.lsh_attend(
             qk.contiguous(), cache.keys[li].view(-1, d), norms_pool.view(-1), cache.values[li].view(-1, d),
             step.meta, buckets, arrays, cache.block_table, cache.block_size, cache.scratch_slot, att.chunk,
-            att.before, att.after, self_mask_value(torch.float32), mask_value(torch.float32))
+            att.before, att.after, self_mask_value(torch.float32), mask_value(torch.float32), att.successor_heads)
     assert step.geo is not None and step.base is not None and step.value is not None and step.weight is not None
     counts = index.append(step.base, buckets, step.value, step.weight)
     pos, absent = index.window(step.base, counts, buckets, step.geo, step.blocks)  # (B, H, R, W)
@@ -190,8 +195,13 @@ def _lsh_attend(cache: DecodeCache, li: int, att: LSHSelfAttention, qk: Tensor, 
     # matrix-vector path about 6x slower on CPU (torch 2.13, one thread, timed by hand)
     dots = torch.matmul(qk.float().view(b, heads, 1, 1, d), keys.float().transpose(-1, -2)).squeeze(-2)  # (B, H, R, W)
     dots = dots * norms.float()
-    # masks replace logits, as in the reference: padding never counts, the query's own position gets -1e5
-    dots = dots.masked_fill(pos == step.t.view(b, 1, 1, 1), self_mask_value(dots.dtype))
+    # masks replace logits, as in the reference: padding never counts, the query's own position gets -1e5;
+    # successor-value heads never attend their own position (model/lsh/successor.py): the padding mask there
+    own = pos == step.t.view(b, 1, 1, 1)  # (B, H, R, W)
+    dots = dots.masked_fill(own, self_mask_value(dots.dtype))
+    successor = att.successor_heads
+    if successor:
+        dots[:, :successor] = dots[:, :successor].masked_fill(own[:, :successor], mask_value(dots.dtype))
     dots = dots.masked_fill(absent, mask_value(dots.dtype))
     # the log-sum-exp by hand, reusing its exponentials for the output (torch.logsumexp is a composite of
     # as many ops, and the output would take the exponentials again); every row has a finite maximum (masks
@@ -208,4 +218,9 @@ def _lsh_attend(cache: DecodeCache, li: int, att: LSHSelfAttention, qk: Tensor, 
     # the rounds' softmaxes and their combination as one weight per window slot: the output is one weighted
     # sum of values per (row, head) over every round's window
     probs = (e * (weights / total)).view(b, heads, rounds * w)
-    return cache.weighted_values(li, flat.view(b, heads, rounds * w), probs).to(qk.dtype)  # (B, H, D)
+    out = cache.weighted_values(li, flat.view(b, heads, rounds * w), probs)  # (B, H, D) float32
+    if successor:
+        # a successor-value head with nothing but its own position to attend outputs exactly 0
+        seen = (lse[:, :successor] >= no_key_threshold(torch.float32)).any(dim=2)  # (B, k, 1)
+        out[:, :successor] = torch.where(seen, out[:, :successor], torch.zeros((), dtype=out.dtype, device=out.device))
+    return out.to(qk.dtype)
