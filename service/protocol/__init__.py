@@ -12,7 +12,6 @@ from service.protocol.native import (
     StreamEvent,
     Token,
     TokenInfo,
-    TokenizeRequest,
 )
 from service.protocol.openai import (
     OPENAI_FINISH_REASON,
@@ -53,6 +52,5 @@ __all__ = [
     "StreamEvent",
     "Token",
     "TokenInfo",
-    "TokenizeRequest",
     "Usage",
 ]

@@ -13,7 +13,6 @@ from service.protocol.common import (
     MAX_LOGPROBS,
     InputText,
     Limits,
-    PlainText,
     RequestModel,
     ResponseModel,
     Tokenizer,
@@ -282,12 +281,6 @@ class EmbedRequest(RequestModel):
             for i, text in enumerate(texts)
         ]
         return EmbeddingSpec(sequences=sequences, pooling=self.pooling, normalize=self.normalize)
-
-
-class TokenizeRequest(RequestModel):
-    """`POST /tokenize`: TGI's body; only `inputs` is used."""
-
-    inputs: PlainText = Field(description="Text to tokenize.")
 
 
 class TokenInfo(ResponseModel):

@@ -49,7 +49,7 @@ BiasValue = Annotated[float, Field(ge=-100, le=100)]
 class CompletionRequest(RequestModel):
     """`POST /v1/completions`."""
 
-    model: str | None = Field(None, description="Accepted and ignored: this server serves one model.")
+    model: str | None = Field(None, description="The served model's id (/v1/models), or unset; any other is 404.")
     prompt: PromptInput = Field(
         description="A prompt or a list of prompts, each a text or a list of token ids (ids in the tokenizer's "
         "vocabulary, `/tokenizer_info`'s vocab_size).")
@@ -83,7 +83,7 @@ class CompletionRequest(RequestModel):
     seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Random seed: same seed, same tokens.")
     ignore_eos: bool = Field(False, description="Keep generating past the end-of-text token.")
     truncate_prompt_tokens: int | None = Field(None, ge=1, description="Keep only the last N prompt tokens.")
-    user: str | None = Field(None, description="Accepted; not used (no per-user state).")
+    user: str | None = Field(None, description="The end user's id, written into the request's log line.")
 
     @field_validator("stop")
     @classmethod
@@ -221,10 +221,10 @@ class EmbeddingsRequest(RequestModel):
     """`POST /v1/embeddings`."""
 
     input: InputText | list[InputText] = Field(description="A text or a list of texts.")
-    model: str | None = Field(None, description="Accepted and ignored: this server serves one model.")
+    model: str | None = Field(None, description="The served model's id (/v1/models), or unset; any other is 404.")
     encoding_format: Literal["float", "base64"] = Field("float", description="Floats, or base64 little-endian f32.")
     dimensions: int | None = Field(None, ge=1, description="Must be unset or equal to the model's dimension.")
-    user: str | None = Field(None, description="Accepted and ignored.")
+    user: str | None = Field(None, description="The end user's id, written into the request's log line.")
 
     def texts(self) -> list[str]:
         return [self.input] if isinstance(self.input, str) else list(self.input)
