@@ -69,9 +69,6 @@ def prefill_scored_steps(lm: ReformerLM, cache: DecodeCache, prompts: Sequence[T
     bucket sort still sees the whole prompt; the result is the same bits. Closing it early frees what it
     allocated."""
     lengths = [int(p.shape[0]) for p in prompts]
-    if lm.config.has_successor_heads():
-        raise NotImplementedError("prefill does not write successor-value heads' value slots yet "
-                                  f"(lsh_successor_heads={lm.config.lsh_successor_heads!r})")
     if min(lengths, default=1) < 1:
         raise ValueError("prefill needs non-empty prompts")
     want = list(reserve) if reserve is not None else lengths

@@ -27,6 +27,7 @@ from ...chunking import attend, fusable, round_weights
 from ...fused_attention import FusedKernel, fused_lsh_attend, native_kernels, window_kernel_for
 from ...lsh.masks import attention_bias
 from ...lsh.order import bucket_order
+from ...lsh.successor import zero_rows_without_keys
 from ...lsh.windows import window_chunk_index
 
 Slices = Generator[None, None, Tensor]
@@ -42,6 +43,7 @@ def lsh_chunked(att: LSHSelfAttention, qk: Tensor, v: Tensor, buckets: Tensor, c
     r, c = att.rounds, att.chunk
     n = t // c
     device = qk.device
+    s = att.successor_heads  # heads 0..s-1 mask and combine as successor-value heads (model/lsh/successor.py)
     # the whole prompt's sort, in C on the CPU (a 60K prompt's argsort took 37-230 ms)
     order = bucket_order(buckets, None, native_kernels(qk) if att.c_kernel else None)  # (B, H, R, L)
     own_chunks = torch.clamp((ctx.own_length + c - 1) // c, min=1)
@@ -62,34 +64,39 @@ def lsh_chunked(att: LSHSelfAttention, qk: Tensor, v: Tensor, buckets: Tensor, c
         out = torch.zeros_like(qk)
     yield
     batch = torch.arange(b, device=device).view(b, 1, 1)
-    for i0 in range(0, h, g):
-        i1 = min(i0 + g, h)
+    # groups of at most g heads, none holding both successor and plain heads
+    starts = sorted({*range(0, h, g), *([s] if 0 < s < h else [])})
+    for i0, i1 in zip(starts, [*starts[1:], h]):
+        successor = i0 < s
         sorted_chunks = order[:, i0:i1].reshape(b, i1 - i0, r * n, c)  # (B, g, R*N, C) positions
         if only is not None:
             chunks = win[batch, chunk_at[:, i0:i1]]  # (B, g, R, W)
-            o, lse = _attend_windows(att, kernel, rows, sorted_chunks, chunks, i0, h, ctx)
+            o, lse = _attend_windows(att, kernel, rows, sorted_chunks, chunks, i0, h, ctx, successor)
             out[:, i0:i1, 0] = _combine_rows(o.gather(3, row_at[:, i0:i1, :, None, None].expand(-1, -1, -1, 1, d))
-                                             .squeeze(3), lse.gather(3, row_at[:, i0:i1, :, None]).squeeze(3))
+                                             .squeeze(3), lse.gather(3, row_at[:, i0:i1, :, None]).squeeze(3),
+                                             successor)
             yield
             continue
         outs, lses = [], []
         for j0 in range(0, r * n, step):
-            o, lse = _attend_windows(att, kernel, rows, sorted_chunks, win[:, None, j0:j0 + step], i0, h, ctx)
+            o, lse = _attend_windows(att, kernel, rows, sorted_chunks, win[:, None, j0:j0 + step], i0, h, ctx,
+                                     successor)
             outs.append(o)
             lses.append(lse)
             yield
         # the rounds combined in slices of as many rows as an attention slice's queries
         yield from _combine_in_slices(out, i0, torch.cat(outs, dim=2), torch.cat(lses, dim=2), order[:, i0:i1],
-                                      max(c, step * c // r))
+                                      max(c, step * c // r), successor)
     return out
 
 
 def _attend_windows(att: LSHSelfAttention, kernel: FusedKernel | None, rows: tuple[Tensor, Tensor],
-                    sorted_chunks: Tensor, chunks: Tensor, i0: int, heads: int, ctx: AttentionContext
-                    ) -> tuple[Tensor, Tensor]:
+                    sorted_chunks: Tensor, chunks: Tensor, i0: int, heads: int, ctx: AttentionContext,
+                    successor: bool = False) -> tuple[Tensor, Tensor]:
     """Chunks `chunks` (B, 1|g, S, W) of the sorted order (their windows: W chunk indices each, the chunk
     itself at offset `before`), heads i0.. of the layer's query-key and value `rows` -> output (B, g, S, C, D)
-    and log-sum-exp (B, g, S, C), as LSHSelfAttention._chunked computes them for those chunks."""
+    and log-sum-exp (B, g, S, C), as LSHSelfAttention._chunked computes them for those chunks (`successor`:
+    heads i0.. are successor-value heads)."""
     b, g, _, c = sorted_chunks.shape
     s, w = chunks.shape[2], chunks.shape[3]
     d = rows[0].shape[1]
@@ -106,13 +113,13 @@ def _attend_windows(att: LSHSelfAttention, kernel: FusedKernel | None, rows: tup
     k_valid = None if ctx.valid is None else ctx.valid[bi, pos]
     if kernel is not None:
         return fused_lsh_attend(q, k_w, v_w, v_w[..., own, :], q_pos, pos, k_valid, att.causal, kernel,
-                                att.c_kernel)
-    bias = attention_bias(q_pos, pos, k_valid, att.causal, True, q.dtype)
+                                att.c_kernel, successor=successor)
+    bias = attention_bias(q_pos, pos, k_valid, att.causal, not successor, q.dtype, strict=successor)
     return attend(q, k_w, v_w, bias, 0.0, ctx.generator)  # type: ignore[no-any-return]
 
 
-def _combine_in_slices(out: Tensor, i0: int, o: Tensor, lse: Tensor, order: Tensor, span: int
-                    ) -> Generator[None, None, None]:
+def _combine_in_slices(out: Tensor, i0: int, o: Tensor, lse: Tensor, order: Tensor, span: int,
+                       successor: bool = False) -> Generator[None, None, None]:
     """LSHSelfAttention._combine_rounds in slices of `span` positions, into out[:, i0:i0+g]: o (B, g, R*N, C, D)
     and lse (B, g, R*N, C) in sorted order, order (B, g, R, L) the sorted positions."""
     b, g, r, t = order.shape
@@ -126,16 +133,21 @@ def _combine_in_slices(out: Tensor, i0: int, o: Tensor, lse: Tensor, order: Tens
         p = at.shape[-1]
         picked = o_rows.index_select(0, at.reshape(-1)).view(b, g, r, p, d)
         out[:, i0 : i0 + g, a : a + p] = _combine_rows(picked, lse_rows.index_select(0, at.reshape(-1))
-                                                       .view(b, g, r, p))
+                                                       .view(b, g, r, p), successor)
         yield
 
 
-def _combine_rows(o: Tensor, lse: Tensor) -> Tensor:
+def _combine_rows(o: Tensor, lse: Tensor, successor: bool = False) -> Tensor:
     """Every round's output o (B, g, R, [P,] D) and log-sum-exp (B, g, R[, P]) of the same positions -> their
     combination (B, g, [P,] D): each round weighted by its share of the probability mass (round_weights in
-    fp32, as LSHSelfAttention._combine_rounds), the rounds added in order from zero as its scatter_add adds them."""
+    fp32, as LSHSelfAttention._combine_rounds), the rounds added in order from zero as its scatter_add adds them.
+    `successor`: a position that saw no key in any round is 0 (model/lsh/successor.py)."""
     weights = round_weights(lse.float(), dim=2).unsqueeze(-1)
     total = torch.zeros_like(o[:, :, 0], dtype=torch.float32)
     for k in range(o.shape[2]):
         total = total + o[:, :, k].float() * weights[:, :, k]
-    return total.to(o.dtype)
+    if not successor:
+        return total.to(o.dtype)
+    if lse.dim() == 3:  # one position per row: (B, g, 1, D) and (B, g, R, 1)
+        return zero_rows_without_keys(total.to(o.dtype).unsqueeze(2), lse.unsqueeze(3), o.shape[1]).squeeze(2)
+    return zero_rows_without_keys(total.to(o.dtype), lse, o.shape[1])

@@ -47,6 +47,7 @@ from ...attention import (
     split_heads,
 )
 from ...fused_attention import local_window_attend
+from ...lsh.successor import successor_values
 from ...lsh.windows import window_chunk_index
 from .lsh_windows import lsh_chunked
 from .row_blocks import Blocks, in_blocks, rows_in_blocks
@@ -58,7 +59,7 @@ if TYPE_CHECKING:
 
 # Window attentions (one batch row, one head, one chunk of queries against its window) per slice. With the
 # default model (chunk 64, head size 32, windows of 2 chunks) one is ~1 MFLOP plus the bias and the gathers;
-# 256 of them take roughly 20-40 ms on a 2-core CPU (bench/prefill_gap.py measures the gaps they leave).
+# 256 of them take roughly 20-40 ms on a 2-core CPU (bench/prefill/prefill_gap.py measures the gaps they leave).
 DEFAULT_SLICE_CHUNKS = 256
 
 Slices = Generator[None, None, Tensor]
@@ -71,8 +72,10 @@ if TYPE_CHECKING:
 class Projections:
     """What a layer's attention computes from its input before attending, (B, H, L, D) each: `key` is what the
     decode cache keeps as keys (LSH: the shared query/key projection; local: the key divided by sqrt(head
-    size)), `query` the local layers' query, `buckets` (B, H, R, L) an LSH layer's hash of a batch longer than
-    a chunk (None otherwise: such a batch attends densely)."""
+    size)), `value` what it keeps as values (an LSH layer's successor-value heads: the next position's value,
+    0 at each row's last position, model/lsh/successor.py), `query` the local layers' query, `buckets`
+    (B, H, R, L) an LSH layer's hash of a batch longer than a chunk (None otherwise: such a batch attends
+    densely)."""
 
     key: Tensor
     value: Tensor
@@ -98,7 +101,7 @@ def projections(att: LSHSelfAttention | LocalSelfAttention, x: Tensor, ctx: Atte
         qk = yield from project(att.query_key)
         if long:
             yield  # each projection of a long prompt is a large matmul: a piece (or pieces) of its own
-        v = yield from project(att.value)
+        v = successor_values((yield from project(att.value)), att.successor_heads, ctx.valid)  # (B, H, L, D)
         if not long:
             return Projections(qk, v)
         yield
