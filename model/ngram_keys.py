@@ -1,0 +1,54 @@
+"""N-gram keys for LSH layers (an experiment, not part of any shipped config): a short causal depthwise
+convolution on an LSH layer's input before its shared query/key projection, so a key is a function of the
+last few positions' states (an n-gram) rather than of one. Initialised to the identity (only the current
+position's tap is 1), so a converted model starts as the model it was.
+
+Why: a successor-value head copies by matching the current position's key against earlier ones; after one
+wrong byte in a greedy copy the match is lost. Keys built from short n-grams may re-find the place.
+
+Attached by wrapping `query_key` (no attention code changes): only the PyTorch forward uses it. Cached
+decoding, the C kernels and ONNX export read `query_key`'s weight directly and do not support it."""
+
+from __future__ import annotations
+
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .attention import LSHSelfAttention
+from .reformer import ReformerLM
+from .reversible import ReformerLayer
+
+
+class CausalDepthwiseConv(nn.Module):
+    """y[t] = sum_k w[:, k] * x[t - (width - 1) + k] per channel (zeros before the first position)."""
+
+    def __init__(self, channels: int, width: int) -> None:
+        super().__init__()
+        if width < 1:
+            raise ValueError(f"the convolution's width must be >= 1, got {width}")
+        self.width = width
+        weight = torch.zeros(channels, 1, width)
+        weight[:, 0, -1] = 1.0  # identity: the current position only
+        self.weight = nn.Parameter(weight)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, c = x.shape
+        y = F.pad(x.transpose(1, 2), (self.width - 1, 0))  # (B, C, width - 1 + T): causal left padding
+        return F.conv1d(y, self.weight, groups=c).transpose(1, 2)  # (B, T, C)
+
+
+def add_ngram_keys(lm: ReformerLM, width: int) -> int:
+    """Put a width-`width` causal convolution before every LSH layer's query/key projection; returns how
+    many layers got one."""
+    count = 0
+    for layer in lm.layers:
+        att = cast(ReformerLayer, layer).attention.self_attention
+        if isinstance(att, LSHSelfAttention):
+            # registered under the same name, so the attention's own `self.query_key(x)` call runs both
+            att.register_module("query_key", nn.Sequential(CausalDepthwiseConv(lm.config.hidden_size, width),
+                                                           att.query_key))
+            count += 1
+    return count
