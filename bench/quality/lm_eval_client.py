@@ -3,8 +3,8 @@ server's own tokenizer (`tokenizer_backend=remote`: /tokenizer_info, /tokenize, 
 echo with logprobs) on three local tasks this script writes from held-out text, then the rolling task's bits per
 byte again in process, on the same windows lm-eval scores, to compare.
 
-    python bench/lm_eval_client.py [--artifact DIR] [--base-url http://127.0.0.1:8000] [--data FILE_OR_DIR ...]
-                                   [--lm-eval PATH] [--max-length 1024] [--docs 8] [--doc-bytes 3000]
+    python bench/quality/lm_eval_client.py [--artifact DIR] [--base-url http://127.0.0.1:8000] [--data FILE_OR_DIR ...]
+                                   [--lm-eval PATH] [--max-length 256] [--docs 6] [--doc-bytes 3000]
                                    [--out bench/results/lm_eval_client.json]
 
 Tasks (in a temporary folder, as lm-eval's `--include_path`):
@@ -36,7 +36,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "bench" / "results"
 CLOZE_BYTES = 64
@@ -57,11 +57,12 @@ def held_out_text(data: list[Path]) -> str:
 
 
 def documents(text: str, count: int, size: int) -> list[str]:
+    """`count` consecutive, distinct pieces of `size` bytes (smaller when the text is too short for them)."""
     raw = text.encode()
-    pieces = [raw[i:i + size].decode(errors="ignore") for i in range(0, len(raw) - size + 1, size)]
-    if not pieces:
-        pieces = [text]
-    return [pieces[i % len(pieces)] for i in range(count)] if len(pieces) < count else pieces[:count]
+    size = min(size, len(raw) // count)
+    if size < CLOZE_BYTES * 2:
+        raise SystemExit(f"{len(raw)} bytes of text are too few for {count} documents: give --data or fewer --docs")
+    return [raw[i * size:(i + 1) * size].decode(errors="ignore") for i in range(count)]
 
 
 def write_tasks(folder: Path, docs: list[str]) -> None:
@@ -204,8 +205,9 @@ def main() -> None:
     p.add_argument("--base-url", help="a running server (default: start one on the artifact)")
     p.add_argument("--data", type=Path, nargs="*", default=[], help="text files or folders (held-out tails)")
     p.add_argument("--lm-eval", help="the lm_eval executable")
-    p.add_argument("--max-length", type=int, default=1024, help="lm-eval's max_length (tokens per request)")
-    p.add_argument("--docs", type=int, default=8)
+    p.add_argument("--max-length", type=int, default=256,
+                   help="lm-eval's max_length (tokens per request; a longer document is scored in several windows)")
+    p.add_argument("--docs", type=int, default=6)
     p.add_argument("--doc-bytes", type=int, default=3000)
     p.add_argument("--out", type=Path, default=RESULTS / "lm_eval_client.json")
     args = p.parse_args()
@@ -230,7 +232,8 @@ def main() -> None:
     local = in_process_bits_per_byte(args.artifact, docs, args.max_length)
     served = run["results"]["reformer_rolling"]["bits_per_byte,none"]
     report = {
-        "artifact": str(args.artifact), "docs": len(docs), "doc_bytes": args.doc_bytes,
+        "command": " ".join(["python", "bench/quality/lm_eval_client.py", *sys.argv[1:]]),
+        "artifact": str(args.artifact), "docs": len(docs), "doc_bytes": [len(d.encode()) for d in docs],
         "max_length": args.max_length, "data": [str(d) for d in args.data] or "built-in text",
         "lm_eval": run, "in_process": local,
         "rolling_bits_per_byte": {"lm_eval_through_service": served, "in_process": local["bits_per_byte"],
