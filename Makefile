@@ -32,9 +32,9 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -c constraints-cpu.txt -e ".[bench]"
-	$(PY) bench/forward.py
+	$(PY) bench/forward/forward.py
 
-# Wheels bench/gpu_check.sh installs on the lent GPU machine (no network there; its python3 is 3.12 and
+# Wheels bench/gpu/gpu_check.sh installs on the lent GPU machine (no network there; its python3 is 3.12 and
 # lacks these): the versions of this venv, for CPython 3.12 on x86-64 Linux, with their dependencies.
 GPU_WHEEL_PACKAGES := fastapi uvicorn pydantic pydantic-settings starlette
 gpu-wheels: $(STAMP)

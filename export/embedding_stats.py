@@ -3,13 +3,13 @@ final hidden states of passages of the TRAINING part of each document (the head 
 validation tail, cut by export/documents.py as `reformer train` cuts it), so no validation byte shapes
 them: the per-dimension mean and std, and the shrinkage-whitening matrix (model/pooling.py's
 whitening_matrix). The service whitens mean-pooled embeddings with them, or, for an older file without the
-matrix, standardises them per dimension (model/pooling.py); bench/embed_quality.py estimates its standardised
+matrix, standardises them per dimension (model/pooling.py); bench/quality/embed_quality.py estimates its standardised
 and whitened rows with the same functions.
 
 The shrinkage is chosen per model, on training passages only (`select_shrinkage`): the last fifth of each
 document's passages (in text order) are held out, every shrinkage of SHRINKAGE_GRID whitens with the
 statistics of the other passages, and the one whose held-out passages identify their document best by
-nearest neighbour (as bench/embed_quality.py scores the validation passages) is kept; ties go to the
+nearest neighbour (as bench/quality/embed_quality.py scores the validation passages) is kept; ties go to the
 larger shrinkage. The shipped statistics are then estimated on all the passages with it."""
 
 from __future__ import annotations

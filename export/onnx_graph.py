@@ -120,7 +120,7 @@ def lsh_attention(att: LSHSelfAttention, h: Tensor, valid: Tensor, batch: GraphB
 
     Every head is a row of a (B*H) batch, so the graph holds one copy of the sorted attention, not one per
     head. Unrolled per head, google/reformer-enwik8's 8 heads made the LSH layers most of a 12-layer export's
-    time (bench/import_hf_enwik8.py): a one-layer LSH model of its shape at hidden 64 exported in 65.5 s to
+    time (bench/import_hf/import_hf_enwik8.py): a one-layer LSH model of its shape at hidden 64 exported in 65.5 s to
     2,334 ONNX nodes, folded in 26.7 s to 729 (scratch script, two cores shared with a training run). The
     price is onnxruntime's peak memory on long inputs: every head's score blocks at once, as eager holds
     them in training (outside training it goes one head at a time)."""

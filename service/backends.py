@@ -51,7 +51,7 @@ def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype | None:
 
 
 def resolve_backend(name: str, device: torch.device, onnx_path: Path | None) -> str:
-    """auto: torch. bench/backends.py (one thread each, so neither backend's threads stall the other's)
+    """auto: torch. bench/forward/backends.py (one thread each, so neither backend's threads stall the other's)
     measured onnxruntime fp32 level with eager torch at 1K-4K tokens and 1.6x slower at 16K, and the
     service's 4K-byte /embed ran about 2x faster on torch; onnxruntime stays available by name."""
     if name == "onnxruntime" and onnx_path is None:

@@ -66,7 +66,7 @@ class EngineConfig:
     # as the longest of the last few (service/policy.py another_slice_fits), still ends within this much time
     # (at least one slice per step; 0: one slice per step). A running stream's gap is then about one decode
     # step plus this (model/decoding/prefill/slices.py bounds a slice), and the prefill keeps about budget / (budget +
-    # decode step) of the time (bench/prefill_gap.py measures both; REFORMER_PREFILL_BUDGET_MS)
+    # decode step) of the time (bench/prefill/prefill_gap.py measures both; REFORMER_PREFILL_BUDGET_MS)
     prefill_budget_ms: float = 100.0
     idle_trim_s: float = 2.0  # idle this long: the heap's free pages go back to the system (service/memory.py)
     memory_budget_bytes: int = 0  # RSS above which the worker trims between turns too; 0: only when idle

@@ -36,7 +36,7 @@ SWITCH_INTERVAL_S = 0.0005
 
 def apply_process_settings() -> dict[str, bool]:
     """The process-wide settings `reformer serve` runs the engine under (benchmarks that drive the engine in
-    their own process apply them too, bench/prefill_gap.py); returns which of tune_cpu_runtime's settings took
+    their own process apply them too, bench/prefill/prefill_gap.py); returns which of tune_cpu_runtime's settings took
     effect.
 
     The model worker thread holds the GIL between torch calls; at Python's default 5 ms switch interval

@@ -38,7 +38,7 @@ class Settings(BaseSettings):
     backend: BackendName = Field(
         "auto",
         description="Forward backend for embeddings: torch or onnxruntime (needs the artifact's model.onnx). "
-        "auto picks torch, the faster of the two in bench/backends.py on this model. "
+        "auto picks torch, the faster of the two in bench/forward/backends.py on this model. "
         "Decoding always runs on torch.",
     )
     device: DeviceName = Field("auto", description="Device: cpu, cuda, or auto (CUDA when present).")
@@ -69,7 +69,7 @@ class Settings(BaseSettings):
         description="How long a long prompt's sliced prefill may run between two decode steps of the running "
         "generations (chunked prefill; at least one slice per step, 0: one slice per step). Smaller: shorter "
         "gaps between the running streams' tokens while a long prompt is prefilled, and a longer prefill. "
-        "bench/prefill_gap.py measures both (bench/README.md).",
+        "bench/prefill/prefill_gap.py measures both (bench/README.md).",
     )
     cache_bytes: int | None = Field(
         None, ge=0,
@@ -86,9 +86,9 @@ class Settings(BaseSettings):
         description="What the decode cache keeps keys and values in: auto is the model's dtype (the cache holds "
         "keys and values as the model computes them). A float32 model may keep them in bfloat16 or float16: half "
         "the bytes of the keys and values, which are most of a token's cache (the LSH bookkeeping is not "
-        "halved: 12,690 -> 6,505 bytes per token after a 1K prompt at bench/generate.py's config, "
+        "halved: 12,690 -> 6,505 bytes per token after a 1K prompt at bench/decode/generate.py's config, "
         "bench/results/generate_kv_float16.json), so about twice the tokens in the same cache_bytes, at the "
-        "price of rounding every cached key and value (bench/decode_quality.py measures the difference). A "
+        "price of rounding every cached key and value (bench/decode/decode_quality.py measures the difference). A "
         "model of another dtype only takes auto or its own dtype. float16 keys overflow past 65504. On CPU "
         "the C kernel reads bfloat16 on any build and float16 where the compiler targets F16C; otherwise "
         "those steps use PyTorch ops.",
@@ -99,7 +99,7 @@ class Settings(BaseSettings):
         "weights in, where the C kernels run them: float32 (the model's), bfloat16 (half the bytes, each weight "
         "rounded to nearest even) or int8 (a quarter: one float32 scale per output column, max |w| / 127); the "
         "products still add in float32. A large model's step is bound by reading its weights, so it runs "
-        "about that much faster, at a cost in accuracy that bench/decode_weights.py measures "
+        "about that much faster, at a cost in accuracy that bench/decode/decode_weights.py measures "
         "(bench/results/decode_weights.json). Prefill, embeddings, the norms, embeddings tables and the LSH "
         "hash stay float32, and so do steps PyTorch runs (GPU, cpu_kernels off, or a float32 product on more "
         "than one thread outside the one-call step). /info's runs.decode_weights says what the step uses.",
@@ -118,7 +118,7 @@ class Settings(BaseSettings):
         "hundreds of small kernels; model/decoding/steps/cuda_graphs.py): a shape runs eagerly once, is captured "
         "the next time "
         "and replayed after; steps whose rows hash with different bucket counts, and any shape whose capture "
-        "fails, run eagerly. Off by default: it has not yet run on a GPU (the GPU check, bench/gpu_check.py, "
+        "fails, run eagerly. Off by default: it has not yet run on a GPU (the GPU check, bench/gpu/gpu_check.py, "
         "compares its logits with eager steps). No effect on CPU.",
     )
     cpu_kernels: Literal["auto", "on", "off"] = Field(
@@ -227,7 +227,7 @@ class Settings(BaseSettings):
         False,
         description="Also export reformer_python_objects, reformer_live_tensor_bytes and "
         "reformer_live_tensor_resident_bytes, from a walk over gc.get_objects() at most every 30 s (a scrape in "
-        "between reuses the figures): about 0.2 s with the GIL held, for diagnosis and bench/soak.py, not for "
+        "between reuses the figures): about 0.2 s with the GIL held, for diagnosis and bench/serving/soak.py, not for "
         "production.",
     )
     warmup: bool = Field(True, description="Run a warm-up embedding and generation before reporting ready.")

@@ -1,4 +1,4 @@
-"""What the after-training measurements share (bench/long_context.py, bench/embed_quality.py): loading a
+"""What the after-training measurements share (bench/long_context.py, bench/quality/embed_quality.py): loading a
 trained model from an artifact or a checkpoint, and the held-out validation tails of the training files,
 cut exactly as `reformer train` cut them."""
 

@@ -337,7 +337,7 @@ CURVE_FIELDS = ["step", "phase", "tokens_seen", "wall_time_s", "val_bpb", "val_b
 
 
 def write_curve(path: Path, history: list[dict[str, Any]], fields: list[str] = CURVE_FIELDS) -> None:
-    """The validation curve so far as CSV (bench/plot_training.py draws it); rewritten whole each time."""
+    """The validation curve so far as CSV (bench/training/plot_training.py draws it); rewritten whole each time."""
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         w.writeheader()

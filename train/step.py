@@ -1,4 +1,4 @@
-"""One training step's forward and loss, shared by `reformer train` and bench/train_speed.py so that the
+"""One training step's forward and loss, shared by `reformer train` and bench/training/train_speed.py so that the
 benchmark times exactly what the trainer runs; and the choices that make it fast on a given machine:
 reversible or plain autograd, autocast dtype, `torch.compile`."""
 

@@ -8,7 +8,7 @@ held-out text (the tails the training split holds out):
 - greedy top-1 agreement: at every step of a greedy continuation through the cache, does the full forward
   on the same prefix pick the same token (target: at least 98%).
 
-    python bench/decode_quality.py [--artifact DIR] [--data DIR] [--prompt-len 1024] [--eval-len 256]
+    python bench/decode/decode_quality.py [--artifact DIR] [--data DIR] [--prompt-len 1024] [--eval-len 256]
                                    [--samples 3] [--continuation 256] [--kv-cache-dtype float16]
 
 `--kv-cache-dtype bfloat16|float16` keeps the cache's keys and values in that dtype (REFORMER_KV_CACHE_DTYPE):

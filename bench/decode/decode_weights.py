@@ -1,12 +1,12 @@
 """Decode weights (REFORMER_DECODE_WEIGHTS): what bfloat16 and int8 weights buy a CPU decode step, and cost.
 
-    python bench/decode_weights.py [--prompt 16384] [--steps 32] [--rounds 3] [--threads 2]
+    python bench/decode/decode_weights.py [--prompt 16384] [--steps 32] [--rounds 3] [--threads 2]
                                    [--artifact DIR] [--data DIR] [--quality-prompt 1024] [--eval-len 256]
                                    [--continuation 96] [--samples 3] [--skip-speed] [--skip-quality]
                                    [--kv-cache-dtype float32|bfloat16|float16]
                                    [--perf int8 [--perf-seconds 5] [--perf-out FILE]] [--skip-floor]
 
-(a) Speed: google/reformer-enwik8's configuration (bench/import_hf_enwik8.py's ENWIK8: 12 layers, hidden 1024,
+(a) Speed: google/reformer-enwik8's configuration (bench/import_hf/import_hf_enwik8.py's ENWIK8: 12 layers, hidden 1024,
 149M parameters) with random weights (torch.manual_seed(8)), one `--prompt`-token prompt prefilled once
 (float32: the prefill never reads the decode weights), then `--steps` decode steps of one row on `--threads`
 intra-op threads (the one-call C step splits its products between them) for each weight kind in turn,
@@ -14,7 +14,7 @@ intra-op threads (the one-call C step splits its products between them) for each
 step adds a position: the last kind's steps run a few dozen positions later, nothing at 16K). The median
 step of each kind is reported. `--kv-cache-dtype` keeps the speed run's cached keys and values in that dtype
 (REFORMER_KV_CACHE_DTYPE): the step's other large read. After the timed rounds, each kind's floor: a pass of
-plain reads over as many bytes as its packed weights on the same threads (bench/stream_read.py, 10 passes, the
+plain reads over as many bytes as its packed weights on the same threads (bench/decode/stream_read.py, 10 passes, the
 median), the least a step that reads every weight once can take on this machine; the table gives the step as
 a multiple of it (`--skip-floor`: not measured; the floor needs a C compiler).
 
@@ -42,13 +42,13 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bench.decode_quality import held_out_windows  # noqa: E402
-from bench.import_hf_enwik8 import ENWIK8  # noqa: E402
-from bench.stream_read import StreamReader  # noqa: E402
-from bench.stream_read import floor as read_floor  # noqa: E402
+from bench.decode.decode_quality import held_out_windows  # noqa: E402
+from bench.decode.stream_read import StreamReader  # noqa: E402
+from bench.decode.stream_read import floor as read_floor  # noqa: E402
+from bench.import_hf.import_hf_enwik8 import ENWIK8  # noqa: E402
 from model import ReformerConfig, ReformerLM  # noqa: E402
 from model.decoding import DecodeCache, Decoder, prefill  # noqa: E402
 from model.decoding.runtime import tune_cpu_runtime  # noqa: E402
@@ -90,7 +90,7 @@ def profile(decoder: Decoder, states: Any, token: torch.Tensor, kind: WeightKind
     head = (f"# perf record -F 1000 -g over {len(times)} one-row decode steps ({kind} weights, {kv} cache) of the "
             f"enwik8-shaped model after {states[0].length} positions, {torch.get_num_threads()} threads; median step "
             f"{1000 * statistics.median(times):.2f} ms (perf's own cost included)\n"
-            f"# perf report --no-children --sort dso,sym; written by bench/decode_weights.py --perf\n")
+            f"# perf report --no-children --sort dso,sym; written by bench/decode/decode_weights.py --perf\n")
     out.write_text(head + "\n".join(line for line in report.splitlines() if line and not line.startswith("#")) + "\n")
     print(f"perf profile: {out}", file=sys.stderr, flush=True)
     return token
@@ -133,7 +133,7 @@ def speed(prompt_len: int, steps: int, rounds: int, threads: int, kv: str = "flo
     if floor:
         reader = StreamReader(threads)
         floors = {k: read_floor(reader, bytes_of[k], 10) for k in KINDS}
-    return {"config": "google/reformer-enwik8 (bench/import_hf_enwik8.py ENWIK8), random weights, seed 8",
+    return {"config": "google/reformer-enwik8 (bench/import_hf/import_hf_enwik8.py ENWIK8), random weights, seed 8",
             "parameters": params, "prompt": prompt_len, "steps_per_round": steps, "rounds": rounds,
             "threads": threads, "kv_cache_dtype": kv, "prefill_s": prefill_s,
             "kinds": {k: {"median_ms": 1000 * statistics.median(v), "min_ms": 1000 * min(v),

@@ -2,7 +2,7 @@
 transformers' cached decoding (`past_buckets_states`, what `generate(use_cache=True)` runs per step), at the
 forward benchmark's config (6 LSH layers, hidden 256, 4 heads x 64, chunk 64, 4 hash rounds).
 
-    python bench/generate.py [--lengths 1024,4096,16384,32768,65536] [--models ours,hf] [--new-tokens 16]
+    python bench/decode/generate.py [--lengths 1024,4096,16384,32768,65536] [--models ours,hf] [--new-tokens 16]
                              [--batch-sizes 1,8,32] [--batch-prompt 1024] [--batch-all-threads]
                              [--decode-all-threads]
                              [--batch-artifact DIR] [--kv-cache-dtype float32|bfloat16|float16]
@@ -171,14 +171,15 @@ def plot_batches(rows: list[dict], path: Path, artifact: str | None = None) -> N
         mine = [r for r in ok if r.get("threads_rule", "service") == rule]
         a.plot([r["batch"] for r in mine], [r["tokens_per_s"] for r in mine], marker="o", label=labels[rule])
         b.plot([r["batch"] for r in mine], [r["ms_per_step"] for r in mine], marker="o", label=labels[rule])
-    finish_batch_plot(fig, a, b, xs, f"{artifact or 'bench/generate.py config'}, {ok[0]['length']}-token prompts",
+    label = artifact or "bench/decode/generate.py config"
+    finish_batch_plot(fig, a, b, xs, f"{label}, {ok[0]['length']}-token prompts",
                       path, legend=a)
 
 
 def finish_batch_plot(fig: Any, throughput: Any, step: Any, xs: list[int], title: str, path: Path,
                       step_yscale: str = "linear", legend: Any = None) -> None:
     """Label a figure's tokens/s and ms-per-step axes against the batch sizes `xs`, title it, save it to
-    `path` and close it (this benchmark's and bench/step_cost.py's plots)."""
+    `path` and close it (this benchmark's and bench/decode/step_cost.py's plots)."""
     import matplotlib.pyplot as plt
 
     throughput.set(xscale="log", xlabel="running requests (batch)", ylabel="tokens/s (all requests)",

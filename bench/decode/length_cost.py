@@ -1,9 +1,9 @@
 """How a batch-1 decode step's time grows with the prompt, the lengths timed in turns in one process.
 
-    python bench/length_cost.py [--lengths 1024,4096,32768] [--steps 64] [--rounds 4] [--artifact DIR]
+    python bench/decode/length_cost.py [--lengths 1024,4096,32768] [--steps 64] [--rounds 4] [--artifact DIR]
                                 [--out FILE]
 
-bench/generate.py times each prompt length in its own process, one after another, so a swing in this
+bench/decode/generate.py times each prompt length in its own process, one after another, so a swing in this
 machine's memory speed between two cases reads as a difference between lengths: its 32K case took 1.25 to
 2.34 ms a token in six runs of the same code one after another (by hand, load 0.02-0.70). Here every
 length has its own request in one decode cache, prefilled first; then the lengths take turns, `--rounds`
@@ -13,7 +13,7 @@ swing falls on all of them alike. Each step is timed alone.
 Per length it reports the mean time per new token over every timed step (what a stream sees, the merges of
 the LSH index's recent order into its main order included: one every 64 steps, O(L)), the median step, the
 slowest step and the position it wrote, and each mean against the shortest length's. An automatic bucket
-count that doubles while a request decodes (at padded lengths of 32 * 2**k for bench/generate.py's config)
+count that doubles while a request decodes (at padded lengths of 32 * 2**k for bench/decode/generate.py's config)
 rebuilds that request's index in one step, O(L log L): a prompt right below such a length shows it as its
 slowest step. `--lengths` values are used as given, except that each is cut to leave room for the timed
 steps in max_position_embeddings (`--below-boundary` also moves each one past a boundary it would cross,
@@ -36,10 +36,10 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bench.step_cost import load_model  # noqa: E402
+from bench.decode.step_cost import load_model  # noqa: E402
 from model import ReformerLM  # noqa: E402
 from model.attention import LSHSelfAttention  # noqa: E402
 from model.decoding import DecodeCache, Decoder, prefill, step_threads  # noqa: E402

@@ -1,10 +1,10 @@
 """Where a batched decode step's time goes, and how far the batching targets are from this machine's memory.
 
-    python bench/step_cost.py [--batch-sizes 1,2,4,8,16,32] [--prompt 1024] [--steps 48] [--rounds 3]
+    python bench/decode/step_cost.py [--batch-sizes 1,2,4,8,16,32] [--prompt 1024] [--steps 48] [--rounds 3]
                               [--artifact DIR] [--kv-cache-dtype float32|bfloat16|float16] [--out FILE]
 
 Times one decode step over B running requests (each after its own `--prompt`-token prompt) for every B, as
-the service's model runner runs it (`model.decoding.step_threads`), at bench/generate.py's config (or
+the service's model runner runs it (`model.decoding.step_threads`), at bench/decode/generate.py's config (or
 `--artifact`'s model); the batch sizes take turns in `--rounds` rounds in one process, so a swing in the
 machine's speed falls on all of them. It fits t(B) = a + b * B by least squares (for the plot and the
 slope b; the intercept a is no measured cost and comes out below zero where t(B) bends upward), and gives
@@ -38,10 +38,10 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bench.generate import finish_batch_plot, hf_config  # noqa: E402
+from bench.decode.generate import finish_batch_plot, hf_config  # noqa: E402
 from model import ReformerConfig, ReformerLM  # noqa: E402
 from model.decoding import DecodeCache, Decoder, prefill, step_threads  # noqa: E402
 from model.decoding.runtime import tune_cpu_runtime  # noqa: E402
@@ -136,7 +136,7 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
 
 
 def load_model(artifact: str | None) -> ReformerLM:
-    """bench/generate.py's config (seed 0), or an artifact's model with the C kernels on."""
+    """bench/decode/generate.py's config (seed 0), or an artifact's model with the C kernels on."""
     if artifact is None:
         torch.manual_seed(0)
         return ReformerLM(ReformerConfig.from_hf(hf_config())).eval()

@@ -1,10 +1,10 @@
 """The memory-bandwidth anchor: how long one pass of plain reads over N bytes takes on this machine.
 
-    python bench/stream_read.py [--mb 149 297 594] [--threads 2] [--repeats 20]
+    python bench/decode/stream_read.py [--mb 149 297 594] [--threads 2] [--repeats 20]
 
 A one-row decode step reads every packed weight once, so a pass over as many bytes as the weights, with nothing
-else to do, is the least a step can take here: bench/decode_weights.py reports each weight kind's step against
-it, measured in the same run. The reader (bench/csrc/stream_read.c) is compiled with this machine's compiler
+else to do, is the least a step can take here: bench/decode/decode_weights.py reports each weight kind's step against
+it, measured in the same run. The reader (bench/decode/csrc/stream_read.c) is compiled with this machine's compiler
 into a temporary folder (a development tool: it needs `cc`), with the kernels' flags and OpenMP, and run on
 `--threads` threads over a buffer of random bytes much larger than the last-level cache, so each pass comes
 from memory. Prints a table with the load average.
@@ -29,7 +29,7 @@ SOURCE = Path(__file__).resolve().parent / "csrc" / "stream_read.c"
 
 
 class StreamReader:
-    """bench/csrc/stream_read.c compiled and loaded; `seconds(nbytes)` times passes over a buffer of that size."""
+    """csrc/stream_read.c compiled and loaded; `seconds(nbytes)` times passes over a buffer of that size."""
 
     def __init__(self, threads: int) -> None:
         self._dir = tempfile.TemporaryDirectory(prefix="stream_read_")

@@ -4,7 +4,7 @@ backend runs), torch.compile of the export graph's module, onnxruntime fp32 (mod
 median of a few timed calls after one warm-up call, and each backend's max abs logits difference from
 torch eager on the same input.
 
-    python bench/backends.py [--artifact DIR] [--lengths 1024,4096,16384] [--repeats 3] [--no-compile]
+    python bench/forward/backends.py [--artifact DIR] [--lengths 1024,4096,16384] [--repeats 3] [--no-compile]
 
 Writes bench/results/backends.json and the table in bench/README.md's "Backends" section.
 torch.compile (dynamic=False) compiles once per new length; its compile time is reported apart from its
@@ -30,7 +30,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 

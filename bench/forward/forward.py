@@ -2,7 +2,7 @@
 project, transformers' Reformer, reformer-pytorch and a full-attention transformer of the same size,
 plus this machine's fp32 matmul ceiling, all in one run.
 
-    python bench/forward.py [--lengths 1024,4096,16384,65536] [--models ours,hf,rp,full] [--out FILE]
+    python bench/forward/forward.py [--lengths 1024,4096,16384,65536] [--models ours,hf,rp,full] [--out FILE]
 
 Each (model, length) runs in a fresh subprocess so its peak RSS is its own. Results go to
 bench/results/forward.json (+ forward.png) and a table is printed.

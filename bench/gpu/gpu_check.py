@@ -1,4 +1,4 @@
-"""The GPU check (bench/README.md, "GPU check"; run by bench/gpu_check.sh): the service on CUDA in bf16 and fp32,
+"""The GPU check (bench/README.md, "GPU check"; run by bench/gpu/gpu_check.sh): the service on CUDA in bf16 and fp32,
 /generate, /generate_stream and /embed at 1K, 16K and 64K tokens, decode tokens/s at concurrency 1, 8 and
 32, every GPU series present and non-zero, the served model's forward tokens/s at 4K/16K/64K against a
 full-attention transformer of the same size (scaled_dot_product_attention) on the same GPU, peak memory,
@@ -27,7 +27,7 @@ from typing import Any
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 GPU_SERIES = (
     "reformer_gpu_memory_allocated_bytes", "reformer_gpu_memory_reserved_bytes",
     "reformer_gpu_memory_peak_allocated_bytes", "reformer_gpu_memory_used_bytes", "reformer_gpu_memory_total_bytes",

@@ -3,10 +3,10 @@
 # when every step passed. It uses the machine's own python3 (its CUDA torch, nvidia-ml-py,
 # prometheus-client, httpx, safetensors, onnxruntime) and installs the wheels that travel with the tree
 # (bench/wheels: fastapi, uvicorn, pydantic, pydantic-settings, starlette and their dependencies; made here
-# by `make gpu-wheels`) into a scratch folder on PYTHONPATH. bench/gpu_check.py does the work and writes
+# by `make gpu-wheels`) into a scratch folder on PYTHONPATH. bench/gpu/gpu_check.py does the work and writes
 # bench/results/gpu_check.json.
 #
-#   bench/gpu_check.sh [--dry-run] [--artifact DIR] [--out FILE] [--wheels DIR]
+#   bench/gpu/gpu_check.sh [--dry-run] [--artifact DIR] [--out FILE] [--wheels DIR]
 #
 #   --dry-run       the same steps on the CPU at tiny sizes, float32 (the test suite runs this)
 #   --artifact DIR  artifact to serve (default: the one shipped in the package)
@@ -16,7 +16,7 @@
 # GPU_CHECK_PYTHON names the interpreter (default python3).
 set -euo pipefail
 
-REPO=$(cd "$(dirname "$0")/.." && pwd)
+REPO=$(cd "$(dirname "$0")/../.." && pwd)
 PY=${GPU_CHECK_PYTHON:-python3}
 WHEELS="$REPO/bench/wheels"
 # The whole run, the wheel install included, stays inside 8 minutes: 20 s for the install, the Python
@@ -51,4 +51,4 @@ missing = [name for name in needed if importlib.util.find_spec(name) is None]
 if missing:
     sys.exit(f"gpu_check: missing Python packages: {', '.join(missing)} (run `make gpu-wheels` here and carry bench/wheels)")
 PY
-exec timeout --kill-after=5 "$KILL_S" "$PY" "$REPO/bench/gpu_check.py" --budget-s "$BUDGET_S" "${PASS[@]}"
+exec timeout --kill-after=5 "$KILL_S" "$PY" "$REPO/bench/gpu/gpu_check.py" --budget-s "$BUDGET_S" "${PASS[@]}"

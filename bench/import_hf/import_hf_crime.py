@@ -2,13 +2,13 @@
 weights) and a SentencePiece tokenizer of its size, timed; and the refusal of a corrupted tokenizer and of one
 of the wrong size.
 
-    python bench/import_hf_crime.py --book BOOK.txt [--work /tmp/import_hf_crime] [--limit 180]
+    python bench/import_hf/import_hf_crime.py --book BOOK.txt [--work /tmp/import_hf_crime] [--limit 180]
                                     [--variants default,no-onnx] [--out bench/results/import_hf_crime.json]
 
 The checkpoint is transformers.ReformerConfig with crime-and-punishment's values, torch.manual_seed(8),
 ReformerModelWithLMHead(cfg).save_pretrained, beside a spiece.model of 320 pieces trained on --book (a plain
 text file: the real model's vocabulary was trained on the novel), unless --work already holds them. Each
-variant runs `python -m service.cli import-hf CKPT OUT FLAGS` through bench/import_hf_enwik8.py's `timed`
+variant runs `python -m service.cli import-hf CKPT OUT FLAGS` through bench/import_hf/import_hf_enwik8.py's `timed`
 (nice, /usr/bin/time -v, timeout --limit); the damaged copies are the checkpoint with its spiece.model cut to
 a third, and with a SentencePiece model of 300 pieces.
 """
@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any
 
 if __package__ in (None, ""):  # run as a script: the tree's packages are importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.import_hf_enwik8 import ROOT, timed  # noqa: E402
+from bench.import_hf.import_hf_enwik8 import ROOT, timed  # noqa: E402
 
 FLAGS = {"default": [], "no-onnx": ["--no-onnx"], "skip-parity": ["--skip-parity"]}
 CRIME_AND_PUNISHMENT: dict[str, Any] = dict(

@@ -1,7 +1,7 @@
 """`reformer import-hf` of a checkpoint with google/reformer-enwik8's exact configuration (random weights),
 timed: wall time and peak RSS of each variant, and the refusal of two damaged copies.
 
-    python bench/import_hf_enwik8.py [--work /tmp/import_hf_enwik8] [--limit 180]
+    python bench/import_hf/import_hf_enwik8.py [--work /tmp/import_hf_enwik8] [--limit 180]
                                      [--variants no-onnx,skip-parity,skip-parity+no-onnx]
                                      [--out bench/results/import_hf_enwik8.json]
 
@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FLAGS = {"default": [], "no-onnx": ["--no-onnx"], "skip-parity": ["--skip-parity"],
          "skip-parity+no-onnx": ["--skip-parity", "--no-onnx"]}
 ENWIK8: dict[str, Any] = dict(

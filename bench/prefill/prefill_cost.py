@@ -1,6 +1,6 @@
 """Prefill time of this tree's model code against another commit's, in one process (in-process A/B).
 
-    python bench/prefill_cost.py --against REV [--cases 1x256,8x256,1x4096,1x60000] [--reps 10]
+    python bench/prefill/prefill_cost.py --against REV [--cases 1x256,8x256,1x4096,1x60000] [--reps 10]
                                  [--threads 1] [--artifact DIR] [--out bench/results/prefill_cost.json]
 
 This machine's speed moves by up to 2x between runs minutes apart, so two code versions are compared in one
@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from export import load_artifact  # noqa: E402

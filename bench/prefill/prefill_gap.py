@@ -1,7 +1,7 @@
 """A long prompt arriving while streams decode (issue 12, item 4): the longest gap between the streams'
 tokens while it is prefilled, and its prefill time against its time alone.
 
-    python bench/prefill_gap.py [MODEL] [--data corpus/data] [--long-bytes 60000] [--streams 8]
+    python bench/prefill/prefill_gap.py [MODEL] [--data corpus/data] [--long-bytes 60000] [--streams 8]
                                 [--stream-bytes 256] [--threads 2] [--prefill-budget-ms 100]
                                 [--out bench/results/prefill_gap.json]
 
@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from export import load_artifact  # noqa: E402

@@ -1,11 +1,11 @@
 """Every piece of a long prompt's sliced prefill timed and labelled (issue 34, item 4): which whole-prompt
 pieces are left longer than the engine's prefill budget allows between two decode steps.
 
-    python bench/prefill_pieces.py [MODEL] [--data corpus/data] [--long-bytes 60000] [--threads 1]
+    python bench/prefill/prefill_pieces.py [MODEL] [--data corpus/data] [--long-bytes 60000] [--threads 1]
                                    [--runs 3] [--top 15] [--sort wall|cpu] [--out PATH]
 
 MODEL is an artifact directory (default: the shipped export/default_artifact). The prompt is the same
-`--long-bytes` bytes of a book as bench/prefill_gap.py's long prompt; it is prefilled through
+`--long-bytes` bytes of a book as bench/prefill/prefill_gap.py's long prompt; it is prefilled through
 `model.decoding.prefill_steps` into the cache the service's `ModelRunner` builds, under the service's process
 settings (`service.server.apply_process_settings`) and inference mode, on `--threads` intra-op threads, with
 nothing else running: once to warm up (the pool's pages fault in, kernels load), then `--runs` times timed.
@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from export import load_artifact  # noqa: E402
@@ -42,7 +42,7 @@ from service.runner import ModelRunner  # noqa: E402
 from service.server import apply_process_settings  # noqa: E402
 from train.corpus_manifest import set_folder  # noqa: E402
 
-BOOK = "war_and_peace_pg2600.txt"  # bench/prefill_gap.py's long prompt: these bytes from offset 200,000
+BOOK = "war_and_peace_pg2600.txt"  # bench/prefill/prefill_gap.py's long prompt: these bytes from offset 200,000
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,7 +11,7 @@ is an artifact that ships
 embedding_stats.safetensors, "served (artifact stats)": the final mean transformed with the artifact's
 statistics as the service does (whitened when the file holds the matrix, else standardised per dimension).
 
-    python bench/embed_quality.py MODEL [--data corpus/data] [--passage 2048] [--per-book 40]
+    python bench/quality/embed_quality.py MODEL [--data corpus/data] [--passage 2048] [--per-book 40]
                                   [--stats-passages 3000] [--shrinkage S] [--threads 2] [--out FILE.json]
 
 MODEL is an artifact directory or a training checkpoint. Passages are cut, without overlap, from the
@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from export.embedding_stats import (  # noqa: E402

@@ -1,6 +1,6 @@
 """Greedy continuations of three English prompts by a model, the samples the model card prints.
 
-    python bench/samples.py [MODEL] [--new-bytes 80] [--out bench/results/default_model_samples.json]
+    python bench/quality/samples.py [MODEL] [--new-bytes 80] [--out bench/results/default_model_samples.json]
 
 MODEL is an artifact directory (default: export/default_artifact) or a training checkpoint. Decoding is
 greedy with the decode cache (`model.decoding.generate.generate`), as the service decodes a request with
@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from model.decoding.generate import generate  # noqa: E402

@@ -2,7 +2,7 @@
 image's install step (docker/install.sh into a fresh venv, VARIANT=cpu, served with no compiler on PATH) and of
 `make serve`'s development install (this checkout's .venv), in one run on one machine.
 
-    python bench/installed_vs_dev.py [--data corpus/data] [--clients 1,8] [--requests 16] [--new-tokens 128]
+    python bench/serving/installed_vs_dev.py [--data corpus/data] [--clients 1,8] [--requests 16] [--new-tokens 128]
                                      [--rounds 2] [--out bench/results/installed_vs_dev.json]
 
 Each server runs alone (the other is stopped), started as the image starts it; `/info`'s kernels and runs are
@@ -31,7 +31,7 @@ from typing import Any
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from train.corpus_manifest import set_folder  # noqa: E402
@@ -119,7 +119,7 @@ async def round_tokens_per_s(url: str, texts: list[str], clients: int, new_token
 
 
 def add_load_args(p: argparse.ArgumentParser, out: str) -> None:
-    """The load options both A/B scripts take (this one and bench/serve_ab.py)."""
+    """The load options both A/B scripts take (this one and bench/serving/serve_ab.py)."""
     p.add_argument("--data", type=Path, default=set_folder("data"),
                    help="folder of books (default: corpus/data, written by `reformer data`)")
     p.add_argument("--clients", default="1,8")
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         dev, inst = max(results["dev"][c]), max(results["installed"][c])
         rows.append({"clients": c, "dev_tokens_per_s": results["dev"][c], "installed_tokens_per_s":
                      results["installed"][c], "best_ratio_installed_over_dev": inst / dev})
-    report = {"command": " ".join(["python", "bench/installed_vs_dev.py", *(argv or sys.argv[1:])]),
+    report = {"command": " ".join(["python", "bench/serving/installed_vs_dev.py", *(argv or sys.argv[1:])]),
               "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                                        text=True).stdout.strip(),
               "date": time.strftime("%Y-%m-%d"), "load_after": load, "install_seconds": install_s,

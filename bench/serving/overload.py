@@ -8,7 +8,7 @@ its write to the kernel's arrival stamp of its status line (SO_TIMESTAMPNS), so 
 does not inflate it. Also reported: when the client got round to reading it, the in-server duration of
 each 429 from the server's access log, and the load average around the burst.
 
-    python bench/overload.py [--artifact DIR | --url URL] [--out bench/results/overload.json]
+    python bench/serving/overload.py [--artifact DIR | --url URL] [--out bench/results/overload.json]
 
 Without --url it starts `python -m service` itself (two servers: one for the burst, one with a short
 request timeout for the 504 probe). Prints a table and writes JSON.
@@ -40,7 +40,7 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 REJECT_BUDGET_S = 0.050
 # Linux's SO_TIMESTAMPNS (Python names it only on some builds): the kernel stamps each received packet with
 # CLOCK_REALTIME, so a response's arrival is known whenever the client gets round to reading it.

@@ -8,12 +8,12 @@
 # (proxy_next_upstream error timeout http_503 non_idempotent), so no admitted request should be lost
 # and clients should see no 5xx. Sent/succeeded/failed and throughput go to a JSON file and a table.
 #
-#   bench/replicas.sh [--docs DIR] [--artifact DIR] [--duration S] [--concurrency N] [--lengths L]
+#   bench/serving/replicas.sh [--docs DIR] [--artifact DIR] [--duration S] [--concurrency N] [--lengths L]
 #                     [--endpoint E] [--out FILE.json]
 # Only loopback addresses are used. nginx comes from Debian's package (installed with apt-get if missing).
 set -euo pipefail
 
-REPO=$(cd "$(dirname "$0")/.." && pwd)
+REPO=$(cd "$(dirname "$0")/../.." && pwd)
 DOCS="$REPO/corpus/data"  # written by `reformer data`
 ARTIFACT=""
 DURATION=30

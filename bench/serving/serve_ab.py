@@ -2,12 +2,12 @@
 model through `reformer serve` of each, in one run on one machine (what a change to the engine, the process
 settings or the model code costs or buys a user).
 
-    python bench/serve_ab.py --against REV [--artifact DIR] [--data corpus/data] [--clients 1,8]
+    python bench/serving/serve_ab.py --against REV [--artifact DIR] [--data corpus/data] [--clients 1,8]
                              [--requests 16] [--new-tokens 128] [--rounds 2] [--out bench/results/serve_ab.json]
 
 REV is checked out with `git worktree` into a temporary folder and served by this checkout's .venv python
 (`python -m service`, PYTHONPATH set to it; its C kernels build at first use, as a source checkout does). Each
-server runs alone, in alternating rounds, measured as bench/installed_vs_dev.py measures (closed loop, held-out
+server runs alone, in alternating rounds, measured as bench/serving/installed_vs_dev.py measures (closed loop, held-out
 512-byte prompts, greedy, ignore_eos); both record `/info`. Both serve one artifact (REFORMER_ARTIFACT:
 `--artifact`, default this checkout's shipped model), so a commit that shipped another model is compared on
 the same weights. Prints a table with the load (run it through
@@ -25,10 +25,10 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bench.installed_vs_dev import Side, add_load_args, measure  # noqa: E402
+from bench.serving.installed_vs_dev import Side, add_load_args, measure  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
             for c in levels]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
-    report = {"command": " ".join(["python", "bench/serve_ab.py", *(argv or sys.argv[1:])]), "commit": commit,
+    report = {"command": " ".join(["python", "bench/serving/serve_ab.py", *(argv or sys.argv[1:])]), "commit": commit,
               "against": args.against, "artifact": str(args.artifact), "date": time.strftime("%Y-%m-%d"),
               "load_after": load,
               "requests_per_round": args.requests, "new_tokens": args.new_tokens, "servers": infos, "rows": rows}

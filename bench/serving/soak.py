@@ -2,25 +2,25 @@
 
 Timed (the documented benchmark; bench/README.md, "Soak"):
 
-    python bench/soak.py --minutes 60 [--clients 6] [--window-minutes 10] [--sample-s 10] [--long-every 200]
+    python bench/serving/soak.py --minutes 60 [--clients 6] [--window-minutes 10] [--sample-s 10] [--long-every 200]
                          [--data corpus/data --data corpus/corpus] [--artifact DIR | --url URL]
                          [--idle-trim-s S] [--busy-trim-s S] [--memory-budget-mb MB] [--no-debug-memory]
                          [--out bench/results/soak_60min.json]
 
-`--clients` coroutines send the mix of bench/soak_load.py back to back for `--minutes` (long prompts of
+`--clients` coroutines send the mix of bench/serving/soak_load.py back to back for `--minutes` (long prompts of
 32-64 KB every `--long-every`-th request, streams left after 5 events, malformed bodies). Every `--sample-s`
 seconds /metrics gives RSS, the heap's mapped, in-use and free bytes, its trims, and (with the server's
 REFORMER_DEBUG_MEMORY, on by default for a server started here) live tensor bytes and Python objects. Once
 the load stops and the server has been idle past its idle trim, one more sample (`after_idle`) shows what
 the trim gave back. The JSON result holds the samples, latency percentiles per `--window-minutes`, the
 errors by kind (5xx, unexpected statuses, transport errors, timeouts, truncated streams; the last three are
-lost requests) and the verdict against the targets (bench/soak_report.py). Without --url it starts
+lost requests) and the verdict against the targets (bench/serving/soak_report.py). Without --url it starts
 `python -m service` itself.
 
 Count-based (the quick check tests/service/test_soak.py runs): no queued or running work, no decode cache
 and no extra threads left after `--requests` mixed requests, and resident memory after them:
 
-    python bench/soak.py --requests 2000 [--artifact DIR | --url URL] [--out bench/results/soak.json]
+    python bench/serving/soak.py --requests 2000 [--artifact DIR | --url URL] [--out bench/results/soak.json]
 """
 
 from __future__ import annotations
@@ -45,11 +45,11 @@ from rich.console import Console
 from rich.table import Table
 
 # run as a script, this checkout's bench/ (not an installed copy) must be the one imported
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.overload import REPO, local_server, metric  # noqa: E402
-from bench.soak_load import Prompts, plan, send  # noqa: E402
-from bench.soak_report import Record, error_counts, memory_sample, verdict, windows  # noqa: E402
+from bench.serving.overload import REPO, local_server, metric  # noqa: E402
+from bench.serving.soak_load import Prompts, plan, send  # noqa: E402
+from bench.serving.soak_report import Record, error_counts, memory_sample, verdict, windows  # noqa: E402
 from service.memory_metrics import DEBUG_MIN_INTERVAL_S  # noqa: E402
 from train.corpus_manifest import set_folder  # noqa: E402
 
@@ -180,7 +180,7 @@ async def _after_idle(url: str, idle_trim_s: float, t0: float) -> dict[str, Any]
 
 async def timed_soak(url: str, minutes: float, clients: int, window_s: float, sample_s: float, long_every: int,
                      prompts: Prompts, request_timeout_s: float = 600.0) -> dict[str, Any]:
-    """Run the mix for `minutes` and summarise it (bench/soak_report.py)."""
+    """Run the mix for `minutes` and summarise it (bench/serving/soak_report.py)."""
     async with httpx.AsyncClient(base_url=url, timeout=30) as probe:
         info = (await probe.get("/info")).json()
     limits = info.get("limits") or {}

@@ -1,4 +1,4 @@
-"""The timed soak's load (bench/soak.py): the mixed requests of the issue, built from book text read from
+"""The timed soak's load (bench/serving/soak.py): the mixed requests of the issue, built from book text read from
 the corpus folders `reformer data` writes (corpus/data and corpus/corpus, git-ignored), and one request sent and timed.
 
 The mix, by request number i (each request draws from a generator seeded with i, so a run's sequence of
@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from bench.soak_report import OK, SERVER_ERROR, TIMEOUT, TRANSPORT, TRUNCATED, UNEXPECTED, Record
+from bench.serving.soak_report import OK, SERVER_ERROR, TIMEOUT, TRANSPORT, TRUNCATED, UNEXPECTED, Record
 
 SHORT_BYTES = (256, 16_384)
 LONG_BYTES = (32_768, 64_000)

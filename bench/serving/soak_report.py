@@ -1,4 +1,4 @@
-"""The soak's summaries (bench/soak.py), pure functions over what it recorded: memory samples from /metrics,
+"""The soak's summaries (bench/serving/soak.py), pure functions over what it recorded: memory samples from /metrics,
 latency percentiles per window, error counts by kind, and the verdict against the issue's targets:
 
 - 0 5xx and 0 lost requests (sent, and neither answered nor left by the client on purpose);
@@ -82,7 +82,7 @@ def memory_sample(text: str, t_s: float) -> dict[str, float | None]:
 
 
 def percentile(values: list[float], q: float) -> float | None:
-    """Nearest-rank percentile (q in [0, 1]) as bench/overload.py takes it; None for no values."""
+    """Nearest-rank percentile (q in [0, 1]) as bench/serving/overload.py takes it; None for no values."""
     if not values:
         return None
     ordered = sorted(values)

@@ -1,7 +1,7 @@
 """Validation curves of `reformer train` runs: bits per byte against tokens seen and against wall time,
 one line per run, from each run's curve.csv (written by the trainer at every validation).
 
-    python bench/plot_training.py RUN_DIR [RUN_DIR ...] [--out bench/results/training_curves.png]
+    python bench/training/plot_training.py RUN_DIR [RUN_DIR ...] [--out bench/results/training_curves.png]
                                   [--labels NAME,...] [--target 2.2] [--chain]
 
 The last point of a run is its final validation (all held-out tails); the others use the periodic
@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def read_curve(run: Path) -> list[dict[str, float]]:

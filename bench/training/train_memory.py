@@ -2,7 +2,7 @@
 4096 tokens for 2, 6 and 12 layers, reversible layers against a plain residual network of the same
 size (`lm.reversible = False`: ordinary autograd, which keeps every layer's activations).
 
-    python bench/train_memory.py [--layers 2,6,12] [--tokens 4096] [--steps 2] [--out FILE.json]
+    python bench/training/train_memory.py [--layers 2,6,12] [--tokens 4096] [--steps 2] [--out FILE.json]
 
 Each (depth, variant) runs in a fresh process, so its peak RSS (`ru_maxrss`) is its own; "working set"
 is peak RSS minus the RSS after imports and model build. Step time is the median over the timed steps
@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def rss_now_mb() -> float:

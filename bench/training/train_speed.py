@@ -2,7 +2,7 @@
 transformer of the same width, depth and feed-forward size (`scaled_dot_product_attention`, pre-LN,
 learned positions), same batch tokens, same threads, windows 128 ... 16384, in one run.
 
-    python bench/train_speed.py [--windows 128,512,4096,16384] [--batch-tokens 8192] [--steps 3]
+    python bench/training/train_speed.py [--windows 128,512,4096,16384] [--batch-tokens 8192] [--steps 3]
                                 [--variants reversible,plain,compiled] [--threads 2] [--out FILE.json]
 
 Reformer variants: `reversible` (the memory-saving backward that recomputes each layer), `plain` (ordinary
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from model import ReformerConfig, ReformerLM  # noqa: E402

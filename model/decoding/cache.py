@@ -13,7 +13,7 @@ float32 model may keep them in bfloat16 or float16 instead (as vLLM's kv_cache_d
 keys and values (the LSH bookkeeping and key factors are not halved), so about twice the tokens in the same
 capacity, at the price of the rounding of every cached key and value (the key factors of LSH layers are
 still taken from the unrounded key). tests/model/test_kv_cache_dtype.py bounds that difference on tiny
-models, and bench/decode_quality.py measures it on the shipped one.
+models, and bench/decode/decode_quality.py measures it on the shipped one.
 
 With an automatic bucket count (num_buckets=None) the bucket counts grow, for every slot at once, when a
 request reaches a length with more buckets. The budget therefore reserves, per slot, the counts of the

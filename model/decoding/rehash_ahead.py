@@ -4,7 +4,7 @@ With `num_buckets=None` the bucket count doubles when a request's padded length 
 reference's rule, model/attention.py `auto_num_buckets`), and the step that crosses rebuilds every LSH
 layer's index of that request from its cached keys: one hash of all L keys, then the sorts. Done in that one
 step, a 64K-token request's rebuild stalled every stream batched with it for about two seconds on this
-project's 2-core CPU (bench/length_cost.py, the bench config's 6 LSH layers; in a profile of that step
+project's 2-core CPU (bench/decode/length_cost.py, the bench config's 6 LSH layers; in a profile of that step
 the hash was ~67% and the sorts ~20%, bench/README.md).
 
 The length at which the count changes is known in advance, so each decode step of a request that is close

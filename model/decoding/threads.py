@@ -1,6 +1,6 @@
 """Intra-op thread policy of the model's calls on the CPU: one thread for small steps, prefills and the
 sampling between calls, the rest for large ones. torch.set_num_threads is process-wide, so only the one thread
-that runs model calls (the service's model runner, bench/generate.py) uses these."""
+that runs model calls (the service's model runner, bench/decode/generate.py) uses these."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ SINGLE_THREAD_ROWS = 4
 def _intra_op_threads(want: int, device: torch.device | None) -> Iterator[None]:
     """Run the block on `want` intra-op threads and restore the count after; a non-CPU device is left alone
     (intra-op threads are a CPU matter). torch.set_num_threads is process-wide: only the model's callers (the
-    service's model runner, bench/generate.py) use this, from the one thread that runs model calls."""
+    service's model runner, bench/decode/generate.py) use this, from the one thread that runs model calls."""
     before = torch.get_num_threads()
     if want == before or (device is not None and device.type != "cpu"):
         yield

@@ -1,4 +1,4 @@
-"""bench/long_context.py, embed_quality.py and val_bpb.py on a tiny checkpoint and a tiny corpus written here."""
+"""bench/long_context.py, quality/embed_quality.py and val_bpb.py on a tiny checkpoint and a tiny corpus made here."""
 
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ from model import ReformerConfig, ReformerLM
 from train.checkpoint import TrainerState, save_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench"))
+# the scripts import as their command line runs them: each from its own folder
+for folder in ("bench", "bench/quality", "bench/training"):
+    sys.path.insert(0, str(ROOT / folder))
 
 import embed_quality  # noqa: E402
 import long_context  # noqa: E402

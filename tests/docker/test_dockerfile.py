@@ -176,5 +176,5 @@ def test_build_context_holds_the_package_and_its_default_artifact() -> None:
     # pyproject names README.md as the readme: `pip install .` in the image fails without it.
     assert pyproject["project"]["readme"] == "README.md" and (REPO / "README.md").is_file()
     for clutter in (".venv/bin/python", ".git/HEAD", "tests/conftest.py", "model/__pycache__/x.pyc",
-                    "bench/results/forward.json", "bench/step_cost.py"):
+                    "bench/results/forward.json", "bench/decode/step_cost.py"):
         assert not in_build_context(clutter), clutter

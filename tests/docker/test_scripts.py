@@ -1,4 +1,4 @@
-"""bench/gpu_check.sh and bench/replicas.sh: valid bash, `--help` works without starting anything, and
+"""bench/gpu/gpu_check.sh and bench/serving/replicas.sh: valid bash, `--help` works without starting anything, and
 every flag replicas.sh passes to `reformer serve` and `reformer loadtest` is one those commands accept.
 gpu_check.sh runs here in its CPU dry run (tiny sizes, the tiny artifact): every step, the JSON report,
 and a non-zero exit when a step fails (its time budget spent). replicas.sh runs by hand."""
@@ -18,7 +18,7 @@ from loadtest.cli import build_parser as loadtest_parser
 from service.settings import build_parser as serve_parser
 from tests.docker.conftest import REPO
 
-SCRIPTS = ("bench/gpu_check.sh", "bench/replicas.sh")
+SCRIPTS = ("bench/gpu/gpu_check.sh", "bench/serving/replicas.sh")
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 
 
@@ -40,7 +40,7 @@ def test_script_parses_and_prints_help(script: str) -> None:
 
 
 def test_replicas_passes_flags_the_commands_accept() -> None:
-    text = (REPO / "bench/replicas.sh").read_text()
+    text = (REPO / "bench/serving/replicas.sh").read_text()
     loadtest_flags = set(FLAG.findall(function_body(text, "run_loadtest")))
     assert {"--url", "--docs", "--out"} <= loadtest_flags <= options_of(loadtest_parser())
     serve_flags = set(FLAG.findall(function_body(text, "start_replica")))
@@ -53,7 +53,7 @@ def run_gpu_check(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProce
     out = tmp_path / "gpu_check.json"
     (tmp_path / "no-wheels").mkdir(exist_ok=True)
     env = {**os.environ, "GPU_CHECK_PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(["bash", str(REPO / "bench/gpu_check.sh"), "--dry-run", "--out", str(out),
+    result = subprocess.run(["bash", str(REPO / "bench/gpu/gpu_check.sh"), "--dry-run", "--out", str(out),
                              "--wheels", str(tmp_path / "no-wheels"), *args],
                             capture_output=True, text=True, timeout=300, env=env)
     return result, out

@@ -13,7 +13,7 @@ import torch
 import transformers
 from tokenizers import Tokenizer as HFFile
 
-from bench.import_hf_crime import CRIME_AND_PUNISHMENT
+from bench.import_hf.import_hf_crime import CRIME_AND_PUNISHMENT
 from export import load_artifact
 from export.cli import import_hf_main
 from export.hf_import import HFImportError, import_hf

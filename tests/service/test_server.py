@@ -162,7 +162,7 @@ def test_a_plain_request_whose_client_leaves_is_dropped(server: Any) -> None:
 
 
 def test_process_settings_are_the_ones_serve_runs_under() -> None:
-    """`apply_process_settings` (what `reformer serve` calls, and bench/prefill_gap.py with it): the GIL switch
+    """`apply_process_settings` (what `reformer serve` calls, and bench/prefill/prefill_gap.py with it): the GIL switch
     interval and the CPU runtime's settings."""
     import sys
 

@@ -1,4 +1,4 @@
-"""A short soak (the full one is bench/soak.py): mixed requests leave nothing behind."""
+"""A short soak (the full one is bench/serving/soak.py): mixed requests leave nothing behind."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from bench.soak import run_soak
+from bench.serving.soak import run_soak
 
 pytestmark = pytest.mark.xdist_group("service-soak")
 

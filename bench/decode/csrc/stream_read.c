@@ -1,8 +1,8 @@
-/* The memory-bandwidth anchor of bench/decode_weights.py: one pass over a buffer, every 8-byte word read once
+/* The memory-bandwidth anchor of bench/decode/decode_weights.py: one pass over a buffer, every 8-byte word read once
  * and folded into an XOR, split between the OpenMP threads in contiguous halves as the decode step's products
  * split their weights. A decode step of one row reads each weight once, so the time of this pass over as many
  * bytes as the packed weights is the least a step can take on this machine: the floor the step is compared to.
- * Built by bench/stream_read.py with the kernels' own flags; not part of the package. */
+ * Built by bench/decode/stream_read.py with the kernels' own flags; not part of the package. */
 #include <stddef.h>
 #include <stdint.h>
 

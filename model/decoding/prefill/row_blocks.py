@@ -26,11 +26,11 @@ from torch import Tensor
 # took 47 ms, a 128 -> 128 projection 46-50 ms, the hash 60 ms (its rotations' matmul 33, the argmax 28).
 # The last LSH layer's hash (piece 187 of 207), when the heap had no free block for its 61 MB of rotations,
 # also faulted in 15,000 fresh pages: 124 ms against 89-91 ms in the runs that did not (one run of three,
-# load average 5, bench/prefill_pieces.py); that was the 117-125 ms slice. In blocks of 8,192 rows (8 per
-# product) every such piece took 6-17 ms at load average 5, with no page faults (bench/prefill_pieces.py).
+# load average 5, bench/prefill/prefill_pieces.py); that was the 117-125 ms slice. In blocks of 8,192 rows (8 per
+# product) every such piece took 6-17 ms at load average 5, with no page faults (bench/prefill/prefill_pieces.py).
 # The shipped model's hashing then grew with its buckets (64 -> 1,024, 2 rounds): 8,192 rows of it rotate into
 # 134 MB and slices of 108-128 ms took the streams' longest gap to 207-236 ms (five runs of
-# bench/prefill_gap.py, bench/results/prefill_gap_shipped1024_*.json); blocks of 2,048 rows cut that piece by 4.
+# bench/prefill/prefill_gap.py, bench/results/prefill_gap_shipped1024_*.json); blocks of 2,048 rows cut that piece by 4.
 ROW_BLOCK = 2048
 # Blocks of fewer rows than half this are never made (but for a call that is that short anyway): MKL's
 # sgemm gave other bits for 1-11 rows (above)

@@ -14,7 +14,7 @@ Layers that share their input are packed side by side and run as one product: an
 value projections, a local layer's query, key and value. A packing is refreshed when a weight is replaced or
 changed in place (its version counter moves), so a model loaded or edited after its cache was made is read
 as it is now. The packings are a second copy of the step's weights (about 18 MB in float32 at
-bench/generate.py's config), made on a cache's first step.
+bench/decode/generate.py's config), made on a cache's first step.
 
 `weights` (REFORMER_DECODE_WEIGHTS) is what the packings keep: float32, or bfloat16 or int8 (one float32
 scale per output column; model/kernels/weights.py, csrc/step_linear_q.c), read in 2 or 1 bytes and

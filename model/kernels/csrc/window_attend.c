@@ -247,7 +247,7 @@ void run_parallel(void *(*fn)(void *), char *jobs, size_t job_size, int64_t thre
 
 /* A thread per ITEMS_PER_THREAD (row, head) items at most: a step of a few rows is over in a few hundred
  * microseconds, less than starting threads costs when PyTorch's own intra-op threads are spinning on the
- * other cores (bench/generate.py --batch-all-threads, batch 1 on two threads: 11.46 ms a step with a thread
+ * other cores (bench/decode/generate.py --batch-all-threads, batch 1 on two threads: 11.46 ms a step with a thread
  * per item, 5.25 ms with this rule, in two runs of that benchmark). */
 #define ITEMS_PER_THREAD 32
 

@@ -1,10 +1,10 @@
-"""bench/length_cost.py: the per-length summary, the bucket-boundary shift, and a tiny timed run."""
+"""bench/decode/length_cost.py: the per-length summary, the bucket-boundary shift, and a tiny timed run."""
 
 from __future__ import annotations
 
 import pytest
 
-import bench.length_cost as length_cost
+import bench.decode.length_cost as length_cost
 from tests.conftest import tiny_model
 
 

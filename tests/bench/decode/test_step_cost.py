@@ -1,4 +1,4 @@
-"""bench/step_cost.py's arithmetic: the window bytes a row reads, the distinct share of its LSH windows'
+"""bench/decode/step_cost.py's arithmetic: the window bytes a row reads, the distinct share of its LSH windows'
 slots, and the straight-line fit."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import bench.step_cost as step_cost
+import bench.decode.step_cost as step_cost
 from model import ReformerLM
 from model.decoding import DecodeCache, Decoder, prefill
 from tests.conftest import tiny_config, tiny_model

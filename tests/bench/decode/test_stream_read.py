@@ -1,4 +1,4 @@
-"""bench/stream_read.py: the memory-read floor reads every word it is timed on."""
+"""bench/decode/stream_read.py: the memory-read floor reads every word it is timed on."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from bench.stream_read import StreamReader, floor
+from bench.decode.stream_read import StreamReader, floor
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="the floor's reader is compiled with cc")
 

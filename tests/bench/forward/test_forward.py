@@ -1,4 +1,4 @@
-"""bench/forward.py's arithmetic: the ceiling fraction is wall-clock FLOP/s over a ceiling measured with the
+"""bench/forward/forward.py's arithmetic: the ceiling fraction is wall-clock FLOP/s over a ceiling measured with the
 same thread count (the issue's case: 2 threads, 36% by wall clock, once misreported as 18%)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-import bench.forward as forward
+import bench.forward.forward as forward
 
 
 def test_ceiling_fraction_is_wall_clock_flops_over_the_ceiling() -> None:

@@ -1,4 +1,4 @@
-"""bench/prefill_cost.py: another commit's model package imported beside this tree's, and a tiny A/B run."""
+"""bench/prefill/prefill_cost.py: another commit's model package imported beside this tree's, and a tiny A/B run."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-import bench.prefill_cost as prefill_cost
+import bench.prefill.prefill_cost as prefill_cost
 
 
 def test_a_run_against_head_times_both_and_compares_their_logits(tmp_path: Path) -> None:

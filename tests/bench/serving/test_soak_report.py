@@ -1,4 +1,4 @@
-"""bench/soak_report.py's summaries over fake series, and bench/soak_load.py's mix (no server)."""
+"""bench/serving/soak_report.py's summaries over fake series, and bench/serving/soak_load.py's mix (no server)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.soak_load import LONG_BYTES, SHORT_BYTES, Prompts, plan
-from bench.soak_report import (
+from bench.serving.soak_load import LONG_BYTES, SHORT_BYTES, Prompts, plan
+from bench.serving.soak_report import (
     OK,
     SERVER_ERROR,
     TIMEOUT,

@@ -1,6 +1,6 @@
 """The shipped model's cached decoding against its full forward, with a bound: the cache keeps earlier positions'
 states as they were computed (its LSH layers see what a full forward would re-sort), so the two differ, by
-little. bench/decode_quality.py measured it on held-out book text (bench/results/decode_quality.json: bits per
+little. bench/decode/decode_quality.py measured it on held-out book text (bench/results/decode_quality.json: bits per
 byte within 0.23% per sample, greedy agreement 0.995). Here the text is the model's own sample (the suite has
 no book text), and the bounds leave a margin over what this test's inputs gave when it was written (relative
 bits per byte change -0.05%, bound 0.5%; greedy agreement 64 of 64 steps, bound 0.95 over 32), so a cached decode
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.decode_quality import greedy_agreement, teacher_forced
+from bench.decode.decode_quality import greedy_agreement, teacher_forced
 from export import load_artifact
 from model.decoding.generate import generate
 from model.sampling import SamplingParams

@@ -3,7 +3,7 @@ are
 warmed up, captured once and replayed, uncapturable steps (rows with different bucket counts) and failed
 captures run eagerly, and graphs recorded against an LSH index that grew are dropped. On the CPU the
 "capture" replays by calling the step again on the graph's own input buffers, which checks everything but
-the CUDA graph itself (the GPU check runs that: bench/gpu_check.py)."""
+the CUDA graph itself (the GPU check runs that: bench/gpu/gpu_check.py)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,1 @@
+"""Benchmarks of decode (bench/README.md)."""

@@ -1,0 +1,1 @@
+"""Benchmarks of forward (bench/README.md)."""

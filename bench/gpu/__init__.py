@@ -1,0 +1,1 @@
+"""Benchmarks of gpu (bench/README.md)."""

@@ -1,0 +1,1 @@
+"""Benchmarks of import hf (bench/README.md)."""

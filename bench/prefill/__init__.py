@@ -1,0 +1,1 @@
+"""Benchmarks of prefill (bench/README.md)."""

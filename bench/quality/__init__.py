@@ -1,0 +1,1 @@
+"""Benchmarks of quality (bench/README.md)."""

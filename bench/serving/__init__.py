@@ -1,0 +1,1 @@
+"""Benchmarks of serving (bench/README.md)."""

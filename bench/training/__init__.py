@@ -1,0 +1,1 @@
+"""Benchmarks of training (bench/README.md)."""
