@@ -16,7 +16,8 @@ Prompts are the book's text (repeated when short) cut to the length in the artif
    long prompt is prefilled says whether the prefill ran in slices between its steps
    (REFORMER_PREFILL_BUDGET_MS); it is closed at the long prompt's first token, and the long prompt's
    inter-token latency counts only its tokens after the second stream's last one;
-2. for each length of --generate-lengths, one `/generate` of --new-tokens tokens (its wall time);
+2. for each length of --generate-lengths, one `/generate` of --new-tokens tokens (its wall time); for the
+   longest, a 1K-token streamed request arrives 2 s later, when nothing else runs: its TTFT;
 3. refusals: a prompt past the model's 524,288 positions, and (a second server with --small-cache-bytes) the
    longest prompt, which that cache cannot hold: status and message.
 The server's peak RSS is its VmHWM (/proc) after each phase. Then this process runs the model's forward
@@ -204,17 +205,35 @@ def streamed_case(url: str, prompt: str, tokens: int, new_tokens: int, timeout: 
     return case
 
 
-def generate_case(url: str, prompt: str, tokens: int, new_tokens: int, timeout: float) -> dict[str, Any]:
+def generate_case(url: str, prompt: str, tokens: int, new_tokens: int, timeout: float, late: str | None
+                  ) -> dict[str, Any]:
+    """One /generate; with `late`, a short streamed request arrives 2 s after it (nothing else running, so the
+    long prompt's prefill is not sliced): that request's TTFT."""
     body = {"inputs": prompt, "parameters": {"max_new_tokens": new_tokens, "ignore_eos": True,
                                              "details": True}}
+    held: dict[str, Any] = {}
+    thread = None
+    if late is not None:
+        def late_request() -> None:
+            time.sleep(2.0)
+            held.update(stream(url, late, 16, timeout))
+        thread = threading.Thread(target=late_request)
+        thread.start()
     sent = time.monotonic()
     r = httpx.post(url + "/generate", json=body, timeout=timeout)
-    wall = time.monotonic() - sent
-    out: dict[str, Any] = {"prompt_tokens": tokens, "status": r.status_code, "wall_s": round(wall, 2)}
+    done = time.monotonic()
+    out: dict[str, Any] = {"prompt_tokens": tokens, "status": r.status_code, "wall_s": round(done - sent, 2)}
     if r.status_code == 200:
         out["generated_tokens"] = r.json().get("details", {}).get("generated_tokens")
     else:
         out["error"] = r.text[:500]
+    if thread is not None:
+        thread.join(timeout)
+        arrivals = held.get("arrivals") or []
+        out["late_short_stream"] = {
+            "status": held.get("status"),
+            "ttft_s": round(arrivals[0] - held["sent"], 3) if arrivals else None,
+            "first_token_before_generate_answered": bool(arrivals) and arrivals[0] < done}
     return out
 
 
@@ -308,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
         result["streamed"] = streamed
         generated = {}
         for n in gen_lengths:
-            generated[n] = generate_case(server.url, texts[n][0], texts[n][1], args.new_tokens, args.timeout)
+            late = texts[1000][0] if n == max(gen_lengths) and n > 1000 else None
+            generated[n] = generate_case(server.url, texts[n][0], texts[n][1], args.new_tokens, args.timeout, late)
             result["peak_rss_mb"][f"after_generate_{n}"] = server.peak_rss_mb()
             print(json.dumps({str(n): generated[n]}), flush=True)
         result["generate"] = generated
