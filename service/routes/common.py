@@ -168,3 +168,6 @@ def error_responses(model: type[BaseModel], codes: tuple[int, ...]) -> dict[int 
 NATIVE_ERRORS = error_responses(ErrorResponse, INFERENCE_CODES)
 OPENAI_INFERENCE_CODES = tuple(sorted({400 if code == 422 else code for code in INFERENCE_CODES} | {404}))
 OPENAI_ERRORS = error_responses(OpenAIErrorResponse, OPENAI_INFERENCE_CODES)
+# With any 4xx documented, FastAPI does not add its own 422 (HTTPValidationError) that /v1 never answers.
+OPENAI_ERRORS["4XX"] = {"model": OpenAIErrorResponse,
+                        "description": "Every client error of a /v1 route has OpenAI's error object."}

@@ -9,7 +9,9 @@ from typing import Any
 
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, settings
+from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from service.app import create_app
 from service.settings import Settings
@@ -52,12 +54,60 @@ def fuzzed_app(artifact: Any) -> Iterator[Any]:
         yield http_only
 
 
+@pytest.fixture(scope="module")
+def fuzzed_client(fuzzed_app: Any) -> TestClient:
+    """An HTTP client of the fuzzed app (whose lifespan the fixture above runs: this client does not)."""
+    return TestClient(fuzzed_app, raise_server_exceptions=False)
+
+
 @schema.parametrize()
 # derandomize: CI must see the same examples every run (a new failure is found by changing the seed
 # locally, not by a red build); the examples still cover every operation of the schema
 @settings(max_examples=MAX_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 def test_every_response_is_documented_and_no_5xx(case: schemathesis.Case, fuzzed_app: Any) -> None:
     case.call_and_validate(app=fuzzed_app, checks=FUZZ_CHECKS)
+
+
+# Values around and beyond the limits of the fields the schema cannot bound (the server's max_best_of, the
+# vocabulary for logit_bias keys): any int, any key, any JSON value; fuzzed per route below.
+_ANY_INT = st.integers(min_value=-(2**63), max_value=2**64)
+_BIAS = st.dictionaries(st.one_of(st.text(max_size=6), st.integers(-5, 300).map(str)),
+                        st.one_of(st.floats(allow_nan=False, allow_infinity=False), st.integers(), st.text(max_size=3)),
+                        max_size=4)
+_COMPLETION_FIELDS = st.fixed_dictionaries({}, optional={
+    "n": st.one_of(st.integers(-1, 6), _ANY_INT), "best_of": st.one_of(st.integers(-1, 6), _ANY_INT, st.none()),
+    "logprobs": st.one_of(st.integers(-1, 22), _ANY_INT, st.none()), "logit_bias": st.one_of(_BIAS, st.none()),
+    "echo": st.booleans(), "max_tokens": st.one_of(st.integers(-1, 5), st.none()), "stream": st.booleans(),
+    "stream_options": st.one_of(st.none(), st.fixed_dictionaries({"include_usage": st.booleans()})),
+    "temperature": st.floats(-1, 3), "frequency_penalty": st.floats(-3, 3), "presence_penalty": st.floats(-3, 3),
+    "prompt": st.one_of(st.just("Hi"), st.lists(st.integers(-2, 300), min_size=1, max_size=4)),
+})
+_TGI_PARAMETERS = st.fixed_dictionaries({}, optional={
+    "best_of": st.one_of(st.integers(-1, 6), _ANY_INT, st.none()),
+    "top_n_tokens": st.one_of(st.integers(-1, 22), _ANY_INT, st.none()), "do_sample": st.booleans(),
+    "decoder_input_details": st.booleans(), "details": st.booleans(),
+    "typical_p": st.one_of(st.floats(-0.5, 1.5), st.none()),
+    "frequency_penalty": st.one_of(st.floats(-3, 3), st.none()),
+    "temperature": st.one_of(st.floats(-1, 3), st.none()), "watermark": st.booleans(),
+})
+
+
+@settings(max_examples=MAX_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(fields=_COMPLETION_FIELDS)
+def test_completions_limits_and_logit_bias_never_5xx(fields: dict[str, Any], fuzzed_client: TestClient) -> None:
+    r = fuzzed_client.post("/v1/completions", json={"prompt": "Hi", **fields})
+    assert r.status_code in (200, 400), (fields, r.status_code, r.text)
+    if r.status_code == 400:
+        assert r.json()["error"]["param"], r.text  # the refusal names the field
+
+
+@settings(max_examples=MAX_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(parameters=_TGI_PARAMETERS, route=st.sampled_from(["/generate", "/generate_stream", "/"]))
+def test_tgi_limits_never_5xx(parameters: dict[str, Any], route: str, fuzzed_client: TestClient) -> None:
+    r = fuzzed_client.post(route, json={"inputs": "Hi", "parameters": parameters})
+    assert r.status_code in (200, 422), (parameters, r.status_code, r.text)
+    if r.status_code == 422:
+        assert r.json()["error_type"] == "validation", r.text
 
 
 def error_schema_name(responses: dict[str, Any], code: str) -> str:
