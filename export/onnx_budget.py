@@ -13,7 +13,8 @@ Such a model's graph is also exported without onnxscript's optimizer: its patter
 part of a many-layer export (12 layers at hidden 64, two shared cores: 188 s of a profiled 437 s export;
 118 s for the whole export without it) and onnxruntime applies its own graph optimizations when it opens
 the graph, so the unoptimized graph ran as fast there (1.9-2.3 s against 2.3 s for 2 x 1,031 tokens),
-its logits within 3.6e-7 of torch's. google/reformer-enwik8's configuration at full width: bench/import_hf_enwik8.py.
+its logits within 3.6e-7 of torch's. google/reformer-enwik8's configuration at full width:
+bench/import_hf/import_hf_enwik8.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Overload: a full queue refuses at once, before the body is read or parsed, with 429 and Retry-After; a
 request still being parsed already holds its place in the queue, so a burst cannot overfill it; places held
-by requests that were refused, invalid or answered are given back. (Latency is measured in bench/overload.py.)"""
+by requests that were refused, invalid or answered are given back. (Latency is measured in
+bench/serving/overload.py.)"""
 
 from __future__ import annotations
 
