@@ -12,7 +12,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from service.errors import ValidationFailed
 from service.protocol.common import PlainText, RequestModel, ResponseModel
-from service.protocol.openai import CompletionLogprobs, Usage
+from service.protocol.openai import BiasValue, CompletionLogprobs, StreamOptions, Usage
 
 # Roles a chat template sees; any other is refused by name.
 ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
@@ -87,7 +87,7 @@ _SHARED_FIELDS = ("model", "temperature", "top_p", "top_k", "repetition_penalty"
 class ChatCompletionRequest(ChatTemplateOptions):
     """`POST /v1/chat/completions`."""
 
-    model: str | None = Field(None, description="Accepted and ignored: this server serves one model.")
+    model: str | None = Field(None, description="The served model's id (/v1/models) when given; any other is 404.")
     max_tokens: int | None = Field(None, ge=1, description="Tokens to generate at most (the deprecated name).")
     max_completion_tokens: int | None = Field(
         None, ge=1, description="Tokens to generate at most (the server's room when unset).")
@@ -97,17 +97,17 @@ class ChatCompletionRequest(ChatTemplateOptions):
     repetition_penalty: float = Field(1.0, gt=0, le=100, description="Penalty on repeated tokens (1: none).")
     frequency_penalty: float = Field(0.0, ge=-2, le=2, description="As in /v1/completions.")
     presence_penalty: float = Field(0.0, ge=-2, le=2, description="As in /v1/completions.")
-    logit_bias: dict[str, float] | None = Field(None, description="As in /v1/completions.")
+    logit_bias: dict[str, BiasValue] | None = Field(None, description="As in /v1/completions.")
     n: int = Field(1, ge=1, description="Choices to generate (as in /v1/completions).")
     stream: bool = Field(False, description="Stream `chat.completion.chunk` events ending with `data: [DONE]`.")
-    stream_options: dict[str, Any] | None = Field(None, description="As in /v1/completions (`include_usage`).")
+    stream_options: StreamOptions | None = Field(None, description="As in /v1/completions (`include_usage`).")
     logprobs: bool = Field(False, description="Return the chosen tokens' logprobs.")
     top_logprobs: int | None = Field(None, ge=0, le=20, description="Alternatives per token (needs logprobs).")
     stop: str | list[str] | None = Field(None, description="Stop sequences (not included in the text).")
     seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Random seed: same seed, same tokens.")
     ignore_eos: bool = Field(False, description="Keep generating past the end-of-text token.")
     truncate_prompt_tokens: int | None = Field(None, ge=1, description="Keep only the last N prompt tokens.")
-    user: str | None = Field(None, description="Accepted and ignored.")
+    user: str | None = Field(None, description="The end user's id, written into the request's log line.")
 
     @model_validator(mode="after")
     def _one_token_limit(self) -> ChatCompletionRequest:

@@ -37,6 +37,9 @@ _LOGPROBS = "service/test_logprobs.py"
 _SHAPES = "service/test_api_shapes.py"
 _ROUTES = "service/test_routes.py"
 _BAD = "service/test_bad_inputs.py"
+_CHAT = "service/test_chat.py"
+_TOKENS = "service/test_tokenizer_routes.py"
+_AS_COMPLETIONS = f"{_CHAT}::test_chat_takes_each_sampling_field_as_completions_does"
 
 # The routes each request model is the body (or part of the body) of.
 ROUTES: dict[str, str] = {
@@ -46,6 +49,11 @@ ROUTES: dict[str, str] = {
     "StreamOptions": "`stream_options` of POST /v1/completions",
     "EmbedRequest": "POST /embed (TEI)",
     "EmbeddingsRequest": "POST /v1/embeddings (OpenAI)",
+    "ChatCompletionRequest": "POST /v1/chat/completions (OpenAI, vLLM's extras)",
+    "ChatMessage": "each of `messages` (chat, and /tokenize with messages)",
+    "TextPart": "each part of a message's `content` given as a list",
+    "TokenizeBody": "POST /tokenize (TGI's body with inputs, vLLM's with prompt or messages)",
+    "DetokenizeRequest": "POST /detokenize (vLLM)",
 }
 
 PARAMETERS: dict[str, dict[str, Parameter]] = {
@@ -180,6 +188,89 @@ PARAMETERS: dict[str, dict[str, Parameter]] = {
                          f"{_EFFECTS}::test_embeddings_dimensions_must_be_the_models"),
         "user": _h("The end user's id, written into the request's log line.",
                    f"{_SHAPES}::test_openai_user_goes_into_the_request_log"),
+    },
+    "ChatCompletionRequest": {
+        "messages": _h("The conversation, rendered with the artifact's chat template; without one, 400 naming it.",
+                       f"{_CHAT}::test_chat_answers_what_completions_answers_for_the_rendered_prompt",
+                       f"{_CHAT}::test_without_a_template_chat_answers_400_naming_it"),
+        "add_generation_prompt": _h("Ends the prompt with the template's opening of an assistant turn (default "
+                                    "true).", f"{_CHAT}::test_template_options_shape_the_chat_prompt"),
+        "continue_final_message": _h("Leaves the last (assistant) message open for the model to continue; needs "
+                                     "add_generation_prompt false.",
+                                     f"{_CHAT}::test_template_options_shape_the_chat_prompt"),
+        "chat_template_kwargs": _h("Further template variables; those the server sets are refused by name.",
+                                   f"{_CHAT}::test_template_options_shape_the_chat_prompt",
+                                   f"{_CHAT}::test_template_variables_come_from_chat_template_kwargs"),
+        "model": _h("Must be the served model's id when given; any other is 404 model_not_found.",
+                    f"{_CHAT}::test_chat_names_this_servers_model_or_is_not_found"),
+        "max_tokens": _h("Tokens to generate at most (max_completion_tokens' older name; both must agree).",
+                         f"{_CHAT}::test_chat_answers_what_completions_answers_for_the_rendered_prompt"),
+        "max_completion_tokens": _h("Tokens to generate at most.",
+                                    f"{_CHAT}::test_max_completion_tokens_and_text_parts"),
+        "temperature": _h("As in /v1/completions.", _AS_COMPLETIONS),
+        "top_p": _h("As in /v1/completions.", _AS_COMPLETIONS),
+        "top_k": _h("As in /v1/completions.", _AS_COMPLETIONS),
+        "repetition_penalty": _h("As in /v1/completions.", _AS_COMPLETIONS),
+        "frequency_penalty": _h("As in /v1/completions.", _AS_COMPLETIONS),
+        "presence_penalty": _h("As in /v1/completions.", _AS_COMPLETIONS),
+        "logit_bias": _h("As in /v1/completions.", _AS_COMPLETIONS),
+        "n": _h("As in /v1/completions: n choices, each a message.", _AS_COMPLETIONS),
+        "stream": _h("chat.completion.chunk events, the role in each choice's first delta, ending with [DONE].",
+                     f"{_CHAT}::test_chat_streams_chunks_with_the_role_first"),
+        "stream_options": _h("include_usage: a last chunk with usage and no choices.",
+                             f"{_CHAT}::test_chat_streams_chunks_with_the_role_first"),
+        "logprobs": _h("Each generated token's logprob, in chat's per-token shape.",
+                       f"{_CHAT}::test_chat_logprobs_come_per_token"),
+        "top_logprobs": _h("Its N likeliest alternatives per token (N <= 20; needs logprobs).",
+                           f"{_CHAT}::test_chat_logprobs_come_per_token"),
+        "stop": _h("As in /v1/completions.", _AS_COMPLETIONS),
+        "seed": _h("As in /v1/completions.", _AS_COMPLETIONS),
+        "ignore_eos": _h("As in /v1/completions.", _AS_COMPLETIONS),
+        "truncate_prompt_tokens": _h("Keeps the last N tokens of the rendered prompt.", _AS_COMPLETIONS),
+        "user": _h("As in /v1/completions: written into the request's log line.", _AS_COMPLETIONS),
+    },
+    "ChatMessage": {
+        "role": _h("system, developer, user, assistant or tool, as the template sees it; any other is refused.",
+                   f"{_CHAT}::test_chat_answers_what_completions_answers_for_the_rendered_prompt",
+                   f"{_CHAT}::test_bad_chat_requests_are_refused_by_name"),
+        "content": _h("A text, or a list of text parts joined with newlines (as vLLM joins them).",
+                      f"{_CHAT}::test_max_completion_tokens_and_text_parts"),
+        "name": _h("Passed to the template as the message's `name`.",
+                   f"{_CHAT}::test_template_options_shape_the_chat_prompt"),
+    },
+    "TextPart": {
+        "type": _h("Only text: image and audio parts are refused by name.",
+                   f"{_CHAT}::test_bad_chat_requests_are_refused_by_name"),
+        "text": _h("The part's text.", f"{_CHAT}::test_max_completion_tokens_and_text_parts"),
+    },
+    "TokenizeBody": {
+        "inputs": _h("TGI: the tokens with their text and character offsets.",
+                     f"{_TOKENS}::test_tgi_tokenize_keeps_its_shape"),
+        "prompt": _h("vLLM: tokens, count and max_model_len; a special token spelled out is its id.",
+                     f"{_TOKENS}::test_vllm_tokenize_answers_ids_count_and_model_length",
+                     f"{_TOKENS}::test_special_tokens_spelled_in_a_vllm_prompt_are_their_ids"),
+        "messages": _h("vLLM: the conversation rendered with the chat template, then tokenized.",
+                       f"{_CHAT}::test_tokenize_with_messages_uses_the_same_template"),
+        "add_special_tokens": _h("Puts the beginning-of-text id first when the tokenizer has one (the byte "
+                                 "tokenizer has none).",
+                                 f"{_TOKENS}::test_add_special_tokens_puts_the_beginning_of_text_id_first_when_there_is_one"),
+        "add_generation_prompt": _h("With messages: as in chat.",
+                                    f"{_CHAT}::test_tokenize_with_messages_uses_the_same_template"),
+        "continue_final_message": _h("With messages: as in chat.",
+                                     f"{_CHAT}::test_tokenize_with_messages_uses_the_same_template"),
+        "chat_template_kwargs": _h("With messages: as in chat.",
+                                   f"{_CHAT}::test_template_variables_come_from_chat_template_kwargs"),
+        "return_token_strs": _h("Adds each token's text (token_strs).",
+                                f"{_TOKENS}::test_vllm_tokenize_answers_ids_count_and_model_length"),
+        "model": _h("Must be the served model's id when given; any other is 404 model_not_found.",
+                    f"{_TOKENS}::test_tokenizer_routes_name_this_servers_model_or_are_not_found"),
+    },
+    "DetokenizeRequest": {
+        "tokens": _h("The ids' text (special ids give none); ids outside the vocabulary are refused by position.",
+                     f"{_TOKENS}::test_detokenize_inverts_tokenize",
+                     f"{_TOKENS}::test_detokenize_refuses_ids_outside_the_vocabulary_or_not_ids"),
+        "model": _h("Must be the served model's id when given; any other is 404 model_not_found.",
+                    f"{_TOKENS}::test_tokenizer_routes_name_this_servers_model_or_are_not_found"),
     },
 }
 

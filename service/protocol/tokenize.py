@@ -29,7 +29,7 @@ class TokenizeBody(RequestModel):
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="With `messages`: further variables for the chat template.")
     return_token_strs: bool = Field(False, description="vLLM: also answer each token's text (`token_strs`).")
-    model: str | None = Field(None, description="Accepted and ignored: this server serves one model.")
+    model: str | None = Field(None, description="The served model's id (/v1/models) when given; any other is 404.")
 
     @field_validator("continue_final_message")
     @classmethod
@@ -74,7 +74,7 @@ class DetokenizeRequest(RequestModel):
     """`POST /detokenize` (vLLM)."""
 
     tokens: list[int] = Field(description="Token ids to turn back into text (special ids give no text).")
-    model: str | None = Field(None, description="Accepted and ignored: this server serves one model.")
+    model: str | None = Field(None, description="The served model's id (/v1/models) when given; any other is 404.")
 
 
 class DetokenizeResult(ResponseModel):

@@ -21,8 +21,12 @@ from service.protocol.tokenize import (
     TokenizerInfo,
 )
 from service.routes.common import READ_CODES, TOKENIZE_CODES, State, error_responses, ready_parts
+from service.routes.openai import check_model
 
 router = APIRouter(tags=["tokenizer"])
+
+# a body may name the model (vLLM's): any but this server's is 404, as on the /v1 routes
+_ERRORS = error_responses(ErrorResponse, tuple(sorted({*TOKENIZE_CODES, 404})))
 
 
 def special_text(tokenizer: Any, token_id: int | None) -> str | None:
@@ -66,7 +70,7 @@ def encode_spelled_specials(tokenizer: Any, text: str) -> list[int]:
     return ids
 
 
-def _with_specials(ids: list[int], tokenizer: Any, add: bool) -> list[int]:
+def with_bos(ids: list[int], tokenizer: Any, add: bool) -> list[int]:
     """The tokenizer's encode adds no special tokens; asked to, the beginning-of-text id goes first (a
     tokenizer without one, as the byte tokenizer, has none to add)."""
     bos = tokenizer.bos_id
@@ -82,13 +86,13 @@ def _tgi_tokens(body: TokenizeBody, tokenizer: Any, limits: Limits) -> list[dict
     return [TokenInfo(id=i, text=t, start=a, stop=b).model_dump() for i, t, a, b in pieces]
 
 
-@router.post("/tokenize", response_model=list[TokenInfo] | TokenizeResult,
-             responses=error_responses(ErrorResponse, TOKENIZE_CODES))
+@router.post("/tokenize", response_model=list[TokenInfo] | TokenizeResult, responses=_ERRORS)
 async def tokenize(body: TokenizeBody, state: State) -> JSONResponse:
     """TGI's body (`inputs`): the tokens with their text and character offsets. vLLM's (`prompt`, or
     `messages` rendered with the artifact's chat template): `tokens`, `count`, `max_model_len` and, with
     `return_token_strs`, each token's text."""
     _, limits, tokenizer = ready_parts(state)
+    check_model(body.model, state)
     if body.inputs is not None:
         return JSONResponse(_tgi_tokens(body, tokenizer, limits))
     if body.messages is not None:
@@ -99,16 +103,17 @@ async def tokenize(body: TokenizeBody, state: State) -> JSONResponse:
         # no length limit: a client tokenizes whole documents to cut them into windows itself (lm-eval does)
         ids, add_default = encode_spelled_specials(tokenizer, body.prompt), True
     add = body.add_special_tokens if body.add_special_tokens is not None else add_default
-    ids = _with_specials(ids, tokenizer, add)
+    ids = with_bos(ids, tokenizer, add)
     strs = [tokenizer.id_to_piece(i) for i in ids] if body.return_token_strs else None
     result = TokenizeResult(count=len(ids), max_model_len=limits.max_total_tokens, tokens=ids, token_strs=strs)
     return JSONResponse(result.model_dump(mode="json"))
 
 
-@router.post("/detokenize", response_model=DetokenizeResult, responses=error_responses(ErrorResponse, TOKENIZE_CODES))
+@router.post("/detokenize", response_model=DetokenizeResult, responses=_ERRORS)
 async def detokenize(body: DetokenizeRequest, state: State) -> DetokenizeResult:
     """The text of token ids (vLLM); ids outside the vocabulary are refused, special ids give no text."""
     _, _, tokenizer = ready_parts(state)
+    check_model(body.model, state)
     if body.tokens:
         check_token_ids(body.tokens, tokenizer.vocab_size, "tokens")
     return DetokenizeResult(prompt=tokenizer.decode(body.tokens))

@@ -13,8 +13,8 @@ from fastapi.testclient import TestClient
 from tests.service.helpers import running_app, sse_events
 
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tools here') }}"
-            "{% endif %}[{{ m.role }}] {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}[assistant] "
-            "{% endif %}{{ greeting | default('') }}")
+            "{% endif %}[{{ m.role }}{% if m.name %}:{{ m.name }}{% endif %}] {{ m.content }}\n{% endfor %}"
+            "{% if add_generation_prompt %}[assistant] {% endif %}{{ greeting | default('') }}")
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me a story"}]
 RENDERED = "[system] Be brief.\n[user] Tell me a story\n[assistant] "
 
@@ -57,6 +57,64 @@ def test_max_completion_tokens_and_text_parts(client: TestClient) -> None:
     assert r.json()["usage"]["prompt_tokens"] == len(rendered.encode())
 
 
+def chat_texts(r: Any) -> list[str]:
+    assert r.status_code == 200, r.text
+    return [c["message"]["content"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+
+
+def completion_texts(r: Any) -> list[str]:
+    assert r.status_code == 200, r.text
+    return [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+
+
+@pytest.mark.parametrize("fields", [
+    {"temperature": 1.0, "seed": 7},
+    {"temperature": 1.5, "top_p": 0.5, "seed": 3},
+    {"temperature": 1.0, "top_k": 2, "seed": 3},
+    {"repetition_penalty": 3.0},
+    {"frequency_penalty": 2.0},
+    {"presence_penalty": 2.0},
+    {"logit_bias": {"100": 100}},
+    {"stop": ["e", "t"]},
+    {"ignore_eos": False},
+    {"truncate_prompt_tokens": 5},
+    {"user": "someone"},
+    {"n": 2, "temperature": 1.0, "seed": 5},
+], ids=lambda fields: "+".join(fields))
+def test_chat_takes_each_sampling_field_as_completions_does(client: TestClient, fields: dict[str, Any]) -> None:
+    """Each field shared with /v1/completions reaches it as it is: the answer is completions' for the rendered
+    prompt and the same field (test_parameter_effects.py and test_sampling_params.py show each one's effect)."""
+    base = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    chat = client.post("/v1/chat/completions", json={**base, **fields, "messages": MESSAGES})
+    completion = client.post("/v1/completions", json={**base, **fields, "prompt": RENDERED})
+    assert chat_texts(chat) == completion_texts(completion)
+    assert chat.json()["usage"] == completion.json()["usage"]
+
+
+def test_chat_names_this_servers_model_or_is_not_found(client: TestClient) -> None:
+    model = client.get("/v1/models").json()["data"][0]["id"]
+    assert client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 1,
+                                                     "model": model}).status_code == 200
+    r = client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 1, "model": "gpt-4"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_template_options_shape_the_chat_prompt(client: TestClient) -> None:
+    def prompt_tokens(**fields: Any) -> int:
+        r = client.post("/v1/chat/completions", json={"max_tokens": 1, **fields})
+        assert r.status_code == 200, r.text
+        return int(r.json()["usage"]["prompt_tokens"])
+
+    assert prompt_tokens(messages=MESSAGES) == len(RENDERED.encode())
+    assert prompt_tokens(messages=MESSAGES, add_generation_prompt=False) == len(RENDERED.encode()) - len("[assistant] ")
+    final = [*MESSAGES, {"role": "assistant", "content": "Once"}]
+    assert prompt_tokens(messages=final, add_generation_prompt=False, continue_final_message=True) \
+        == len((RENDERED + "Once").encode())
+    assert prompt_tokens(messages=MESSAGES, chat_template_kwargs={"greeting": "hi"}) == len(RENDERED.encode()) + 2
+    named = [MESSAGES[0], {**MESSAGES[1], "name": "Ann"}]
+    assert prompt_tokens(messages=named) == len(RENDERED.replace("[user]", "[user:Ann]").encode())
+
+
 def test_chat_streams_chunks_with_the_role_first(client: TestClient) -> None:
     request = {"messages": MESSAGES, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
     whole = client.post("/v1/chat/completions", json=request).json()["choices"][0]["message"]["content"]
@@ -70,6 +128,11 @@ def test_chat_streams_chunks_with_the_role_first(client: TestClient) -> None:
     assert all("role" not in c["choices"][0]["delta"] for c in chunks[1:])
     assert "".join(c["choices"][0]["delta"]["content"] for c in chunks) == whole
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    with_usage = sse_events(client.post("/v1/chat/completions", json={
+        **request, "stream": True, "stream_options": {"include_usage": True}}).text)
+    assert with_usage[-1] == "[DONE]" and with_usage[-2]["choices"] == []
+    assert with_usage[-2]["usage"]["completion_tokens"] == 6
+    assert "".join(c["choices"][0]["delta"]["content"] for c in with_usage[:-2]) == whole
 
 
 def test_chat_logprobs_come_per_token(client: TestClient) -> None:
@@ -78,6 +141,12 @@ def test_chat_logprobs_come_per_token(client: TestClient) -> None:
     assert r.status_code == 200, r.text
     content = r.json()["choices"][0]["logprobs"]["content"]
     assert len(content) == 4 and all(entry["logprob"] <= 0 for entry in content)
+    top = client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 4, "temperature": 0,
+                                                    "ignore_eos": True, "logprobs": True, "top_logprobs": 3})
+    for entry in top.json()["choices"][0]["logprobs"]["content"]:
+        assert 3 <= len(entry["top_logprobs"]) <= 4  # the chosen token's beside the 3 likeliest
+        # greedy: the chosen token is the likeliest of its alternatives
+        assert max(t["logprob"] for t in entry["top_logprobs"]) == pytest.approx(entry["logprob"])
     assert "".join(entry["token"] for entry in content) == r.json()["choices"][0]["message"]["content"]
 
 

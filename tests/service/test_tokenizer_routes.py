@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from service.routes.tokenize import with_bos
 from tests.service.helpers import running_app
 
 
@@ -161,3 +162,27 @@ def test_special_tokens_spelled_in_a_vllm_prompt_are_their_ids(client: TestClien
     # TGI's /tokenize and prompts keep text as text
     assert [p["id"] for p in client.post("/tokenize", json={"inputs": info["eos_token"]}).json()] \
         == tok.encode(info["eos_token"])
+
+
+def test_add_special_tokens_puts_the_beginning_of_text_id_first_when_there_is_one(client: TestClient) -> None:
+    class WithBos:
+        bos_id = 7
+
+    class WithoutBos:
+        bos_id = None
+
+    assert with_bos([65, 66], WithBos(), True) == [7, 65, 66]
+    assert with_bos([65, 66], WithBos(), False) == [65, 66]
+    assert with_bos([65, 66], WithoutBos(), True) == [65, 66]
+    # the byte tokenizer has none: the flag changes nothing, on either body
+    assert client.post("/tokenize", json={"prompt": "ab", "add_special_tokens": True}).json()["tokens"] \
+        == client.post("/tokenize", json={"prompt": "ab", "add_special_tokens": False}).json()["tokens"]
+
+
+def test_tokenizer_routes_name_this_servers_model_or_are_not_found(client: TestClient) -> None:
+    model = client.get("/v1/models").json()["data"][0]["id"]
+    assert client.post("/tokenize", json={"prompt": "a", "model": model}).status_code == 200
+    assert client.post("/detokenize", json={"tokens": [70], "model": model}).status_code == 200
+    for route, body in (("/tokenize", {"prompt": "a"}), ("/detokenize", {"tokens": [70]})):
+        r = client.post(route, json={**body, "model": "gpt-4"})
+        assert r.status_code == 404 and r.json()["error_type"] == "model_not_found", r.text
