@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Annotated, Protocol
+from typing import Annotated
 
 from pydantic import AfterValidator, BaseModel, ConfigDict
 
 from model.sampling import SamplingParams, choice_seed
+from model.tokenizer import Tokenizer  # the artifact's tokenizer, whatever its kind
 from service.errors import InputTooLong, ValidationFailed
-
-
-class Tokenizer(Protocol):
-    def encode(self, text: str) -> list[int]: ...
 
 
 class RequestModel(BaseModel):
