@@ -85,9 +85,6 @@ def check_exportable(model: ReformerLM) -> None:
             "so the hash rotations) depends on the sequence length, which a graph with a dynamic length "
             "cannot hold as constants. Set num_buckets (e.g. 2*max_length/lsh_attn_chunk_length rounded to "
             "a power of two) before training, or serve this model with the torch backend.")
-    if cfg.has_successor_heads():
-        raise ExportError(f"ONNX export does not compute successor-value heads yet (lsh_successor_heads="
-                          f"{cfg.lsh_successor_heads!r}); serve this model with the torch backend.")
 
 
 def max_export_length(model: ReformerLM) -> int:

@@ -31,6 +31,7 @@ from model.attention import LocalSelfAttention, LSHSelfAttention, length_normali
 from model.batch import prepare_batch
 from model.chunking import attend_masked, round_weights
 from model.lsh.order import bucket_order
+from model.lsh.successor import successor_values, zero_rows_without_keys
 from model.lsh.windows import gather_chunks, window_chunk_index
 from model.reversible import ReformerLayer
 
@@ -127,8 +128,9 @@ def lsh_attention(att: LSHSelfAttention, h: Tensor, valid: Tensor, batch: GraphB
     b, t, _ = h.shape
     heads, r, c, d = att.heads, att.rounds, att.chunk, att.head_size
     n = t // c
+    s = att.successor_heads  # heads 0..s-1: successor values, earlier keys only (model/lsh/successor.py)
     qk = split_heads(att.query_key(h), heads, d)  # (B, H, L, D)
-    v = split_heads(att.value(h), heads, d)
+    v = successor_values(split_heads(att.value(h), heads, d), s, valid)  # (B, H, L, D)
     num_buckets = att.config.num_buckets
     assert num_buckets is not None
     buckets = att.hash(qk, num_buckets, valid)  # (B, H, R, L), padding in the extra bucket
@@ -148,8 +150,11 @@ def lsh_attention(att: LSHSelfAttention, h: Tensor, valid: Tensor, batch: GraphB
     qp = sp.view(bh, r * n, c)  # (B*H, R*N, C)
     kp = windows(qp.unsqueeze(-1), win).squeeze(-1)  # (B*H, R*N, W*C)
     self_hit = kp.unsqueeze(-2) == qp.unsqueeze(-1)
-    o, lse = attend_masked(q_c, windows(k_c, win), windows(v_c, win), masked_positions(qp, kp, per_head),
-                           self_hit)  # (B*H, R*N, C, D), (B*H, R*N, C)
+    masked = masked_positions(qp, kp, per_head)  # (B*H, R*N, C, W*C)
+    if s:
+        rows = (torch.arange(bh, device=h.device) % heads < s).view(bh, 1, 1, 1)  # row b*H + i is head i
+        masked, self_hit = _successor_masks(masked, self_hit, qp, kp, rows)
+    o, lse = attend_masked(q_c, windows(k_c, win), windows(v_c, win), masked, self_hit)  # (B*H,R*N,C,D), (B*H,R*N,C)
     # undo the sort, then weigh every round by its share of the probability mass
     undo = order.reshape(bh, r, t)  # (B*H, R, L)
     o = torch.empty_like(o.view(bh, r, t, d)).scatter(2, undo.unsqueeze(-1).expand(-1, -1, -1, d),
@@ -158,10 +163,23 @@ def lsh_attention(att: LSHSelfAttention, h: Tensor, valid: Tensor, batch: GraphB
     weights = round_weights(lse, dim=1).unsqueeze(-1)  # (B*H, R, L, 1)
     chunked = (o * weights).sum(dim=1).view(b, heads, t, d)  # (B, H, L, D)
     first = pos[:c].view(1, 1, c).expand(b, 1, c)
-    self_first = (first.unsqueeze(-1) == first.unsqueeze(-2))
-    dense, _ = attend_masked(qk[:, :, :c], k[:, :, :c], v[:, :, :c], masked_positions(first, first, batch),
-                             self_first)
-    return chunked, dense
+    self_first = (first.unsqueeze(-1) == first.unsqueeze(-2))  # (B, 1, C, C)
+    masked_first = masked_positions(first, first, batch)
+    if s:
+        succ_heads = (torch.arange(heads, device=h.device) < s).view(1, heads, 1, 1)
+        masked_first, self_first = _successor_masks(masked_first, self_first, first, first, succ_heads)
+        chunked = zero_rows_without_keys(chunked, lse.view(b, heads, r, t), s)
+    dense, dense_lse = attend_masked(qk[:, :, :c], k[:, :, :c], v[:, :, :c], masked_first, self_first)
+    return chunked, zero_rows_without_keys(dense, dense_lse, s)
+
+
+def _successor_masks(masked: Tensor, self_hit: Tensor, q_pos: Tensor, k_pos: Tensor, successor_rows: Tensor
+                     ) -> tuple[Tensor, Tensor]:
+    """The masks of successor-value heads (`successor_rows`, broadcast against masked and self_hit (..., Q, K)
+    as attend_masked takes them): only earlier keys allowed, the own position masked outright rather than
+    given the self-mask value."""
+    later = k_pos.unsqueeze(-2) >= q_pos.unsqueeze(-1)  # (..., Q, K)
+    return masked | (later & successor_rows), self_hit & ~successor_rows
 
 
 def static_forward(lm: ReformerLM, input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor]:
