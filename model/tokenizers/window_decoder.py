@@ -7,6 +7,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 _INCOMPLETE = "\ufffd"  # what a decode of part of a character ends with
+# a UTF-8 character is at most 4 bytes (4 byte pieces): ids held longer than this never complete one, and
+# holding more would make every push decode a growing window
+_MAX_HELD = 4
 
 
 class WindowDecoder:
@@ -34,7 +37,8 @@ class WindowDecoder:
             return ""
         before = self._decode(self._ids[self._prefix : self._read])
         after = self._decode(self._ids[self._prefix :])
-        if not final and (after.endswith(_INCOMPLETE) or len(after) <= len(before)):
+        waiting = len(self._ids) - self._read
+        if not final and waiting <= _MAX_HELD and (after.endswith(_INCOMPLETE) or len(after) <= len(before)):
             return ""  # half a character, or a piece that adds no text yet
         self._prefix, self._read = self._read, len(self._ids)
         return after[len(before) :]

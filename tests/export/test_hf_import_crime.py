@@ -122,3 +122,17 @@ def test_a_failed_download_and_a_missing_folder_are_named(tmp_path: Path, monkey
     assert f"{HUB_ID}: not a local folder, and downloading it from the hub failed" in capsys.readouterr().err
     assert import_hf_main([str(tmp_path / "no" / "such" / "dir"), str(tmp_path / "art")]) == 1
     assert "config.json: missing" in capsys.readouterr().err
+
+
+def test_a_checkpoints_tokenizers_file_is_imported_when_it_has_no_sentencepiece_model(
+        checkpoint: Path, tmp_path: Path) -> None:
+    import shutil
+
+    d = tmp_path / "ckpt"
+    shutil.copytree(checkpoint, d)
+    (d / "spiece.model").unlink()
+    sentencepiece_tokenizer().to_hf().save(str(d / "tokenizer.json"))
+    out, _ = import_hf(d, tmp_path / "art", onnx=False, skip_parity=True)
+    art = load_artifact(out)
+    assert art.tokenizer.kind == "hf" and art.tokenizer.eos_id == 2
+    assert art.tokenizer.encode(SAMPLE) == sentencepiece_tokenizer().encode(SAMPLE)

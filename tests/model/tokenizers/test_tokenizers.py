@@ -98,3 +98,12 @@ def test_sentencepiece_refuses_bytes_that_are_not_a_model() -> None:
 
     with pytest.raises(ValueError, match="not a SentencePiece model"):
         SentencePieceTokenizer(b"\x00garbage" * 10)
+
+
+def test_a_stream_of_broken_bytes_is_not_held_forever() -> None:
+    tok = sentencepiece_tokenizer(320, byte_fallback=True)
+    lead = tok.encode("☃")[-3]  # the first byte piece of a three-byte character the model has no piece for
+    assert tok.id_to_piece(lead).startswith("<0x")
+    dec = tok.incremental_decoder()
+    parts = [dec.push(lead) for _ in range(12)]  # lead bytes that no continuation ever completes
+    assert any(parts) and "".join(parts) + dec.flush() == tok.decode([lead] * 12)
