@@ -80,8 +80,9 @@ def smallest_document(kind: int, recipe: RecipeConfig) -> int:
 def draw_document(kind: int, prose: bytes, rng: np.random.Generator, stage: Stage, recipe: RecipeConfig,
                   room: int | None = None) -> tuple[LongDoc, int]:
     """A document of `kind` fitting in `room` bytes (default `len(prose)`) with the separators, and its lead
-    (prose bytes before it, up to the spare room, or a quarter of it with --pack). Its filler and gap prose come from `prose[lead:]`; a passkey's filler is the
-    standard lines instead for a `passkey_standard` share, a copy passage random bytes for `copy_random`."""
+    (prose bytes before it, up to the spare room, or a quarter of it with --pack). Its filler and gap prose
+    come from `prose[lead:]`; a passkey's filler is the standard lines instead for a `passkey_standard`
+    share, a copy passage random bytes for `copy_random`."""
     room = (len(prose) if room is None else room) - 2 * len(SEP)
     spread = 4 if recipe.pack else 1  # packed: leave most of the spare room to the documents after this one
     if kind == PASSKEY:
