@@ -1,9 +1,9 @@
 """A half-million-token prompt served (issue 46, item 5): `reformer serve` on an artifact of
-google/reformer-crime-and-punishment's configuration (524,288 positions; bench/import_hf_crime.py writes one
+google/reformer-crime-and-punishment's configuration (524,288 positions; bench/import_hf/import_hf_crime.py writes one
 with random weights), prompts of 1K / 64K / 500K tokens through `/v1/completions` (streaming) and
 `/generate`, against the in-process forward of the same lengths.
 
-    python bench/long_prompt_500k.py ARTIFACT --book BOOK.txt [--lengths 1000,64000,500000]
+    python bench/serving/long_prompt_500k.py ARTIFACT --book BOOK.txt [--lengths 1000,64000,500000]
         [--generate-lengths 500000] [--new-tokens 128] [--forward-lengths 64000,500000]
         [--cache-bytes 4294967296] [--small-cache-bytes 1073741824] [--out bench/results/long_prompt_500k.json]
 
@@ -39,11 +39,11 @@ from pathlib import Path
 from typing import Any
 
 if __package__ in (None, ""):  # run as a script: the tree's packages are importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import httpx  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -92,8 +92,7 @@ class Server:
         self.port = free_port()
         env = dict(os.environ, REFORMER_ARTIFACT=str(artifact), REFORMER_PORT=str(self.port),
                    REFORMER_HOST="127.0.0.1", REFORMER_CACHE_BYTES=str(cache_bytes), REFORMER_MAX_BATCH_SIZE="2",
-                   REFORMER_MAX_NEW_TOKENS="100000", REFORMER_REQUEST_TIMEOUT_S="3600",
-                   REFORMER_MAX_PAYLOAD_BYTES="16000000")
+                   REFORMER_MAX_NEW_TOKENS="100000", REFORMER_REQUEST_TIMEOUT_S="3600")
         self.log = log.open("w")
         self.proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve"], cwd=ROOT, env=env,
                                      stdout=self.log, stderr=subprocess.STDOUT)
