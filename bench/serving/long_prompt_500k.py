@@ -58,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--small-cache-bytes", type=int, default=2**30)
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds one request may take")
     p.add_argument("--out", type=Path, default=ROOT / "bench/results/long_prompt_500k.json")
+    p.add_argument("--logs", type=Path, default=Path("/tmp/long_prompt_500k_logs"), help="the servers' logs")
     return p
 
 
@@ -305,11 +306,12 @@ def main(argv: list[str] | None = None) -> int:
     lengths, gen_lengths, fwd_lengths = ints(args.lengths), ints(args.generate_lengths), ints(args.forward_lengths)
     limit = art.model.config.max_position_embeddings
     texts = prompt_texts(art.tokenizer, args.book, sorted({*lengths, *gen_lengths, 1000, limit + 1000}))
-    result: dict[str, Any] = {"command": " ".join(["python", "bench/long_prompt_500k.py", *(argv or sys.argv[1:])]),
+    command = ["python", "bench/serving/long_prompt_500k.py", *(argv or sys.argv[1:])]
+    result: dict[str, Any] = {"command": " ".join(command),
                               "commit": commit(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                               "load_before": load(), "artifact": str(args.artifact),
                               "max_position_embeddings": limit, "new_tokens": args.new_tokens}
-    log_dir = args.out.parent / (args.out.stem + "_logs")
+    log_dir = args.logs
     log_dir.mkdir(parents=True, exist_ok=True)
     server = Server(args.artifact, args.cache_bytes, log_dir / "server.log")
     try:
