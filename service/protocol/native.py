@@ -147,10 +147,13 @@ class GenerateRequest(RequestModel):
     )
 
     def check_streamable(self) -> None:
-        """What a stream cannot carry (TGI refuses best_of when streaming)."""
+        """What a stream cannot carry (TGI refuses best_of and decoder_input_details when streaming)."""
         if (self.parameters.best_of or 1) > 1:
             raise ValidationFailed("parameters.best_of > 1 is not supported when streaming tokens",
                                    param="parameters.best_of")
+        if self.parameters.decoder_input_details:
+            raise ValidationFailed("parameters.decoder_input_details is not supported when streaming tokens",
+                                   param="parameters.decoder_input_details")
 
     def to_spec(self, tokenizer: Tokenizer, limits: Limits) -> GenerationSpec:
         return self.to_specs(tokenizer, limits)[0]

@@ -96,8 +96,9 @@ PARAMETERS: dict[str, dict[str, Parameter]] = {
         "details": _h("Adds finish reason, token counts, seed and tokens.",
                       f"{_ROUTES}::test_generate_returns_text_details_and_timing_headers"),
         "decoder_input_details": _h("With details: details.prefill, each input token's logprob from the "
-                                    "prefill's forward (the first null).",
-                                    f"{_LOGPROBS}::test_tgi_top_n_tokens_and_prefill_details"),
+                                    "prefill's forward (the first null); refused when streaming (as TGI).",
+                                    f"{_LOGPROBS}::test_tgi_top_n_tokens_and_prefill_details",
+                                    f"{_SAMPLING}::test_best_of_is_refused_when_streaming"),
         "top_n_tokens": _h("The N likeliest alternatives of each generated token (at most 20): details.top_tokens, "
                            "each stream event's top_tokens.",
                            f"{_LOGPROBS}::test_tgi_top_n_tokens_and_prefill_details",

@@ -138,5 +138,7 @@ def test_tgi_refuses_what_it_cannot_honour_by_name(client: TestClient, parameter
 def test_best_of_is_refused_when_streaming(client: TestClient) -> None:
     r = client.post("/generate_stream", json={"inputs": PROMPT, "parameters": {"best_of": 2, "do_sample": True}})
     assert r.status_code == 422 and "best_of" in r.json()["error"]
+    r = client.post("/generate_stream", json={"inputs": PROMPT, "parameters": {"decoder_input_details": True}})
+    assert r.status_code == 422 and "decoder_input_details" in r.json()["error"]
     r = client.post("/generate", json={"inputs": PROMPT, "stream": True})
     assert r.status_code == 422 and "stream" in r.json()["error"]
