@@ -5,6 +5,7 @@ the request."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Iterator, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -17,8 +18,12 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, Sp
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
+import service.generation_steps as steps_module
+from model.sampling import SamplingParams
 from service.app import create_app
-from service.jobs import Timings
+from service.engine import Engine, EngineConfig
+from service.jobs import GenerationSpec, Timings
+from service.metrics import ServiceMetrics
 from service.settings import Settings
 from service.tracing import Tracing, job_spans
 from tests.service.helpers import wait_ready
@@ -212,3 +217,35 @@ def test_spans_are_exported_over_otlp_to_the_configured_endpoint(artifact: Any) 
     for name in (b"POST /v1/completions", b"admission", b"queue", b"prefill", b"decode", b"delivery"):
         assert name in body
     assert bytes.fromhex(TRACE_ID) in body
+
+
+def test_the_engine_records_each_prefill_slice_of_a_long_prompt(artifact: Any,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long prompt arriving while a stream decodes is prefilled in slices between decode steps: the job's
+    Timings hold one (start, end) per slice, in order, between its admission and its first token."""
+    monkeypatch.setattr(steps_module, "CHUNKED_PREFILL_TOKENS", 50)
+    engine = Engine(artifact.model, artifact.tokenizer, backend=None,  # type: ignore[arg-type]
+                    device=None, config=EngineConfig(warmup=False, prefill_budget_ms=0.0), metrics=ServiceMetrics())
+    engine.start()
+
+    async def long_prompt_while_streaming() -> Timings:
+        stream = engine.generate(GenerationSpec([5, 6, 7], SamplingParams(), 200, stop_on_eos=False))
+        await stream.next_event()
+        long = engine.generate(GenerationSpec([5 + i % 200 for i in range(300)], SamplingParams(), 2,
+                                              stop_on_eos=False))
+        while (await long.next_event()).finish is None:
+            pass
+        while (await stream.next_event()).finish is None:
+            pass
+        return long.timings  # type: ignore[no-any-return]
+
+    try:
+        timings = asyncio.run(long_prompt_while_streaming())
+    finally:
+        engine.stop()
+    slices = timings.prefill_slices
+    assert len(slices) > 1
+    assert timings.admitted is not None and timings.enqueued <= timings.admitted <= slices[0][0]
+    for (began, ended), (next_began, _) in zip(slices, slices[1:]):
+        assert began <= ended <= next_began
+    assert timings.first_token is not None and slices[-1][1] <= timings.first_token
