@@ -7,8 +7,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import openai
 import pytest
 from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tests.service.helpers import running_app, sse_events
 
@@ -203,3 +206,46 @@ def test_without_a_template_chat_answers_400_naming_it(artifact: Any) -> None:
         assert error["param"] == "messages" and "chat template" in error["message"]
         r = c.post("/tokenize", json={"messages": MESSAGES})
         assert r.status_code // 100 == 4 and "chat template" in r.json()["error"]
+
+
+def test_the_openai_client_chats_streams_and_raises_bad_request(client: TestClient, artifact: Any) -> None:
+    api = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=client, max_retries=0)
+    model = client.get("/v1/models").json()["data"][0]["id"]
+    answer = api.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4, temperature=0)  # type: ignore[arg-type]
+    assert answer.choices[0].message.role == "assistant" and answer.usage is not None
+    assert answer.usage.completion_tokens == answer.usage.total_tokens - answer.usage.prompt_tokens
+    pieces = api.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4, temperature=0,  # type: ignore[arg-type]
+                                         stream=True)
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in pieces if chunk.choices)
+    assert streamed == answer.choices[0].message.content
+    with pytest.raises(openai.BadRequestError):
+        api.chat.completions.create(model=model, messages=[{"role": "tool", "content": "x",  # type: ignore[list-item]
+                                                             "tool_call_id": "1"}])
+    with running_app(artifact, max_new_tokens=4) as plain:
+        bare = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=plain, max_retries=0)
+        with pytest.raises(openai.BadRequestError, match="chat template"):
+            bare.chat.completions.create(model=model, messages=MESSAGES, max_tokens=1)  # type: ignore[arg-type]
+
+
+_TEXT = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=20)
+_CONTENT = st.one_of(st.none(), _TEXT, st.integers(), st.lists(st.fixed_dictionaries(
+    {"type": st.sampled_from(["text", "image_url", "x"]), "text": _TEXT}), max_size=3))
+_MESSAGE = st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "tool", "robot"]),
+                           "content": _CONTENT}, optional={"name": st.one_of(_TEXT, st.integers())}),
+    _TEXT, st.integers(), st.none())
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(messages=st.one_of(st.lists(_MESSAGE, max_size=4), _TEXT, st.none()),
+       extra=st.fixed_dictionaries({}, optional={
+           "add_generation_prompt": st.booleans(), "continue_final_message": st.booleans(),
+           "chat_template_kwargs": st.one_of(st.none(), st.dictionaries(_TEXT, _TEXT, max_size=2)),
+           "max_tokens": st.integers(-1, 3), "top_logprobs": st.integers(-1, 25), "logprobs": st.booleans()}))
+def test_chat_messages_of_any_shape_get_an_answer_or_a_4xx(client: TestClient, messages: Any,
+                                                           extra: dict[str, Any]) -> None:
+    for route in ("/v1/chat/completions", "/tokenize"):
+        chat_only = ("max_tokens", "top_logprobs", "logprobs") if route == "/tokenize" else ()
+        body = {"messages": messages, **{k: v for k, v in extra.items() if k not in chat_only}}
+        r = client.post(route, json=body)
+        assert r.status_code == 200 or 400 <= r.status_code < 500, (route, body, r.status_code, r.text)
