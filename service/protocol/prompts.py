@@ -3,13 +3,47 @@ each turned into checked token ids, ids checked against the tokenizer's vocabula
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Annotated, Any, Protocol
+
+from pydantic import ValidationError, ValidatorFunctionWrapHandler, WrapValidator
+from pydantic_core import PydanticCustomError
 
 from service.errors import InputTooLong, ValidationFailed
 from service.protocol.common import InputText, Limits
 
+SHAPES = "a text, a list of texts, a list of token ids or a list of lists of token ids"
+
+
+def _kind(item: Any) -> str:
+    if isinstance(item, bool) or not isinstance(item, (str, int, list)):
+        return type(item).__name__ if item is not None else "null"
+    if isinstance(item, list):
+        return "a list of ids" if all(isinstance(i, int) and not isinstance(i, bool) for i in item) else "a list"
+    return "a text" if isinstance(item, str) else "an id"
+
+
+def _one_shape(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    """A value of none of the shapes gets one message naming the first item that breaks the shape, instead of
+    each union member's complaint; a value of the right shape that fails a check keeps its own message."""
+    try:
+        return handler(value)
+    except ValidationError as err:
+        if not all(str(e["type"]).endswith("_type") for e in err.errors()):
+            raise
+        where = ""
+        if isinstance(value, list) and value:
+            first = _kind(value[0])
+            for i, item in enumerate(value):
+                kind = _kind(item)
+                if kind != first or kind not in ("a text", "an id", "a list of ids"):
+                    where = f": item {i} is {kind}, item 0 {first}" if i else f": item 0 is {kind}"
+                    break
+        raise PydanticCustomError("prompt_shape", "must be {shapes}{where}", {"shapes": SHAPES, "where": where}) \
+            from None
+
+
 # OpenAI's `prompt`. Strict validation keeps the members apart: `true` is no id and `"5"` no list of ids.
-PromptInput = InputText | list[InputText] | list[int] | list[list[int]]
+PromptInput = Annotated[InputText | list[InputText] | list[int] | list[list[int]], WrapValidator(_one_shape)]
 # One prompt: a text or its token ids.
 PromptItem = str | list[int]
 
