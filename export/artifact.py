@@ -32,6 +32,7 @@ TOKENIZER_FILE = HF_FILE  # a `tokenizers` file; older artifacts: the byte token
 MANIFEST_FILE = "manifest.json"
 ONNX_FILE = "model.onnx"
 ONNX_INT8_FILE = "model.int8.onnx"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # optional: the Jinja chat template, as transformers saves it
 REQUIRED_FILES = (CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILE)
 DEFAULT_ARTIFACT = Path(__file__).resolve().parent / "default_artifact"
 
@@ -51,6 +52,7 @@ class Artifact:
     onnx_path: Path | None
     onnx_int8_path: Path | None = None
     embedding_stats: EmbeddingStats | None = None  # for whitening (or standardising) mean-pooled embeddings
+    chat_template: str | None = None  # the Jinja source of the chat template, when the artifact carries one
 
 
 # --------------------------------------------------------------------------------------------------
@@ -130,12 +132,14 @@ def save_artifact(
     eval_text: bytes | None = None,
     overwrite: bool = False,
     embedding_stats: tuple[EmbeddingStats | None, dict[str, Any]] | None = None,
+    chat_template: str | None = None,
 ) -> Path:
     """Write an artifact directory. With `onnx`, the ONNX graph is exported and verified against torch;
     an export whose logits differ by more than the tolerance raises and leaves nothing at `out_dir`.
     `quantize="int8"` adds a dynamically quantised graph and records the bits-per-byte change.
     `embedding_stats` (export/embedding_stats.py's stats_for_export): the statistics, written to
-    embedding_stats.safetensors when present, and the manifest's record of how (or why not) they were made."""
+    embedding_stats.safetensors when present, and the manifest's record of how (or why not) they were made.
+    `chat_template`: a Jinja chat template's source, written to chat_template.jinja (checked to parse first)."""
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
         raise FileExistsError(f"{out} exists and is not empty (pass overwrite=True to replace it)")
@@ -143,6 +147,8 @@ def save_artifact(
         raise ValueError(f"quantize must be None or 'int8', got {quantize!r}")
     if quantize and not onnx:
         raise ValueError("quantize='int8' quantises the ONNX graph: it needs onnx=True")
+    if chat_template is not None:
+        check_chat_template(chat_template, "chat_template")
     model = model.eval()
     tokenizer = tokenizer or ByteTokenizer()
     if tokenizer.vocab_size != model.config.vocab_size:
@@ -152,6 +158,8 @@ def save_artifact(
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         write_model_files(model, tokenizer, staging)
+        if chat_template is not None:
+            (staging / CHAT_TEMPLATE_FILE).write_text(chat_template, encoding="utf-8")
         export_info: dict[str, Any] = {}
         evaluation = dict(evaluation or {})
         if embedding_stats is not None:
@@ -318,6 +326,27 @@ def load_artifact(path: str | Path | None = None, *, check_hashes: bool = True) 
             stats = read_embedding_stats(directory / STATS_FILE, 2 * config.hidden_size)
         except ValueError as e:
             raise ArtifactError(f"{STATS_FILE}: {e}") from e
+    chat_template = None
+    if CHAT_TEMPLATE_FILE in files:  # optional: an artifact without one answers chat requests 400
+        try:
+            chat_template = (directory / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ArtifactError(f"{CHAT_TEMPLATE_FILE}: not UTF-8 text ({e})") from e
+        try:
+            check_chat_template(chat_template, CHAT_TEMPLATE_FILE)
+        except ValueError as e:
+            raise ArtifactError(str(e)) from e
     return Artifact(path=directory, model=model, tokenizer=tokenizer, config=config, manifest=manifest,
                     sha256=files[WEIGHTS_FILE]["sha256"], onnx_path=onnx_path, onnx_int8_path=int8_path,
-                    embedding_stats=stats)
+                    embedding_stats=stats, chat_template=chat_template)
+
+
+def check_chat_template(source: str, name: str) -> None:
+    """Raise ValueError naming `name` unless `source` parses as a Jinja template (jinja2 is imported only
+    here: artifacts without a template never need it)."""
+    from jinja2 import Environment, TemplateSyntaxError
+
+    try:
+        Environment().parse(source)
+    except TemplateSyntaxError as e:
+        raise ValueError(f"{name}: not a valid Jinja template (line {e.lineno}: {e.message})") from e

@@ -115,6 +115,9 @@ def export_main(argv: list[str]) -> int:
     p.add_argument("--embed-stats-shrinkage", type=float, help=_SHRINKAGE_HELP)
     p.add_argument("--embed-stats-bytes", type=int, default=DEFAULT_PASSAGE_BYTES,
                    help="length of each of those passages in bytes")
+    p.add_argument("--chat-template", type=Path, metavar="FILE",
+                   help="a Jinja chat template (as in a Hugging Face tokenizer_config.json's chat_template), stored "
+                        "as chat_template.jinja: /v1/chat/completions renders messages with it")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.quantize and args.no_onnx:
@@ -129,6 +132,7 @@ def export_main(argv: list[str]) -> int:
             raise CheckpointError(f"{weights}: {str(e).split(': ', 1)[1]}") from e
         model.load_state_dict(state)
         model.eval()
+        chat_template = args.chat_template.read_text(encoding="utf-8") if args.chat_template else None
         tok_meta = metadata.get("tokenizer")
         tokenizer = ByteTokenizer.from_dict(tok_meta) if isinstance(tok_meta, dict) else ByteTokenizer()
         provenance = dict(metadata.get("provenance") or {}) if isinstance(metadata.get("provenance"), dict) else {}
@@ -147,7 +151,7 @@ def export_main(argv: list[str]) -> int:
                                  args.embed_stats_shrinkage)
         out = save_artifact(model, args.out_dir, tokenizer=tokenizer, provenance=provenance, evaluation=evaluation,
                             onnx=not args.no_onnx, quantize=args.quantize, eval_text=eval_text,
-                            overwrite=args.force, embedding_stats=stats)
+                            overwrite=args.force, embedding_stats=stats, chat_template=chat_template)
     except (CheckpointError, ExportError, FileExistsError, FileNotFoundError, ValueError) as e:
         return _fail(p.prog, e)
     print(_summary(out, json.loads((out / "manifest.json").read_text())))
