@@ -24,8 +24,8 @@ LINK = re.compile(r"\]\(([^)\s]+)\)")
 CITED_SECTION = re.compile(r"((?:docs/[A-Z_]+|bench/README|bench/HISTORY|README)\.md)(?:, |'s )\"([^\"]+)\"")
 # what no clone has: the design file and the folders beside the working copy it was written in
 OUTSIDE = re.compile(r"DESIGN\.md|\.\./shared|/work/shared|shared/(notes|tools|data|corpus)\b")
-# the shipped artifact's provenance records the training and export commands exactly as they were run
-RECORDED_AS_RUN = ("bench/results/", "export/default_artifact/manifest.json")
+# benchmark results record the commands exactly as they were run
+RECORDED_AS_RUN = ("bench/results/",)
 
 
 def _tracked(*patterns: str) -> list[str]:
