@@ -125,7 +125,8 @@ def main() -> int:
             run["parity"] = m["evaluation"]["transformers_parity"]
             onnx = m.get("export", {}).get("onnx")
             if onnx:
-                run["onnx"] = {k: onnx.get(k) for k in ("export_seconds", "optimized", "verification", "max_abs_diff")}
+                keys = ("export_seconds", "phase_seconds", "nodes", "optimized", "verification", "max_abs_diff")
+                run["onnx"] = {k: onnx.get(k) for k in keys}
         result["runs"][variant] = run
         print(variant, {k: run[k] for k in ("exit_status", "wall_s", "peak_rss_mb")}, flush=True)
     for name, d in damaged_copies(ckpt, args.work).items():
