@@ -8,9 +8,9 @@ The engine in parts: `service/admission.py` (queue bound, reservations, queue ti
 (an object the engine owns: the generations past the queue, their prefills and decode steps) and, here, the
 requests' entry and the worker loop that ties them together. Each turn: start the queued generations the
 policy and the decode cache allow (prefilled together, grouped by length under `max_batch_tokens`, or sliced
-between decode steps when long), run ONE batched decode step over every running generation (continuous
-batching: requests join and leave between steps), then one embedding batch if one is ready. A failure in one
-request's work fails that request only.
+between decode steps when long, so requests that arrive meanwhile start between its slices), run ONE batched
+decode step over every running generation (continuous batching: requests join and leave between steps), then
+one embedding batch if one is ready. A failure in one request's work fails that request only.
 """
 
 from __future__ import annotations
@@ -277,7 +277,7 @@ class Engine:
         """Under the lock: the generations that start now (service/policy.py decides)."""
         queued = [QueuedGeneration(len(j.spec.prompt_ids), len(j.spec.prompt_ids) + j.spec.max_new_tokens)
                   for j in self._gen_queue]
-        n = take_generations(queued, len(self.generations.running), self.config.max_batch_size,
+        n = take_generations(queued, self.generations.rows, self.config.max_batch_size,
                              self.config.max_batch_tokens, self.runner.fits_together)
         taken = [self._gen_queue.popleft() for _ in range(n)]
         for job in taken:

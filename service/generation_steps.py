@@ -25,7 +25,10 @@ from service.runner import ModelRunner
 
 log = logging.getLogger("service.engine")
 
-# A prefill group of more padded tokens than this is sliced between decode steps while generations run.
+# A prefill group of more padded tokens than this is sliced between decode steps, whether or not generations
+# run when it starts: a request that arrives during its prefill is then admitted and decodes between slices
+# (in one piece, a 500K-token prompt kept a 1K-token request that came 2 s later waiting 25 s for its first
+# token: bench/serving/long_prompt_500k.py).
 CHUNKED_PREFILL_TOKENS = 2048
 
 
@@ -58,6 +61,11 @@ class GenerationSteps:
     @property
     def busy(self) -> bool:
         return bool(self.running or self.prefilling)
+
+    @property
+    def rows(self) -> int:
+        """The generations that take a row of the decode steps: running, or prefilling to run next."""
+        return len(self.running) + sum(len(entry.jobs) for entry in self.prefilling)
 
     def release(self, job: GenerationJob) -> None:
         """The job's decode cache goes back to the allocator (its blocks and slot), then the job forgets it."""
@@ -108,8 +116,9 @@ class GenerationSteps:
             groups = group_by_length([len(j.spec.prompt_ids) for j in jobs], self.max_batch_tokens)
         for group in groups:
             members = [jobs[i] for i in group]
-            if self.running and max(len(j.spec.prompt_ids) for j in members) * len(members) > CHUNKED_PREFILL_TOKENS:
-                # long: sliced between decode steps, so running streams are not stalled for its whole prefill
+            if max(len(j.spec.prompt_ids) for j in members) * len(members) > CHUNKED_PREFILL_TOKENS:
+                # long: sliced between decode steps, so neither running streams nor requests that arrive
+                # meanwhile wait for its whole prefill
                 for job in members:
                     job.begin()
                 self.prefilling.append(SlicedPrefill(members, self._slices(members), deque(maxlen=SLICE_HISTORY)))
