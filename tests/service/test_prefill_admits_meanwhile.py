@@ -38,8 +38,9 @@ async def _collect(engine: Engine, spec: GenerationSpec) -> list[int]:
 
 
 def _engine(artifact: Any, started: list[Engine]) -> Engine:
-    engine = Engine(artifact.model, artifact.tokenizer, backend=None,  # type: ignore[arg-type]
-                    device=None, config=EngineConfig(warmup=False, prefill_budget_ms=0.0), metrics=ServiceMetrics())
+    config = EngineConfig(warmup=False, prefill_budget_ms=0.0)
+    engine = Engine(artifact.model, artifact.tokenizer, backend=None, device=None,  # type: ignore[arg-type]
+                    config=config, metrics=ServiceMetrics())
     started.append(engine)
     return engine
 
