@@ -19,8 +19,8 @@ from service.metrics import ServiceMetrics
 
 
 def _engine(artifact: Any, **config: Any) -> Engine:
-    return Engine(artifact.model, artifact.tokenizer, backend=None,  # type: ignore[arg-type]
-                  device=None, config=EngineConfig(warmup=False, **config), metrics=ServiceMetrics())
+    return Engine(artifact.model, artifact.tokenizer, backend=None, device=None,  # type: ignore[arg-type]
+                  config=EngineConfig(warmup=False, **config), metrics=ServiceMetrics())
 
 
 @pytest.fixture
