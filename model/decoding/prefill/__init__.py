@@ -92,6 +92,11 @@ def prefill_scored_steps(lm: ReformerLM, cache: DecodeCache, prompts: Sequence[T
     return result
 
 
+def _sum_in_blocks(x: Tensor, y: Tensor) -> Generator[None, None, Tensor]:
+    """x + y for x and y (N, L, hidden), in blocks of positions (model/decoding/prefill/row_blocks.py)."""
+    return (yield from in_blocks(lambda a, z: x[:, a:z] + y[:, a:z], x.shape[0], x.shape[1], x.device))
+
+
 def _prefill_layers(lm: ReformerLM, cache: DecodeCache, prompts: Sequence[Tensor], lengths: list[int],
                     states: list[DecodeState], slice_chunks: int = DEFAULT_SLICE_CHUNKS,
                     asked: Sequence[int | None] = ()
@@ -118,6 +123,9 @@ def _prefill_layers(lm: ReformerLM, cache: DecodeCache, prompts: Sequence[Tensor
     real = mask.bool()
     last = torch.tensor(lengths, device=cache.device) - 1
     layers = layers_of(lm)
+    # a prompt of several blocks of positions: its whole-prompt tensors are large enough that freeing them
+    # gets pieces of its own (below)
+    long = len(position_blocks(n, tokens.shape[1], tokens.device)) > 1
     for li, layer in enumerate(layers):
         att = layer.attention.self_attention
         assert isinstance(att, LSHSelfAttention | LocalSelfAttention)
@@ -125,9 +133,13 @@ def _prefill_layers(lm: ReformerLM, cache: DecodeCache, prompts: Sequence[Tensor
         # cache keeps what the attention below attends with (a 64K prompt's projections and hash are ~0.6 s
         # a layer on this project's CPU)
         normed = yield from rows_in_blocks(layer.attention.layer_norm, x2)
-        if len(position_blocks(n, x2.shape[1], x2.device)) > 1:
+        if long:
             yield
         given = yield from projections(att, normed, ctx)
+        # whole-prompt tensors are dropped as soon as they are last used, so their frees (about 35 ms per
+        # 512 MB on this project's CPU) fall in different pieces: left to the prefill's end, a 500K-token
+        # prompt's took 0.21 s in its last piece
+        del normed
         keys, values = given.key[:, :, :longest], given.value[:, :, :longest]  # (N, H, L, D)
         # padding positions of the shorter prompts are written to the scratch block, never read
         at = torch.where(real, rows, 0).reshape(-1)
@@ -149,10 +161,17 @@ def _prefill_layers(lm: ReformerLM, cache: DecodeCache, prompts: Sequence[Tensor
         # feed-forward run on those positions alone (its keys and values, above, cover every position)
         if li == len(layers) - 1 and not scoring:
             x1 = at_positions(x1, last) + (yield from layer_f_slices(layer, x2, ctx, slice_chunks, given, last))
+            if long:
+                yield  # the whole prompt's x1 was freed: its x2 in the next piece
             x2 = at_positions(x2, last) + layer.feed_forward(x1)  # (N, 1, hidden)
+            if long:
+                yield
             break
         f_out = yield from layer_f_slices(layer, x2, ctx, slice_chunks, given)
-        x1 = x1 + f_out
+        # the residual sum in blocks of positions (elementwise: the same bits as one add): in one piece, a
+        # 131K-token prompt's took 0.18-0.19 s, most of it faulting in the new tensor's pages
+        x1 = yield from _sum_in_blocks(x1, f_out)
+        del f_out
         yield
         ff = layer.feed_forward
         size = ff.chunk or EVAL_CHUNK
@@ -166,6 +185,9 @@ def _prefill_layers(lm: ReformerLM, cache: DecodeCache, prompts: Sequence[Tensor
                 torch.add(x2[:, a : a + size], ff(x1[:, a : a + size]), out=summed[:, a : a + size])
                 yield
             x2 = summed
+    del given, keys, values, flat_keys, flat_values  # the last layer's projections
+    if long:
+        yield
     scores: list[PromptScores | None] = [None] * len(prompts)
     if scoring:  # every position's streams are here: score them, then keep each prompt's last
         scores = yield from score_prompts(lm, x1, x2, tokens, lengths, asked)

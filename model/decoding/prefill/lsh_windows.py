@@ -77,16 +77,22 @@ def lsh_chunked(att: LSHSelfAttention, qk: Tensor, v: Tensor, buckets: Tensor, c
                                              successor)
             yield
             continue
-        outs, lses = [], []
+        # every chunk's output (B, g, R*N, C, D) and log-sum-exp (B, g, R*N, C), each slice's copied in as it is
+        # computed: concatenating the slices after the last one was a whole-prompt copy in one piece
+        outs: Tensor | None = None
+        lses: Tensor | None = None
         for j0 in range(0, r * n, step):
             o, lse = _attend_windows(att, kernel, rows, sorted_chunks, win[:, None, j0:j0 + step], i0, h, ctx,
                                      successor)
-            outs.append(o)
-            lses.append(lse)
+            if outs is None or lses is None:
+                outs = torch.empty(b, i1 - i0, r * n, c, d, dtype=o.dtype, device=device)
+                lses = torch.empty(b, i1 - i0, r * n, c, dtype=lse.dtype, device=device)
+            outs[:, :, j0 : j0 + step] = o
+            lses[:, :, j0 : j0 + step] = lse
             yield
+        assert outs is not None and lses is not None  # r * n >= 1: the loop ran
         # the rounds combined in slices of as many rows as an attention slice's queries
-        yield from _combine_in_slices(out, i0, torch.cat(outs, dim=2), torch.cat(lses, dim=2), order[:, i0:i1],
-                                      max(c, step * c // r), successor)
+        yield from _combine_in_slices(out, i0, outs, lses, order[:, i0:i1], max(c, step * c // r), successor)
     return out
 
 

@@ -265,7 +265,10 @@ def _local_chunked(att: LocalSelfAttention, q: Tensor, k: Tensor, v: Tensor, ctx
     v_t = v.transpose(1, 2).contiguous()
     qp_all = pos.view(1, 1, n, c).expand(b, 1, n, c)
     step = max(1, slice_chunks // (b * heads))  # chunks per slice, every batch row and head
-    outs = []
+    # (B, L, H, D): each slice's output copied into its positions as it is computed, laid out as merge_heads
+    # wants it (a view then, no copy). Concatenating the slices and merging the heads at the end were two
+    # whole-prompt copies in one piece: 0.09 s at 131K tokens of 2 x 64 heads, beyond the budget at 500K
+    out: Tensor | None = None
     for j0 in range(0, n, step):
         j1 = min(j0 + step, n)
         w_s = win[:, j0:j1]
@@ -277,7 +280,9 @@ def _local_chunked(att: LocalSelfAttention, q: Tensor, k: Tensor, v: Tensor, ctx
         kv = None if ctx.valid is None else torch.gather(ctx.valid[:, None, None, :].expand(b, 1, s, t), 3, kp)
         o = local_window_attend(q_c[:, :, j0:j1], k_w.reshape(b, heads, s, -1, d), v_w.reshape(b, heads, s, -1, d),
                                 qp, kp, kv, att.causal, 0.0, ctx.generator, att.fused, att.c_kernel)
-        outs.append(o)
+        if out is None:
+            out = torch.empty(b, t, heads, d, dtype=o.dtype, device=o.device)
+        out[:, j0 * c : j1 * c] = o.reshape(b, heads, s * c, d).transpose(1, 2)  # (B, H, S, C, D) -> (B, S*C, H, D)
         yield
-    out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]  # (B, H, N, C, D)
-    return out.reshape(b, heads, t, d)
+    assert out is not None  # n >= 1: the loop ran
+    return out.transpose(1, 2)  # (B, H, L, D)
