@@ -22,7 +22,7 @@ Prompts are the book's text (repeated when short) cut to the length in the artif
    longest prompt, which that cache cannot hold: status and message.
 The server's peak RSS is its VmHWM (/proc) after each phase. Then this process runs the model's forward
 (torch, inference mode, one row) on --forward-lengths tokens: tokens/s. Writes the JSON and prints a table.
-Run it alone (flock /tmp/cpu.lock): the two cores are the measurement.
+Run it alone (bench/quiet_run.sh): the two cores are the measurement.
 """
 
 from __future__ import annotations
