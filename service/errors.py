@@ -110,6 +110,15 @@ _OPENAI_TYPES = {
 }
 
 
+# native (TGI/TEI) routes' error_type for each of ours, where theirs differs
+_NATIVE_TYPES = {"input_too_long": "validation"}
+
+
+def native_type(error_type: str) -> str:
+    """The `error_type` native (TGI/TEI) routes answer for one of ours."""
+    return _NATIVE_TYPES.get(error_type, error_type)
+
+
 def is_openai_path(path: str) -> bool:
     return path == "/v1" or path.startswith("/v1/")
 
@@ -125,7 +134,9 @@ def error_body(path: str, error_type: str, message: str, status_code: int, param
                 "code": error_type,
             }
         }
-    return {"error": message, "error_type": error_type}
+    # TGI answers a too-long input as a validation error, and its clients (huggingface_hub) raise
+    # ValidationError only for that type; the message still says which limit was passed
+    return {"error": message, "error_type": native_type(error_type)}
 
 
 def status_for(path: str, status_code: int) -> int:

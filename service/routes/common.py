@@ -128,8 +128,8 @@ _ERROR_TEXT = {
     404: "The request names a model this server does not serve (error code model_not_found).",
     408: "Request body not received within body_timeout_s (error_type body_timeout).",
     413: "Request body larger than max_payload_bytes.",
-    422: "Validation failed (error_type validation), or input longer than the limit, or input plus new tokens "
-         "beyond the model's positions (input_too_long).",
+    422: "Validation failed (error_type validation), including input longer than the limit or input plus new "
+         "tokens beyond the model's positions (the message names the limit).",
     429: "Queue full; retry after Retry-After seconds.",
     500: "Unexpected error (generic message; details in the server log).",
     503: "Model not loaded yet, or the server is draining.",

@@ -12,7 +12,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
 
 from service.engine import Engine, GenerationStream
-from service.errors import ServiceError, ValidationFailed
+from service.errors import ServiceError, ValidationFailed, native_type
 from service.jobs import FinishEvent, GenerationSpec, TokenEvent
 from service.protocol import (
     GenerateDetails,
@@ -205,7 +205,7 @@ async def _events(state: State, stream: GenerationStream, first: TokenEvent, pre
             yield sse(final.model_dump(mode="json", exclude=_unasked(top)))
             return
     except ServiceError as error:
-        yield sse(StreamError(error=error.message, error_type=error.error_type).model_dump(mode="json"))
+        yield sse(StreamError(error=error.message, error_type=native_type(error.error_type)).model_dump(mode="json"))
     except Exception:
         log.exception("generation stream failed")
         yield sse(StreamError(error="internal error; the server log has the details",

@@ -129,7 +129,7 @@ def test_strict_run_fails_when_the_server_counted_something_else(
 def test_refused_requests_are_reported_by_status_and_still_cross_checked(
     server_url: str, docs_dir: Path, tmp_path: Path
 ) -> None:
-    # 4 KB documents are longer than the tiny model's 2048 positions: every request is a 422 input_too_long
+    # 4 KB documents are longer than the tiny model's 2048 positions: every request is a 422 (TGI's validation type)
     out = tmp_path / "report.json"
     args = ["--url", server_url, "--docs", str(docs_dir), "--lengths", "4096", "--concurrency", "2",
             "--requests", "2", "--warmup", "0", "--endpoint", "both", "--out", str(out), "--strict",
@@ -138,7 +138,7 @@ def test_refused_requests_are_reported_by_status_and_still_cross_checked(
     report = json.loads(out.read_text())
     for row in report["results"]:
         assert row["ok"] == 0 and row["errors"] == {"422": 2}
-        assert row["error_types"] == {"422 input_too_long": 2}
+        assert row["error_types"] == {"422 validation": 2}
         assert row["latency_s"] is None and row["requests_per_s"] == 0
     check = MetricsCheck.model_validate(report["metrics_check"])
     assert check.ok and {"requests /generate 422", "requests /embed 422"} <= {c.what for c in check.checks}

@@ -104,8 +104,8 @@ def test_too_many_stop_sequences(client: httpx.Client) -> None:
 
 def test_input_over_the_token_limit_without_truncation(client: httpx.Client) -> None:
     long = "z" * (MAX_INPUT + 10)
-    assert_error(client.post("/generate", json={"inputs": long}), 422, "input_too_long", "inputs", str(MAX_INPUT))
-    assert_error(client.post("/embed", json={"inputs": long}), 422, "input_too_long", "inputs", "truncate")
+    assert_error(client.post("/generate", json={"inputs": long}), 422, "validation", "inputs", str(MAX_INPUT))
+    assert_error(client.post("/embed", json={"inputs": long}), 422, "validation", "inputs", "truncate")
     r = client.post("/v1/completions", json={"prompt": long})
     assert r.status_code == 400 and r.json()["error"]["code"] == "input_too_long"
 
