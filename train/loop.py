@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import gc
 import json
 import math
 import shlex
@@ -415,6 +416,11 @@ def main(argv: list[str] | None = None) -> int:
             # leave together: once, under a loaded CI machine, rank 1 aborted ("terminate called without an
             # active exception") tearing down its process group while rank 0 was still writing the checkpoint
             torch.distributed.barrier()
+            # and free the DDP wrapper (its reducer holds gloo work with tensors) while the interpreter is
+            # whole: left in a reference cycle to the interpreter's finalization, destroying it can abort the
+            # process the same way (seen again under CI's load with the barrier in place)
+            del trainer
+            gc.collect()
         return code
     except (DataError, ValueError) as e:
         print(f"reformer train: error: {e}", file=sys.stderr)
