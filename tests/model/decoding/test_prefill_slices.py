@@ -12,11 +12,11 @@ import torch
 from torch import Tensor
 
 from model import ReformerLM
-from model.batch import prepare_batch
 from model.decoding import DecodeCache, prefill, prefill_steps
 from model.decoding.prefill.slices import attention_slices, layer_f_slices
 
 from ..helpers import tiny_config
+from .layer_inputs import layer_inputs
 
 
 def _drain(gen: Generator[None, None, Any]) -> tuple[Any, int]:
@@ -39,22 +39,6 @@ def _layer(lm: ReformerLM, i: int) -> Any:
     return lm.layers[i]
 
 
-def _inputs(lm: ReformerLM, lengths: list[int], seed: int = 5) -> tuple[Tensor, Any]:
-    """The embedded, padded batch the forward's first layer sees, and its attention context."""
-    g = torch.Generator().manual_seed(seed)
-    longest = max(lengths)
-    ids = torch.zeros(len(lengths), longest, dtype=torch.long)
-    mask = torch.zeros(len(lengths), longest, dtype=torch.long)
-    for i, n in enumerate(lengths):
-        ids[i, :n] = torch.randint(3, 258, (n,), generator=g)
-        mask[i, :n] = 1
-    batch = prepare_batch(ids, None if min(lengths) == longest else mask, lm.config)
-    with torch.no_grad():
-        x = lm.embeddings(batch.input_ids)
-    # a random hidden state rather than raw embeddings: every layer sees varied inputs
-    x = x + 0.5 * torch.randn(x.shape, generator=g)
-    return x, batch.context
-
 
 LENGTHS = [[200], [203], [131, 200, 77], [5, 150], [3, 8], [64], [9, 9]]
 
@@ -67,7 +51,7 @@ def test_sliced_layer_equals_the_full_layer(kind: str, lengths: list[int], fused
     lm = _model(attn_layers=[kind, kind], num_hashes=3)
     layer = _layer(lm, 1)
     layer.attention.self_attention.fused = fused
-    x, ctx = _inputs(lm, lengths)
+    x, ctx = layer_inputs(lm, lengths)
     with torch.no_grad():
         whole, _ = layer.f(x, ctx, None)
         sliced, yields = _drain(layer_f_slices(layer, x, ctx, slice_chunks))
@@ -81,7 +65,7 @@ def test_slices_are_bounded_in_window_attentions() -> None:
     """A slice holds at most `slice_chunks` window attentions: the count of yields grows as it shrinks."""
     lm = _model(attn_layers=["lsh"], num_hashes=2)
     att = _layer(lm, 0).attention.self_attention
-    x, ctx = _inputs(lm, [256])  # 32 chunks per round, 2 rounds, 2 heads: 128 window attentions
+    x, ctx = layer_inputs(lm, [256])  # 32 chunks per round, 2 rounds, 2 heads: 128 window attentions
     counts = []
     with torch.no_grad():
         h = _layer(lm, 0).attention.layer_norm(x)
@@ -96,7 +80,7 @@ def test_slices_are_bounded_in_window_attentions() -> None:
 
 def test_training_mode_is_not_sliced() -> None:
     lm = _model(attn_layers=["lsh"]).train()
-    x, ctx = _inputs(lm, [100])
+    x, ctx = layer_inputs(lm, [100])
     with torch.no_grad():
         out, yields = _drain(layer_f_slices(_layer(lm, 0), x, ctx, 1))
         whole, _ = _layer(lm, 0).f(x, ctx, None)
@@ -105,7 +89,7 @@ def test_training_mode_is_not_sliced() -> None:
 
 def test_slice_size_must_be_positive() -> None:
     lm = _model(attn_layers=["local"])
-    x, ctx = _inputs(lm, [100])
+    x, ctx = layer_inputs(lm, [100])
     with pytest.raises(ValueError):
         _drain(attention_slices(_layer(lm, 0).attention.self_attention, x, ctx, 0))
 
@@ -138,7 +122,7 @@ def test_attention_at_the_last_positions_equals_the_full_attention_there(
     lm = _model(attn_layers=[kind, kind], num_hashes=3)
     att = _layer(lm, 1).attention.self_attention
     att.fused, att.c_kernel = fused, c_kernel
-    x, ctx = _inputs(lm, lengths)
+    x, ctx = layer_inputs(lm, lengths)
     last = torch.tensor(lengths) - 1
     with torch.no_grad():
         whole, _ = _drain(attention_slices(att, x, ctx, 3))
@@ -156,7 +140,7 @@ def test_last_position_attention_runs_one_chunk_per_head_and_round(monkeypatch: 
 
     lm = _model(attn_layers=["lsh", "lsh"], num_hashes=3)
     att = _layer(lm, 1).attention.self_attention
-    x, ctx = _inputs(lm, [200, 131])
+    x, ctx = layer_inputs(lm, [200, 131])
     seen: list[int] = []
     real = prefill_lsh.fused_lsh_attend
 

@@ -12,11 +12,11 @@ import torch
 from torch import Tensor
 
 from model import ReformerLM
-from model.batch import prepare_batch
 from model.decoding import DecodeCache, prefill
 from model.decoding.prefill.slices import attention_slices, layer_f_slices
 
 from ..helpers import tiny_config
+from .layer_inputs import layer_inputs
 
 
 def _drain(gen: Generator[None, None, Any]) -> Any:
@@ -33,19 +33,6 @@ def _model(successor: int | list[int], **overrides: Any) -> ReformerLM:
                                   **overrides)).eval()
 
 
-def _inputs(lm: ReformerLM, lengths: list[int]) -> tuple[Tensor, Any]:
-    g = torch.Generator().manual_seed(5)
-    longest = max(lengths)
-    ids = torch.zeros(len(lengths), longest, dtype=torch.long)
-    mask = torch.zeros(len(lengths), longest, dtype=torch.long)
-    for i, n in enumerate(lengths):
-        ids[i, :n] = torch.randint(3, 258, (n,), generator=g)
-        mask[i, :n] = 1
-    batch = prepare_batch(ids, None if min(lengths) == longest else mask, lm.config)
-    with torch.no_grad():
-        x = lm.embeddings(batch.input_ids)
-    return x + 0.5 * torch.randn(x.shape, generator=g), batch.context
-
 
 LENGTHS = [[200], [131, 200, 77], [5, 150], [3, 8]]
 
@@ -61,7 +48,7 @@ def test_sliced_successor_layer_equals_the_full_layer(successor: int, lengths: l
     layer: Any = lm.layers[1]
     att = layer.attention.self_attention
     att.fused, att.c_kernel = fused, c_kernel
-    x, ctx = _inputs(lm, lengths)
+    x, ctx = layer_inputs(lm, lengths)
     last = torch.tensor(lengths) - 1
     with torch.no_grad():
         whole, _ = layer.f(x, ctx, None)
