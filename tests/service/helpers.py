@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -58,3 +58,15 @@ def metric_value(text: str, name: str, labels: dict[str, str] | None = None) -> 
         if all(found.get(k) == v for k, v in want.items()):
             return float(value)
     return 0.0
+
+
+def observed_slices(slices: Generator[None, None, Any], on_slice: Callable[[], None]) -> Generator[None, None, Any]:
+    """A prefill's slices passed through unchanged (their result too), calling `on_slice` after each: how the
+    engine tests see where a sliced prefill yields to decode steps."""
+    while True:
+        try:
+            next(slices)
+        except StopIteration as done:
+            return done.value
+        on_slice()
+        yield

@@ -16,6 +16,7 @@ from service.errors import InputTooLong, InternalError
 from service.jobs import GenerationSpec
 from service.jobs_runtime import GenerationJob, JobState
 from service.metrics import ServiceMetrics
+from tests.service.helpers import observed_slices
 
 
 def _engine(artifact: Any, **config: Any) -> Engine:
@@ -152,14 +153,7 @@ def _record_slices(engine: Engine, monkeypatch: pytest.MonkeyPatch, budget_s: fl
         return real_decode(tokens, states)
 
     def prefill_slices(prompts: Any, reserve: Any) -> Any:
-        inner = real_slices(prompts, reserve)
-        while True:
-            try:
-                next(inner)
-            except StopIteration as done:
-                return done.value
-            calls.append("s")
-            yield
+        return observed_slices(real_slices(prompts, reserve), lambda: calls.append("s"))
 
     monkeypatch.setattr(engine.runner, "decode", decode)
     monkeypatch.setattr(engine.runner, "prefill_slices", prefill_slices)

@@ -16,6 +16,7 @@ from model.sampling import SamplingParams
 from service.engine import Engine, EngineConfig
 from service.jobs import GenerationSpec
 from service.metrics import ServiceMetrics
+from tests.service.helpers import observed_slices
 
 LONG_PROMPT = [5 + i % 200 for i in range(300)]
 SHORT_PROMPT = [5, 6, 7]
@@ -53,18 +54,14 @@ def _record(engine: Engine, first_slice: threading.Event, short_queued: threadin
     real_slices, real_prefill, real_decode = engine.runner.prefill_slices, engine.runner.prefill, engine.runner.decode
     real_prefilled = engine.generations._prefilled
 
+    def after_slice() -> None:
+        calls.append("s")
+        if not first_slice.is_set():
+            first_slice.set()
+            assert short_queued.wait(WAIT_S), "the short request was never queued"
+
     def prefill_slices(prompts: Any, reserve: Any) -> Any:
-        inner = real_slices(prompts, reserve)
-        while True:
-            try:
-                next(inner)
-            except StopIteration as done:
-                return done.value
-            calls.append("s")
-            if not first_slice.is_set():
-                first_slice.set()
-                assert short_queued.wait(WAIT_S), "the short request was never queued"
-            yield
+        return observed_slices(real_slices(prompts, reserve), after_slice)
 
     def prefill(prompts: Any, reserve: Any) -> Any:
         calls.append("p")
