@@ -75,7 +75,7 @@ class ModelRunner:
         self.last_rows_per_call = 0  # the most rows one model call of the last decode step held
         # the widest a run of free blocks must be to cover a whole huge page of the widest-rowed pool
         self._reach = max((-(-HUGE_PAGE // (self.cache.block_size * pool.stride(0) * pool.element_size()))
-                           for pool in self.cache.kv), default=1)
+                           for pool in self.cache.block_pools), default=1)
 
     # ---- accounting --------------------------------------------------------------------------------------
     def fits_ever(self, tokens: int) -> bool:
@@ -191,15 +191,17 @@ class ModelRunner:
         wherever they were ever written, so without this the cache's RSS is the high-water mark of every set
         of requests it held at once (a 64K-token prompt writes 260 MB of the shipped model's pools). Only whole
         huge pages inside free runs go back (model/decoding/cache.py `take_releasable`: a released row reads
-        as zeros only where nothing reads it). Key/value and norm pools only (98% of a token's bytes): the
-        LSH index's order is left as it is. The engine's worker calls it between turns (service/memory.py
-        HeapKeeper): with `REFORMER_CACHE_KEEP_MB` after a request finished, with 0 idle or over the budget."""
+        as zeros only where nothing reads it). The block pools only, the LSH layers' keys, values and key
+        factors (most of a token's bytes): the LSH index's order is left as it is, and the local layers'
+        rings belong to their slots (model/decoding/local_ring.py). The engine's worker calls it between
+        turns (service/memory.py HeapKeeper): with `REFORMER_CACHE_KEEP_MB` after a request finished, with 0
+        idle or over the budget."""
         cache = self.cache
         if self.device.type != "cpu":
             return 0
-        runs = cache.take_releasable(-(-keep_bytes // cache.bytes_per_block), self._reach)
+        runs = cache.take_releasable(-(-keep_bytes // max(cache.bytes_per_block, 1)), self._reach)
         released = 0
-        for pool in (*cache.kv, *(n for n in cache.norms if n is not None)) if runs else ():
+        for pool in cache.block_pools if runs else ():
             row = pool.stride(0) * pool.element_size()
             base = pool.untyped_storage().data_ptr()
             for start, stop in runs:

@@ -248,8 +248,9 @@ def refusal(url: str, prompt: str, tokens: int, new_tokens: int) -> dict[str, An
 
 
 def cache_bytes_per_token(lm: Any) -> dict[str, Any]:
-    """The decode cache's bytes per cached position, per layer kind, as model/decoding/cache.py counts them
-    (every layer keeps every position), and what local layers would hold if they kept only their window."""
+    """The decode cache's bytes per cached position, per layer kind, as model/decoding/cache.py counts them: an
+    LSH layer keeps every position in blocks, a local layer only its window, in a ring per slot
+    (model/decoding/local_ring.py), counted per slot."""
     import torch
 
     from model.decoding import DecodeCache
@@ -262,12 +263,10 @@ def cache_bytes_per_token(lm: Any) -> dict[str, Any]:
     lsh = kv + cache.heads * (torch.finfo(cache.dtype).bits // 8) + LSHIndex.token_bytes(
         cache.heads, cfg.num_hashes, cfg.max_position_embeddings)
     kinds = list(cfg.attn_layers)
-    window = cfg.local_attn_chunk_length * (cfg.local_num_chunks_before + 1)
-    return {"bytes_per_token": cache.bytes_per_token, "local_layer": kv, "lsh_layer": lsh,
+    return {"bytes_per_token": cache.bytes_per_token, "local_layer_position": kv, "lsh_layer": lsh,
             "local_layers": kinds.count("local"), "lsh_layers": kinds.count("lsh"),
-            "reserved_bytes_per_slot": cache.reserved_bytes_per_slot, "local_window_positions": window,
-            "with_local_window_ring": {"bytes_per_token": lsh * kinds.count("lsh"),
-                                       "local_bytes_per_slot": kv * window * kinds.count("local")}}
+            "local_window_positions": cache.ring.width, "local_bytes_per_slot": cache.ring_bytes_per_slot,
+            "reserved_bytes_per_slot": cache.reserved_bytes_per_slot}
 
 
 def forward_speed(lm: Any, lengths: list[int]) -> dict[int, dict[str, float]]:

@@ -2,10 +2,11 @@
 vLLM's), plus each LSH layer's bucket order (model/decoding/lsh_index.py): its main part in the same blocks, a
 small fixed part per request slot.
 
-Each layer's keys and values (and an LSH layer's key factors and main bucket order) live in one pool of
-`blocks` blocks of `block_size` positions; a request owns a list of blocks (its row of `block_table`). A
-request reserves, when it is admitted, the blocks for its prompt plus its `max_new_tokens`, so joining or
-leaving copies nobody's cache and growing never copies.
+Each LSH layer's keys, values, key factors and main bucket order live in one pool of `blocks` blocks of
+`block_size` positions; a request owns a list of blocks (its row of `block_table`). A request reserves, when
+it is admitted, the blocks for its prompt plus its `max_new_tokens`, so joining or leaving copies nobody's
+cache and growing never copies. A local layer reads only the last positions of its window, so it keeps a
+ring of those per slot instead (model/decoding/local_ring.py): its bytes are counted per slot, not per token.
 Block 0 and the last slot are scratch: padding rows of a bucketed step read and write there.
 
 Keys and values are kept in the model's dtype by default (`kv_dtype=None`), as the forward computes them. A
@@ -41,6 +42,7 @@ from torch import Tensor
 from ..attention import KEY_NORM_EPS, LSHSelfAttention
 from ..kernels import CpuKernels, kernels
 from .huge_pages import pool_empty
+from .local_ring import LocalRing, local_window_width
 from .lsh_index import RECENT, BlockLookup, LSHIndex
 
 if TYPE_CHECKING:
@@ -161,14 +163,23 @@ class DecodeCache:
         kv_elt, elt = torch.finfo(self.kv_dtype).bits // 8, torch.finfo(self.dtype).bits // 8
         positions = cfg.max_position_embeddings
         lsh = [spec for spec in specs if spec is not None]
-        # keys and values of every layer, LSH layers' key factors and main bucket order (decode_index.py)
-        self.bytes_per_token = ((2 * len(specs) * self.head_size * kv_elt + len(lsh) * elt) * self.heads
+        kv_bytes = 2 * self.heads * self.head_size * kv_elt  # one position's keys and values in one layer
+        # per block position: LSH layers' keys and values, key factors and main bucket order (lsh_index.py)
+        self.bytes_per_token = (len(lsh) * (kv_bytes + self.heads * elt)
                                 + sum(LSHIndex.token_bytes(h, r, positions) for h, r, _, _ in lsh))
         self.bytes_per_block = self.bytes_per_token * block_size
-        self.reserved_bytes_per_slot = sum(LSHIndex.slot_bytes(h, r, most, positions, recent) for h, r, _, most in lsh)
+        # per slot: each local layer's ring of its window (local_ring.py), LSH indexes' fixed part at its largest
+        self.ring = LocalRing(local_window_width(lm))
+        self.ring_bytes_per_slot = (len(specs) - len(lsh)) * self.ring.width * kv_bytes
+        self.reserved_bytes_per_slot = self.ring_bytes_per_slot + sum(
+            LSHIndex.slot_bytes(h, r, most, positions, recent) for h, r, _, most in lsh)
         usable = capacity_bytes - self.reserved_bytes_per_slot * (max_slots + 1)
-        self.blocks = max(usable // self.bytes_per_block, 0) + 1  # + the scratch block 0
+        if self.bytes_per_block:
+            self.blocks = max(usable // self.bytes_per_block, 0) + 1  # + the scratch block 0
+        else:  # no LSH layer: blocks hold no bytes; as many as every slot's longest request when the rings fit
+            self.blocks = (max_slots * -(-self.max_tokens // block_size) if usable >= 0 else 0) + 1
         rows = self.blocks * block_size
+        self.scratch_slot = max_slots
         self.indexes: list[LSHIndex | None] = [
             None if spec is None else LSHIndex(max_slots + 1, spec[0], spec[1], spec[2], rows, self.device, positions,
                                                recent)
@@ -180,16 +191,22 @@ class DecodeCache:
         # script, load not recorded; bench config, 8 rows after 1K: 6.18 / 6.16 -> 5.39 / 5.56 ms;
         # bit-identical logits). keys and values
         # are views into it, each (rows, heads, head_size) with rows 2 * head_size elements apart.
-        self.kv = [pool_empty((rows, self.heads, 2, self.head_size), self.kv_dtype, self.device)
-                   for _ in self.indexes]
+        # A local layer's pool is its rings, slot by slot (the scratch slot's last): rows (max_slots + 1) * width.
+        self.kv = [pool_empty((rows if ix is not None else (max_slots + 1) * self.ring.width, self.heads, 2,
+                               self.head_size), self.kv_dtype, self.device)
+                   for ix in self.indexes]
         self.keys = [kv[:, :, 0] for kv in self.kv]
         self.values = [kv[:, :, 1] for kv in self.kv]
         # LSH layers: each cached key's length-normalisation factor divided by sqrt(head size), so a step
         # scales its dot products instead of normalising every gathered key again
         self.norms = [pool_empty((rows, self.heads), self.dtype, self.device) if ix is not None
                       else None for ix in self.indexes]
-        for pool in (*self.keys, *self.values, *(n for n in self.norms if n is not None)):
+        for pool in self.block_pools:
             pool[:block_size].zero_()
+        scratch_ring = slice(self.scratch_slot * self.ring.width, (self.scratch_slot + 1) * self.ring.width)
+        for li, kv in enumerate(self.kv):
+            if self.indexes[li] is None:
+                kv[scratch_ring].zero_()
         for ix in self.indexes:
             if ix is not None:
                 ix.order[:block_size].fill_(ix.shift)  # position 0
@@ -197,7 +214,6 @@ class DecodeCache:
         # when that is not a multiple of the chunks' common length
         self.max_blocks = -(-cfg.padded_length(cfg.max_position_embeddings) // block_size)
         self.block_table = torch.zeros(max_slots + 1, self.max_blocks, dtype=torch.long, device=self.device)
-        self.scratch_slot = max_slots
         self._free_blocks = list(range(1, self.blocks))  # a heap: the lowest free block is handed out first
         self._is_free = [False, *([True] * (self.blocks - 1))]
         self._written: set[int] = set()  # free blocks written since their pages were last given back
@@ -208,9 +224,21 @@ class DecodeCache:
 
     @property
     def bytes_per_slot(self) -> int:
-        """LSH bookkeeping one request slot holds now. With an automatic bucket count it grows (for every
-        slot) up to `reserved_bytes_per_slot`, which the capacity counts."""
-        return sum(ix.nbytes_per_slot() for ix in self.indexes if ix is not None)
+        """What one request slot holds outside the blocks now: the local layers' rings and the LSH indexes'
+        fixed part. With an automatic bucket count the latter grows (for every slot) up to what
+        `reserved_bytes_per_slot` counts, which the capacity counts."""
+        return self.ring_bytes_per_slot + sum(ix.nbytes_per_slot() for ix in self.indexes if ix is not None)
+
+    @property
+    def block_pools(self) -> list[Tensor]:
+        """The pools addressed through the block table (LSH layers' keys and values, and key factors): what
+        `take_releasable`'s row ranges are rows of. The local layers' rings are not among them."""
+        return [*(kv for kv, ix in zip(self.kv, self.indexes, strict=True) if ix is not None),
+                *(n for n in self.norms if n is not None)]
+
+    def is_ring(self, layer: int) -> bool:
+        """Whether `layer` keeps its keys and values in per-slot rings (a local layer), not in blocks."""
+        return self.indexes[layer] is None
 
     @classmethod
     def for_tokens(cls, lm: ReformerLM, tokens: int, slots: int = 1, block_size: int = BLOCK_SIZE,
@@ -323,12 +351,23 @@ class DecodeCache:
 
     # ---- tensors -----------------------------------------------------------------------------------------
     def rows(self, slots: Tensor, positions: Tensor) -> Tensor:
-        """Row of each (slot, position) in the flattened pools; positions (B, ...) with slots (B,)."""
+        """Row of each (slot, position) in the flattened block pools; positions (B, ...) with slots (B,)."""
         lookup = BlockLookup(self.block_table, slots, self.block_size)
         return lookup.rows(positions.reshape(slots.shape[0], -1)).view(positions.shape)
 
+    def layer_rows(self, layer: int, slots: Tensor, positions: Tensor) -> Tensor:
+        """`rows` in `layer`'s pools: its ring rows for a local layer (only its window's positions are there)."""
+        return self.ring.rows(slots, positions) if self.is_ring(layer) else self.rows(slots, positions)
+
+    def held_rows(self, layer: int, state: DecodeState) -> Tensor:
+        """Pool rows (n,) of the positions `layer` holds for a request, in position order: every position in
+        the blocks, the last window's (`LocalRing.kept`) in a local layer's ring."""
+        kept = self.ring.kept(state.length) if self.is_ring(layer) else range(state.length)
+        positions = torch.arange(kept.start, kept.stop, device=self.device).view(1, -1)
+        return self.layer_rows(layer, torch.tensor([state.slot], device=self.device), positions).view(-1)
+
     def slot_rows(self, state: DecodeState, start: int, stop: int) -> Tensor:
-        """Pool rows (stop - start,) of a request's positions start..stop-1."""
+        """Pool rows (stop - start,) of a request's positions start..stop-1 in the block pools."""
         slot = torch.tensor([state.slot], device=self.device)
         return self.rows(slot, torch.arange(start, stop, device=self.device).view(1, -1)).view(-1)
 

@@ -48,6 +48,7 @@ class StepLayer(ctypes.Structure):
 
     _fields_ = [
         ("lsh", _I64), ("heads", _I64), ("dim", _I64), ("kind", _I64), ("pool_rows", _I64), ("stride", _I64),
+        ("ring", _I64),
         ("ln_w", _PTR), ("ln_b", _PTR), ("proj_w", _PTR), ("proj_b", _PTR), ("keys", _PTR), ("values", _PTR),
         ("norms", _PTR), ("rounds", _I64), ("buckets", _I64), ("recent_size", _I64), ("items_len", _I64),
         ("item_bytes", _I64), ("shift", _I64), ("recent_offset", _I64), ("main_counts", _PTR),

@@ -310,9 +310,10 @@ def _greedy_run(runner: ModelRunner, prompt: list[int], new: int) -> tuple[list[
 
 @pytest.mark.skipif(memory.rss_bytes() == 0 or memory._LIBC.madvise is None, reason="Linux /proc and madvise")
 def test_idle_release_gives_the_pools_pages_back_and_changes_no_result() -> None:
-    # heads x head size of 256 floats: 2 KB of keys and values per token and layer, so a 1,900-token request
-    # writes past the first 2 MiB huge page of each pool
-    model = tiny_model(num_attention_heads=4, attention_head_size=64)
+    # heads x head size of 256 floats: 2 KB of keys and values per token and LSH layer, so a 1,900-token
+    # request writes past the first 2 MiB huge page of each LSH layer's pool (a local layer keeps only its
+    # window, model/decoding/local_ring.py)
+    model = tiny_model(num_attention_heads=4, attention_head_size=64, attn_layers=["local", "lsh", "lsh"])
     runner = ModelRunner(model, torch.device("cpu"), max_slots=2, cache_bytes=64 * 2**20, cpu_kernel=False)
     prompt = [2 + (i * 7) % 250 for i in range(1900)]
     first = _greedy_run(runner, prompt, 8)  # writes about 7.6 MB of keys and values, then frees them

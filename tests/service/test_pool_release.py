@@ -40,8 +40,9 @@ def _decode(runner: ModelRunner, states: list[Any], last: torch.Tensor, steps: i
 
 @pytest.mark.skipif(not LINUX, reason="Linux /proc and madvise")
 def test_a_finished_long_request_gives_its_pages_back_while_another_runs() -> None:
-    # 2 KB of keys and values per token and layer: a 1,900-token request writes past several 2 MiB huge pages
-    model = tiny_model(num_attention_heads=4, attention_head_size=64)
+    # 2 KB of keys and values per token and LSH layer: a 1,900-token request writes past several 2 MiB huge
+    # pages (two LSH layers: a local layer keeps only its window, model/decoding/local_ring.py)
+    model = tiny_model(num_attention_heads=4, attention_head_size=64, attn_layers=["local", "lsh", "lsh"])
     runner = ModelRunner(model, torch.device("cpu"), max_slots=2, cache_bytes=64 * 2**20, cpu_kernel=False)
     short_prompt = [3 + i % 200 for i in range(40)]
     # the short request alone, as a reference for its bits

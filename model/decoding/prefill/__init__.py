@@ -97,6 +97,20 @@ def _sum_in_blocks(x: Tensor, y: Tensor) -> Generator[None, None, Tensor]:
     return (yield from in_blocks(lambda a, z: x[:, a:z] + y[:, a:z], x.shape[0], x.shape[1], x.device))
 
 
+def _ring_kept(cache: DecodeCache, states: Sequence[DecodeState], lengths: Sequence[int]
+               ) -> tuple[Tensor, Tensor, Tensor]:
+    """What a prefill writes to the local layers' rings (model/decoding/local_ring.py): each prompt's last
+    positions within its window, as (prompt, position) pairs (K,) each, and their ring rows (K,), all distinct."""
+    prompt, position, slot = [], [], []
+    for i, (state, n) in enumerate(zip(states, lengths, strict=True)):
+        kept = torch.arange(cache.ring.kept(n).start, n)
+        position.append(kept)
+        prompt.append(torch.full_like(kept, i))
+        slot.append(torch.full_like(kept, state.slot))
+    at = cache.ring.rows(torch.cat(slot), torch.cat(position))  # (K,)
+    return torch.cat(prompt).to(cache.device), torch.cat(position).to(cache.device), at.to(cache.device)
+
+
 def _prefill_layers(lm: ReformerLM, cache: DecodeCache, prompts: Sequence[Tensor], lengths: list[int],
                     states: list[DecodeState], slice_chunks: int = DEFAULT_SLICE_CHUNKS,
                     asked: Sequence[int | None] = ()
@@ -120,6 +134,7 @@ def _prefill_layers(lm: ReformerLM, cache: DecodeCache, prompts: Sequence[Tensor
     pos = torch.arange(longest, device=cache.device)
     slots = torch.tensor([s.slot for s in states], device=cache.device)
     rows = cache.rows(slots, pos.expand(len(prompts), longest))  # (N, L)
+    ring_kept = _ring_kept(cache, states, lengths) if cache.ring.width else None
     real = mask.bool()
     last = torch.tensor(lengths, device=cache.device) - 1
     layers = layers_of(lm)
@@ -141,10 +156,17 @@ def _prefill_layers(lm: ReformerLM, cache: DecodeCache, prompts: Sequence[Tensor
         # prompt's took 0.21 s in its last piece
         del normed
         keys, values = given.key[:, :, :longest], given.value[:, :, :longest]  # (N, H, L, D)
-        # padding positions of the shorter prompts are written to the scratch block, never read
-        at = torch.where(real, rows, 0).reshape(-1)
-        flat_keys = keys.transpose(1, 2).reshape(-1, att.heads, att.head_size)  # (N*L, H, D)
-        flat_values = values.transpose(1, 2).reshape(-1, att.heads, att.head_size)
+        if cache.is_ring(li):
+            # a local layer keeps each prompt's last window of positions in its slot's ring (distinct rows):
+            # those positions alone are gathered, (K, H, D)
+            assert ring_kept is not None
+            prompt, position, at = ring_kept
+            flat_keys, flat_values = keys.transpose(1, 2)[prompt, position], values.transpose(1, 2)[prompt, position]
+        else:
+            # padding positions of the shorter prompts are written to the scratch block, never read
+            at = torch.where(real, rows, 0).reshape(-1)
+            flat_keys = keys.transpose(1, 2).reshape(-1, att.heads, att.head_size)  # (N*L, H, D)
+            flat_values = values.transpose(1, 2).reshape(-1, att.heads, att.head_size)
         for p0 in range(0, at.shape[0], WRITE_ROWS):
             p1 = p0 + WRITE_ROWS
             cache.write(li, at[p0:p1], flat_keys[p0:p1], flat_values[p0:p1])

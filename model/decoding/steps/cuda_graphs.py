@@ -2,10 +2,11 @@
 arithmetic, set its time on a GPU; a captured graph replays them all with one launch.
 
 A step's device work (model/decoding/steps/torch_step.py `step_compute`) reads two inputs, the tokens (B,) and the rows'
-facts (B, 7), and otherwise only the cache's tensors, which stay where they are (preallocated pools, block
-table, LSH indexes). Its shapes depend only on the padded row count B and on a few host-known facts (whether
-every row already hashes, the bucket count the rows hash with), so one graph per such key serves every step
-with that key: each replay first copies the step's inputs into the graph's own input buffers.
+facts (B, 7), and otherwise only the cache's tensors, which stay where they are (preallocated pools, local
+layers' rings addressed by slot and position alone, block table, LSH indexes). Its shapes depend only on
+the padded row count B and on a few host-known facts (whether every row already hashes, the bucket count the
+rows hash with), so one graph per such key serves every step with that key: each replay first copies the
+step's inputs into the graph's own input buffers.
 
 - A key is run eagerly the first time it is seen (warm-up: lazy initialisation of kernels and handles must
   not happen inside a capture), captured the second time, and replayed from then on; the capture does not

@@ -205,6 +205,7 @@ class FusedStep:
                     size = int(fs.sum())  # the rotations' size: the count, or its factors' sum
                     hashes += [linears.rotations(att, size).data_ptr(), size // 2, fs.numel(), fs.data_ptr()]
             else:
+                f.update(ring=cache.ring.width)  # its pools are rings of its window (model/decoding/local_ring.py)
                 hashes += [0] * (4 * len(factors))
             layers.append(f)
             floats += [p.norm.eps, p.ff_norm.eps, self_mask, mask]

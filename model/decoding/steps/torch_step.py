@@ -48,7 +48,8 @@ def step_compute(lm: ReformerLM, cache: DecodeCache, backends: StepBackends, tok
     linear = backends.linears  # the step's dense work (model/decoding/steps/linear.py)
     if linear.uses_kernel(x):
         x2 = x.clone()  # two tensors: the kernel's layer tails update them in place
-    new_rows = step.blocks.rows(t.view(-1, 1)).view(-1)  # (B,): where the new keys go
+    new_rows = step.blocks.rows(t.view(-1, 1)).view(-1)  # (B,): where an LSH layer's new keys go
+    ring_rows: Tensor | None = None  # (B,): where a local layer's go, in its ring (model/decoding/local_ring.py)
     prev_rows: Tensor | None = None  # (B,): where successor-value heads put the new values (position t - 1)
     local: tuple[Tensor, Tensor] | None = None
     for li, p in enumerate(layer_plan(lm)):
@@ -64,9 +65,11 @@ def step_compute(lm: ReformerLM, cache: DecodeCache, backends: StepBackends, tok
             out = _lsh_attend(cache, li, att, qk, step)
         else:
             q, k, v = qkv[:, 0], qkv[:, 1] / math.sqrt(att.head_size), qkv[:, 2]
-            cache.write_step(li, new_rows, k, v)
+            if ring_rows is None:
+                ring_rows = cache.ring.rows(slots, t.view(-1, 1)).view(-1)
+            cache.write_step(li, ring_rows, k, v)
             if local is None:  # every local layer has the same window: built once per step
-                local = _local_window(cache, att, step, meta[:, Meta.LOCAL_DENSE].bool())
+                local = _local_window(cache, att, step, slots, meta[:, Meta.LOCAL_DENSE].bool())
             out = _local_attend(cache, backends, li, q, local)
         out = out.reshape(rows, -1)  # (B, H*D)
         if not linear.tail(out, x1, x2, p.output, p.ff_norm, p.ff_dense, p.ff_act, p.ff_output):
@@ -82,10 +85,10 @@ def _norm(ln: nn.LayerNorm, x: Tensor) -> Tensor:
 
 
 
-def _local_window(cache: DecodeCache, att: LocalSelfAttention, step: StepInputs, dense: Tensor
+def _local_window(cache: DecodeCache, att: LocalSelfAttention, step: StepInputs, slots: Tensor, dense: Tensor
                   ) -> tuple[Tensor, Tensor]:
-    """Flat (row, head) indices (B, H, W) into the pools of the new position's local window, and which
-    window slots are padding (B, 1, W)."""
+    """Flat (row, head) indices (B, H, W) into the local layers' rings (model/decoding/local_ring.py) of the
+    new position's local window of the rows of `slots` (B,), and which window slots are padding (B, 1, W)."""
     c, t = att.chunk, step.t
     b = t.shape[0]
     start = torch.where(dense, 0, ((torch.div(t, c, rounding_mode="floor") - att.before) * c).clamp(min=0))
@@ -93,7 +96,7 @@ def _local_window(cache: DecodeCache, att: LocalSelfAttention, step: StepInputs,
     pos = start.view(b, 1) + torch.arange(width, device=t.device)  # (B, W)
     absent = pos > t.view(b, 1)
     pos = pos.masked_fill(absent, 0)
-    rows = step.blocks.rows(pos)
+    rows = cache.ring.rows(slots, pos)  # (B, W)
     flat = rows.unsqueeze(1) * cache.heads + torch.arange(cache.heads, device=t.device).view(1, -1, 1)
     return flat, absent.unsqueeze(1)
 

@@ -64,6 +64,8 @@ typedef struct {
     int64_t lsh;                      /* 1: LSH layer (query-key, value), 0: local (query, key, value) */
     int64_t heads, dim, kind, pool_rows; /* pool_rows: positions in the pools, each heads rows of dim elements */
     int64_t stride;                   /* elements from one (position, head) row of the pools to the next */
+    int64_t ring;                     /* local: positions per slot of its pools' rings (position p of slot s
+                                         at row s * ring + p % ring, model/decoding/local_ring.py); LSH: 0 */
     const float *ln_w, *ln_b;         /* the attention's layer norm (NULL: none) */
     const void *proj_w;               /* the projections packed side by side (step_linear_q.c's kinds) */
     const float *proj_b;              /* their bias */

@@ -64,10 +64,16 @@ static inline int64_t table_row(const int64_t *table, int64_t width, int64_t tab
     return block_pool_row(table, width, block_size, slot, position, pool_rows);
 }
 
-/* A local layer's window as model/decoding/steps/torch_step.py's _local_window builds it: flat (m, heads, w) pool indices and
- * absent (m, w), w = (before + 1) * chunk. Returns 0 or BAD_INDEX. */
-static int local_window(const StepLayer *L, int64_t m, const int64_t *meta, const int64_t *table, int64_t width,
-                        int64_t table_rows, int64_t block_size, int64_t *flat, uint8_t *absent) {
+/* pool row of `position` (>= 0) of `slot` in a local layer's rings (model/decoding/local_ring.py), or -1 outside
+ * its pools (a slot out of range, or a layer without rings) */
+static inline int64_t ring_row(const StepLayer *L, int64_t slot, int64_t position) {
+    if (L->ring <= 0 || slot < 0 || position < 0 || slot >= L->pool_rows / L->ring) return -1;
+    return slot * L->ring + position % L->ring;
+}
+
+/* A local layer's window as model/decoding/steps/torch_step.py's _local_window builds it: flat (m, heads, w) pool indices
+ * into its rings and absent (m, w), w = (before + 1) * chunk. Returns 0 or BAD_INDEX. */
+static int local_window(const StepLayer *L, int64_t m, const int64_t *meta, int64_t *flat, uint8_t *absent) {
     const int64_t c = L->chunk, w = (L->before + 1) * c;
     for (int64_t b = 0; b < m; b++) {
         const int64_t slot = meta[b * META_COLUMNS + META_SLOT], t = meta[b * META_COLUMNS + META_POSITION], dense = meta[b * META_COLUMNS + META_LOCAL_DENSE];
@@ -76,7 +82,7 @@ static int local_window(const StepLayer *L, int64_t m, const int64_t *meta, cons
         for (int64_t j = 0; j < w; j++) {
             const int64_t p = start + j;
             const int gone = p > t;
-            const int64_t row = table_row(table, width, table_rows, block_size, slot, gone ? 0 : p, L->pool_rows);
+            const int64_t row = ring_row(L, slot, gone ? 0 : p);
             if (row < 0) return BAD_INDEX;
             absent[b * w + j] = (uint8_t)gone;
             for (int64_t h = 0; h < L->heads; h++) flat[(b * L->heads + h) * w + j] = row * L->heads + h;
@@ -183,7 +189,8 @@ int step_tail(int64_t m, int64_t hidden, int64_t att_dim, int64_t ff, const floa
 
 /* x1, x2 (m, hidden): two buffers that get the step's embeddings of `tokens` (m,) and are updated in place
  * through every layer; logits (m, vocab) from the final layer norm of [x1, x2] and the LM head. meta (m, META_COLUMNS) as model/decoding/step.py
- * builds it; every layer's new key goes to the pool row of (slot, t) (meta's first two columns). `threads`:
+ * builds it; an LSH layer's new key goes to the block-table row of (slot, t) (meta's first two columns), a local
+ * layer's to its ring row slot * ring + t % ring (StepLayer.ring). `threads`:
  * the products are split by panels, the LSH hashes and the attention by (row, head) between that many
  * OpenMP threads, the rest runs on one; every value is computed as on one thread, so the bits do not depend on `threads`.
  * `wkind`: how every packed weight (projections, tails, LM head) is kept (WEIGHTS_*, step_linear_q.c).
@@ -210,7 +217,7 @@ int decode_layers(int64_t m, int64_t hidden, int64_t nlayers, const StepLayer *l
     }
     const size_t floats_n = (size_t)(m * (2 * hidden + most_proj + 3 * most_att + most_ff) + m * 2 * hidden);
     float *fbuf = malloc(floats_n * sizeof(float));
-    int64_t *ibuf = malloc((size_t)(m * (2 + most_rounds + most_flat)) * sizeof(int64_t));
+    int64_t *ibuf = malloc((size_t)(m * (3 + most_rounds + most_flat)) * sizeof(int64_t));
     uint8_t *absent = malloc((size_t)(m * most_window));
     int status = 0;
     if (!fbuf || !ibuf || !absent) {
@@ -221,18 +228,32 @@ int decode_layers(int64_t m, int64_t hidden, int64_t nlayers, const StepLayer *l
     }
     float *h = fbuf, *y = h + m * hidden, *qkv = y + m * hidden, *key = qkv + m * most_proj;
     float *value = key + m * most_att, *out = value + m * most_att, *u = out + m * most_att, *joined = u + m * most_ff;
-    /* prev_rows: the rows of the positions before the new ones, where successor-value heads write */
-    int64_t *new_rows = ibuf, *prev_rows = ibuf + m, *bucket_of = ibuf + 2 * m, *flat = bucket_of + m * most_rounds;
+    /* new_rows: the new positions' rows in the LSH layers' block pools; prev_rows: the rows of the positions
+     * before them, where successor-value heads write; ring_rows: the new positions' rows in a local layer's
+     * rings */
+    int64_t *new_rows = ibuf, *prev_rows = ibuf + m, *ring_rows = ibuf + 2 * m, *bucket_of = ibuf + 3 * m;
+    int64_t *flat = bucket_of + m * most_rounds;
     status = embed(embedding, m, hidden, tokens, meta, x1);
     memcpy(x2, x1, (size_t)(m * hidden) * sizeof(float));
-    for (int64_t b = 0; b < m && nlayers; b++) {
-        new_rows[b] = table_row(table, table_width, table_rows, block_size, meta[b * META_COLUMNS + META_SLOT], meta[b * META_COLUMNS + META_POSITION],
-                                layers[0].pool_rows);
-        if (new_rows[b] < 0) status |= BAD_INDEX;
-        const int64_t before = meta[b * META_COLUMNS + META_POSITION] - 1; /* a padding row's is its own, 0 */
-        prev_rows[b] = table_row(table, table_width, table_rows, block_size, meta[b * META_COLUMNS + META_SLOT],
-                                 before < 0 ? 0 : before, layers[0].pool_rows);
-        if (prev_rows[b] < 0) status |= BAD_INDEX;
+    /* every row's rows in every layer's pools checked before anything is written */
+    for (int64_t i = 0; i < nlayers; i++) {
+        const StepLayer *L = layers + i;
+        for (int64_t b = 0; b < m; b++) {
+            const int64_t slot = meta[b * META_COLUMNS + META_SLOT], t = meta[b * META_COLUMNS + META_POSITION];
+            if (!L->lsh) {
+                if (ring_row(L, slot, t) < 0) status |= BAD_INDEX;
+                continue;
+            }
+            const int64_t before = t - 1; /* a padding row's is its own, 0 */
+            if (table_row(table, table_width, table_rows, block_size, slot, t, L->pool_rows) < 0
+                || table_row(table, table_width, table_rows, block_size, slot, before < 0 ? 0 : before, L->pool_rows) < 0)
+                status |= BAD_INDEX;
+        }
+    }
+    for (int64_t b = 0; b < m && !status; b++) {
+        const int64_t slot = meta[b * META_COLUMNS + META_SLOT], t = meta[b * META_COLUMNS + META_POSITION];
+        new_rows[b] = table_row(table, table_width, table_rows, block_size, slot, t, INT64_MAX);
+        prev_rows[b] = table_row(table, table_width, table_rows, block_size, slot, t < 1 ? 0 : t - 1, INT64_MAX);
     }
     if (threads < 1) threads = 1;
     if (status) goto done; /* a token, position or new row outside the tables: the cache is left untouched */
@@ -256,12 +277,16 @@ int decode_layers(int64_t m, int64_t hidden, int64_t nlayers, const StepLayer *l
                         value[b * att + j] = row[(parts - 1) * att + j];
                     }
                 }
+                if (!L->lsh)
+                    for (int64_t b = 0; b < m; b++)
+                        ring_rows[b] = ring_row(L, meta[b * META_COLUMNS + META_SLOT], meta[b * META_COLUMNS + META_POSITION]);
                 int st = status ? status
-                                : decode_write(m, L->heads, L->dim, L->kind, L->pool_rows, L->stride, new_rows, key,
-                                               value, L->keys, L->values, L->lsh ? L->norms : NULL, KEY_NORM_EPS, scale,
-                                               L->lsh ? L->successor : 0, prev_rows);
+                                : decode_write(m, L->heads, L->dim, L->kind, L->pool_rows, L->stride,
+                                               L->lsh ? new_rows : ring_rows, key, value, L->keys, L->values,
+                                               L->lsh ? L->norms : NULL, KEY_NORM_EPS, scale, L->lsh ? L->successor : 0,
+                                               prev_rows);
                 if (!L->lsh) {
-                    if (!st) st = local_window(L, m, meta, table, table_width, table_rows, block_size, flat, absent);
+                    if (!st) st = local_window(L, m, meta, flat, absent);
                     /* the query, contiguous, where the value was (written to the pools already) */
                     for (int64_t b = 0; b < m; b++) memcpy(value + b * att, qkv + b * proj, (size_t)att * sizeof(float));
                 }

@@ -18,14 +18,10 @@ def test_bytes_per_token_by_layer_kind_add_up_to_the_caches_own_count(layers: li
     lm = tiny_model(attn_layers=layers)
     counted = long_prompt.cache_bytes_per_token(lm)
     cache = DecodeCache(lm, 0, 1, cpu_kernel=False)
-    assert counted["bytes_per_token"] == cache.bytes_per_token
-    assert (counted["local_layer"] * counted["local_layers"] + counted["lsh_layer"] * counted["lsh_layers"]
-            == cache.bytes_per_token)
-    assert counted["local_layer"] == 2 * 2 * 16 * 4  # a float32 key and value of 2 heads x 16
+    assert counted["bytes_per_token"] == cache.bytes_per_token == counted["lsh_layer"] * counted["lsh_layers"]
+    assert counted["local_layer_position"] == 2 * 2 * 16 * 4  # a float32 key and value of 2 heads x 16
     assert counted["local_window_positions"] == 16  # chunks of 8, one before
-    ring = counted["with_local_window_ring"]
-    assert ring["bytes_per_token"] == counted["lsh_layer"] * counted["lsh_layers"]
-    assert ring["local_bytes_per_slot"] == 16 * counted["local_layer"] * counted["local_layers"]
+    assert counted["local_bytes_per_slot"] == 16 * counted["local_layer_position"] * counted["local_layers"]
 
 
 def test_prompts_are_cut_to_their_token_counts_repeating_a_short_book(tmp_path: Path) -> None:

@@ -160,8 +160,11 @@ def test_bytes_per_token_count_half_keys_and_values() -> None:
     lm = _model(["local", "lsh", "local", "lsh"])
     full, half = DecodeCache.for_tokens(lm, 64), DecodeCache.for_tokens(lm, 64, kv_dtype=torch.bfloat16)
     cfg = lm.config
-    kv_elements = 2 * len(cfg.attn_layers) * cfg.num_attention_heads * cfg.attention_head_size
+    # per token: the LSH layers' keys and values (a local layer's are in its ring, counted per slot)
+    kv_elements = 2 * cfg.attn_layers.count("lsh") * cfg.num_attention_heads * cfg.attention_head_size
     assert full.bytes_per_token - half.bytes_per_token == kv_elements * 2  # 4 bytes each, then 2
+    ring = 2 * cfg.attn_layers.count("local") * cfg.num_attention_heads * cfg.attention_head_size * full.ring.width
+    assert full.ring_bytes_per_slot - half.ring_bytes_per_slot == ring * 2
     assert half.keys[0].element_size() == 2 and half.norms[1] is not None and half.norms[1].dtype == torch.float32
 
 

@@ -71,8 +71,11 @@ def _prefill(lm: ReformerLM, prompts: list[Tensor], spy: dict[str, list[tuple[in
                                       piece)
     written = []
     for state, p in zip(states, prompts, strict=True):  # each prompt's rows of every pool and index
+        assert state.length == p.shape[0]
+        for li, (keys, values) in enumerate(zip(cache.keys, cache.values, strict=True)):
+            held = cache.held_rows(li, state)  # a local layer's: the last window's, in its ring
+            written += [keys.index_select(0, held), values.index_select(0, held)]
         rows = cache.slot_rows(state, 0, p.shape[0])
-        written += [pool.index_select(0, rows) for pool in (*cache.keys, *cache.values)]
         for ix in cache.indexes:
             if ix is not None:
                 written += [ix.order[rows], ix.main_counts[state.slot], ix.recent_counts[state.slot]]

@@ -97,7 +97,7 @@ def test_the_step_in_one_call_gives_the_bits_of_the_per_layer_path(kernel: CpuKe
     assert [(s.slot, s.length) for s in s1] == [(s.slot, s.length) for s in s2]
     for li in range(len(layers)):
         for s in s1:  # the pool rows each request holds (the same in both caches: allocation is deterministic)
-            rows = c1.rows(torch.tensor([s.slot]), torch.arange(s.length).view(1, -1)).view(-1)
+            rows = c1.held_rows(li, s)
             assert torch.equal(c1.keys[li][rows], c2.keys[li][rows])
             assert torch.equal(c1.values[li][rows], c2.values[li][rows])
             norms1, norms2 = c1.norms[li], c2.norms[li]
