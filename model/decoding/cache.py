@@ -321,8 +321,9 @@ class DecodeCache:
         return len(self._written) * self.bytes_per_block
 
     def take_releasable(self, keep_blocks: int = 0, reach: int = 1) -> list[tuple[int, int]]:
-        """Row ranges [start, stop) of the pools whose contents are dead and whose pages the owner gives back
-        now (service/runner.py `release_free_pages`); the blocks in them count as given back from then on.
+        """Row ranges [start, stop) of the block pools (`block_pools`) whose contents are dead and whose pages
+        the owner gives back now (service/runner.py `release_free_pages`); the blocks in them count as given
+        back from then on.
         Each range is a run of free blocks around the free blocks written since their last release, numbered
         `keep_blocks` or above (blocks are handed out lowest first, so those below are the next ones reused
         and stay resident), widened by up to `reach` free blocks on either side (blocks given back already)
