@@ -93,7 +93,7 @@ def maintain_indexes(lm: ReformerLM, cache: DecodeCache, states: Sequence[Decode
         return
     for state in states:
         nb = index_buckets(lsh[0][1], lm.config.padded_length(state.length + 1))
-        rows: Tensor | None = None  # the row's pool rows, looked up once for all its layers
+        rows: Tensor | None = None  # the row's pool rows for a rebuild, looked up once for all its layers
         rebuilt = False
         for li, att in lsh:
             index = cache.indexes[li]
@@ -102,16 +102,17 @@ def maintain_indexes(lm: ReformerLM, cache: DecodeCache, states: Sequence[Decode
             merge = state.num_buckets[li] is not None and state.length - state.index_len[li] >= index.recent_size
             if not (rebuild or merge):
                 continue
-            rows = _slot_rows(cache, state, state.length) if rows is None else rows
             if rebuild:
                 assert nb is not None
+                rows = _slot_rows(cache, state, state.length) if rows is None else rows
                 rebuilt = True
                 hashed = rehash_ahead.take(cache, state, li, att, nb, rows)
                 keys = None if hashed is not None else cache.keys[li].index_select(0, rows).transpose(0, 1)
                 build_index(cache, li, att, state, keys, nb, hashed)  # keys (H, L, D) or buckets (H, R, L)
             else:
-                index.merge(state.slot, rows, state.index_len[li], state.length - state.index_len[li],
-                            cache.kernel)
+                # the rows from the request's blocks: none listed (at 500K positions a list is a 4 MB gather)
+                index.merge_in_blocks(state.slot, cache.block_table[state.slot], cache.block_size,
+                                      state.index_len[li], state.length - state.index_len[li], cache.kernel)
                 state.index_len[li] = state.length
         if rebuilt:
             cache.hashed_ahead.pop(state.slot, None)

@@ -24,7 +24,8 @@ bucket count (2*L/chunk by default: a prefix sum and a binary search over it).
 
 On the CPU cache of a float32 model with the C kernel (model/kernels/) the insert, the window and the
 merge run in C on these same tensors; the kernel finds a slot's bucket by walking the counts from the new
-position's bucket instead of prefix sums over every bucket. The methods here are the PyTorch path (GPUs,
+position's bucket instead of prefix sums over every bucket, and a merge reads the request's pool rows from
+its block table row as it moves the items (`merge_in_blocks`). The methods here are the PyTorch path (GPUs,
 models of other dtypes, no compiler) and what the kernel is tested against.
 """
 
@@ -159,6 +160,22 @@ class LSHIndex:
             kernel.merge(self.arrays(), slot, rows, main_len, recent_len)
         else:
             self._merge_items(slot, rows, main_len, recent_len)
+        self._merge_counts(slot)
+
+    def merge_in_blocks(self, slot: int, table: Tensor, block_size: int, main_len: int, recent_len: int,
+                        kernel: CpuKernels | None = None) -> None:
+        """`merge` with `slot`'s pool rows given as its block table row `table` (blocks of `block_size`
+        positions). The C kernel reads the rows from the table as it moves items, so a merge builds no list
+        of the request's pool rows (an O(length) gather, then checked, at every merge)."""
+        if kernel is None:
+            at = torch.arange(main_len + recent_len, device=table.device)
+            self.merge(slot, table[floor_div(at, block_size)] * block_size + floor_mod(at, block_size), main_len,
+                       recent_len)
+            return
+        kernel.merge_blocks(self.arrays(), slot, table, block_size, main_len, recent_len)
+        self._merge_counts(slot)
+
+    def _merge_counts(self, slot: int) -> None:
         self.main_counts[slot] += self.recent_counts[slot]
         self.recent_counts[slot] = 0
 

@@ -73,6 +73,7 @@ PROTOTYPES: dict[str, tuple[str, str]] = {
     "lsh_attend": ("int", "IIIIIIIIIIPPPPIIPPPPPIIIIPIIIFFIPI"),
     "chunk_attend": ("int", "IIIIIIPPPPPPPPPPPPIFPPPPI"),
     "lsh_merge": ("int", "IIIIIPIIPPPP"),
+    "lsh_merge_blocks": ("int", "IIIIIPIIPIPPP"),
     "decode_write": ("int", "IIIIIIPPPPPPFFIP"),
     "lsh_append": ("int", "IIIIIPPPPIII"),
     "step_linear": ("int", "IIIPIPPP"),

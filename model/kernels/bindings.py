@@ -92,6 +92,7 @@ class CpuKernels:
         fns = abi.declare(ctypes.CDLL(str(path)))
         self._fn, self._lsh, self._chunk = fns["window_attend"], fns["lsh_attend"], fns["chunk_attend"]
         self._merge, self._write, self._append = fns["lsh_merge"], fns["decode_write"], fns["lsh_append"]
+        self._merge_blocks = fns["lsh_merge_blocks"]
         self._hash, self._buckets, self._order = fns["lsh_hash"], fns["lsh_buckets"], fns["lsh_order"]
         self._pack = fns["step_linear_pack"]
         # the product, layer-tail, layer-norm and whole-step functions as ctypes exposes them: their arguments
@@ -346,4 +347,21 @@ class CpuKernels:
         status = self._merge(heads * rounds, index.buckets, main_len, recent_len, index.recent_size, items.data_ptr(),
                              items.element_size(), index.order_rows, rows.data_ptr(), main.data_ptr(),
                              recent.data_ptr(), index.recent[slot].data_ptr())
+        check_status(status, "merge kernel")
+
+    def merge_blocks(self, index: IndexArrays, slot: int, table: Tensor, block_size: int, main_len: int,
+                     recent_len: int) -> None:
+        """`merge` with the slot's pool rows read from its block table row `table` (blocks of `block_size`
+        positions) instead of a list of them: no O(length) list to build and check at every merge."""
+        _, heads, rounds, _ = index.main_counts.shape
+        items = index.items
+        main, recent = index.main_counts[slot], index.recent_counts[slot]
+        _require("merge kernel", (table, torch.int64), (main, torch.int32), (recent, torch.int16),
+                 (items, (torch.int16, torch.int32)))
+        if table.dim() != 1 or table.shape[0] * block_size < main_len + recent_len:
+            raise ValueError(f"merge kernel: a block table row {tuple(table.shape)} of {block_size}-position blocks "
+                             f"for {main_len} + {recent_len} positions")
+        status = self._merge_blocks(heads * rounds, index.buckets, main_len, recent_len, index.recent_size,
+                                    items.data_ptr(), items.element_size(), index.order_rows, table.data_ptr(),
+                                    block_size, main.data_ptr(), recent.data_ptr(), index.recent[slot].data_ptr())
         check_status(status, "merge kernel")

@@ -14,21 +14,76 @@ static inline void store_item(void *items, int64_t item_bytes, int64_t at, int64
     else ((int32_t *)items)[at] = (int32_t)v;
 }
 
-/* For each of `columns` (head, round) columns of one slot: the main order (sorted index j at items[rows[j]
- * * columns + c], j < main_len) and the recent order (recent[c * recent_size + k], k < recent_len), both
- * sorted by (bucket, position) with bucket counts main_counts and recent_counts (columns, buckets), become
- * one main order of main_len + recent_len items: bucket by bucket, the bucket's main items then its recent
- * ones (every recent position is later than every main one). In place, from the last bucket down: an item
- * only ever moves to a later sorted index, so none is overwritten before it is read. rows holds the pool
- * rows of sorted indices 0 .. main_len + recent_len - 1. Returns 0, or BAD_INDEX when a row is outside the
- * pool or the counts do not add up to the lengths (the order is then undefined). */
-int lsh_merge(int64_t columns, int64_t buckets, int64_t main_len, int64_t recent_len, int64_t recent_size,
-              void *items, int64_t item_bytes, int64_t pool_rows, const int64_t *rows, const int32_t *main_counts,
-              const int16_t *recent_counts, const void *recent) {
+/* Where sorted index j of a slot's main order lives: rows[j] when rows is given, else the pool row of
+ * position j through the slot's block table row `table` (blocks of block_size positions; block_shift its
+ * log2 when a power of two, else -1): the merge then needs no array of the slot's n pool rows, which the
+ * caller would build (an O(n) gather) and the merge would check (O(n) reads) at every merge. */
+typedef struct {
+    const int64_t *rows, *table;
+    int64_t block_size, block_shift;
+} RowMap;
+
+static inline int64_t row_at(const RowMap *map, int64_t j) {
+    if (map->rows) return map->rows[j];
+    if (map->block_shift >= 0)
+        return (map->table[j >> map->block_shift] << map->block_shift) + (j & (map->block_size - 1));
+    return map->table[j / map->block_size] * map->block_size + j % map->block_size;
+}
+
+/* whether every sorted index 0 .. n-1 maps to a pool row in [0, pool_rows): each row, or each block whole */
+static int rows_ok(const RowMap *map, int64_t n, int64_t pool_rows) {
+    if (map->rows) {
+        for (int64_t j = 0; j < n; j++)
+            if (map->rows[j] < 0 || map->rows[j] >= pool_rows) return 0;
+        return 1;
+    }
+    for (int64_t k = 0; k < (n + map->block_size - 1) / map->block_size; k++)
+        if (map->table[k] < 0 || map->table[k] > pool_rows / map->block_size - 1) return 0;
+    return 1;
+}
+
+/* one column's items of a main item run: sorted indices src_end - count .. src_end - 1 move up by `up`,
+ * from the last down (up > 0, so none is overwritten before it is read); the loop written once per item
+ * type and kind of map, so each runs without their branches (ROW(j): the row of sorted index j) */
+#define MOVE_RUN(T, ROW)                                                                                      \
+    do {                                                                                                      \
+        T *it = (T *)items;                                                                                   \
+        for (int64_t j = src_end - 1; j >= src_end - count; j--)                                              \
+            it[ROW(j + up) * columns + c] = it[ROW(j) * columns + c];                                         \
+    } while (0)
+#define LISTED_ROW(j) (map->rows[j])
+#define SHIFTED_ROW(j) ((map->table[(j) >> shift] << shift) + ((j) & mask))
+
+static void move_run(void *items, int64_t item_bytes, const RowMap *map, int64_t columns, int64_t c,
+                     int64_t src_end, int64_t count, int64_t up) {
+    const int64_t shift = map->block_shift, mask = map->block_size - 1;
+    if (map->rows) {
+        if (item_bytes == 2) MOVE_RUN(int16_t, LISTED_ROW);
+        else MOVE_RUN(int32_t, LISTED_ROW);
+    } else if (shift >= 0) {
+        if (item_bytes == 2) MOVE_RUN(int16_t, SHIFTED_ROW);
+        else MOVE_RUN(int32_t, SHIFTED_ROW);
+    } else {
+        for (int64_t j = src_end - 1; j >= src_end - count; j--)
+            store_item(items, item_bytes, row_at(map, j + up) * columns + c,
+                       load_item(items, item_bytes, row_at(map, j) * columns + c));
+    }
+}
+
+/* For each of `columns` (head, round) columns of one slot: the main order (sorted index j at items[row j
+ * * columns + c], j < main_len, row j as `map` gives it) and the recent order (recent[c * recent_size + k],
+ * k < recent_len), both sorted by (bucket, position) with bucket counts main_counts and recent_counts
+ * (columns, buckets), become one main order of main_len + recent_len items: bucket by bucket, the bucket's
+ * main items then its recent ones (every recent position is later than every main one). In place, from the
+ * last bucket down: an item only ever moves to a later sorted index, so none is overwritten before it is
+ * read. The main items between two buckets that receive recent items move up by the same count, as one run.
+ * Returns 0, or BAD_INDEX when a row is outside the pool or the counts do not add up to the lengths (the
+ * order is then undefined). */
+static int merge_orders(int64_t columns, int64_t buckets, int64_t main_len, int64_t recent_len, int64_t recent_size,
+                        void *items, int64_t item_bytes, int64_t pool_rows, const RowMap *map,
+                        const int32_t *main_counts, const int16_t *recent_counts, const void *recent) {
     const int64_t n = main_len + recent_len;
-    if (recent_len > recent_size) return BAD_INDEX;
-    for (int64_t j = 0; j < n; j++)
-        if (rows[j] < 0 || rows[j] >= pool_rows) return BAD_INDEX;
+    if (recent_len > recent_size || !rows_ok(map, n, pool_rows)) return BAD_INDEX;
     for (int64_t c = 0; c < columns; c++) {
         const int32_t *mc = main_counts + c * buckets;
         const int16_t *rc = recent_counts + c * buckets;
@@ -38,25 +93,49 @@ int lsh_merge(int64_t columns, int64_t buckets, int64_t main_len, int64_t recent
             total_recent += rc[bb];
         }
         if (total_main != main_len || total_recent != recent_len) return BAD_INDEX;
-        int64_t dst = n, src_main = main_len, src_recent = recent_len;
-        for (int64_t bb = buckets - 1; bb >= 0; bb--) {
-            for (int64_t k = 0; k < rc[bb]; k++) {
-                dst--;
-                src_recent--;
-                store_item(items, item_bytes, rows[dst] * columns + c,
-                           load_item(recent, item_bytes, c * recent_size + src_recent));
+        /* src_main: the main items not yet moved are 0 .. src_main-1; run: the main items after them, up to
+         * the last recent item placed, which all move up by the recent items still to place */
+        int64_t src_main = main_len, src_recent = recent_len, run = 0;
+        for (int64_t bb = buckets - 1; bb >= 0 && src_recent > 0; bb--) {
+            if (rc[bb]) {
+                move_run(items, item_bytes, map, columns, c, src_main + run, run, src_recent);
+                run = 0;
+                for (int64_t k = 0; k < rc[bb]; k++) {
+                    src_recent--;
+                    store_item(items, item_bytes, row_at(map, src_main + src_recent) * columns + c,
+                               load_item(recent, item_bytes, c * recent_size + src_recent));
+                }
             }
-            for (int64_t k = 0; k < mc[bb]; k++) {
-                dst--;
-                src_main--;
-                if (dst != src_main) /* a bucket before which no recent item lands stays where it is */
-                    store_item(items, item_bytes, rows[dst] * columns + c,
-                               load_item(items, item_bytes, rows[src_main] * columns + c));
-            }
-            if (dst == src_main) break; /* every earlier item is already in place */
+            src_main -= mc[bb];
+            run += mc[bb];
         }
+        /* the main items of the buckets before the first that receives recent items stay where they are */
     }
     return 0;
+}
+
+/* merge_orders with the slot's pool rows of sorted indices 0 .. main_len + recent_len - 1 given as `rows`. */
+int lsh_merge(int64_t columns, int64_t buckets, int64_t main_len, int64_t recent_len, int64_t recent_size,
+              void *items, int64_t item_bytes, int64_t pool_rows, const int64_t *rows, const int32_t *main_counts,
+              const int16_t *recent_counts, const void *recent) {
+    const RowMap map = {rows, NULL, 1, 0};
+    return merge_orders(columns, buckets, main_len, recent_len, recent_size, items, item_bytes, pool_rows, &map,
+                        main_counts, recent_counts, recent);
+}
+
+/* merge_orders with the slot's pool rows read from its block table row `table` (blocks of block_size
+ * positions). */
+int lsh_merge_blocks(int64_t columns, int64_t buckets, int64_t main_len, int64_t recent_len, int64_t recent_size,
+                     void *items, int64_t item_bytes, int64_t pool_rows, const int64_t *table, int64_t block_size,
+                     const int32_t *main_counts, const int16_t *recent_counts, const void *recent) {
+    if (block_size < 1) return BAD_INDEX;
+    int64_t shift = -1;
+    if (!(block_size & (block_size - 1)))
+        for (shift = 0; (INT64_C(1) << shift) < block_size; shift++) {
+        }
+    const RowMap map = {NULL, table, block_size, shift};
+    return merge_orders(columns, buckets, main_len, recent_len, recent_size, items, item_bytes, pool_rows, &map,
+                        main_counts, recent_counts, recent);
 }
 
 /* ---- a decode step's writes: the new keys and values, and each LSH index's recent order --------------- */
