@@ -23,6 +23,7 @@ typedef struct {
     int64_t items_len, item_bytes, shift, recent_offset;
     const int64_t *block_table;
     int64_t table_width, block_size;
+    int64_t block_shift; /* log2(block_size) when a power of two, else -1 */
     int64_t skip_slot; /* rows on this slot (the scratch slot: padding) are not computed */
     float self_mask, mask;
     int64_t successor; /* heads 0..successor-1: successor-value heads (model/lsh/successor.py) */
@@ -31,9 +32,23 @@ typedef struct {
     int status;
 } LshJob;
 
-/* the pool row of a slot's position, or -1 outside its block table or the pools */
+/* where a slot's position's block is in the block table, or -1 outside its row: with a shift when the block
+ * size is a power of two (a step resolves up to two per window slot, and a 64-bit division by a size known
+ * only at run time takes several times a shift's cycles) */
+static inline int64_t table_at(const LshJob *job, int64_t slot, int64_t position) {
+    if (position < 0 || position >= job->table_width * job->block_size) return -1;
+    const int64_t block = job->block_shift >= 0 ? position >> job->block_shift : position / job->block_size;
+    return slot * job->table_width + block;
+}
+
+/* the pool row of a slot's position, or -1 outside its block table or the pools (the row block_pool_row in
+ * step_kernels.h gives) */
 static inline int64_t pool_row(const LshJob *job, int64_t slot, int64_t position) {
-    return block_pool_row(job->block_table, job->table_width, job->block_size, slot, position, job->pool_rows);
+    const int64_t at = table_at(job, slot, position);
+    if (at < 0) return -1;
+    const int64_t offset = job->block_shift >= 0 ? position & (job->block_size - 1) : position % job->block_size;
+    const int64_t row = job->block_table[at] * job->block_size + offset;
+    return row >= 0 && row < job->pool_rows ? row : -1;
 }
 
 /* the position stored at `at` in the index's items, or -1 outside them */
@@ -135,14 +150,31 @@ static int lsh_slots(const LshJob *job, int64_t b, int64_t h, int64_t *flat, int
                     q = q < 0 ? 0 : (q >= job->recent_size ? job->recent_size - 1 : q);
                     at = job->recent_offset + (row_base + r2) * job->recent_size + q;
                 }
-                const int64_t position = read_item(job, at);
-                const int64_t row = position < 0 ? -1 : pool_row(job, slot, position);
-                if (row < 0) return BAD_INDEX;
+                if (at < 0 || at >= job->items_len) return BAD_INDEX;
+                __builtin_prefetch((const char *)job->items + at * job->item_bytes, 0, LOCALITY);
                 absent[i] = 0;
-                pos[i] = position;
-                flat[i] = row * H + h;
+                pos[i] = at; /* the item's place for now: its position once every slot's read is under way */
             }
         }
+    }
+    /* The slots' positions in stages, each stage's reads prefetched by the one before: a slot's key row is
+     * at the end of a chain of dependent reads (its item, then its position's block), and one slot chased
+     * at a time waited on each link in turn; after a long prompt the items, the block table and the pools
+     * are larger than the caches (at 500K positions of crime-and-punishment's configuration: 4 MB of items
+     * per layer, a 512 KB block table row, 0.5 GB of keys and values per layer). */
+    const int64_t n = R * W;
+    for (int64_t i = 0; i < n; i++) {
+        if (absent[i]) continue;
+        pos[i] = read_item(job, pos[i]);
+        const int64_t at = table_at(job, slot, pos[i]);
+        if (at < 0) return BAD_INDEX;
+        __builtin_prefetch(job->block_table + at, 0, LOCALITY);
+    }
+    for (int64_t i = 0; i < n; i++) {
+        if (absent[i]) continue;
+        const int64_t row = pool_row(job, slot, pos[i]);
+        if (row < 0) return BAD_INDEX;
+        flat[i] = row * H + h;
     }
     return 0;
 }
@@ -200,10 +232,14 @@ static LshJob lsh_job(int64_t heads, int64_t rounds, int64_t buckets, int64_t ch
                       const void *items, int64_t items_len, int64_t item_bytes, int64_t shift, int64_t recent_offset,
                       const int64_t *block_table, int64_t table_width, int64_t block_size, int64_t skip_slot,
                       float self_mask, float mask, int64_t successor, float *out, int64_t begin, int64_t end) {
+    int64_t block_shift = -1;
+    if (block_size > 0 && !(block_size & (block_size - 1)))
+        for (block_shift = 0; (INT64_C(1) << block_shift) < block_size; block_shift++) {
+        }
     return (LshJob){heads, rounds, buckets, chunk, before, after, dim, recent_size, (int)kind, q, norms, keys, values,
                     pool_rows, stride, meta, bucket_of, main_counts, recent_counts, items, items_len, item_bytes,
-                    shift, recent_offset, block_table, table_width, block_size, skip_slot, self_mask, mask, successor,
-                    out, begin, end, 1};
+                    shift, recent_offset, block_table, table_width, block_size, block_shift, skip_slot, self_mask,
+                    mask, successor, out, begin, end, 1};
 }
 
 int lsh_attend(int64_t rows, int64_t heads, int64_t rounds, int64_t buckets, int64_t chunk, int64_t before,
