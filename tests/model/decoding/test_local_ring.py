@@ -76,10 +76,11 @@ def _run(lm: ReformerLM, decoder: Decoder, prompts: list[torch.Tensor], slice_ch
                 logits, states = done.value
                 break
     yield logits
-    with torch.no_grad():
-        for _ in range(steps):
+    for _ in range(steps):
+        # no yield inside no_grad: a generator suspended there leaves gradients off for its caller
+        with torch.no_grad():
             logits = decoder.step(logits.argmax(-1).tolist(), states)
-            yield logits
+        yield logits
     for state in states:
         cache.free(state)
 
