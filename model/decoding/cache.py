@@ -43,7 +43,7 @@ from ..attention import KEY_NORM_EPS, LSHSelfAttention
 from ..kernels import CpuKernels, kernels
 from .huge_pages import pool_empty
 from .local_ring import LocalRing, local_window_width
-from .lsh_index import RECENT, BlockLookup, LSHIndex
+from .lsh_index import RECENT, BlockLookup, LSHIndex, recent_size_for
 
 if TYPE_CHECKING:
     from ..reformer import ReformerLM
@@ -129,17 +129,19 @@ def flat_buckets(nb: int | list[int]) -> int:
 
 class DecodeCache:
     def __init__(self, lm: ReformerLM, capacity_bytes: int, max_slots: int, block_size: int = BLOCK_SIZE,
-                 max_tokens: int | None = None, recent: int = RECENT, cpu_kernel: bool = True,
+                 max_tokens: int | None = None, recent: int | None = None, cpu_kernel: bool = True,
                  kv_dtype: torch.dtype | None = None) -> None:
-        """`recent`: the size of each LSH index's recent order (model/decoding/lsh_index.py; small in tests, so
-        merges happen within a few steps). `cpu_kernel`: a float32 model's CPU cache writes its pools and sorts
-        its indexes through the C kernels (model/kernels/bindings.py) when they can be built and read
-        `kv_dtype` (`store_kernel`); False keeps PyTorch ops. `kv_dtype`: the dtype of cached keys and values
-        (None: the model's; see the module docstring). What computes a step over the cache is the decoder's
-        choice (model/decoding/step.py `Decoder`)."""
+        """`recent`: the size of each LSH index's recent order (model/decoding/lsh_index.py; None: sized for
+        `max_tokens` by `recent_size_for`; small in tests, so merges happen within a few steps). `cpu_kernel`: a
+        float32 model's CPU cache writes its pools and sorts its indexes through the C kernels
+        (model/kernels/bindings.py) when they can be built and read `kv_dtype` (`store_kernel`); False keeps
+        PyTorch ops. `kv_dtype`: the dtype of cached keys and values (None: the model's; see the module
+        docstring). What computes a step over the cache is the decoder's choice (model/decoding/step.py
+        `Decoder`)."""
         cfg = lm.config
         # the longest request (prompt plus new tokens) served: what an automatic bucket count is reserved for
         self.max_tokens = min(max_tokens or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        recent = recent_size_for(self.max_tokens) if recent is None else recent
         param = next(lm.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.kv_dtype = kv_dtype_for(self.dtype, kv_dtype)

@@ -31,6 +31,7 @@ models of other dtypes, no compiler) and what the kernel is tested against.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -44,6 +45,19 @@ if TYPE_CHECKING:
     from ..kernels import CpuKernels
 
 RECENT = 64  # recent items per (slot, head, round): a merge every RECENT steps; RECENT items per step to shift
+MAX_RECENT = 1024  # the most recent items a long cache keeps (its counts are int16)
+
+
+def recent_size_for(max_tokens: int | None) -> int:
+    """The recent order's size for a cache serving requests of up to `max_tokens`: RECENT for short ones, about
+    sqrt(max_tokens) (a power of two, at most MAX_RECENT) for long ones. A merge moves every item a request
+    holds, so merging every R steps costs about L / R item moves a step, while each step's insert shifts at
+    most R: R near sqrt(L) keeps both small (524,288 tokens: R = 1,024, a merge every 1,024 steps instead of
+    64). Which items are recent never changes a window (main and recent are read as one order)."""
+    if max_tokens is None:
+        return RECENT
+    root = max(math.isqrt(max(max_tokens, 1)), 1)
+    return max(RECENT, min(MAX_RECENT, 1 << (root - 1).bit_length()))
 
 
 def position_storage(max_positions: int) -> tuple[torch.dtype, int]:
