@@ -197,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     lm = load_model(args.artifact)
     kv = DTYPES[args.kv_cache_dtype]
     sizes = [int(x) for x in args.batch_sizes.split(",") if x]
+    if len(set(sizes)) < 2:
+        p.error("--batch-sizes needs at least two sizes: the step's cost is fitted as a line in the batch size")
     times, distinct = time_steps(lm, sizes, args.prompt, args.steps, args.rounds, kv)
     median = {b: statistics.median(ts) for b, ts in times.items()}
     a, b = fit_line([float(x) for x in sizes], [median[x] for x in sizes])
