@@ -39,3 +39,26 @@ def reference_pair(**overrides: Any) -> tuple[Any, ReformerLM]:
 def random_ids(batch: int, length: int, vocab: int = 40, seed: int = 1) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (batch, length), generator=g)
+
+
+def decode_greedily(lm: ReformerLM, lengths: list[int], steps: int, *, cpu_kernel: bool, recent: int,
+                    block_size: int = 8, seed: int = 7) -> torch.Tensor:
+    """The logits (steps, len(lengths), vocab) of greedy cached decoding after random prompts of `lengths`,
+    through a cache with LSH recent orders of `recent` (merges every `recent` steps) and blocks of `block_size`."""
+    from model.decoding import DecodeCache, Decoder, prefill
+
+    cache = DecodeCache.for_tokens(lm, max(lengths) + steps + 1, slots=len(lengths), block_size=block_size,
+                                   recent=recent, cpu_kernel=cpu_kernel)
+    assert (cache.kernel is not None) == cpu_kernel
+    decoder = Decoder(lm, cache)
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, lm.config.vocab_size, (n,), generator=g) for n in lengths]
+    out = []
+    with torch.no_grad():
+        first, states = prefill(lm, cache, prompts, [n + steps + 1 for n in lengths])
+        token = first.argmax(-1)
+        for _ in range(steps):
+            logits = decoder.step(token, states)
+            out.append(logits)
+            token = logits.argmax(-1)
+    return torch.stack(out)

@@ -10,11 +10,10 @@ import pytest
 import torch
 
 from model import ReformerLM
-from model.decoding import DecodeCache, Decoder, prefill
 from model.decoding.lsh_index import LSHIndex
 from model.kernels import CpuKernels, build
 
-from ..helpers import tiny_config
+from ..helpers import decode_greedily, tiny_config
 
 
 @pytest.fixture(scope="module")
@@ -85,24 +84,6 @@ def test_a_merge_through_a_block_outside_the_pool_is_refused(kernel: CpuKernels)
         index.merge_in_blocks(1, table[:3], 8, 32, 8, kernel)
 
 
-def _decode(lm: ReformerLM, block_size: int, cpu_kernel: bool) -> torch.Tensor:
-    lengths, steps = [5, 30, 77], 24
-    cache = DecodeCache.for_tokens(lm, max(lengths) + steps + 1, slots=len(lengths), block_size=block_size,
-                                   recent=4, cpu_kernel=cpu_kernel)
-    assert (cache.kernel is not None) == cpu_kernel
-    decoder = Decoder(lm, cache)
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(3, lm.config.vocab_size, (n,), generator=g) for n in lengths]
-    with torch.no_grad():
-        first, states = prefill(lm, cache, prompts, [n + steps + 1 for n in lengths])
-        token, out = first.argmax(-1), []
-        for _ in range(steps):
-            logits = decoder.step(token, states)
-            out.append(logits)
-            token = logits.argmax(-1)
-    return torch.stack(out)
-
-
 def test_decoding_over_blocks_of_any_size_gives_the_same_logits() -> None:
     """The kernels find pool rows with a shift for blocks of a power of two and a division otherwise (the
     window's lookups and the merges, every 4 steps here): the same logits, bit for bit, and those of the
@@ -110,9 +91,9 @@ def test_decoding_over_blocks_of_any_size_gives_the_same_logits() -> None:
     torch.manual_seed(0)
     lm = ReformerLM(tiny_config(vocab_size=258, attn_layers=["local", "lsh", "lsh"], num_buckets=8,
                                 num_hashes=2)).eval()
-    pow2 = _decode(lm, 8, cpu_kernel=True)
-    assert torch.equal(_decode(lm, 3, cpu_kernel=True), pow2)
-    plain = _decode(lm, 3, cpu_kernel=False)
+    pow2 = decode_greedily(lm, [5, 30, 77], 24, cpu_kernel=True, recent=4, block_size=8, seed=3)
+    assert torch.equal(decode_greedily(lm, [5, 30, 77], 24, cpu_kernel=True, recent=4, block_size=3, seed=3), pow2)
+    plain = decode_greedily(lm, [5, 30, 77], 24, cpu_kernel=False, recent=4, block_size=3, seed=3)
     assert torch.equal(plain.argmax(-1), pow2.argmax(-1))
     # logits up to ~9 here (sharp attention): float32 sums in another order differ by a few ulps of that
     assert (plain - pow2).abs().max().item() <= 5e-5

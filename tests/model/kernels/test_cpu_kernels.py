@@ -16,7 +16,7 @@ from model.chunking import mask_value, self_mask_value
 from model.decoding import DecodeCache, Decoder, prefill
 from model.kernels import CpuKernels, build
 
-from ..helpers import tiny_config
+from ..helpers import decode_greedily, tiny_config
 
 
 @pytest.fixture(scope="module")
@@ -143,23 +143,6 @@ def test_a_row_gets_the_same_bits_whatever_its_batch_and_threads(kernel: CpuKern
         assert torch.equal(kernel.attend(**alone, **masks)[0], batched[i])
 
 
-def _decode_run(lm: ReformerLM, lengths: list[int], steps: int, cpu_kernel: bool, recent: int) -> torch.Tensor:
-    cache = DecodeCache.for_tokens(lm, max(lengths) + steps + 1, slots=len(lengths), recent=recent,
-                                   cpu_kernel=cpu_kernel)
-    decoder = Decoder(lm, cache)
-    assert (cache.kernel is not None) == cpu_kernel
-    g = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(3, lm.config.vocab_size, (n,), generator=g) for n in lengths]
-    with torch.no_grad():
-        first, states = prefill(lm, cache, prompts, [n + steps + 1 for n in lengths])
-        token, out = first.argmax(-1), []
-        for _ in range(steps):
-            logits = decoder.step(token, states)
-            out.append(logits)
-            token = logits.argmax(-1)
-    return torch.stack(out)
-
-
 @pytest.mark.parametrize("buckets", [4, None], ids=["fixed-buckets", "automatic-buckets"])
 @pytest.mark.parametrize("layers,positions", [(["local", "lsh", "local", "lsh"], 4096), (["lsh", "lsh"], 4096),
                                               (["lsh", "lsh"], 2**17)], ids=["mix", "lsh2", "lsh2-int32-index"])
@@ -172,8 +155,8 @@ def test_decoding_through_the_kernel_equals_the_pytorch_path(layers: list[str], 
                                 num_hashes=4, max_position_embeddings=positions, axial_pos_shape=axial)).eval()
     # 3 and 6 tokens start shorter than a chunk (dense), 8 crosses it while decoding; merges every 4 steps
     lengths = [3, 6, 8, 29, 70]
-    fused = _decode_run(lm, lengths, 20, cpu_kernel=True, recent=4)
-    plain = _decode_run(lm, lengths, 20, cpu_kernel=False, recent=4)
+    fused = decode_greedily(lm, lengths, 20, cpu_kernel=True, recent=4)
+    plain = decode_greedily(lm, lengths, 20, cpu_kernel=False, recent=4)
     if positions > 2**16:
         assert DecodeCache.for_tokens(lm, 8).indexes[0].items.dtype == torch.int32  # type: ignore[union-attr]
     assert torch.equal(fused.argmax(-1), plain.argmax(-1))
