@@ -3,7 +3,8 @@ batched prefill in slices a scheduler can interleave with decode steps (prefill/
 batched decode step for every running request (step.py) on backends it chooses once (steps/: the fused C step,
 the PyTorch step with C pieces, CUDA graphs). `generate` strings them together for tools and tests."""
 
-from .cache import CacheFull, DecodeCache, DecodeState
+from .cache import DecodeCache
+from .cache_state import CacheFull, DecodeState
 from .prefill import prefill, prefill_steps
 from .step import INVARIANT_ROWS, Decoder, batch_bucket
 from .threads import (

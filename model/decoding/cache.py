@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -41,6 +40,7 @@ from torch import Tensor
 
 from ..attention import KEY_NORM_EPS, LSHSelfAttention
 from ..kernels import CpuKernels, kernels
+from .cache_state import CacheFull, DecodeState, HashedAhead
 from .huge_pages import pool_empty
 from .local_ring import LocalRing, local_window_width
 from .lsh_index import RECENT, BlockLookup, LSHIndex, recent_size_for
@@ -68,42 +68,6 @@ def kv_dtype_for(model_dtype: torch.dtype, kv_dtype: torch.dtype | None) -> torc
         raise ValueError(f"a {model_dtype} model keeps its cache in {model_dtype} (a separate kv_dtype needs a "
                          "float32 model)")
     return chosen
-
-
-class CacheFull(Exception):
-    """Not enough free blocks or slots now; `never` when the request could not fit even in an empty cache."""
-
-    def __init__(self, message: str, never: bool = False) -> None:
-        super().__init__(message)
-        self.never = never
-
-
-@dataclass
-class DecodeState:
-    """One request's place in a `DecodeCache`: its slot, its blocks and its length so far."""
-
-    slot: int
-    blocks: list[int]
-    length: int = 0
-    num_buckets: list[int | list[int] | None] = field(default_factory=list)  # per layer: what its index holds
-    index_len: list[int] = field(default_factory=list)  # per layer: positions in its index's main order
-
-    @property
-    def capacity(self) -> int:
-        return len(self.blocks)
-
-
-@dataclass
-class HashedAhead:
-    """A request's cached keys hashed so far with the bucket count `num_buckets` it reaches soon (what
-    model/decoding/rehash_ahead.py computes, kept per slot until the step that changes the count): per LSH
-    layer (indexed as the model's layers), the buckets (H, R, n) int32 of its first positions, slice by slice."""
-
-    num_buckets: int | list[int]
-    slices: dict[int, list[Tensor]] = field(default_factory=dict)
-
-    def hashed(self, layer: int) -> int:
-        return sum(int(b.shape[-1]) for b in self.slices.get(layer, ()))
 
 
 def store_kernel(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype, cpu_kernel: bool = True

@@ -11,7 +11,8 @@ from torch import Tensor
 
 from ..attention import AttentionContext, LSHSelfAttention
 from . import rehash_ahead
-from .cache import DecodeCache, DecodeState, flat_buckets
+from .cache import DecodeCache, flat_buckets
+from .cache_state import DecodeState
 from .plan import layer_plan
 
 if TYPE_CHECKING:

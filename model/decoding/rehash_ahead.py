@@ -27,7 +27,8 @@ import torch
 from torch import Tensor
 
 from ..attention import LSHSelfAttention
-from .cache import DecodeCache, DecodeState, HashedAhead
+from .cache import DecodeCache
+from .cache_state import DecodeState, HashedAhead
 
 # cached keys hashed per step and request while a bucket-count change is near (one LSH layer's, heads
 # together): the bench config's 4 heads of 64 with [32, 64] buckets hash 512 keys in 0.95-1.00 ms on one

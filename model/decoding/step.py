@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..kernels.weights import WeightKind
-from .cache import DecodeCache, DecodeState
+from .cache import DecodeCache
+from .cache_state import DecodeState
 from .index_upkeep import maintain_indexes
 from .plan import first_lsh_layer
 from .steps.backends import StepBackends

@@ -13,7 +13,8 @@ from ...attention import LocalSelfAttention, LSHSelfAttention
 from ...batch import prepare_batch
 from ...feedforward import EVAL_CHUNK
 from .. import rehash_ahead
-from ..cache import DecodeCache, DecodeState
+from ..cache import DecodeCache
+from ..cache_state import DecodeState
 from ..index_upkeep import build_index_steps, coming_count, index_buckets, row_buckets
 from ..plan import layers_of
 from .row_blocks import in_blocks, position_blocks, rows_in_blocks

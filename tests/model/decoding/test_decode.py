@@ -185,7 +185,7 @@ def test_cache_blocks_are_reserved_and_returned() -> None:
 
 
 def test_an_automatic_bucket_count_is_reserved_for_the_longest_request() -> None:
-    from model.decoding.cache import CacheFull
+    from model.decoding.cache_state import CacheFull
 
     torch.manual_seed(0)
     lm = ReformerLM(tiny_config(vocab_size=258, num_buckets=None)).eval()

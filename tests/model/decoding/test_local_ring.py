@@ -17,7 +17,7 @@ import model.decoding.cache as cache_module
 from bench.import_hf.import_hf_crime import CRIME_AND_PUNISHMENT
 from model import ReformerConfig, ReformerLM
 from model.decoding import DecodeCache, Decoder, prefill, prefill_steps
-from model.decoding.cache import CacheFull
+from model.decoding.cache_state import CacheFull
 from model.decoding.lsh_index import LSHIndex
 
 from ..helpers import tiny_config

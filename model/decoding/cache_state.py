@@ -1,0 +1,44 @@
+"""What a request holds in the decode cache (model/decoding/cache.py): its state, the buckets hashed ahead for
+it, and the refusal when the cache cannot take it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import Tensor
+
+
+class CacheFull(Exception):
+    """Not enough free blocks or slots now; `never` when the request could not fit even in an empty cache."""
+
+    def __init__(self, message: str, never: bool = False) -> None:
+        super().__init__(message)
+        self.never = never
+
+
+@dataclass
+class DecodeState:
+    """One request's place in a `DecodeCache`: its slot, its blocks and its length so far."""
+
+    slot: int
+    blocks: list[int]
+    length: int = 0
+    num_buckets: list[int | list[int] | None] = field(default_factory=list)  # per layer: what its index holds
+    index_len: list[int] = field(default_factory=list)  # per layer: positions in its index's main order
+
+    @property
+    def capacity(self) -> int:
+        return len(self.blocks)
+
+
+@dataclass
+class HashedAhead:
+    """A request's cached keys hashed so far with the bucket count `num_buckets` it reaches soon (what
+    model/decoding/rehash_ahead.py computes, kept per slot until the step that changes the count): per LSH
+    layer (indexed as the model's layers), the buckets (H, R, n) int32 of its first positions, slice by slice."""
+
+    num_buckets: int | list[int]
+    slices: dict[int, list[Tensor]] = field(default_factory=dict)
+
+    def hashed(self, layer: int) -> int:
+        return sum(int(b.shape[-1]) for b in self.slices.get(layer, ()))
