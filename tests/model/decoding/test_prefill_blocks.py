@@ -14,12 +14,12 @@ from torch import Tensor
 
 from model import ReformerLM
 from model.attention import AttentionContext, LSHSelfAttention
-from model.batch import prepare_batch
 from model.decoding import DecodeCache, prefill_steps
 from model.decoding.prefill import row_blocks
 from model.decoding.prefill.slices import layer_f_slices
 
 from ..helpers import tiny_config
+from .layer_inputs import random_batch
 
 
 def _model(**overrides: Any) -> ReformerLM:
@@ -85,13 +85,7 @@ def _prefill(lm: ReformerLM, prompts: list[Tensor], spy: dict[str, list[tuple[in
 def _inputs(lm: ReformerLM, lengths: list[int]) -> tuple[Tensor, AttentionContext]:
     """A random hidden state of a padded batch of these lengths, and its attention context."""
     g = torch.Generator().manual_seed(5)
-    longest = max(lengths)
-    ids = torch.zeros(len(lengths), longest, dtype=torch.long)
-    mask = torch.zeros(len(lengths), longest, dtype=torch.long)
-    for i, n in enumerate(lengths):
-        ids[i, :n] = torch.randint(3, 258, (n,), generator=g)
-        mask[i, :n] = 1
-    batch = prepare_batch(ids, None if min(lengths) == longest else mask, lm.config)
+    batch = random_batch(lm, lengths, g)
     x = torch.randn(*batch.input_ids.shape, lm.config.hidden_size, generator=g)
     return x, batch.context
 
