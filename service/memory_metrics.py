@@ -147,8 +147,9 @@ class MemoryCollector(Collector):
         yield GaugeMetricFamily(BUDGET, "The memory budget (REFORMER_MEMORY_BUDGET_MB) in bytes; 0: none.",
                                 value=float(keeper.budget_bytes if keeper is not None else 0))
         pool = keeper.pool_counters() if keeper is not None else dict.fromkeys(RELEASE_REASONS, 0)
-        family = CounterMetricFamily(POOL_RELEASED, "Bytes of the decode cache's pool pages the model worker gave "
-                                     "back to the system (madvise), by reason: finished (a request ended; beyond "
+        family = CounterMetricFamily(POOL_RELEASED, "Bytes of the decode cache's block-pool pages the model worker "
+                                     "gave back to the system (madvise; local layers' rings are never given "
+                                     "back), by reason: finished (a request ended; beyond "
                                      "REFORMER_CACHE_KEEP_MB), idle, busy or budget (with a heap trim).",
                                      labels=["reason"])
         for reason in RELEASE_REASONS:
