@@ -19,10 +19,6 @@ Each returns the generated (or teacher-forced argmax) bytes."""
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -31,6 +27,7 @@ from typing import Protocol
 import httpx
 import torch
 
+from bench.server_process import ServerProcess, service_argv
 from model import ByteTokenizer, ReformerLM
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -126,41 +123,13 @@ class ServiceWay:
         return None
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextmanager
 def running_service(artifact: Path, port: int, log_path: Path, threads: int, max_new_tokens: int = 256
                     ) -> Iterator[str]:
     """`python -m service ARTIFACT` on 127.0.0.1:`port` (0: a free one) until the block ends; its log goes
     to `log_path`. Waits for /ready (warm-up included)."""
-    port = port or free_port()
     env = {**os.environ, "REFORMER_MAX_NEW_TOKENS": str(max_new_tokens), "OMP_NUM_THREADS": str(threads)}
-    cmd = [sys.executable, "-m", "service", str(artifact), "--host", "127.0.0.1", "--port", str(port),
-           "--log-level", "warning"]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the service exited with {proc.returncode}; log in {log_path}")
-            try:
-                if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the service was not ready in 300 s; log in {log_path}")
-            time.sleep(0.5)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    with ServerProcess(service_argv(artifact, "--log-level", "warning"), log_path=log_path, env=env,
+                       port=port) as server:
+        server.wait_ready(300)
+        yield server.url

@@ -16,9 +16,6 @@ import asyncio
 import json
 import os
 import re
-import signal
-import socket
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -28,6 +25,11 @@ from typing import Any
 import httpx
 
 REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:  # run as a script: the tree's packages are importable
+    sys.path.insert(0, str(REPO))
+
+from bench.server_process import ServerProcess, service_argv  # noqa: E402
+
 GPU_SERIES = (
     "reformer_gpu_memory_allocated_bytes", "reformer_gpu_memory_reserved_bytes",
     "reformer_gpu_memory_peak_allocated_bytes", "reformer_gpu_memory_used_bytes", "reformer_gpu_memory_total_bytes",
@@ -70,12 +72,6 @@ class Check:
         return min(cap, self.left())
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def text_of(tokens: int, seed: int = 0) -> str:
     """`tokens` bytes of ASCII prose: one token per byte for the byte-level tokenizer."""
     words = ("the of and to in that was he it his with had for as at by on not be but from which she her all "
@@ -98,42 +94,10 @@ def parse_metrics(text: str) -> dict[str, float]:
     return found
 
 
-class Server:
-    def __init__(self, artifact: str | None, device: str, dtype: str, log_path: Path):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "REFORMER_DEVICE": device, "REFORMER_DTYPE": dtype, "PYTHONUNBUFFERED": "1",
-               "REFORMER_MAX_QUEUE_SIZE": "256"}
-        argv = [sys.executable, "-m", "service", *([artifact] if artifact else []),
-                "--host", "127.0.0.1", "--port", str(self.port)]
-        self.log_path = log_path
-        self._log = log_path.open("wb")
-        self.proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT)
-
-    def wait_ready(self, check: Check, cap: float) -> float:
-        start = time.monotonic()
-        deadline = start + check.timeout(cap)
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited ({self.proc.returncode}): {self.log_path.read_text()[-2000:]}")
-            try:
-                if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
-                    return time.monotonic() - start
-            except httpx.TransportError:
-                pass
-            time.sleep(0.25)
-        raise TimeoutError(f"not ready after {cap:.0f} s: {self.log_path.read_text()[-2000:]}")
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(45)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        return int(self.proc.returncode)
+def start_server(artifact: str | None, device: str, dtype: str, log_path: Path) -> ServerProcess:
+    env = {**os.environ, "REFORMER_DEVICE": device, "REFORMER_DTYPE": dtype, "PYTHONUNBUFFERED": "1",
+           "REFORMER_MAX_QUEUE_SIZE": "256"}
+    return ServerProcess(service_argv(artifact), log_path=log_path, env=env, cwd=REPO)
 
 
 def one_request(client: httpx.Client, route: str, tokens: int, new_tokens: int, timeout: float) -> dict[str, Any]:
@@ -186,9 +150,9 @@ async def decode_rate(url: str, concurrency: int, prompt: int, new_tokens: int, 
 
 def check_service(args: argparse.Namespace, sizes: Sizes, dtype: str, check: Check) -> dict[str, Any]:
     out: dict[str, Any] = {"dtype": dtype}
-    server = Server(args.artifact, sizes.device, dtype, args.logs / f"server-{dtype}.log")
+    server = start_server(args.artifact, sizes.device, dtype, args.logs / f"server-{dtype}.log")
     try:
-        out["ready_s"] = round(server.wait_ready(check, 180), 2)
+        out["ready_s"] = round(server.wait_ready(check.timeout(180), poll_s=0.25), 2)
         info = httpx.get(server.url + "/info", timeout=10).json()
         out["info"] = {k: info.get(k) for k in ("device", "dtype", "backend", "decode_backend", "version")}
         if info.get("device", "").split(":")[0] != sizes.device:
@@ -232,7 +196,7 @@ def check_service(args: argparse.Namespace, sizes: Sizes, dtype: str, check: Che
     except (RuntimeError, TimeoutError, httpx.HTTPError) as error:
         check.fail(f"{dtype} service: {type(error).__name__}: {error}")
     finally:
-        out["exit_code"] = server.stop()
+        out["exit_code"] = server.stop(45)
         if out["exit_code"] != 0:
             check.fail(f"{dtype}: server exited with {out['exit_code']} after SIGTERM (a clean drain exits 0)")
     return out

@@ -27,7 +27,6 @@ import json
 import math
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,6 +37,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+
+from bench.server_process import ServerNotReady, ServerProcess, service_argv  # noqa: E402
+
 RESULTS = ROOT / "bench" / "results"
 CLOZE_BYTES = 64
 GENERATE_BYTES = 24
@@ -101,33 +103,14 @@ def write_tasks(folder: Path, docs: list[str]) -> None:
         (folder / f"reformer_{name}.yaml").write_text(f"task: reformer_{name}\n{common}{data}{spec}")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def start_server(artifact: Path, log: Path) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    with log.open("wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "service", str(artifact), "--host", "127.0.0.1",
-                                 "--port", str(port)], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    import httpx
-
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}: see {log}")
-        try:
-            if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    proc.terminate()
-    raise RuntimeError(f"the server was not ready within 300 s: see {log}")
+def start_server(artifact: Path, log: Path) -> ServerProcess:
+    server = ServerProcess(service_argv(artifact), log_path=log, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        server.wait_ready(300)
+    except ServerNotReady:
+        server.stop()
+        raise
+    return server
 
 
 def lm_eval_executable(given: str | None) -> str:
@@ -219,7 +202,8 @@ def main() -> None:
         server = None
         url = args.base_url
         if url is None:
-            server, url = start_server(args.artifact, folder / "server.log")
+            server = start_server(args.artifact, folder / "server.log")
+            url = server.url
         try:
             import httpx
 
@@ -227,8 +211,7 @@ def main() -> None:
             run = run_lm_eval(exe, url, model, folder, folder / "out", args.max_length)
         finally:
             if server is not None:
-                server.terminate()
-                server.wait(30)
+                server.stop(30)
     local = in_process_bits_per_byte(args.artifact, docs, args.max_length)
     served = run["results"]["reformer_rolling"]["bits_per_byte,none"]
     report = {

@@ -20,8 +20,6 @@ import asyncio
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,13 +32,8 @@ import httpx
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from bench.server_process import ServerNotReady, ServerProcess  # noqa: E402
 from train.corpus_manifest import set_folder  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def install(into: Path) -> Path:
@@ -70,33 +63,20 @@ def prompts(data: Path, count: int, size: int = 512) -> list[str]:
     return out[:count] if len(out) >= count else (out * count)[:count]
 
 
-class Server:
-    """A `reformer serve` process started with `argv` under `env` (HOME, PATH and logging set here)."""
-
-    def __init__(self, argv: list[str], path: str, home: Path, extra_env: dict[str, str] | None = None) -> None:
-        self.port = free_port()
-        env = {"HOME": str(home), "PATH": path, "LANG": "C.UTF-8", "REFORMER_LOG_LEVEL": "warning",
-               "REFORMER_KERNEL_DIR": str(home / "kernels"), **(extra_env or {})}
-        self.proc = subprocess.Popen([*argv, "--port", str(self.port)], cwd=home, env=env,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self.url = f"http://127.0.0.1:{self.port}"
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"{argv} did not become ready")
-            time.sleep(0.5)
-        info = httpx.get(self.url + "/info", timeout=5).json()
-        self.info = {"kernels": info.get("kernels"), "runs": info.get("runs"),
-                     "decode_backend": info.get("decode_backend"), "batching": info.get("batching")}
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(60)
+def start_server(argv: list[str], path: str, home: Path, extra_env: dict[str, str] | None = None
+                 ) -> tuple[ServerProcess, dict[str, Any]]:
+    """A `reformer serve` process started with `argv` under a bare environment (HOME, PATH and logging set
+    here), ready, with the /info fields that say which paths run."""
+    env = {"HOME": str(home), "PATH": path, "LANG": "C.UTF-8", "REFORMER_LOG_LEVEL": "warning",
+           "REFORMER_KERNEL_DIR": str(home / "kernels"), **(extra_env or {})}
+    server = ServerProcess(argv, env=env, cwd=home)
+    try:
+        server.wait_ready(300)
+        info = server.info()
+    except (ServerNotReady, httpx.HTTPError) as error:
+        server.stop()
+        raise SystemExit(f"{argv} did not become ready: {error}") from None
+    return server, {key: info.get(key) for key in ("kernels", "runs", "decode_backend", "batching")}
 
 
 async def round_tokens_per_s(url: str, texts: list[str], clients: int, new_tokens: int) -> float:
@@ -142,9 +122,8 @@ def measure(sides: dict[str, Side], home: Path, args: argparse.Namespace
     infos: dict[str, Any] = {}
     for _ in range(args.rounds):
         for side, (argv, path, extra) in sides.items():
-            server = Server(argv, path, home, extra)
+            server, infos[side] = start_server(argv, path, home, extra)
             try:
-                infos[side] = server.info
                 asyncio.run(round_tokens_per_s(server.url, texts[:2], 1, 8))  # warm-up
                 for c in levels:
                     results[side][c].append(asyncio.run(round_tokens_per_s(server.url, texts, c, args.new_tokens)))

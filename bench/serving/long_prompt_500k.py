@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -42,6 +41,8 @@ if __package__ in (None, ""):  # run as a script: the tree's packages are import
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import httpx  # noqa: E402
+
+from bench.server_process import ServerNotReady, ServerProcess, service_argv  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -80,52 +81,18 @@ def prompt_texts(tokenizer: Any, book: Path, lengths: list[int]) -> dict[int, tu
     return out
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Server:
-    """`python -m service.cli serve` in a child process, waited for on /ready."""
-
-    def __init__(self, artifact: Path, cache_bytes: int, log: Path) -> None:
-        self.port = free_port()
-        env = dict(os.environ, REFORMER_ARTIFACT=str(artifact), REFORMER_PORT=str(self.port),
-                   REFORMER_HOST="127.0.0.1", REFORMER_CACHE_BYTES=str(cache_bytes), REFORMER_MAX_BATCH_SIZE="2",
-                   REFORMER_MAX_NEW_TOKENS="100000", REFORMER_REQUEST_TIMEOUT_S="3600")
-        self.log = log.open("w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve"], cwd=ROOT, env=env,
-                                     stdout=self.log, stderr=subprocess.STDOUT)
-        self.url = f"http://127.0.0.1:{self.port}"
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}; see {log}")
-            try:
-                if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"server not ready in 300 s; see {log}")
-
-    def peak_rss_mb(self) -> float:
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return round(int(line.split()[1]) / 1024, 1)
-        return float("nan")
-
-    def info(self) -> dict[str, Any]:
-        return dict(httpx.get(self.url + "/info", timeout=10).json())
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
+def start_server(artifact: Path, cache_bytes: int, log: Path) -> ServerProcess:
+    """The service on `artifact` with a cache of `cache_bytes`, two rows and no token or time limits in the way
+    of a 500K-token request; ready when returned."""
+    env = dict(os.environ, REFORMER_CACHE_BYTES=str(cache_bytes), REFORMER_MAX_BATCH_SIZE="2",
+               REFORMER_MAX_NEW_TOKENS="100000", REFORMER_REQUEST_TIMEOUT_S="3600")
+    server = ServerProcess(service_argv(artifact), log_path=log, env=env)
+    try:
+        server.wait_ready(300)
+    except ServerNotReady:
+        server.stop()
+        raise
+    return server
 
 
 def stream(url: str, prompt: str, new_tokens: int, timeout: float, stop: threading.Event | None = None,
@@ -312,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
                               "max_position_embeddings": limit, "new_tokens": args.new_tokens}
     log_dir = args.logs
     log_dir.mkdir(parents=True, exist_ok=True)
-    server = Server(args.artifact, args.cache_bytes, log_dir / "server.log")
+    server = start_server(args.artifact, args.cache_bytes, log_dir / "server.log")
     try:
         info = server.info()
         result["server_info"] = info
@@ -336,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         result["refused"] = {"past_positions": refusal(server.url, big[0], big[1], args.new_tokens)}
     finally:
         server.stop()
-    small = Server(args.artifact, args.small_cache_bytes, log_dir / "server_small_cache.log")
+    small = start_server(args.artifact, args.small_cache_bytes, log_dir / "server_small_cache.log")
     try:
         n = max(lengths)
         result["refused"]["past_cache_budget"] = {

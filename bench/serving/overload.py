@@ -24,7 +24,6 @@ import selectors
 import socket
 import statistics
 import struct
-import subprocess
 import sys
 import tempfile
 import threading
@@ -41,6 +40,11 @@ from rich.console import Console
 from rich.table import Table
 
 REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:  # run as a script: the tree's packages are importable
+    sys.path.insert(0, str(REPO))
+
+from bench.server_process import ServerProcess, service_argv  # noqa: E402
+
 REJECT_BUDGET_S = 0.050
 # Linux's SO_TIMESTAMPNS (Python names it only on some builds): the kernel stamps each received packet with
 # CLOCK_REALTIME, so a response's arrival is known whenever the client gets round to reading it.
@@ -48,43 +52,15 @@ SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)
 TIMESTAMP_CMSG_SPACE = socket.CMSG_SPACE(16)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextmanager
-def local_server(artifact: str | None, log_path: Path,
-                 **settings: Any) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+def local_server(artifact: str | None, log_path: Path, **settings: Any) -> Iterator[str]:
     """`python -m service` on a free loopback port until the block ends (SIGTERM, then wait); its log (JSON
     lines at info, one access line per request with the in-server duration) goes to `log_path`."""
-    port = free_port()
     env = {**os.environ, **{f"REFORMER_{k.upper()}": str(v) for k, v in settings.items()}}
-    args = [sys.executable, "-m", "service", "--host", "127.0.0.1", "--port", str(port), "--log-level", "info",
-            "--log-json"]
-    if artifact:
-        args.insert(3, artifact)
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}; log in {log_path}")
-            try:
-                if httpx.get(url + "/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("server not ready in 180 s")
-            time.sleep(0.1)
-        yield url, proc
-    finally:
-        proc.terminate()
-        proc.wait(60)
+    argv = service_argv(artifact, "--log-level", "info", "--log-json")
+    with ServerProcess(argv, log_path=log_path, env=env, cwd=REPO) as server:
+        server.wait_ready(180, poll_s=0.1)
+        yield server.url
 
 
 def metric(text: str, name: str) -> float:
@@ -292,10 +268,10 @@ def main(argv: list[str] | None = None) -> int:
         capacity = args.queue_size + args.batch_size
         logs = Path(tempfile.mkdtemp(prefix="overload-"))
         with local_server(args.artifact, logs / "burst.log", max_queue_size=args.queue_size,
-                          max_batch_size=args.batch_size, max_new_tokens=max(args.new_tokens, 1024)) as (url, _):
+                          max_batch_size=args.batch_size, max_new_tokens=max(args.new_tokens, 1024)) as url:
             report["burst"] = burst(url, 4 * capacity, args.new_tokens, logs / "burst.log")
         with local_server(args.artifact, logs / "timeout.log", max_queue_size=args.queue_size, max_batch_size=1,
-                          request_timeout_s=args.timeout_s, max_new_tokens=max(args.new_tokens, 1024)) as (url, _):
+                          request_timeout_s=args.timeout_s, max_new_tokens=max(args.new_tokens, 1024)) as url:
             report["timeout"] = asyncio.run(timeout_probe(url, args.queue_size, args.new_tokens * 4))
         print(f"server logs in {logs}")
     report["capacity"] = capacity
