@@ -105,6 +105,17 @@ class ServerProcess:
             self._log.close()
         return int(self.proc.returncode)
 
+    @classmethod
+    def ready(cls, argv: Sequence[str], timeout_s: float = 300.0, **kwargs: Any) -> ServerProcess:
+        """Started and waited for on /ready; on ServerNotReady the process is stopped before it is raised."""
+        server = cls(argv, **kwargs)
+        try:
+            server.wait_ready(timeout_s)
+        except ServerNotReady:
+            server.stop()
+            raise
+        return server
+
     def __enter__(self) -> ServerProcess:
         return self
 

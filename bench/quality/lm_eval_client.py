@@ -38,7 +38,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bench.server_process import ServerNotReady, ServerProcess, service_argv  # noqa: E402
+from bench.server_process import ServerProcess, service_argv  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 CLOZE_BYTES = 64
@@ -104,13 +104,7 @@ def write_tasks(folder: Path, docs: list[str]) -> None:
 
 
 def start_server(artifact: Path, log: Path) -> ServerProcess:
-    server = ServerProcess(service_argv(artifact), log_path=log, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        server.wait_ready(300)
-    except ServerNotReady:
-        server.stop()
-        raise
-    return server
+    return ServerProcess.ready(service_argv(artifact), log_path=log, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
 def lm_eval_executable(given: str | None) -> str:

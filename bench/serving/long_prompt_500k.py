@@ -42,7 +42,7 @@ if __package__ in (None, ""):  # run as a script: the tree's packages are import
 
 import httpx  # noqa: E402
 
-from bench.server_process import ServerNotReady, ServerProcess, service_argv  # noqa: E402
+from bench.server_process import ServerProcess, service_argv  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -86,13 +86,7 @@ def start_server(artifact: Path, cache_bytes: int, log: Path) -> ServerProcess:
     of a 500K-token request; ready when returned."""
     env = dict(os.environ, REFORMER_CACHE_BYTES=str(cache_bytes), REFORMER_MAX_BATCH_SIZE="2",
                REFORMER_MAX_NEW_TOKENS="100000", REFORMER_REQUEST_TIMEOUT_S="3600")
-    server = ServerProcess(service_argv(artifact), log_path=log, env=env)
-    try:
-        server.wait_ready(300)
-    except ServerNotReady:
-        server.stop()
-        raise
-    return server
+    return ServerProcess.ready(service_argv(artifact), log_path=log, env=env)
 
 
 def stream(url: str, prompt: str, new_tokens: int, timeout: float, stop: threading.Event | None = None,

@@ -64,6 +64,15 @@ def test_an_exit_before_ready_names_the_code_and_the_log(tmp_path: Path) -> None
     assert server.stop() == 3
 
 
+def test_ready_stops_a_server_that_never_gets_ready(tmp_path: Path) -> None:
+    with pytest.raises(ServerNotReady, match="not ready after 1 s") as failed:
+        ServerProcess.ready(stand_in("--delay", "1000000"), timeout_s=1, log_path=tmp_path / "server.log")
+    assert "listening" in str(failed.value)
+    with ServerProcess.ready(stand_in(), timeout_s=30) as server:
+        assert httpx.get(server.url + "/ready").status_code == 200
+    assert server.proc.returncode == 0
+
+
 def test_never_ready_times_out_and_stop_ends_it(tmp_path: Path) -> None:
     server = ServerProcess(stand_in("--delay", "1000000"), log_path=tmp_path / "server.log")
     try:
