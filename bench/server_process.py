@@ -55,12 +55,14 @@ class ServerProcess:
         self.proc = subprocess.Popen(self.argv, cwd=cwd, env=dict(os.environ if env is None else env),
                                      stdout=out, stderr=subprocess.STDOUT)
 
-    def log_tail(self, chars: int = 2000) -> str:
+    def log_tail(self, chars: int | None = 2000) -> str:
+        """The last `chars` characters of the log (None: all of it)."""
         if self.log_path is None:
             return "(log discarded)"
         if self._log is not None and not self._log.closed:
             self._log.flush()
-        return self.log_path.read_text(errors="replace")[-chars:]
+        text = self.log_path.read_text(errors="replace")
+        return text if chars is None else text[-chars:]
 
     def wait_ready(self, timeout_s: float = 300.0, poll_s: float = 0.5) -> float:
         """Seconds until /ready answered 200 (warm-up included); ServerNotReady if the process exits first or

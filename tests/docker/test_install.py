@@ -21,10 +21,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bench.server_process import free_port
 from tests.docker.conftest import REPO
 from tests.docker.test_dockerfile import DOCKERFILE, Instruction, last, parse_stages
 from tests.docker.test_image_pairing import dockerfile_args
-from tests.service.conftest import free_port
 
 IMAGE_PORT = "8000"
 

@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
+from bench.server_process import ServerProcess as BenchServerProcess
+from bench.server_process import service_argv
 from export import load_artifact
 from service.engine import Engine
 
@@ -35,56 +32,23 @@ def started() -> Iterator[list[Engine]]:
         engine.stop()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class ServerProcess:
-    """`python -m service` on a loopback port, with its log captured to a file."""
+class ServerProcess(BenchServerProcess):
+    """`python -m service ARTIFACT` on a loopback port with one torch thread, `settings` as REFORMER_*
+    variables, its log captured to a file."""
 
     def __init__(self, artifact_dir: Path, log_path: Path, **settings: Any):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        for key, value in settings.items():
-            env[f"REFORMER_{key.upper()}"] = str(value)
-        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "service", str(artifact_dir), "--host", "127.0.0.1", "--port", str(self.port)],
-            cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-        )
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+               **{f"REFORMER_{key.upper()}": str(value) for key, value in settings.items()}}
+        super().__init__(service_argv(artifact_dir), log_path=log_path, env=env, cwd=REPO)
 
-    def wait_ready(self, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(self.url + "/ready", timeout=1.0).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"server not ready after {timeout} s:\n{self.log()}")
+    def wait_ready(self, timeout_s: float = 60.0, poll_s: float = 0.1) -> float:
+        return super().wait_ready(timeout_s, poll_s)
 
     def log(self) -> str:
-        if not self._log.closed:
-            self._log.flush()
-        return self.log_path.read_text(errors="replace")
+        return self.log_tail(None)
 
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        return int(self.proc.returncode)
+    def stop(self, timeout_s: float = 30.0) -> int:
+        return super().stop(timeout_s)
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+from bench.server_process import free_port
 from service.app import create_app
 from service.engine import Engine
 from service.settings import Settings
@@ -153,7 +154,7 @@ def test_sigterm_drains_in_flight_requests_answers_503_and_exits_0(tiny_artifact
 
 
 def test_a_dead_model_worker_makes_the_process_exit_non_zero(tiny_artifact: Path, tmp_path: Path) -> None:
-    port = str(ServerProcess.__init__.__globals__["free_port"]())
+    port = str(free_port())
     script = (
         "import sys\n"
         "from service.generation_steps import GenerationSteps\n"

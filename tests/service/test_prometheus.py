@@ -21,7 +21,8 @@ import httpx
 import pytest
 import yaml
 
-from tests.service.conftest import REPO, ServerProcess, free_port
+from bench.server_process import free_port
+from tests.service.conftest import REPO, ServerProcess
 
 SCRAPE_S = 1.0
 
