@@ -30,7 +30,6 @@ import torch
 from bench.server_process import ServerProcess, service_argv
 from model import ByteTokenizer, ReformerLM
 
-ROOT = Path(__file__).resolve().parent.parent
 TOK = ByteTokenizer()
 
 
