@@ -163,24 +163,21 @@ class LSHIndex:
         self.main_counts[slot, heads] = counts.int()
         self.recent_counts[slot, heads] = 0
 
-    def merge(self, slot: int, rows: Tensor, main_len: int, recent_len: int, kernel: CpuKernels | None = None
-              ) -> None:
+    def merge(self, slot: int, rows: Tensor, main_len: int, recent_len: int) -> None:
         """Move `slot`'s recent items into its main order; `rows` (main_len + recent_len,) are its pool rows
         of sorted indices 0.. . In the merged order a main item moves up by the recent items of the buckets
         before its own, a recent item by the main items of its bucket and those before it: two prefix sums of
-        counts scattered at the bucket boundaries, then one scatter of every item. With the CPU `kernel`
-        the items move in place in one C pass instead (model/kernels/)."""
-        if kernel is not None:
-            kernel.merge(self.arrays(), slot, rows, main_len, recent_len)
-        else:
-            self._merge_items(slot, rows, main_len, recent_len)
+        counts scattered at the bucket boundaries, then one scatter of every item. (`merge_in_blocks` is the
+        same merge with the rows given as a block table row, and the one the C kernel runs.)"""
+        self._merge_items(slot, rows, main_len, recent_len)
         self._merge_counts(slot)
 
     def merge_in_blocks(self, slot: int, table: Tensor, block_size: int, main_len: int, recent_len: int,
                         kernel: CpuKernels | None = None) -> None:
         """`merge` with `slot`'s pool rows given as its block table row `table` (blocks of `block_size`
-        positions). The C kernel reads the rows from the table as it moves items, so a merge builds no list
-        of the request's pool rows (an O(length) gather, then checked, at every merge)."""
+        positions). With the CPU `kernel` the items move in place in one C pass per (head, round), from the
+        last bucket down (model/kernels/), reading the rows from the table as it moves them, so a merge builds
+        no list of the request's pool rows (an O(length) gather, then checked, at every merge)."""
         if kernel is None:
             at = torch.arange(main_len + recent_len, device=table.device)
             self.merge(slot, table[floor_div(at, block_size)] * block_size + floor_mod(at, block_size), main_len,

@@ -72,7 +72,6 @@ PROTOTYPES: dict[str, tuple[str, str]] = {
     "window_attend": ("int", "IIIIIIPPPPIIPPIIPPPFFPI"),
     "lsh_attend": ("int", "IIIIIIIIIIPPPPIIPPPPPIIIIPIIIFFIPI"),
     "chunk_attend": ("int", "IIIIIIPPPPPPPPPPPPIFPPPPI"),
-    "lsh_merge": ("int", "IIIIIPIIPPPP"),
     "lsh_merge_blocks": ("int", "IIIIIPIIPIPPP"),
     "decode_write": ("int", "IIIIIIPPPPPPFFIP"),
     "lsh_append": ("int", "IIIIIPPPPIII"),

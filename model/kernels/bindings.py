@@ -91,8 +91,7 @@ class CpuKernels:
         self.path = path
         fns = abi.declare(ctypes.CDLL(str(path)))
         self._fn, self._lsh, self._chunk = fns["window_attend"], fns["lsh_attend"], fns["chunk_attend"]
-        self._merge, self._write, self._append = fns["lsh_merge"], fns["decode_write"], fns["lsh_append"]
-        self._merge_blocks = fns["lsh_merge_blocks"]
+        self._merge_blocks, self._write, self._append = fns["lsh_merge_blocks"], fns["decode_write"], fns["lsh_append"]
         self._hash, self._buckets, self._order = fns["lsh_hash"], fns["lsh_buckets"], fns["lsh_order"]
         self._pack = fns["step_linear_pack"]
         # the product, layer-tail, layer-norm and whole-step functions as ctypes exposes them: their arguments
@@ -333,26 +332,12 @@ class CpuKernels:
         check_status(status, "order kernel")
         return out
 
-    def merge(self, index: IndexArrays, slot: int, rows: Tensor, main_len: int, recent_len: int) -> None:
-        """`LSHIndex.merge`'s item moves in place, in one pass per (head, round) from the last bucket down;
-        the counts are left to the caller."""
-        _, heads, rounds, _ = index.main_counts.shape
-        items = index.items
-        main, recent = index.main_counts[slot], index.recent_counts[slot]
-        rows = rows.contiguous()
-        _require("merge kernel", (rows, torch.int64), (main, torch.int32), (recent, torch.int16),
-                 (items, (torch.int16, torch.int32)))
-        if rows.shape != (main_len + recent_len,):
-            raise ValueError(f"merge kernel: rows {tuple(rows.shape)} for {main_len} + {recent_len}")
-        status = self._merge(heads * rounds, index.buckets, main_len, recent_len, index.recent_size, items.data_ptr(),
-                             items.element_size(), index.order_rows, rows.data_ptr(), main.data_ptr(),
-                             recent.data_ptr(), index.recent[slot].data_ptr())
-        check_status(status, "merge kernel")
-
     def merge_blocks(self, index: IndexArrays, slot: int, table: Tensor, block_size: int, main_len: int,
                      recent_len: int) -> None:
-        """`merge` with the slot's pool rows read from its block table row `table` (blocks of `block_size`
-        positions) instead of a list of them: no O(length) list to build and check at every merge."""
+        """`LSHIndex.merge_in_blocks`'s item moves in place, in one pass per (head, round) from the last bucket
+        down, with the slot's pool rows read from its block table row `table` (blocks of `block_size`
+        positions): no O(length) list of rows to build and check at every merge. The counts are left to the
+        caller."""
         _, heads, rounds, _ = index.main_counts.shape
         items = index.items
         main, recent = index.main_counts[slot], index.recent_counts[slot]

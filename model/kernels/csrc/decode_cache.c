@@ -1,6 +1,6 @@
 /* Cached decoding on the CPU, the cache's writes: a step's new keys and values into the pools (decode_write),
  * the insert of its positions into each LSH index's recent order (lsh_append) and the merge of a slot's recent
- * order into its main order (lsh_merge). model/kernels/bindings.py and step_layers.c call them. */
+ * order into its main order (lsh_merge_blocks). model/kernels/bindings.py and step_layers.c call them. */
 #include "window_rows.h"
 
 /* ---- merging a slot's recent order into its main order ------------------------------------------------ */
@@ -14,29 +14,23 @@ static inline void store_item(void *items, int64_t item_bytes, int64_t at, int64
     else ((int32_t *)items)[at] = (int32_t)v;
 }
 
-/* Where sorted index j of a slot's main order lives: rows[j] when rows is given, else the pool row of
- * position j through the slot's block table row `table` (blocks of block_size positions; block_shift its
- * log2 when a power of two, else -1): the merge then needs no array of the slot's n pool rows, which the
- * caller would build (an O(n) gather) and the merge would check (O(n) reads) at every merge. */
+/* Where sorted index j of a slot's main order lives: the pool row of position j through the slot's block
+ * table row `table` (blocks of block_size positions; block_shift its log2 when a power of two, else -1), so
+ * the merge needs no array of the slot's n pool rows, which the caller would build (an O(n) gather) and the
+ * merge would check (O(n) reads) at every merge. */
 typedef struct {
-    const int64_t *rows, *table;
+    const int64_t *table;
     int64_t block_size, block_shift;
 } RowMap;
 
 static inline int64_t row_at(const RowMap *map, int64_t j) {
-    if (map->rows) return map->rows[j];
     if (map->block_shift >= 0)
         return (map->table[j >> map->block_shift] << map->block_shift) + (j & (map->block_size - 1));
     return map->table[j / map->block_size] * map->block_size + j % map->block_size;
 }
 
-/* whether every sorted index 0 .. n-1 maps to a pool row in [0, pool_rows): each row, or each block whole */
+/* whether every sorted index 0 .. n-1 maps to a pool row in [0, pool_rows): each block whole */
 static int rows_ok(const RowMap *map, int64_t n, int64_t pool_rows) {
-    if (map->rows) {
-        for (int64_t j = 0; j < n; j++)
-            if (map->rows[j] < 0 || map->rows[j] >= pool_rows) return 0;
-        return 1;
-    }
     for (int64_t k = 0; k < (n + map->block_size - 1) / map->block_size; k++)
         if (map->table[k] < 0 || map->table[k] > pool_rows / map->block_size - 1) return 0;
     return 1;
@@ -44,23 +38,19 @@ static int rows_ok(const RowMap *map, int64_t n, int64_t pool_rows) {
 
 /* one column's items of a main item run: sorted indices src_end - count .. src_end - 1 move up by `up`,
  * from the last down (up > 0, so none is overwritten before it is read); the loop written once per item
- * type and kind of map, so each runs without their branches (ROW(j): the row of sorted index j) */
+ * type and kind of block size, so each runs without their branches (ROW(j): the row of sorted index j) */
 #define MOVE_RUN(T, ROW)                                                                                      \
     do {                                                                                                      \
         T *it = (T *)items;                                                                                   \
         for (int64_t j = src_end - 1; j >= src_end - count; j--)                                              \
             it[ROW(j + up) * columns + c] = it[ROW(j) * columns + c];                                         \
     } while (0)
-#define LISTED_ROW(j) (map->rows[j])
 #define SHIFTED_ROW(j) ((map->table[(j) >> shift] << shift) + ((j) & mask))
 
 static void move_run(void *items, int64_t item_bytes, const RowMap *map, int64_t columns, int64_t c,
                      int64_t src_end, int64_t count, int64_t up) {
     const int64_t shift = map->block_shift, mask = map->block_size - 1;
-    if (map->rows) {
-        if (item_bytes == 2) MOVE_RUN(int16_t, LISTED_ROW);
-        else MOVE_RUN(int32_t, LISTED_ROW);
-    } else if (shift >= 0) {
+    if (shift >= 0) {
         if (item_bytes == 2) MOVE_RUN(int16_t, SHIFTED_ROW);
         else MOVE_RUN(int32_t, SHIFTED_ROW);
     } else {
@@ -114,15 +104,6 @@ static int merge_orders(int64_t columns, int64_t buckets, int64_t main_len, int6
     return 0;
 }
 
-/* merge_orders with the slot's pool rows of sorted indices 0 .. main_len + recent_len - 1 given as `rows`. */
-int lsh_merge(int64_t columns, int64_t buckets, int64_t main_len, int64_t recent_len, int64_t recent_size,
-              void *items, int64_t item_bytes, int64_t pool_rows, const int64_t *rows, const int32_t *main_counts,
-              const int16_t *recent_counts, const void *recent) {
-    const RowMap map = {rows, NULL, 1, 0};
-    return merge_orders(columns, buckets, main_len, recent_len, recent_size, items, item_bytes, pool_rows, &map,
-                        main_counts, recent_counts, recent);
-}
-
 /* merge_orders with the slot's pool rows read from its block table row `table` (blocks of block_size
  * positions). */
 int lsh_merge_blocks(int64_t columns, int64_t buckets, int64_t main_len, int64_t recent_len, int64_t recent_size,
@@ -133,7 +114,7 @@ int lsh_merge_blocks(int64_t columns, int64_t buckets, int64_t main_len, int64_t
     if (!(block_size & (block_size - 1)))
         for (shift = 0; (INT64_C(1) << shift) < block_size; shift++) {
         }
-    const RowMap map = {NULL, table, block_size, shift};
+    const RowMap map = {table, block_size, shift};
     return merge_orders(columns, buckets, main_len, recent_len, recent_size, items, item_bytes, pool_rows, &map,
                         main_counts, recent_counts, recent);
 }

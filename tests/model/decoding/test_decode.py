@@ -377,9 +377,16 @@ def test_index_merges_and_appends_keep_the_full_sort(merge: str) -> None:
     index.build(0, rows[:first], buckets[..., :first])
     main_len = first
     base = (torch.arange(heads).view(heads, 1) * rounds + torch.arange(rounds)).view(1, heads, rounds)
+
+    def merge_recent(index: LSHIndex, rows: torch.Tensor, main_len: int, recent_len: int) -> None:
+        if kernel is None:
+            index.merge(0, rows, main_len, recent_len)
+        else:  # the C merge reads rows through a block table: blocks of one position are the rows themselves
+            index.merge_in_blocks(0, rows, 1, main_len, recent_len, kernel)
+
     for t in range(first, length):
         if t - main_len == index.recent_size:
-            index.merge(0, rows[:t], main_len, t - main_len, kernel)
+            merge_recent(index, rows[:t], main_len, t - main_len)
             main_len = t
         weight = torch.ones(heads * rounds, dtype=torch.int16)
         want_counts = torch.nn.functional.one_hot(buckets[..., : t + 1], nb).sum(-2)
@@ -391,7 +398,7 @@ def test_index_merges_and_appends_keep_the_full_sort(merge: str) -> None:
                               weight)
         assert torch.equal(counts.main + counts.recent, want_counts[None])
         assert torch.equal(counts.main_end + counts.recent_end, (counts.main + counts.recent).cumsum(-1))
-    index.merge(0, rows, main_len, length - main_len, kernel)
+    merge_recent(index, rows, main_len, length - main_len)
     want = torch.argsort(buckets * length + torch.arange(length), dim=-1).reshape(heads * rounds, length)
     assert torch.equal(index.order[rows].long().t() - index.shift, want)
     assert int(index.recent_counts.sum()) == 0 and int(index.main_counts[0].sum()) == heads * rounds * length

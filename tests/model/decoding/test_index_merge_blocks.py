@@ -1,8 +1,8 @@
 """A merge of an LSH index's recent order that reads the request's pool rows from its block table
-(`LSHIndex.merge_in_blocks`, the C kernel's lsh_merge_blocks) gives the order a merge through a list of those
-rows gives, and the full sort of every position: many positions, scattered blocks, block sizes that are and
-are not powers of two, both item widths; and decoding over a cache of blocks that are not a power of two
-gives the logits of one whose blocks are."""
+(`LSHIndex.merge_in_blocks`, the C kernel's lsh_merge_blocks) gives the order the PyTorch merge through a
+list of those rows gives, and the full sort of every position: many positions, scattered blocks, block sizes
+that are and are not powers of two, both item widths; and decoding over a cache of blocks that are not a power
+of two gives the logits of one whose blocks are."""
 
 from __future__ import annotations
 
@@ -58,13 +58,13 @@ def test_a_merge_through_the_block_table_gives_the_merge_through_the_rows(
     length = buckets.shape[-1]
     want = torch.argsort(buckets * length + torch.arange(length), dim=-1).reshape(heads * rounds, length).t()
     merged = []
-    for how in ("rows-kernel", "blocks-kernel", "blocks-pytorch"):
+    for how in ("rows-pytorch", "blocks-kernel", "blocks-pytorch"):
         index, table, rows = _grown_index(kernel, buckets, nb, main_len, block_size, max_positions,
                                           torch.Generator().manual_seed(1))
         assert index.items.dtype == (torch.int16 if max_positions <= 2**16 else torch.int32)
         counts = index.main_counts[1] + index.recent_counts[1]
-        if how == "rows-kernel":
-            index.merge(1, rows, main_len, recent, kernel)
+        if how == "rows-pytorch":
+            index.merge(1, rows, main_len, recent)
         else:
             index.merge_in_blocks(1, table, block_size, main_len, recent, kernel if how == "blocks-kernel" else None)
         assert torch.equal(index.main_counts[1], counts) and int(index.recent_counts.sum()) == 0
