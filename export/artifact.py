@@ -149,6 +149,7 @@ def save_artifact(
         raise ValueError("quantize='int8' quantises the ONNX graph: it needs onnx=True")
     if chat_template is not None:
         check_chat_template(chat_template, "chat_template")
+    model.config.refuse_key_conv("an artifact (the service decodes through the cache)")
     model = model.eval()
     tokenizer = tokenizer or ByteTokenizer()
     if tokenizer.vocab_size != model.config.vocab_size:
@@ -301,6 +302,10 @@ def load_artifact(path: str | Path | None = None, *, check_hashes: bool = True) 
         config = ReformerConfig.from_json(directory / CONFIG_FILE)
     except (ValueError, TypeError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ArtifactError(f"{CONFIG_FILE}: not a valid model configuration ({e})") from e
+    try:
+        config.refuse_key_conv("the service")
+    except ValueError as e:
+        raise ArtifactError(f"{CONFIG_FILE}: {e}") from e
     try:
         tokenizer = read_tokenizer(directory)
     except TokenizerFileError as e:

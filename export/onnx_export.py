@@ -98,6 +98,7 @@ def export_onnx(model: ReformerLM, path: Path, optimize: bool = True) -> dict[st
     `optimize=False` skips onnxscript's graph optimizer: the larger but equivalent graph runs as fast in
     onnxruntime, which optimizes at session start (12 layers at hidden 64: 1.9-2.3 s against 2.3 s for
     2 x 1,031 tokens), and skips what took 188 s of a profiled 437 s export (export/onnx_budget.py)."""
+    model.config.refuse_key_conv("ONNX export")
     model = model.eval()
     wrapper = OnnxForward(model).eval()
     multiple = wrapper.multiple

@@ -19,6 +19,7 @@ from .lsh.masks import attention_bias
 from .lsh.order import bucket_order
 from .lsh.successor import successor_values, zero_rows_without_keys
 from .lsh.windows import gather_chunks, look_adjacent, strided_windows, window_chunk_index
+from .ngram_keys import CausalDepthwiseConv
 
 __all__ = ["KEY_NORM_EPS", "AttentionContext", "LSHSelfAttention", "LocalSelfAttention", "auto_num_buckets",
            "hash_rotations", "length_normalize", "make_attention", "merge_heads", "split_heads"]
@@ -78,6 +79,9 @@ class LSHSelfAttention(nn.Module):
         self.after = config.lsh_num_chunks_after
         self.dropout = config.lsh_attention_probs_dropout_prob
         self.causal = config.is_decoder
+        # n-gram keys (an experiment, model/ngram_keys.py): query/key read a causal mix of the last few inputs
+        width = config.lsh_key_conv_width
+        self.key_conv = CausalDepthwiseConv(config.hidden_size, width) if width else None
         self.query_key = nn.Linear(config.hidden_size, config.all_head_size, bias=False)
         self.value = nn.Linear(config.hidden_size, config.all_head_size, bias=False)
         self._rotation_cache: dict[tuple[int, str], Tensor] = {}  # (rotation size, device) -> fp32 rotations
@@ -122,7 +126,8 @@ class LSHSelfAttention(nn.Module):
     ) -> tuple[Tensor, Tensor | None]:
         """x (B, L, hidden) -> (B, L, H*D), and the buckets used (for the reversible backward)."""
         b, t, _ = x.shape
-        qk = split_heads(self.query_key(x), self.heads, self.head_size)  # (B, H, L, D)
+        qk_in = x if self.key_conv is None else self.key_conv(x)
+        qk = split_heads(self.query_key(qk_in), self.heads, self.head_size)  # (B, H, L, D)
         v = successor_values(split_heads(self.value(x), self.heads, self.head_size), self.successor_heads,
                              ctx.valid)  # (B, H, L, D)
         if t <= self.chunk:

@@ -64,6 +64,10 @@ class ReformerConfig:
     # not a transformers field: how many heads of each LSH layer read the value of the position after each key
     # (heads 0..k-1; an int for every LSH layer, or one count per LSH layer in order). See `successor_heads`.
     lsh_successor_heads: SuccessorHeads = 0
+    # not a transformers field, and an experiment: the width of a causal depthwise convolution on each LSH layer's
+    # input before its query/key projection (n-gram keys, model/ngram_keys.py); 0 for none. The PyTorch forward
+    # and training only: cached decoding, the C kernels, ONNX and artifacts refuse a model with one.
+    lsh_key_conv_width: int = 0
 
     def __post_init__(self) -> None:
         self.attn_layers = list(self.attn_layers)
@@ -104,6 +108,9 @@ class ReformerConfig:
         if self.hidden_act not in _ACTIVATIONS:
             raise ValueError(f"hidden_act must be one of {sorted(_ACTIVATIONS)}, got {self.hidden_act!r}")
         self._validate_successor_heads()
+        width = self.lsh_key_conv_width
+        if isinstance(width, bool) or not isinstance(width, int) or width < 0:
+            raise ValueError(f"lsh_key_conv_width must be an integer >= 0, got {width!r}")
 
     def _validate_successor_heads(self) -> None:
         counts = self.lsh_successor_heads
@@ -132,6 +139,12 @@ class ReformerConfig:
         if isinstance(counts, int):
             return counts
         return counts[self.attn_layers[:layer_index].count("lsh")]
+
+    def refuse_key_conv(self, what: str) -> None:
+        """Raise for a model with n-gram keys (`lsh_key_conv_width`), which only the PyTorch forward computes."""
+        if self.lsh_key_conv_width:
+            raise ValueError(f"lsh_key_conv_width={self.lsh_key_conv_width}: {what} does not support n-gram keys "
+                             "(an experiment the PyTorch forward and training compute)")
 
     def has_successor_heads(self) -> bool:
         return any(self.successor_heads(i) for i in range(len(self.attn_layers)))
@@ -209,6 +222,7 @@ class ReformerConfig:
         if self.has_successor_heads():
             raise ValueError(f"lsh_successor_heads={self.lsh_successor_heads!r}: transformers' Reformer has no "
                              "successor-value heads, so this model has no transformers equivalent")
+        self.refuse_key_conv("transformers' Reformer")
         from transformers import ReformerConfig as HFReformerConfig
 
         d = self.to_dict()

@@ -6,20 +6,15 @@ position's tap is 1), so a converted model starts as the model it was.
 Why: a successor-value head copies by matching the current position's key against earlier ones; after one
 wrong byte in a greedy copy the match is lost. Keys built from short n-grams may re-find the place.
 
-Attached by wrapping `query_key` (no attention code changes): only the PyTorch forward uses it. Cached
-decoding, the C kernels and ONNX export read `query_key`'s weight directly and do not support it."""
+Built by LSHSelfAttention when `ReformerConfig.lsh_key_conv_width` is above 0 (`reformer train --key-conv`).
+Only the PyTorch forward and training compute it: cached decoding, the C kernels and ONNX export read
+`query_key`'s weight directly, so they, and artifacts, refuse such a model (`ReformerConfig.refuse_key_conv`)."""
 
 from __future__ import annotations
-
-from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-
-from .attention import LSHSelfAttention
-from .reformer import ReformerLM
-from .reversible import ReformerLayer
 
 
 class CausalDepthwiseConv(nn.Module):
@@ -38,17 +33,3 @@ class CausalDepthwiseConv(nn.Module):
         b, t, c = x.shape
         y = F.pad(x.transpose(1, 2), (self.width - 1, 0))  # (B, C, width - 1 + T): causal left padding
         return F.conv1d(y, self.weight, groups=c).transpose(1, 2)  # (B, T, C)
-
-
-def add_ngram_keys(lm: ReformerLM, width: int) -> int:
-    """Put a width-`width` causal convolution before every LSH layer's query/key projection; returns how
-    many layers got one."""
-    count = 0
-    for layer in lm.layers:
-        att = cast(ReformerLayer, layer).attention.self_attention
-        if isinstance(att, LSHSelfAttention):
-            # registered under the same name, so the attention's own `self.query_key(x)` call runs both
-            att.register_module("query_key", nn.Sequential(CausalDepthwiseConv(lm.config.hidden_size, width),
-                                                           att.query_key))
-            count += 1
-    return count

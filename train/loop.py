@@ -83,6 +83,15 @@ def pick_device(name: str, info: DistInfo) -> torch.device:
     return torch.device("cpu")
 
 
+def load_init_weights(lm: ReformerLM, init: ReformerLM) -> None:
+    """--init-from's weights into `lm`. A key convolution `lm` has and `init` lacks (--key-conv) keeps its
+    identity start; every other weight must be there."""
+    missing, unexpected = lm.load_state_dict(init.state_dict(), strict=False)
+    missing = [k for k in missing if ".key_conv." not in k]
+    if missing or unexpected:
+        raise DataError(f"--init-from: weights missing {missing} or unexpected {unexpected} for this model")
+
+
 class Trainer:
     def __init__(self, args: argparse.Namespace, argv: list[str], info: DistInfo, device: torch.device,
                  corpus: Corpus, cfg: ReformerConfig, init: ReformerLM | None = None) -> None:
@@ -101,7 +110,7 @@ class Trainer:
         torch.manual_seed(args.seed)
         self.lm = ReformerLM(cfg).to(device).train()
         if init is not None:  # --init-from: its weights; the optimizer and schedule start fresh
-            self.lm.load_state_dict(init.state_dict())
+            load_init_weights(self.lm, init)
         decay = [p for n, p in self.lm.named_parameters() if p.dim() >= 2 and "embeddings" not in n]
         other = [p for n, p in self.lm.named_parameters() if not (p.dim() >= 2 and "embeddings" not in n)]
         self.optimizer = torch.optim.AdamW(

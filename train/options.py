@@ -34,6 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "each key; one count for every LSH layer or one per LSH layer). Applies to a new model "
                         "and to --init-from (the weights load unchanged: no weight depends on it); with --resume "
                         "it must match the checkpoint's")
+    p.add_argument("--key-conv", type=int, metavar="WIDTH",
+                   help="an experiment: n-gram keys, a causal depthwise convolution of WIDTH positions on each "
+                        "LSH layer's input before its query/key projection (0: none). Applies to a new model and "
+                        "to --init-from (the convolution starts as the identity, so the model starts unchanged); "
+                        "with --resume it must match the checkpoint's. Only the PyTorch forward computes it: "
+                        "such a model cannot be exported to an artifact or decoded with the cache")
     m = p.add_argument_group("model (ignored with --resume or --init-from: that model's config is used)")
     m.add_argument("--config", type=Path, help="ReformerConfig JSON; overrides the flags below")
     m.add_argument("--hidden-size", type=int, default=128)
@@ -137,17 +143,32 @@ def with_successor_heads(cfg: ReformerConfig, heads: int | list[int] | None) -> 
         raise DataError(f"--successor-heads: {e}") from None
 
 
+def with_key_conv(cfg: ReformerConfig, width: int | None) -> ReformerConfig:
+    """`cfg` with --key-conv applied (unchanged without it)."""
+    if width is None:
+        return cfg
+    try:
+        return dataclasses.replace(cfg, lsh_key_conv_width=width)
+    except ValueError as e:
+        raise DataError(f"--key-conv: {e}") from None
+
+
 def init_config(cfg: ReformerConfig, args: argparse.Namespace) -> ReformerConfig:
-    """The --init-from model's config with --rehash and --successor-heads applied: converting plain heads to
-    successor-value heads keeps every weight (the heads relearn to use them, ~100 steps on short windows)."""
-    return with_successor_heads(rehashed(cfg, args.rehash), args.successor_heads)
+    """The --init-from model's config with --rehash, --successor-heads and --key-conv applied: converting
+    plain heads to successor-value heads keeps every weight (the heads relearn to use them, ~100 steps on
+    short windows); a new key convolution starts as the identity."""
+    return with_key_conv(with_successor_heads(rehashed(cfg, args.rehash), args.successor_heads), args.key_conv)
 
 
 def check_resume_config(cfg: ReformerConfig, args: argparse.Namespace) -> None:
-    """--successor-heads given with --resume must be the checkpoint's: a resumed model keeps its shape."""
+    """--successor-heads and --key-conv given with --resume must be the checkpoint's: a resumed model keeps its
+    shape."""
     if args.successor_heads is not None and args.successor_heads != cfg.lsh_successor_heads:
         raise DataError(f"--successor-heads {args.successor_heads} differs from the checkpoint's "
                         f"{cfg.lsh_successor_heads}: a resumed run keeps its model")
+    if args.key_conv is not None and args.key_conv != cfg.lsh_key_conv_width:
+        raise DataError(f"--key-conv {args.key_conv} differs from the checkpoint's {cfg.lsh_key_conv_width}: a "
+                        "resumed run keeps its model")
 
 
 def rehashed(cfg: ReformerConfig, rehash: tuple[int | None, int | None] | None) -> ReformerConfig:
@@ -159,8 +180,9 @@ def rehashed(cfg: ReformerConfig, rehash: tuple[int | None, int | None] | None) 
 
 
 def model_config(args: argparse.Namespace) -> ReformerConfig:
-    """The new model the options describe (a --config file, or the flags), with --successor-heads applied."""
-    return with_successor_heads(_base_config(args), args.successor_heads)
+    """The new model the options describe (a --config file, or the flags), with --successor-heads and
+    --key-conv applied."""
+    return with_key_conv(with_successor_heads(_base_config(args), args.successor_heads), args.key_conv)
 
 
 def _base_config(args: argparse.Namespace) -> ReformerConfig:

@@ -103,6 +103,7 @@ class DecodeCache:
         docstring). What computes a step over the cache is the decoder's choice (model/decoding/step.py
         `Decoder`)."""
         cfg = lm.config
+        cfg.refuse_key_conv("cached decoding")
         # the longest request (prompt plus new tokens) served: what an automatic bucket count is reserved for
         self.max_tokens = min(max_tokens or cfg.max_position_embeddings, cfg.max_position_embeddings)
         recent = recent_size_for(self.max_tokens) if recent is None else recent
