@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import save_file
 
 from export.checkpoint import load_checkpoint_model, read_checkpoint_metadata, read_checkpoint_weights
+from export.documents import DataError
 from model.reformer import ReformerLM
 
 __all__ = ["TrainerState", "code_version", "load_model", "load_training_state", "read_checkpoint_metadata",
@@ -95,6 +96,15 @@ def save_checkpoint(path: Path, lm: ReformerLM, optimizer: torch.optim.Optimizer
 def load_model(path: Path) -> ReformerLM:
     """The checkpoint's model (train mode off), read by export's one checkpoint reader."""
     return load_checkpoint_model(path)
+
+
+def load_init_weights(lm: ReformerLM, init: ReformerLM) -> None:
+    """--init-from's weights into `lm`. A key convolution `lm` has and `init` lacks (--key-conv) keeps its
+    identity start; every other weight must be there."""
+    missing, unexpected = lm.load_state_dict(init.state_dict(), strict=False)
+    missing = [k for k in missing if ".key_conv." not in k]
+    if missing or unexpected:
+        raise DataError(f"--init-from: weights missing {missing} or unexpected {unexpected} for this model")
 
 
 def load_training_state(path: Path, lm: ReformerLM, optimizer: torch.optim.Optimizer) -> TrainerState:

@@ -31,7 +31,7 @@ from model.config import ReformerConfig
 from model.decoding.runtime import tune_cpu_runtime
 from model.reformer import ReformerLM
 
-from .checkpoint import TrainerState, code_version, load_training_state, save_checkpoint
+from .checkpoint import TrainerState, code_version, load_init_weights, load_training_state, save_checkpoint
 from .corpus import check_listed_digests, resolve_sources, select_files
 from .data import Corpus, DataError, WindowSampler, prepare_corpus, validation_windows
 from .evaluation import load_lm
@@ -81,15 +81,6 @@ def pick_device(name: str, info: DistInfo) -> torch.device:
     if name == "cuda":
         return torch.device("cuda", info.local_rank)
     return torch.device("cpu")
-
-
-def load_init_weights(lm: ReformerLM, init: ReformerLM) -> None:
-    """--init-from's weights into `lm`. A key convolution `lm` has and `init` lacks (--key-conv) keeps its
-    identity start; every other weight must be there."""
-    missing, unexpected = lm.load_state_dict(init.state_dict(), strict=False)
-    missing = [k for k in missing if ".key_conv." not in k]
-    if missing or unexpected:
-        raise DataError(f"--init-from: weights missing {missing} or unexpected {unexpected} for this model")
 
 
 class Trainer:

@@ -16,7 +16,7 @@ from model.decoding.cache import DecodeCache
 from model.ngram_keys import CausalDepthwiseConv
 from model.reformer import ReformerLM
 from tests.conftest import tiny_config, tiny_model
-from train.loop import load_init_weights
+from train.checkpoint import load_init_weights
 
 
 def _with_key_conv(width: int = 3) -> tuple[ReformerLM, ReformerLM]:
