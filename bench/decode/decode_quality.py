@@ -29,7 +29,7 @@ import torch
 from model.decoding import DecodeCache, Decoder, prefill
 from train.corpus_manifest import set_folder
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"  # bench/results
 
 
 def held_out_windows(data: Path, tokenizer, length: int, samples: int) -> list[list[int]]:  # noqa: ANN001

@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"  # bench/results
 MODELS = {"ours": "reformer-serve (torch)", "hf": "transformers Reformer", "rp": "reformer-pytorch",
           "full": "full attention (SDPA)"}
 VOCAB, HIDDEN, HEADS, HEAD, LAYERS, FF, CHUNK, HASHES = 258, 256, 4, 64, 6, 1024, 64, 4
