@@ -132,32 +132,25 @@ def parse_successor_heads(text: str) -> int | list[int]:
     return counts[0] if len(counts) == 1 else counts
 
 
-def with_successor_heads(cfg: ReformerConfig, heads: int | list[int] | None) -> ReformerConfig:
-    """`cfg` with --successor-heads applied (unchanged without it); the config's own checks name a count that
-    does not fit its heads or LSH layers."""
-    if heads is None:
-        return cfg
-    try:
-        return dataclasses.replace(cfg, lsh_successor_heads=heads)
-    except ValueError as e:
-        raise DataError(f"--successor-heads: {e}") from None
-
-
-def with_key_conv(cfg: ReformerConfig, width: int | None) -> ReformerConfig:
-    """`cfg` with --key-conv applied (unchanged without it)."""
-    if width is None:
-        return cfg
-    try:
-        return dataclasses.replace(cfg, lsh_key_conv_width=width)
-    except ValueError as e:
-        raise DataError(f"--key-conv: {e}") from None
+def with_model_options(cfg: ReformerConfig, args: argparse.Namespace) -> ReformerConfig:
+    """`cfg` with --successor-heads and --key-conv applied, each where given; the config's own checks refuse a
+    value by the flag's name (a head count that does not fit its heads or LSH layers, a negative width)."""
+    for flag, field, value in (("--successor-heads", "lsh_successor_heads", args.successor_heads),
+                               ("--key-conv", "lsh_key_conv_width", args.key_conv)):
+        if value is None:
+            continue
+        try:
+            cfg = dataclasses.replace(cfg, **{field: value})
+        except ValueError as e:
+            raise DataError(f"{flag}: {e}") from None
+    return cfg
 
 
 def init_config(cfg: ReformerConfig, args: argparse.Namespace) -> ReformerConfig:
     """The --init-from model's config with --rehash, --successor-heads and --key-conv applied: converting
     plain heads to successor-value heads keeps every weight (the heads relearn to use them, ~100 steps on
     short windows); a new key convolution starts as the identity."""
-    return with_key_conv(with_successor_heads(rehashed(cfg, args.rehash), args.successor_heads), args.key_conv)
+    return with_model_options(rehashed(cfg, args.rehash), args)
 
 
 def check_resume_config(cfg: ReformerConfig, args: argparse.Namespace) -> None:
@@ -182,7 +175,7 @@ def rehashed(cfg: ReformerConfig, rehash: tuple[int | None, int | None] | None) 
 def model_config(args: argparse.Namespace) -> ReformerConfig:
     """The new model the options describe (a --config file, or the flags), with --successor-heads and
     --key-conv applied."""
-    return with_key_conv(with_successor_heads(_base_config(args), args.successor_heads), args.key_conv)
+    return with_model_options(_base_config(args), args)
 
 
 def _base_config(args: argparse.Namespace) -> ReformerConfig:
