@@ -13,11 +13,11 @@ from export.checkpoint import load_checkpoint_model
 from train.checkpoint import read_checkpoint_metadata
 from train.loop import main as train_main
 
-from .test_successor_option import TINY, _corpus
+from .helpers import TINY, repeated_corpus
 
 
 def test_init_from_adds_the_convolution_and_trains_it(tmp_path: Path) -> None:
-    corpus = _corpus(tmp_path)
+    corpus = repeated_corpus(tmp_path)
     assert train_main([str(corpus), "--out", str(tmp_path / "plain"), "--max-steps", "1", *TINY]) == 0
     plain_dir = tmp_path / "plain" / "checkpoint"
     run = tmp_path / "conv"
@@ -38,7 +38,7 @@ def test_init_from_adds_the_convolution_and_trains_it(tmp_path: Path) -> None:
 
 
 def test_a_negative_width_is_refused_by_name(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    corpus = _corpus(tmp_path)
+    corpus = repeated_corpus(tmp_path)
     assert train_main([str(corpus), "--out", str(tmp_path / "a"), "--max-steps", "1", "--key-conv", "-1",
                        *TINY]) == 2
     assert "--key-conv: lsh_key_conv_width must be an integer >= 0, got -1" in capsys.readouterr().err

@@ -15,10 +15,7 @@ from train.checkpoint import read_checkpoint_metadata
 from train.loop import main as train_main
 from train.options import build_parser, init_config, parse_successor_heads
 
-TINY = ["--hidden-size", "32", "--num-heads", "2", "--attn-layers", "local,lsh", "--feed-forward-size", "64",
-        "--chunk-length", "16", "--num-buckets", "4", "--axial-pos-shape", "16,64", "--max-positions", "1024",
-        "--warmup-steps", "1", "--threads", "1", "--val-windows", "1", "--no-progress", "--window", "64",
-        "--batch-size", "2", "--eval-every", "0"]
+from .helpers import TINY, repeated_corpus
 
 
 def test_counts_parse_as_one_for_every_layer_or_one_per_layer() -> None:
@@ -28,15 +25,8 @@ def test_counts_parse_as_one_for_every_layer_or_one_per_layer() -> None:
             parse_successor_heads(bad)
 
 
-def _corpus(tmp_path: Path) -> Path:
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    (corpus / "a.txt").write_text(" ".join(["the king said to the queen"] * 200) + "\n")
-    return corpus
-
-
 def test_init_from_converts_heads_keeping_every_weight(tmp_path: Path) -> None:
-    corpus = _corpus(tmp_path)
+    corpus = repeated_corpus(tmp_path)
     assert train_main([str(corpus), "--out", str(tmp_path / "plain"), "--max-steps", "1", *TINY]) == 0
     plain_dir = tmp_path / "plain" / "checkpoint"
     plain_cfg = read_checkpoint_metadata(plain_dir)["config"]
@@ -67,7 +57,7 @@ def test_init_from_converts_heads_keeping_every_weight(tmp_path: Path) -> None:
 
 
 def test_new_model_takes_the_counts_and_refuses_too_many(tmp_path: Path) -> None:
-    corpus = _corpus(tmp_path)
+    corpus = repeated_corpus(tmp_path)
     assert train_main([str(corpus), "--out", str(tmp_path / "a"), "--max-steps", "1", "--successor-heads", "2",
                        *TINY]) == 0
     assert read_checkpoint_metadata(tmp_path / "a" / "checkpoint")["config"]["lsh_successor_heads"] == 2
