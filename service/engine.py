@@ -37,6 +37,8 @@ from service.jobs_runtime import EmbedJob, GenerationJob, GenerationStream, Job,
 from service.memory import HeapKeeper
 from service.metrics import ServiceMetrics
 from service.policy import QueuedGeneration, take_generations
+from service.prefix_cache import CacheIdentity, PrefixCache, PrefixCacheConfig
+from service.prompt_reuse import PromptReuse
 from service.runner import ModelRunner
 from service.tracing import note_job
 
@@ -74,6 +76,14 @@ class EngineConfig:
     # after a request finishes, the decode cache's pool pages of free blocks beyond the lowest this many bytes go
     # back to the system (service/memory.py HeapKeeper; None: only idle or over the budget)
     cache_keep_bytes: int | None = 64 * 2**20
+    # the prefix cache (service/prefix_cache/): None turns it off (forks of identical prompts still share one
+    # prefill); its capacity None: PREFIX_CACHE_SHARE of the decode cache's
+    prefix_cache: PrefixCacheConfig | None = None
+    artifact_sha256: str = ""  # what the prefix cache's keys start from (with the settings that change bits)
+
+
+# The prefix cache's memory tier when its capacity is not set: this share of the decode cache's capacity.
+PREFIX_CACHE_SHARE = 0.5
 
 
 class Engine:
@@ -96,10 +106,12 @@ class Engine:
         self.runner = ModelRunner(model, device, config.max_batch_size, config.cache_bytes, config.batch_invariant,
                                   config.max_request_tokens, config.cuda_graphs, config.cpu_kernels,
                                   config.kv_cache_dtype, config.decode_weights)
+        self.prefix_cache = self._prefix_cache(model, config, metrics)
         # the generations past the queue (running, or prefilling in slices) and the steps that advance them
         self.generations = GenerationSteps(self.runner, metrics, self._cond, batch_invariant=config.batch_invariant,
                                            max_batch_tokens=config.max_batch_tokens,
-                                           prefill_budget_s=config.prefill_budget_ms / 1000.0)
+                                           prefill_budget_s=config.prefill_budget_ms / 1000.0,
+                                           reuse=PromptReuse(self.runner, self.prefix_cache, metrics.prefix_cache))
         self.memory = HeapKeeper(config.idle_trim_s, config.memory_budget_bytes,
                                  release=self.runner.release_free_pages, keep_bytes=config.cache_keep_bytes,
                                  busy_trim_s=config.busy_trim_s)
@@ -107,6 +119,22 @@ class Engine:
         self._dead = False
         self.ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="reformer-model-worker", daemon=True)
+
+    def _prefix_cache(self, model: Any, config: EngineConfig, metrics: ServiceMetrics) -> PrefixCache | None:
+        wanted = config.prefix_cache
+        if wanted is None:
+            return None
+        cache = self.runner.cache
+        if wanted.capacity_bytes < 0:  # unset: a share of the decode cache's
+            wanted = PrefixCacheConfig(int(cache.capacity_bytes * PREFIX_CACHE_SHARE), wanted.min_tokens,
+                                       wanted.disk_dir, wanted.disk_bytes)
+        identity = CacheIdentity(
+            artifact_sha256=config.artifact_sha256, hash_seed=model.config.hash_seed,
+            model_dtype=str(cache.dtype), kv_cache_dtype=str(cache.kv_dtype), decode_weights=config.decode_weights,
+            device_type=cache.device.type, recent_size=next(
+                (ix.recent_size for ix in cache.indexes if ix is not None), 0),
+            batch_invariant=config.batch_invariant)
+        return PrefixCache(identity, wanted, metrics.prefix_cache)
 
     # ---- event-loop side -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -190,6 +218,8 @@ class Engine:
             self._cond.notify_all()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+        if self.prefix_cache is not None:
+            self.prefix_cache.close()  # queued disk writes finish
 
     # ---- worker thread ---------------------------------------------------------------------------------
     def _run(self) -> None:

@@ -21,6 +21,7 @@ from service.jobs import TokenEvent
 from service.jobs_runtime import Event, GenerationJob, Job, JobState, deliver_together
 from service.metrics import ServiceMetrics
 from service.policy import SLICE_HISTORY, another_slice_fits, group_by_length
+from service.prompt_reuse import PromptReuse
 from service.runner import ModelRunner
 
 log = logging.getLogger("service.engine")
@@ -47,8 +48,11 @@ class GenerationSteps:
     cancellation); the steps themselves run on the worker thread outside it."""
 
     def __init__(self, runner: ModelRunner, metrics: ServiceMetrics, cond: threading.Condition, *,
-                 batch_invariant: bool, max_batch_tokens: int, prefill_budget_s: float) -> None:
+                 batch_invariant: bool, max_batch_tokens: int, prefill_budget_s: float,
+                 reuse: PromptReuse | None = None) -> None:
         self.runner = runner
+        # prefix-cache hits and forks of identical prompts (service/prompt_reuse.py)
+        self.reuse = reuse if reuse is not None else PromptReuse(runner, None, None)
         self.metrics = metrics
         self.cond = cond
         self.batch_invariant = batch_invariant  # prompts prefilled one at a time
@@ -73,8 +77,10 @@ class GenerationSteps:
         job.release()
 
     def fail(self, jobs: Iterable[Job]) -> None:
-        """The jobs end with an internal error; a generation among them stops running and frees its cache."""
+        """The jobs end with an internal error; a generation among them stops running and frees its cache (and
+        the forks waiting for its prefill fail with it)."""
         jobs = list(jobs)
+        jobs += [fork for job in jobs if isinstance(job, GenerationJob) for fork in self.reuse.orphans(job)]
         with self.cond:
             for job in jobs:
                 job.state = JobState.DONE
@@ -102,21 +108,28 @@ class GenerationSteps:
 
     def take_all(self) -> list[GenerationJob]:
         """Under the lock: every running or prefilling generation, forgotten here (the engine fails them)."""
-        jobs = [*self.running, *(job for entry in self.prefilling for job in entry.jobs)]
+        jobs = [*self.running, *(job for entry in self.prefilling for job in entry.jobs), *self.reuse.take_all()]
         self.running.clear()
         self.prefilling.clear()
         return jobs
 
     def prefill_all(self, jobs: list[GenerationJob]) -> None:
         """Prompts prefilled together, grouped by length under max_batch_tokens (one at a time when the
-        engine runs batch-invariant, so a request's first token does not depend on its company)."""
+        engine runs batch-invariant, so a request's first token does not depend on its company). Prefix-cache hits
+        run at once; forks of a prompt being prefilled wait for it (service/prompt_reuse.py)."""
+        jobs, ready = self.reuse.sort(jobs)
+        if ready:
+            self._start([job for job, _ in ready], [job.cache for job, _ in ready],
+                         torch.stack([logits for _, logits in ready]))
+        if not jobs:
+            return
         if self.batch_invariant:
             groups = [[i] for i in range(len(jobs))]
         else:
-            groups = group_by_length([len(j.spec.prompt_ids) for j in jobs], self.max_batch_tokens)
+            groups = group_by_length([len(j.prefill_ids) for j in jobs], self.max_batch_tokens)
         for group in groups:
             members = [jobs[i] for i in group]
-            if max(len(j.spec.prompt_ids) for j in members) * len(members) > CHUNKED_PREFILL_TOKENS:
+            if max(len(j.prefill_ids) for j in members) * len(members) > CHUNKED_PREFILL_TOKENS:
                 # long: sliced between decode steps, so neither running streams nor requests that arrive
                 # meanwhile wait for its whole prefill
                 for job in members:
@@ -159,7 +172,7 @@ class GenerationSteps:
         return asked if any(k is not None for k in asked) else None
 
     def _slices(self, jobs: list[GenerationJob]) -> Generator[None, None, tuple[Any, ...]]:
-        prompts = [j.spec.prompt_ids for j in jobs]
+        prompts = [j.prefill_ids for j in jobs]
         reserve = [len(j.spec.prompt_ids) + j.spec.max_new_tokens for j in jobs]
         asked = self._scoring(jobs)
         if asked is not None:
@@ -171,7 +184,7 @@ class GenerationSteps:
         try:
             for job in jobs:
                 job.begin()
-            prompts = [j.spec.prompt_ids for j in jobs]
+            prompts = [j.prefill_ids for j in jobs]
             reserve = [len(j.spec.prompt_ids) + j.spec.max_new_tokens for j in jobs]
             asked = self._scoring(jobs)
             began = time.monotonic()
@@ -197,16 +210,38 @@ class GenerationSteps:
                    scores: list[Any] | None = None) -> None:
         """`scores`: each job's prompt scores when the prefill scored them (its first token carries them)."""
         self.metrics.batch_size.labels("prefill").observe(len(jobs))
-        self.metrics.batch_tokens.labels("prefill").observe(max(len(j.spec.prompt_ids) for j in jobs) * len(jobs))
+        self.metrics.batch_tokens.labels("prefill").observe(max(len(j.prefill_ids) for j in jobs) * len(jobs))
+        for i, job in enumerate(jobs):
+            job.prompt_scores = scores[i] if scores is not None else None
+        # the forks waiting on these prompts copy their states now, before any of them can finish and free it
+        forks = [(fork, i) for i, job in enumerate(jobs) for fork in self._forks(job, states[i], logits[i])]
+        if forks:
+            jobs = [*jobs, *(fork for fork, _ in forks)]
+            states = [*states, *(fork.cache for fork, _ in forks)]
+            logits = torch.cat([logits, logits[[i for _, i in forks]]])
+        self._start(jobs, states, logits)
+
+    def _forks(self, job: GenerationJob, state: Any, logits: torch.Tensor) -> list[GenerationJob]:
+        try:
+            return self.reuse.prefilled(job, state, logits)
+        except Exception:
+            log.exception("copying a prefilled state to its forks failed", extra={"request_id": job.request_id})
+            self.fail(self.reuse.orphans(job))
+            return []
+
+    def _start(self, jobs: list[GenerationJob], states: list[Any], logits: torch.Tensor) -> None:
+        """The jobs run from their states: each samples its first token from its row of `logits`, or, when its
+        prompt goes on after its segment, feeds the next prompt token to the decode steps first."""
         deliveries: list[tuple[GenerationJob, Event]] = []
         with self.runner.sampling_scope():
-            for i, (job, state, row, choice) in enumerate(zip(jobs, states, logits, _greedy(jobs, logits),
-                                                                strict=True)):
+            for job, state, row, choice in zip(jobs, states, logits, _greedy(jobs, logits), strict=True):
                 job.cache = state
-                job.prompt_scores = scores[i] if scores is not None else None
                 with self.cond:
                     self.running.append(job)
-                self._advance_safely(job, row, deliveries, choice)
+                if job.feeding:
+                    job.feed_next()
+                else:
+                    self._advance_safely(job, row, deliveries, choice)
         deliver_together(deliveries)
 
     def decode_step(self) -> None:
@@ -235,7 +270,10 @@ class GenerationSteps:
         deliveries: list[tuple[GenerationJob, Event]] = []
         with self.runner.sampling_scope():
             for job, row, choice in zip(jobs, logits, _greedy(jobs, logits), strict=True):
-                self._advance_safely(job, row, deliveries, choice)
+                if job.feeding:  # still reading its prompt: nothing to sample yet
+                    job.feed_next()
+                else:
+                    self._advance_safely(job, row, deliveries, choice)
         deliver_together(deliveries)
 
     def _advance_safely(self, job: GenerationJob, logits: torch.Tensor,

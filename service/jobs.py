@@ -24,6 +24,9 @@ class GenerationSpec:
     # score the prompt too: None no; k >= 0 each prompt token's logprob and its k most likely alternatives,
     # from the prefill's forward (TokenEvent.prompt_logprobs)
     prompt_logprobs: int | None = None
+    # the prompt's first N tokens are its segment: prefilled in one forward and kept in the prefix cache, the
+    # rest fed as decode steps (service/prompt_reuse.py); None: the whole prompt is the segment
+    cache_prefix_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,9 @@ class Timings:
     # (start, end) of each prefill call the job's prompt took part in: one, or one per slice (service/tracing.py
     # makes a span of each)
     prefill_slices: list[tuple[float, float]] = field(default_factory=list)
+    # prompt tokens restored from the prefix cache, or copied from an identical prompt prefilled with it,
+    # instead of prefilled (service/prompt_reuse.py)
+    cached_tokens: int = 0
 
     @property
     def queue_s(self) -> float:
@@ -84,6 +90,7 @@ class FinishEvent:
     generated_text: str
     prompt_tokens: int
     seed: int | None
+    cached_tokens: int = 0  # of prompt_tokens, how many were not prefilled (Timings.cached_tokens)
 
 
 @dataclass(frozen=True)

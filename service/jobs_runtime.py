@@ -113,6 +113,13 @@ class GenerationJob(Job):
         self.sampler: Sampler | None = None
         self.cache: Any = None  # the model's DecodeState while running
         self.history: list[int] = list(spec.prompt_ids)
+        # the prompt's segment, prefilled in one forward (or restored from the prefix cache), and the tokens after
+        # it, fed as decode steps before the first token is sampled (service/prompt_reuse.py)
+        cut = len(spec.prompt_ids) if spec.cache_prefix_tokens is None else spec.cache_prefix_tokens
+        self.prefill_ids: list[int] = list(spec.prompt_ids[:cut])
+        self.suffix: list[int] = list(spec.prompt_ids[cut:])
+        self.fed = 0  # suffix tokens fed so far (the pending one included)
+        self.prefix_key: str | None = None  # the segment's key in the prefix cache
         self.generated: list[int] = []
         self.text_parts: list[str] = []
         self.pending_token: int | None = None  # sampled, not yet fed to the model
@@ -165,6 +172,7 @@ class GenerationJob(Job):
                 generated_text="".join(self.text_parts),
                 prompt_tokens=len(self.spec.prompt_ids),
                 seed=self.seed,
+                cached_tokens=self.timings.cached_tokens,
             )
         scored, self.prompt_scores = self.prompt_scores, None
         return TokenEvent(len(self.generated) - 1, token, text, float(logprob), special, finish, top,
@@ -191,6 +199,16 @@ class GenerationJob(Job):
         """Free the decode cache (the request ended, failed or was dropped)."""
         self.cache = None
         self.decoder = None
+
+    @property
+    def feeding(self) -> bool:
+        """Whether the model still has prompt tokens to read before this job samples."""
+        return self.fed < len(self.suffix)
+
+    def feed_next(self) -> None:
+        """The next prompt token after the segment is the token the next decode step reads."""
+        self.pending_token = self.suffix[self.fed]
+        self.fed += 1
 
 
 def prompt_logprobs(scores: Any) -> PromptLogprobs:

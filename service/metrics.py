@@ -25,6 +25,7 @@ from prometheus_client.registry import Collector
 
 from service.gpu_metrics import GPU_FAMILIES, GpuCollector
 from service.memory_metrics import MemoryCollector
+from service.prefix_cache.metrics import PrefixCacheMetrics
 
 log = logging.getLogger("service.metrics")
 
@@ -191,6 +192,7 @@ class ServiceMetrics:
             ["decode_step", "decode_attention", "prefill_attention", "device", "kernels", "decode_weights"],
             registry=r,
         )
+        self.prefix_cache = PrefixCacheMetrics(r)  # its series stay 0 while the cache is off
         self.decode_cache = DecodeCacheCollector(engine_source)
         self.add_collector(EngineCollector(engine_source), "engine")
         self.add_collector(self.decode_cache, "decode_cache")

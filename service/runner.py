@@ -176,6 +176,10 @@ class ModelRunner:
         """Where the engine samples from a call's logits: one intra-op thread (model.decoding.sampling_threads)."""
         return sampling_threads(self.device)
 
+    def allocate(self, tokens: int) -> DecodeState:
+        """A new request's state with room for `tokens` positions (a prefix-cache hit or a fork fills it)."""
+        return self.cache.allocate(min(tokens, self.max_positions))
+
     def can_step(self, state: DecodeState) -> bool:
         return 0 <= state.slot and state.length < min(state.capacity * self.cache.block_size, self.max_positions)
 

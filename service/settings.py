@@ -223,6 +223,35 @@ class Settings(BaseSettings):
         "reformer_decode_cache_released_bytes_total{reason=\"finished\"} counts what goes back, "
         "reformer_decode_cache_resident_bytes shows what stays.",
     )
+    prefix_cache: bool = Field(
+        True,
+        description="Keep the decode state of each prompt of at least prefix_cache_min_tokens tokens after its "
+        "prefill (or of the part a request declares with cache_prefix_chars), so a later request with the same "
+        "tokens restores it instead of prefilling (docs/API.md, \"Prefix cache\"). A restored state is a copy of "
+        "the state the prefill left, so an answer never depends on what the cache held. false: nothing is kept "
+        "or looked up (identical prompts in flight together, and the choices of n / best_of, still share one "
+        "prefill).",
+    )
+    prefix_cache_bytes: int | None = Field(
+        None, ge=0,
+        description="The prefix cache's memory, in bytes, apart from the decode cache's (states are copied in "
+        "and out, so a full prefix cache never delays a request: least recently used entries are evicted). "
+        "Default: half the decode cache's capacity.",
+    )
+    prefix_cache_min_tokens: int = Field(
+        128, ge=1, description="Shorter prompts (or declared parts) are not kept in the prefix cache.",
+    )
+    prefix_cache_dir: Path | None = Field(
+        None,
+        description="A folder for the prefix cache's disk tier: every kept state is also written there as a "
+        "safetensors file named by its key (which covers the artifact and the settings that change bits), and "
+        "read back on a miss in memory: after a restart, or by another replica sharing the folder. A file that "
+        "is corrupt or belongs to another artifact is refused by name, deleted, and the request prefills.",
+    )
+    prefix_cache_dir_bytes: int = Field(
+        16 * 2**30, ge=0,
+        description="The disk tier's size cap in bytes: past it, least recently used files are deleted.",
+    )
     debug_memory: bool = Field(
         False,
         description="Also export reformer_python_objects, reformer_live_tensor_bytes and "

@@ -26,6 +26,7 @@ from service.backends import (
 )
 from service.engine import Engine, EngineConfig
 from service.metrics import ServiceMetrics
+from service.prefix_cache import PrefixCacheConfig
 from service.protocol import Limits
 from service.settings import Settings
 
@@ -149,6 +150,10 @@ class ServiceState:
             cpu_kernels=s.cpu_kernels != "off", kv_cache_dtype=kv_cache_dtype(s.kv_cache_dtype, dtype),
             decode_weights=s.decode_weights,
             max_request_tokens=min(self.limits.max_input_tokens + self.limits.max_new_tokens, positions),
+            prefix_cache=PrefixCacheConfig(
+                -1 if s.prefix_cache_bytes is None else s.prefix_cache_bytes, s.prefix_cache_min_tokens,
+                s.prefix_cache_dir, s.prefix_cache_dir_bytes) if s.prefix_cache else None,
+            artifact_sha256=artifact.sha256,
         )
         engine = Engine(model, artifact.tokenizer, backend, device, config, self.metrics,
                         on_fatal=lambda exc: self.on_fatal(exc))
@@ -244,6 +249,9 @@ class ServiceState:
                 "kv_cache_dtype": str(self.engine.runner.cache.kv_dtype).removeprefix("torch.") if self.engine
                 else None,
             },
+            # the prefix cache's setting, capacity and contents now (service/prefix_cache/)
+            "prefix_cache": (self.engine.prefix_cache.describe() if self.engine and self.engine.prefix_cache
+                             else {"enabled": False}),
             # when the worker returns the heap's free pages (service/memory.py), and whether it can here
             "memory": self.engine.memory.describe() if self.engine else {},
             "version": package_version(),

@@ -25,6 +25,7 @@ from service.protocol.openai import (
     ModelCard,
     ModelList,
     OpenAIErrorResponse,
+    PromptTokensDetails,
     Usage,
 )
 
@@ -52,5 +53,6 @@ __all__ = [
     "StreamEvent",
     "Token",
     "TokenInfo",
+    "PromptTokensDetails",
     "Usage",
 ]

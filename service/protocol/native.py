@@ -9,6 +9,8 @@ from pydantic import Field, field_validator
 from model.sampling import SamplingParams
 from service.errors import ValidationFailed
 from service.jobs import EmbeddingSpec, FinishReason, GenerationSpec
+from service.protocol.cache_prefix import DESCRIPTION as CACHE_PREFIX_DESCRIPTION
+from service.protocol.cache_prefix import split_encode
 from service.protocol.common import (
     MAX_LOGPROBS,
     InputText,
@@ -55,6 +57,7 @@ class GenerateParameters(RequestModel):
         "the room max_new_tokens needs in the model's positions).",
     )
     details: bool = Field(False, description="Return finish reason, token counts, seed and tokens.")
+    cache_prefix_chars: int | None = Field(None, ge=1, description=CACHE_PREFIX_DESCRIPTION)
     decoder_input_details: bool = Field(
         False, description="With details: details.prefill holds each input token with its logprob (the first "
         "null), scored in the prompt's one forward pass.")
@@ -167,17 +170,26 @@ class GenerateRequest(RequestModel):
         else:
             new_tokens = check_new_tokens(p.max_new_tokens, limits, "parameters.max_new_tokens")
         keep_last = check_truncate(p.truncate, limits, "parameters.truncate", new_tokens)
-        ids = encode_checked(
-            tokenizer, self.inputs, limits, field="inputs", keep_last=keep_last,
-            truncate_hint="set parameters.truncate to keep the last tokens",
-        )
+        cut = None
+        if p.cache_prefix_chars is not None:
+            if keep_last is not None or p.decoder_input_details:
+                raise ValidationFailed("parameters.cache_prefix_chars cannot be combined with parameters.truncate "
+                                       "or parameters.decoder_input_details", param="parameters.cache_prefix_chars")
+            ids, cut = split_encode(tokenizer, self.inputs, p.cache_prefix_chars, limits, field="inputs",
+                                    param="parameters.cache_prefix_chars")
+        else:
+            ids = encode_checked(
+                tokenizer, self.inputs, limits, field="inputs", keep_last=keep_last,
+                truncate_hint="set parameters.truncate to keep the last tokens",
+            )
         max_new = fit_new_tokens(len(ids), new_tokens, limits, explicit=p.max_new_tokens is not None,
                                  input_field="inputs", new_field="parameters.max_new_tokens")
         stop = check_stop(p.stop, limits, "parameters.stop")
         seeds = choice_seeds(p.seed, count)
         prompt_logprobs = 0 if p.details and p.decoder_input_details else None
         return [GenerationSpec(prompt_ids=ids, sampling=p.sampling(seed), max_new_tokens=max_new,
-                               stop_sequences=stop, stop_on_eos=not p.ignore_eos, prompt_logprobs=prompt_logprobs)
+                               stop_sequences=stop, stop_on_eos=not p.ignore_eos, prompt_logprobs=prompt_logprobs,
+                               cache_prefix_tokens=cut)
                 for seed in seeds]
 
 
@@ -210,6 +222,8 @@ class GenerateDetails(ResponseModel):
     finish_reason: FinishReason
     generated_tokens: int
     prompt_tokens: int
+    cached_tokens: int = Field(0, description="Of prompt_tokens, those not prefilled: restored from the prefix "
+                               "cache or shared with an identical prompt (extension).")
     seed: int | None
     prefill: list[PrefillToken] = Field(default_factory=list)
     tokens: list[Token]
@@ -226,6 +240,7 @@ class StreamDetails(ResponseModel):
     finish_reason: FinishReason
     generated_tokens: int
     prompt_tokens: int
+    cached_tokens: int = Field(0, description="As GenerateDetails.cached_tokens.")
     input_length: int
     seed: int | None
 

@@ -9,6 +9,8 @@ from pydantic import Field, field_validator
 from model.sampling import SamplingParams
 from service.errors import ValidationFailed
 from service.jobs import EmbeddingSpec, GenerationSpec
+from service.protocol.cache_prefix import DESCRIPTION as CACHE_PREFIX_DESCRIPTION
+from service.protocol.cache_prefix import split_encode
 from service.protocol.common import (
     MAX_LOGPROBS,
     InputText,
@@ -83,6 +85,7 @@ class CompletionRequest(RequestModel):
     seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Random seed: same seed, same tokens.")
     ignore_eos: bool = Field(False, description="Keep generating past the end-of-text token.")
     truncate_prompt_tokens: int | None = Field(None, ge=1, description="Keep only the last N prompt tokens.")
+    cache_prefix_chars: int | None = Field(None, ge=1, description=CACHE_PREFIX_DESCRIPTION + " Text prompts only.")
     user: str | None = Field(None, description="The end user's id, written into the request's log line.")
 
     @field_validator("stop")
@@ -161,13 +164,24 @@ class CompletionRequest(RequestModel):
         seeds = choice_seeds(self.seed, count)
         prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
         specs = []
+        if self.cache_prefix_chars is not None and (self.truncate_prompt_tokens is not None or prompt_logprobs
+                                                    is not None or any(not isinstance(p, str) for p in prompts)):
+            raise ValidationFailed("cache_prefix_chars needs text prompts, and cannot be combined with "
+                                   "truncate_prompt_tokens or echo with logprobs", param="cache_prefix_chars")
         for item, field in zip(prompts, item_fields("prompt", self.prompt), strict=True):
-            ids = prompt_ids(item, tokenizer, limits, field=field, keep_last=self.truncate_prompt_tokens,
-                             truncate_hint="set truncate_prompt_tokens to keep the last")
+            cut = None
+            if self.cache_prefix_chars is not None:
+                assert isinstance(item, str)
+                ids, cut = split_encode(tokenizer, item, self.cache_prefix_chars, limits,  # type: ignore[arg-type]
+                                        field=field, param="cache_prefix_chars")
+            else:
+                ids = prompt_ids(item, tokenizer, limits, field=field, keep_last=self.truncate_prompt_tokens,
+                                 truncate_hint="set truncate_prompt_tokens to keep the last")
             new_tokens = fit_new_tokens(len(ids), max_new, limits, explicit=self.max_tokens is not None,
                                         input_field=field, new_field="max_tokens")
             specs.append([GenerationSpec(ids, self.sampling(seed, bias), new_tokens, stop,
-                                         stop_on_eos=not self.ignore_eos, prompt_logprobs=prompt_logprobs)
+                                         stop_on_eos=not self.ignore_eos, prompt_logprobs=prompt_logprobs,
+                                         cache_prefix_tokens=cut)
                           for seed in seeds])
         return specs
 
@@ -200,10 +214,17 @@ class CompletionChoice(ResponseModel):
     finish_reason: Literal["stop", "length"] | None = None
 
 
+class PromptTokensDetails(ResponseModel):
+    cached_tokens: int = 0
+
+
 class Usage(ResponseModel):
     prompt_tokens: int
     completion_tokens: int = 0
     total_tokens: int
+    # OpenAI's: of prompt_tokens, those not prefilled (restored from the prefix cache, or shared with an identical
+    # prompt); on generation routes only
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionResponse(ResponseModel):

@@ -40,6 +40,7 @@ _BAD = "service/test_bad_inputs.py"
 _CHAT = "service/test_chat.py"
 _TOKENS = "service/test_tokenizer_routes.py"
 _AS_COMPLETIONS = f"{_CHAT}::test_chat_takes_each_sampling_field_as_completions_does"
+_PREFIX = "service/test_prefix_cache.py"
 
 # The routes each request model is the body (or part of the body) of.
 ROUTES: dict[str, str] = {
@@ -67,6 +68,11 @@ PARAMETERS: dict[str, dict[str, Parameter]] = {
                      f"{_SAMPLING}::test_best_of_is_refused_when_streaming"),
     },
     "GenerateParameters": {
+        "cache_prefix_chars": _h("Extension: the input's first N characters are its cached segment (prefilled "
+                                 "alone and kept in the prefix cache, the rest read as decode steps); refused "
+                                 "out of range or with truncate or decoder_input_details.",
+                                 f"{_PREFIX}::test_a_declared_prefix_is_reused_and_the_answer_is_what_a_cold_server_gives",
+                                 f"{_PREFIX}::test_a_bad_cache_prefix_is_refused_by_name"),
         "best_of": _h("Samples this many sequences (at most /info's max_best_of; needs sampling; not when "
                       "streaming), answers the one of the highest summed logprob, the others in "
                       "details.best_of_sequences; each sequence's seed derives from `seed`.",
@@ -115,6 +121,9 @@ PARAMETERS: dict[str, dict[str, Parameter]] = {
                          f"{_SAMPLING}::test_tgi_refuses_what_it_cannot_honour_by_name"),
     },
     "CompletionRequest": {
+        "cache_prefix_chars": _h("Extension, as TGI's parameters.cache_prefix_chars; text prompts only.",
+                                 f"{_PREFIX}::test_a_declared_prefix_is_reused_and_the_answer_is_what_a_cold_server_gives",
+                                 f"{_PREFIX}::test_completions_refuse_a_cache_prefix_on_token_prompts"),
         "model": _h("Must be the served model's id (/v1/models) when given; any other is 404 model_not_found.",
                     f"{_SHAPES}::test_openai_model_names_this_servers_model_or_is_not_found"),
         "prompt": _h("A text, a list of texts, token ids or lists of token ids.",

@@ -84,6 +84,7 @@ def timing_headers(timings: Timings, total_s: float, prompt_tokens: int, generat
         "x-inference-time": str(round(timings.inference_s * 1000)),
         "x-total-time": str(round(total_s * 1000)),
         "x-prompt-tokens": str(prompt_tokens),
+        "x-cached-tokens": str(timings.cached_tokens),
         "x-generated-tokens": str(generated_tokens),
     }
 

@@ -140,7 +140,8 @@ async def _generate(body: GenerateRequest, request: Request, state: State, route
         others = [BestOfSequence(generated_text=(body.inputs if p.return_full_text else "") + f.generated_text,
                                  **_details(tokenizer, prompt_ids, t, f, top_n))
                   for i, (t, f) in enumerate(results) if i != best]
-        details = GenerateDetails(prompt_tokens=finish.prompt_tokens, **_details(tokenizer, prompt_ids, tokens, finish,
+        details = GenerateDetails(prompt_tokens=finish.prompt_tokens, cached_tokens=finish.cached_tokens,
+                                  **_details(tokenizer, prompt_ids, tokens, finish,
                                                                                   top_n),
                                   best_of_sequences=others if len(results) > 1 else None)
     content = GenerateResponse(generated_text=text, details=details).model_dump(mode="json")
@@ -198,7 +199,8 @@ async def _events(state: State, stream: GenerationStream, first: TokenEvent, pre
             observe(state, "/generate_stream", stream.timings, finish.prompt_tokens)
             details = StreamDetails(
                 finish_reason=finish.finish_reason, generated_tokens=len(finish.generated_ids),
-                prompt_tokens=finish.prompt_tokens, input_length=finish.prompt_tokens, seed=finish.seed,
+                prompt_tokens=finish.prompt_tokens, cached_tokens=finish.cached_tokens,
+                input_length=finish.prompt_tokens, seed=finish.seed,
             )
             final = StreamEvent(index=event.index, token=tgi_token(event), top_tokens=top,
                                 generated_text=prefix + finish.generated_text, details=details)

@@ -27,6 +27,7 @@ from service.protocol import (
     ModelCard,
     ModelList,
     OpenAIErrorResponse,
+    PromptTokensDetails,
     Usage,
 )
 from service.protocol.logprobs import completion_logprobs, prompt_texts
@@ -106,11 +107,12 @@ async def completions(body: CompletionRequest, request: Request, state: State) -
             s.cancel()
     for stream, (_, finish) in zip(streams, results, strict=True):
         observe(state, "/v1/completions", stream.timings, finish.prompt_tokens)
-    choices, seeds, prompt_tokens, generated = [], [], 0, 0
+    choices, seeds, prompt_tokens, generated, cached = [], [], 0, 0, 0
     width = len(per_prompt[0])
     for p, group in enumerate(per_prompt):
         ran = results[p * width:(p + 1) * width]
         prompt_tokens += ran[0][1].prompt_tokens
+        cached += min(f.cached_tokens for _, f in ran)  # the prompt counted once, as prompt_tokens counts it
         generated += sum(0 if body.scores_only else len(f.generated_ids) for _, f in ran)
         for j, k in enumerate(_rank(ran, body.n)):
             tokens, finish = ran[k]
@@ -118,7 +120,8 @@ async def completions(body: CompletionRequest, request: Request, state: State) -
             seeds.append(finish.seed)
     response = CompletionResponse(
         id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=state.model_id, choices=choices,
-        usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=generated, total_tokens=prompt_tokens + generated),
+        usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=generated, total_tokens=prompt_tokens + generated,
+                    prompt_tokens_details=PromptTokensDetails(cached_tokens=cached)),
         seeds=seeds,
     )
     headers = timing_headers(streams[0].timings, time.perf_counter() - started, prompt_tokens, generated)
@@ -193,7 +196,8 @@ async def _stream(state: State, body: CompletionRequest, stream: GenerationStrea
             if body.stream_options is not None and body.stream_options.include_usage:
                 made = 0 if body.scores_only else len(finish.generated_ids)
                 usage = Usage(prompt_tokens=finish.prompt_tokens, completion_tokens=made,
-                              total_tokens=finish.prompt_tokens + made)
+                              total_tokens=finish.prompt_tokens + made,
+                              prompt_tokens_details=PromptTokensDetails(cached_tokens=finish.cached_tokens))
                 last = CompletionResponse(id=completion_id, created=created, model=state.model_id, choices=[],
                                           usage=usage)
                 yield sse(last.model_dump(mode="json", exclude={"seeds"}))

@@ -1,0 +1,50 @@
+"""What a cached prefix is looked up by: a hash chain over the token blocks, started from everything that
+changes the bits of a decode state (the artifact and the settings), so that two servers agree on a key exactly
+when a state computed by one is the state the other would compute."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from array import array
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+# tokens per link of the chain: a key is the chain's value after a prompt's last (possibly partial) block
+KEY_BLOCK_TOKENS = 256
+
+assert array("i").itemsize == 4 and int.from_bytes(array("i", [1]).tobytes(), "little") == 1
+
+
+@dataclass(frozen=True)
+class CacheIdentity:
+    """Everything a decode state's bits depend on besides the tokens: the artifact (its manifest's sha256, which
+    covers the weights, the config and its hash seed), and each setting that changes what a prefill writes or
+    how the state is laid out. A state is only ever reused under the same identity."""
+
+    artifact_sha256: str
+    hash_seed: int | None
+    model_dtype: str
+    kv_cache_dtype: str
+    decode_weights: str
+    device_type: str
+    recent_size: int  # the LSH indexes' recent order: its length is part of a state
+    batch_invariant: bool  # prompts prefilled alone (bit for bit) or grouped with others
+    layout_version: int = 1  # bumped when what a snapshot holds changes (model/decoding/snapshot.py)
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()
+
+
+def chain_key(identity_digest: str, tokens: Sequence[int]) -> str:
+    """The key of a prefix: sha256 chained over its blocks of KEY_BLOCK_TOKENS tokens (each link hashes the
+    previous link, the block's length and its ids as little-endian int32), starting from the identity."""
+    link = bytes.fromhex(identity_digest)
+    for start in range(0, len(tokens), KEY_BLOCK_TOKENS):
+        block = tokens[start : start + KEY_BLOCK_TOKENS]
+        h = hashlib.sha256(link)
+        h.update(len(block).to_bytes(4, "little"))
+        ids = array("i", block)  # int32 (the platforms served are little-endian; checked below)
+        h.update(ids.tobytes())
+        link = h.digest()
+    return link.hex()

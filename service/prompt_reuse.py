@@ -1,0 +1,112 @@
+"""Prompts read once: on the worker thread, before prefills run, each generation is sorted into one that
+restores a cached state (a prefix-cache hit), one that copies the state of an identical prompt being prefilled
+now (a fork: `n` / `best_of` choices, identical requests), or one that prefills (a leader, whose state is then
+offered to the prefix cache and copied to the forks waiting on it).
+
+How a generation's prompt is processed never depends on what is cached (service/prefix_cache/__init__.py):
+its segment (the whole prompt, or the part the request declared with `cache_prefix_chars`) is prefilled in one
+forward, and the tokens after it are fed as decode steps (`GenerationJob.suffix`). A hit or a fork copies the
+state of exactly that prefill (model/decoding/snapshot.py), so its tokens are the leader's bits. A prompt
+that asks to be scored (prompt logprobs) always prefills, alone of the cache."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from model.decoding.snapshot import copy_state, restore_snapshot, take_snapshot
+from service.jobs_runtime import GenerationJob
+
+if TYPE_CHECKING:
+    from service.prefix_cache import PrefixCache
+    from service.prefix_cache.metrics import PrefixCacheMetrics
+    from service.runner import ModelRunner
+
+log = logging.getLogger("service.engine")
+
+
+class PromptReuse:
+    def __init__(self, runner: ModelRunner, cache: PrefixCache | None, metrics: PrefixCacheMetrics | None) -> None:
+        self.runner = runner
+        self.cache = cache
+        self.metrics = metrics
+        # the segment key of every leader being prefilled now -> the forks waiting for its state (their own
+        # states allocated when they started, so the blocks admission counted for them are theirs)
+        self.waiting: dict[str, list[GenerationJob]] = {}
+
+    def sort(self, jobs: list[GenerationJob]) -> tuple[list[GenerationJob], list[tuple[GenerationJob, torch.Tensor]]]:
+        """The jobs that must prefill (leaders, and prompts that are scored), and the hits with their logits
+        (their states restored, ready to run); forks wait in `waiting` for their leader."""
+        prefill: list[GenerationJob] = []
+        ready: list[tuple[GenerationJob, torch.Tensor]] = []
+        for job in jobs:
+            if job.spec.prompt_logprobs is not None:
+                prefill.append(job)
+                continue
+            key = job.prefix_key = self._key(job)
+            if key in self.waiting:
+                job.begin()
+                job.cache = self.runner.allocate(self._reserve(job))
+                self.waiting[key].append(job)
+                continue
+            snap = None
+            if self.cache is not None:
+                snap = self.cache.lookup(key, len(job.prefill_ids), self.runner.cache)
+            if snap is None:
+                self.waiting[key] = []
+                prefill.append(job)
+                continue
+            job.begin()
+            state = self.runner.allocate(self._reserve(job))
+            try:
+                with torch.inference_mode():
+                    restore_snapshot(self.runner.cache, snap, state)
+            except Exception:
+                self.runner.free(state)
+                raise
+            job.cache = state
+            job.timings.cached_tokens = snap.length
+            ready.append((job, snap.logits))
+        return prefill, ready
+
+    def _key(self, job: GenerationJob) -> str:
+        if self.cache is not None:
+            return self.cache.key(job.prefill_ids)
+        # no cache: forks still share one prefill; the key needs to be unique only among jobs in flight
+        return "tokens:" + ",".join(map(str, job.prefill_ids))
+
+    def _reserve(self, job: GenerationJob) -> int:
+        return min(len(job.spec.prompt_ids) + job.spec.max_new_tokens, self.runner.max_positions)
+
+    def prefilled(self, job: GenerationJob, state: object, logits: torch.Tensor) -> list[GenerationJob]:
+        """A leader's prefill is done (`state`, the logits after its segment): offer its state to the prefix
+        cache and copy it into each fork waiting on it; returns the forks, ready to run with the same logits."""
+        key = job.prefix_key
+        if key is None:
+            return []
+        forks = self.waiting.pop(key, [])
+        with torch.inference_mode():
+            if self.cache is not None:
+                try:
+                    self.cache.offer(key, take_snapshot(self.runner.cache, state, logits))  # type: ignore[arg-type]
+                except Exception:  # the cache is an optimisation: the request goes on without it
+                    log.exception("could not keep a prefilled state in the prefix cache",
+                                  extra={"request_id": job.request_id})
+            for fork in forks:
+                copy_state(self.runner.cache, state, fork.cache)  # type: ignore[arg-type]
+                fork.timings.cached_tokens = len(fork.prefill_ids)
+                if self.metrics is not None:
+                    self.metrics.forks.inc()
+        return forks
+
+    def orphans(self, leader: GenerationJob) -> list[GenerationJob]:
+        """The forks of a leader that will not finish (it failed or was dropped): the caller fails them."""
+        key = leader.prefix_key
+        return self.waiting.pop(key, []) if key is not None else []
+
+    def take_all(self) -> list[GenerationJob]:
+        jobs = [job for forks in self.waiting.values() for job in forks]
+        self.waiting.clear()
+        return jobs
