@@ -88,7 +88,8 @@ class PromptReuse:
             return []
         forks = self.waiting.pop(key, [])
         with torch.inference_mode():
-            if self.cache is not None:
+            length = len(job.prefill_ids)
+            if self.cache is not None and self.cache.wants(length, self.runner.cache.bytes_for(length)):
                 try:
                     self.cache.offer(key, take_snapshot(self.runner.cache, state, logits))  # type: ignore[arg-type]
                 except Exception:  # the cache is an optimisation: the request goes on without it

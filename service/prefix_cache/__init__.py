@@ -99,6 +99,11 @@ class PrefixCache:
         self.store.put(key, snap)
         return snap
 
+    def wants(self, tokens: int, nbytes: int) -> bool:
+        """Whether a segment of `tokens` tokens whose state takes about `nbytes` would be kept (checked before
+        the state is copied out, so a state that could never be kept costs no copy)."""
+        return tokens >= self.config.min_tokens and (nbytes <= self.store.capacity_bytes or self.disk is not None)
+
     def offer(self, key: str, snapshot: StateSnapshot) -> bool:
         """Keep a segment's state (False: not kept: too short, or larger than the whole memory tier); with a
         disk tier it is also written there, pinned in memory until written."""
