@@ -108,6 +108,19 @@ class ChatCompletionRequest(ChatTemplateOptions):
     ignore_eos: bool = Field(False, description="Keep generating past the end-of-text token.")
     truncate_prompt_tokens: int | None = Field(None, ge=1, description="Keep only the last N prompt tokens.")
     user: str | None = Field(None, description="The end user's id, written into the request's log line.")
+    cache_prefix_messages: int | None = Field(
+        None, ge=1, description="Extension: the first N messages, rendered alone (no generation prompt), are the "
+        "prompt's cached segment, as /v1/completions' cache_prefix_chars: a conversation that keeps its first N "
+        "messages (a system prompt, a document) restores their state on every turn. At most the number of "
+        "messages; refused when the template does not render them as the start of the whole prompt.")
+
+    @field_validator("cache_prefix_messages")
+    @classmethod
+    def _within_the_messages(cls, value: int | None, info: ValidationInfo) -> int | None:
+        count = len(info.data.get("messages") or [])
+        if value is not None and value > count:
+            raise ValueError(f"must be at most the number of messages ({count}); got {value}")
+        return value
 
     @model_validator(mode="after")
     def _one_token_limit(self) -> ChatCompletionRequest:

@@ -200,6 +200,10 @@ PARAMETERS: dict[str, dict[str, Parameter]] = {
                    f"{_SHAPES}::test_openai_user_goes_into_the_request_log"),
     },
     "ChatCompletionRequest": {
+        "cache_prefix_messages": _h("Extension: the first N messages, rendered alone, are the prompt's cached "
+                                    "segment (as cache_prefix_chars); refused past the message count or when the "
+                                    "template does not render them as the prompt's start.",
+                                    f"{_PREFIX}::test_a_chat_keeps_its_first_messages_cached_across_turns"),
         "messages": _h("The conversation, rendered with the artifact's chat template; without one, 400 naming it.",
                        f"{_CHAT}::test_chat_answers_what_completions_answers_for_the_rendered_prompt",
                        f"{_CHAT}::test_without_a_template_chat_answers_400_naming_it"),

@@ -31,13 +31,30 @@ from service.routes.tokenize import render_messages
 router = APIRouter(prefix="/v1", tags=["openai"])
 
 
-def _completion_request(body: ChatCompletionRequest, prompt: str) -> CompletionRequest:
+def _completion_request(body: ChatCompletionRequest, prompt: str, cached_chars: int | None = None
+                        ) -> CompletionRequest:
     fields = body.completion_fields(set(CompletionRequest.model_fields))
+    if cached_chars is not None:
+        fields["cache_prefix_chars"] = cached_chars
     try:
         return CompletionRequest.model_validate({**fields, "prompt": prompt})
     except ValidationError as err:
         message, param = describe_validation_errors(list(err.errors()))
         raise ValidationFailed(message, param=param) from None
+
+
+def _cached_chars(state: Any, tokenizer: Any, body: ChatCompletionRequest, prompt: str) -> int | None:
+    """The characters of `prompt` that `cache_prefix_messages` declares: its first messages rendered alone."""
+    count = body.cache_prefix_messages
+    if count is None:
+        return None
+    head = body.model_copy(update={"messages": body.messages[:count], "add_generation_prompt": False,
+                                   "continue_final_message": False})
+    text = render_messages(state, tokenizer, head)
+    if not text or not prompt.startswith(text):
+        raise ValidationFailed(f"the chat template does not render the first {count} messages as the start of the "
+                               "whole prompt, so they cannot be its cached part", param="cache_prefix_messages")
+    return len(text)
 
 
 def _chat_id(completion_id: str) -> str:
@@ -102,7 +119,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     if not prompt.strip():
         raise ValidationFailed("the chat template rendered these messages as empty text", param="messages")
     try:
-        response = await completions(_completion_request(body, prompt), request, state)
+        response = await completions(_completion_request(body, prompt, _cached_chars(state, tokenizer, body, prompt)),
+                                     request, state)
     except ServiceError as error:
         if error.param == "prompt":  # the rendered prompt is what the client sent as messages
             error.param, error.message = "messages", f"the rendered messages: {error.message}"

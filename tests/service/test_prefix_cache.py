@@ -187,3 +187,45 @@ def test_any_sequence_of_requests_answers_as_with_the_cache_off(pair: Any, reque
         params = {} if seed is None else {"do_sample": True, "temperature": 0.8, "seed": seed}
         assert _generate(on, text, chars, **params)[0] == _generate(off, text, chars, **params)[0]
         _store_holds(on)
+
+
+def test_a_full_prefix_cache_evicts_and_never_fails_a_request_that_fits(artifact: Any) -> None:
+    """The decode cache holds one request at a time and the prefix cache about one document's state: every
+    request still runs (states are copied out of the decode cache, never held in its blocks), the memory tier
+    evicts its least recently used entry, and the answers stay the cache-off ones."""
+    tight = dict(LIMITS, max_batch_size=1, cache_bytes=2_000_000)
+    prompts = [(DOCS[i % 2][: 200 + 13 * i] + QUESTIONS[i % 3], 200 + 13 * i) for i in range(4)]
+    with running_app(artifact, **tight, prefix_cache=False) as off:
+        want = [_generate(off, text, chars)[0] for text, chars in prompts]
+    with running_app(artifact, **tight) as on:
+        entry = on.app.state.service.engine.runner.cache.bytes_for(300)  # type: ignore[attr-defined]
+    with running_app(artifact, **tight, prefix_cache_bytes=entry) as on:
+        got = [_generate(on, text, chars)[0] for text, chars in prompts]
+        metrics = on.get("/metrics").text
+        _store_holds(on)
+    assert got == want
+    assert metric_value(metrics, "reformer_prefix_cache_evictions_total") >= 2
+
+
+def test_a_chat_keeps_its_first_messages_cached_across_turns(artifact: Any) -> None:
+    import dataclasses
+
+    template = ("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+                "{% if add_generation_prompt %}[assistant] {% endif %}")
+    system = {"role": "system", "content": DOCS[0]}
+    turns = [[system, {"role": "user", "content": q}] for q in QUESTIONS[:2]]
+    turns.append([system, {"role": "user", "content": QUESTIONS[0]}, {"role": "assistant", "content": " ok."},
+                  {"role": "user", "content": QUESTIONS[2]}])
+    chat = dataclasses.replace(artifact, chat_template=template)
+    answers = {}
+    for name, extra in (("off", {"prefix_cache": False}), ("on", {})):
+        with running_app(chat, **LIMITS, **extra) as client:
+            replies = [client.post("/v1/chat/completions", json={
+                "messages": m, "max_tokens": 5, "temperature": 0, "cache_prefix_messages": 1}).json() for m in turns]
+            bad = client.post("/v1/chat/completions", json={"messages": turns[0], "cache_prefix_messages": 3})
+        answers[name] = [r["choices"][0]["message"]["content"] for r in replies]
+        cached = [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in replies]
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_prefix_messages"
+    assert answers["on"] == answers["off"]
+    head = len(f"[system] {DOCS[0]}\n")
+    assert cached == [0, head, head]
