@@ -115,8 +115,9 @@ def _documented_metrics() -> dict[str, str]:
 
 
 def test_metrics_doc_lists_every_metric_the_service_defines() -> None:
-    code = "".join((ROOT / "service" / f).read_text() for f in ("metrics.py", "memory_metrics.py", "gpu_metrics.py"))
-    defined = {f"reformer_{n}" for n in re.findall(r'PREFIX \+ "(\w+)"', code)}
+    code = "".join((ROOT / "service" / f).read_text() for f in ("metrics.py", "memory_metrics.py", "gpu_metrics.py",
+                                                                    "prefix_cache/metrics.py"))
+    defined = {f"reformer_{n}" for n in re.findall(r'(?:PREFIX \+ |counter\()"(\w+)"', code)}
     defined |= set(re.findall(r'^[A-Z_]+ = "(reformer_\w+)"', code, re.MULTILINE))
     documented = _documented_metrics()
     assert sorted(documented) == sorted(defined)

@@ -1,7 +1,7 @@
 """The prefix cache: decode states of prompts (or of the cached part a request declares) kept after their
 prefill, so that a later request with the same tokens restores the state instead of prefilling again.
 
-What makes it exact (docs/ARCHITECTURE.md, "Prefix cache"): a request's prompt is processed the same way
+What makes it exact (docs/ARCHITECTURE.md, "The prefix cache"): a request's prompt is processed the same way
 whatever the cache holds (its segment prefilled in one forward, the rest fed as decode steps), and a hit
 restores a copy of the very state that processing leaves (model/decoding/snapshot.py). So the answer never
 depends on what the cache held: a hit gives the same bits as the miss that stored it.
