@@ -2,12 +2,12 @@
 (against the first's), of `n` choices against one, and of cold prompts with the cache on against off.
 
     python bench/serving/prefix_cache.py [ARTIFACT] --book BOOK.txt [--doc-bytes 60000] [--questions 4]
-        [--n-tokens 16384] [--cold-lengths 16384,65536] [--repeats 3] [--cache-dir DIR]
-        [--out bench/results/prefix_cache.json]
+        [--n-tokens 16384] [--cold-lengths 16384,65536] [--repeats 3] [--cache-dir DIR] [--off-questions 2]
+        [--env NAME=VALUE ...] [--out bench/results/prefix_cache.json]
 
 One server per setting (python -m service, the shipped model unless ARTIFACT), one request at a time, each a
 streamed `/generate_stream` of 4 greedy tokens; TTFT is request sent -> first event. Phases:
-1. `doc`: a --doc-bytes document cut from BOOK, then --questions different questions about it, each with
+1. `doc`: a --doc-bytes (characters) document cut from BOOK, then --questions different questions about it, each with
    `cache_prefix_chars` = the document's length: the first prefills the document, the rest restore it. The
    same requests on a server with the prefix cache off (every question prefills), and each whole prompt
    without the field (today's one-piece prefill, the anchor).
@@ -17,7 +17,8 @@ streamed `/generate_stream` of 4 greedy tokens; TTFT is request sent -> first ev
    wall time, and the decode cache's allocated bytes (reformer_decode_cache_bytes) read while it runs.
 4. `cold`: prompts of --cold-lengths tokens, each new (no hit), cache on against off: TTFT (the cost of
    keeping a state).
-Every figure is the median of --repeats. Writes the JSON and prints a table with the load. Run it alone
+--n-tokens 0 and an empty --cold-lengths skip phases 3 and 4 (a 500K-token document: --doc-bytes in
+characters, the tokenizer's count reported as cached_tokens). Every figure is the median of --repeats. Writes the JSON and prints a table with the load. Run it alone
 (bench/quiet_run.sh): the two cores are the measurement.
 """
 
@@ -59,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cold-lengths", default="16384,65536")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--cache-dir", type=Path, default=None, help="a disk tier folder (emptied first)")
+    p.add_argument("--off-questions", type=int, default=2, help="questions asked of the cache-off server")
+    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                   help="a REFORMER_ setting for every server, e.g. CACHE_BYTES=4294967296 (repeatable)")
     p.add_argument("--out", type=Path, default=ROOT / "bench/results/prefix_cache.json")
     p.add_argument("--logs", type=Path, default=Path("/tmp/prefix_cache_logs"))
     return p
@@ -87,9 +91,12 @@ def ttft(url: str, text: str, chars: int | None = None) -> tuple[float, int]:
     return first, cached
 
 
+SETTINGS: dict[str, str] = {}  # --env, for every server
+
+
 def server(artifact: Path | None, logs: Path, name: str, **env: str) -> ServerProcess:
     logs.mkdir(parents=True, exist_ok=True)
-    environ = {**os.environ, "REFORMER_MAX_NEW_TOKENS": "64", "REFORMER_LOG_LEVEL": "warning",
+    environ = {**os.environ, "REFORMER_MAX_NEW_TOKENS": "64", "REFORMER_LOG_LEVEL": "warning", **SETTINGS,
                **{f"REFORMER_{k.upper()}": v for k, v in env.items()}}
     proc = ServerProcess(service_argv(artifact), log_path=logs / f"{name}.log", env=environ)
     proc.wait_ready(300)
@@ -144,13 +151,16 @@ def n_phase(url: str, prompt: str, repeats: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
+    SETTINGS.update({f"REFORMER_{k.upper()}": v for k, v in (e.split("=", 1) for e in args.env)})
+    cold_lengths = [int(x) for x in args.cold_lengths.split(",") if x.strip()]
     text = args.book.read_text(encoding="utf-8", errors="replace").encode("utf-8", "ignore").decode("ascii", "ignore")
-    while len(text) < max(args.doc_bytes, args.n_tokens, *map(int, args.cold_lengths.split(","))) + 10:
+    while len(text) < max(args.doc_bytes, args.n_tokens, *cold_lengths) + 10:
         text += "\n" + text
     doc = text[: args.doc_bytes]
     questions = QUESTIONS[: args.questions]
     load = os.getloadavg()[0]
-    result: dict[str, Any] = {"load_before": load, "doc_bytes": len(doc), "book": args.book.name}
+    result: dict[str, Any] = {"load_before": load, "doc_bytes": len(doc), "book": args.book.name,
+                              "settings": SETTINGS, "artifact": str(args.artifact or "shipped")}
     disk = {"prefix_cache_dir": str(args.cache_dir)} if args.cache_dir else {}
     if args.cache_dir:
         args.cache_dir.mkdir(parents=True, exist_ok=True)
@@ -158,20 +168,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f.unlink()
     with server(args.artifact, args.logs, "on", **disk) as on:
         result["doc_cache_on"] = doc_phase(on.url, doc, questions, 1, declare=True)
-        result["n"] = n_phase(on.url, text[: args.n_tokens], args.repeats)
+        if args.n_tokens:
+            result["n"] = n_phase(on.url, text[: args.n_tokens], args.repeats)
         result["cold_on"] = {n: statistics.median(ttft(on.url, text[i * 7 : i * 7 + n])[0]
                                                   for i in range(1, args.repeats + 1))
-                             for n in map(int, args.cold_lengths.split(","))}
+                             for n in cold_lengths}
     if args.cache_dir:
         with server(args.artifact, args.logs, "restart", **disk) as again:
             t, cached = ttft(again.url, doc + QUESTIONS[-1], len(doc))
             result["restart"] = {"ttft_s": t, "cached_tokens": cached}
     with server(args.artifact, args.logs, "off", prefix_cache="false") as off:
-        result["doc_cache_off"] = doc_phase(off.url, doc, questions[:2], 1, declare=True)
-        result["doc_whole_prompt"] = doc_phase(off.url, doc, questions[:2], 1, declare=False)
+        result["doc_cache_off"] = doc_phase(off.url, doc, questions[: args.off_questions], 1, declare=True)
+        result["doc_whole_prompt"] = doc_phase(off.url, doc, questions[: args.off_questions], 1, declare=False)
         result["cold_off"] = {n: statistics.median(ttft(off.url, text[i * 7 + 3 : i * 7 + 3 + n])[0]
                                                    for i in range(1, args.repeats + 1))
-                              for n in map(int, args.cold_lengths.split(","))}
+                              for n in cold_lengths}
     first = result["doc_cache_on"][0]["ttft_s"]
     later = [row["ttft_s"] for row in result["doc_cache_on"][1:]]
     anchor = statistics.median(row["ttft_s"] for row in result["doc_whole_prompt"])
@@ -181,7 +192,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result["load_after"] = os.getloadavg()[0]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"load {load:.2f} before, {result['load_after']:.2f} after; document {len(doc)} bytes")
+    print(f"load {load:.2f} before, {result['load_after']:.2f} after; document {len(doc)} characters, "
+          f"{result['doc_cache_on'][-1]['cached_tokens']} tokens")
     print("| measure | value |\n|---|---|")
     print(f"| first question TTFT (prefills the document) | {first:.3f} s |")
     print(f"| later questions TTFT (median, restored) | {statistics.median(later):.3f} s |")
@@ -191,9 +203,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if "restart" in result:
         print(f"| after a restart, from disk | {result['restart']['ttft_s']:.3f} s "
               f"({result['restart']['cached_tokens']} cached) |")
-    n = result["n"]
-    print(f"| n=4 / n=1 wall time at {args.n_tokens} tokens | {n['wall_ratio']:.2f}x |")
-    print(f"| n=4 / n=1 peak decode-cache bytes | {n['memory_ratio']:.2f}x |")
+    if "n" in result:
+        n = result["n"]
+        print(f"| n=4 / n=1 wall time at {args.n_tokens} tokens | {n['wall_ratio']:.2f}x |")
+        print(f"| n=4 / n=1 peak decode-cache bytes | {n['memory_ratio']:.2f}x |")
     for length, ratio in result["cold_speed_ratio"].items():
         print(f"| cold prompt of {length} tokens, speed with cache / without | {ratio:.3f}x |")
     return result
