@@ -117,7 +117,9 @@ class GenerationSteps:
         """Prompts prefilled together, grouped by length under max_batch_tokens (one at a time when the
         engine runs batch-invariant, so a request's first token does not depend on its company). Prefix-cache hits
         run at once; forks of a prompt being prefilled wait for it (service/prompt_reuse.py)."""
-        jobs, ready = self.reuse.sort(jobs)
+        jobs, ready, failed = self.reuse.sort(jobs)
+        if failed:
+            self.fail(failed)
         if ready:
             self._start([job for job, _ in ready], [job.cache for job, _ in ready],
                          torch.stack([logits for _, logits in ready]))

@@ -12,7 +12,7 @@ that asks to be scored (prompt logprobs) always prefills, alone of the cache."""
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -27,6 +27,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("service.engine")
 
 
+class Sorted(NamedTuple):
+    prefill: list[GenerationJob]
+    ready: list[tuple[GenerationJob, torch.Tensor]]
+    failed: list[GenerationJob]
+
+
 class PromptReuse:
     def __init__(self, runner: ModelRunner, cache: PrefixCache | None, metrics: PrefixCacheMetrics | None) -> None:
         self.runner = runner
@@ -36,40 +42,53 @@ class PromptReuse:
         # states allocated when they started, so the blocks admission counted for them are theirs)
         self.waiting: dict[str, list[GenerationJob]] = {}
 
-    def sort(self, jobs: list[GenerationJob]) -> tuple[list[GenerationJob], list[tuple[GenerationJob, torch.Tensor]]]:
-        """The jobs that must prefill (leaders, and prompts that are scored), and the hits with their logits
-        (their states restored, ready to run); forks wait in `waiting` for their leader."""
-        prefill: list[GenerationJob] = []
-        ready: list[tuple[GenerationJob, torch.Tensor]] = []
+    def sort(self, jobs: list[GenerationJob]) -> Sorted:
+        """The jobs that must prefill (leaders, and prompts that are scored), the hits with their logits (their
+        states restored, ready to run), and the jobs that failed here (the caller fails them); forks wait in
+        `waiting` for their leader."""
+        out = Sorted([], [], [])
         for job in jobs:
-            if job.spec.prompt_logprobs is not None:
-                prefill.append(job)
-                continue
-            key = job.prefix_key = self._key(job)
-            if key in self.waiting:
-                job.begin()
-                job.cache = self.runner.allocate(self._reserve(job))
-                self.waiting[key].append(job)
-                continue
-            snap = None
-            if self.cache is not None:
-                snap = self.cache.lookup(key, len(job.prefill_ids), self.runner.cache)
-            if snap is None:
-                self.waiting[key] = []
-                prefill.append(job)
-                continue
+            try:
+                self._sort_one(job, out)
+            except Exception:
+                log.exception("looking up or restoring a prompt's state failed", extra={"request_id": job.request_id})
+                if job.cache is not None:
+                    self.runner.free(job.cache)
+                    job.cache = None
+                out.failed.append(job)
+        return out
+
+    def _sort_one(self, job: GenerationJob, out: Sorted) -> None:
+        if job.spec.prompt_logprobs is not None:
+            out.prefill.append(job)
+            return
+        key = job.prefix_key = self._key(job)
+        if key in self.waiting:
             job.begin()
-            state = self.runner.allocate(self._reserve(job))
+            job.cache = self.runner.allocate(self._reserve(job))
+            self.waiting[key].append(job)
+            return
+        snap = None
+        if self.cache is not None:
+            snap = self.cache.lookup(key, len(job.prefill_ids), self.runner.cache)
+        if snap is not None:
+            job.begin()
+            job.cache = self.runner.allocate(self._reserve(job))
             try:
                 with torch.inference_mode():
-                    restore_snapshot(self.runner.cache, snap, state)
-            except Exception:
-                self.runner.free(state)
-                raise
-            job.cache = state
-            job.timings.cached_tokens = snap.length
-            ready.append((job, snap.logits))
-        return prefill, ready
+                    restore_snapshot(self.runner.cache, snap, job.cache)
+            except Exception:  # the entry is unusable: forget it, and compute what it held
+                log.exception("restoring a kept state failed; prefilling instead", extra={"request_id": job.request_id})
+                assert self.cache is not None
+                self.cache.forget(key)
+                self.runner.free(job.cache)
+                job.cache = None
+            else:
+                job.timings.cached_tokens = snap.length
+                out.ready.append((job, snap.logits))
+                return
+        self.waiting[key] = []
+        out.prefill.append(job)
 
     def _key(self, job: GenerationJob) -> str:
         if self.cache is not None:

@@ -161,7 +161,7 @@ def restore_snapshot(cache: DecodeCache, snap: StateSnapshot, state: DecodeState
         for name in sorted((n for n in snap.tensors if n.startswith("ahead.")),
                            key=lambda n: tuple(int(p) for p in n.split(".")[1:])):
             layer = int(name.split(".")[1])
-            plan.slices.setdefault(layer, []).append(snap.tensors[name].to(cache.device))
+            plan.slices.setdefault(layer, []).append(snap.tensors[name].to(cache.device, copy=True))
 
 
 def copy_state(cache: DecodeCache, source: DecodeState, target: DecodeState) -> None:

@@ -99,6 +99,10 @@ class PrefixCache:
         self.store.put(key, snap)
         return snap
 
+    def forget(self, key: str) -> None:
+        """Drop the memory tier's entry under `key` (one that could not be restored)."""
+        self.store.discard(key)
+
     def wants(self, tokens: int, nbytes: int) -> bool:
         """Whether a segment of `tokens` tokens whose state takes about `nbytes` would be kept (checked before
         the state is copied out, so a state that could never be kept costs no copy)."""

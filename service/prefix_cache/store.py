@@ -94,6 +94,13 @@ class PrefixStore:
                 self.referenced_bytes -= entry.nbytes
                 self.evictable_bytes += entry.nbytes
 
+    def discard(self, key: str) -> None:
+        """Drop the entry under `key` unless it is pinned (it then goes when unpinned and evicted)."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None and entry.pins == 0:
+                self._drop(key)
+
     def clear(self) -> None:
         """Every unpinned entry goes (pinned ones stay until unpinned)."""
         with self._lock:

@@ -229,3 +229,17 @@ def test_a_chat_keeps_its_first_messages_cached_across_turns(artifact: Any) -> N
     assert answers["on"] == answers["off"]
     head = len(f"[system] {DOCS[0]}\n")
     assert cached == [0, head, head]
+
+
+def test_a_kept_state_that_cannot_be_restored_is_computed_instead(artifact: Any) -> None:
+    prompt = DOCS[0] + QUESTIONS[1]
+    with running_app(artifact, **LIMITS) as client:
+        first = _generate(client, prompt)
+        store = client.app.state.service.engine.prefix_cache.store  # type: ignore[attr-defined]
+        (key,) = list(store._entries)
+        del store.get(key).tensors["kv.1"]  # a state missing a layer's keys and values
+        second = _generate(client, prompt)
+        third = _generate(client, prompt)
+        _store_holds(client)
+    assert first[1] == 0 and second == (first[0], 0)
+    assert third == (first[0], len(prompt))  # the recomputed state was kept again
