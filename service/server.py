@@ -13,7 +13,9 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 import time
+from pathlib import Path
 from types import FrameType
 from typing import NoReturn
 
@@ -114,6 +116,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"reformer serve: REFORMER_CPU_KERNELS=on but the C kernels cannot load ({status.source}): "
                   f"{status.reason}", file=sys.stderr)
             return 2
+    if settings.prefix_cache and settings.prefix_cache_dir is not None:
+        problem = unusable_folder(settings.prefix_cache_dir)
+        if problem:
+            print(f"reformer serve: REFORMER_PREFIX_CACHE_DIR {settings.prefix_cache_dir}: {problem}", file=sys.stderr)
+            return 2
     from export import ArtifactError, load_artifact
 
     try:
@@ -139,6 +146,17 @@ def main(argv: list[str] | None = None) -> int:
         log.critical("exiting with status %d: the model worker died", server.exit_code)
     end_process(server.exit_code)
     return server.exit_code  # not reached
+
+
+def unusable_folder(folder: Path) -> str | None:
+    """Why the disk tier cannot use `folder` (created if missing), or None when a file can be written there."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".probe-"):
+            pass
+    except OSError as err:
+        return f"cannot write there ({err.strerror or err})"
+    return None
 
 
 def end_process(code: int) -> NoReturn:

@@ -113,3 +113,13 @@ def test_kernels_on_refuses_to_start_naming_the_reason(tmp_path: Any) -> None:
     assert r.returncode == 2, r.stderr
     assert "REFORMER_CPU_KERNELS=on but the C kernels cannot load (unavailable)" in r.stderr
     assert "REFORMER_CPU_KERNEL_VARIANT=avx512 is not installed" in r.stderr
+
+
+def test_an_unwritable_prefix_cache_dir_refuses_to_start_naming_it(tmp_path: Any) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "REFORMER_PREFIX_CACHE_DIR": str(blocker / "cache")}
+    r = subprocess.run([sys.executable, "-c", "import sys; from service.server import main; sys.exit(main([]))"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert f"REFORMER_PREFIX_CACHE_DIR {blocker / 'cache'}: cannot write there" in r.stderr
