@@ -1,7 +1,10 @@
 """`reformer loadtest`: drive a running server's /generate, /generate_stream and /embed with long documents
 at several concurrency levels (closed loop) or request rates (open loop), report throughput, latency
 quantiles, time to first token, inter-token latency and errors, and check the server's /metrics counters
-against what the client sent. It only ever talks to the --url it is given."""
+against what the client sent. With --questions-per-doc K, each document is asked K different questions,
+declaring the document as the cached part (cache_prefix_chars), and the report adds the prefix cache's hit
+rate, TTFT of first and later questions and the prefill tokens saved. It only ever talks to the --url it is
+given."""
 
 from __future__ import annotations
 
@@ -31,7 +34,15 @@ from loadtest.client import (
     open_loop,
 )
 from loadtest.documents import Document, DocumentError, cut_documents
-from loadtest.metrics import MetricsCheck, MetricsSnapshot, mean_batch_sizes, scrape, settled_check
+from loadtest.metrics import (
+    MetricsCheck,
+    MetricsSnapshot,
+    mean_batch_sizes,
+    prefix_cache_delta,
+    scrape,
+    settled_check,
+)
+from loadtest.questions import Tagger, ask_documents, conversation, documents_bound, summarise_questions
 from loadtest.report import (
     LevelResult,
     LoadTestReport,
@@ -107,15 +118,35 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--endpoint",
         choices=sorted(ENDPOINT_SETS),
-        default="all",
-        help="generate, stream (/generate_stream), embed, both (generate+embed), all (default)",
+        default=None,
+        help="generate, stream (/generate_stream), embed, both (generate+embed), all (default; with "
+        "--questions-per-doc the default is stream, and only generate and stream are allowed)",
+    )
+    parser.add_argument(
+        "--questions-per-doc",
+        type=int,
+        default=None,
+        metavar="K",
+        help="ask each document K different questions, one after the other, each request declaring the "
+        "document as its cached part (cache_prefix_chars = its length in characters); each use of a document "
+        "starts with a tag of its own, so its first question is new to the server. --requests then counts "
+        "requests rounded up to whole documents; closed loop only. Reports the server's prefix-cache hit rate "
+        "(hit tokens / looked-up tokens, from /metrics), TTFT (streams) and latency of first and of later "
+        "questions, and the prefill tokens saved (the sum of the responses' cached_tokens)",
+    )
+    parser.add_argument(
+        "--no-cache-prefix",
+        action="store_true",
+        help="with --questions-per-doc: send the same prompts without cache_prefix_chars (the A/B against the "
+        "same server; only an identical whole prompt could then hit)",
     )
     parser.add_argument("--max-new-tokens", type=int, default=16, help="tokens per generation (default 16)")
     parser.add_argument(
         "--warmup",
         type=int,
         default=1,
-        help="unmeasured requests per endpoint and length before measuring (default 1)",
+        help="unmeasured requests per endpoint and length before measuring (default 1; with "
+        "--questions-per-doc, documents each asked two questions)",
     )
     parser.add_argument("--docs-per-length", type=int, default=16, help="distinct documents per length")
     parser.add_argument("--timeout", type=float, default=600.0, help="client timeout per request, seconds")
@@ -153,6 +184,18 @@ async def _server_info(client: httpx.AsyncClient) -> dict[str, Any] | None:
         return None
 
 
+def _endpoints(args: argparse.Namespace) -> list[str]:
+    if args.endpoint is None:
+        return ["stream"] if args.questions_per_doc else ENDPOINT_SETS["all"]
+    return ENDPOINT_SETS[args.endpoint]
+
+
+def _level_requests(bound: Bound, k: int | None) -> int | None:
+    """The requests a level sends, when known in advance (with questions: whole documents of K)."""
+    documents = documents_bound(bound, k).requests if k else None
+    return bound.requests if documents is None or k is None else documents * k
+
+
 def _bind(sender: Sender, client: httpx.AsyncClient, gen: GenerationSettings) -> Send:
     def send(doc: Document) -> Awaitable[RequestRecord]:
         return sender(client, doc, gen)
@@ -168,10 +211,13 @@ async def _try_scrape(client: httpx.AsyncClient) -> MetricsSnapshot | None:
 
 
 async def run(args: argparse.Namespace, documents: dict[int, list[Document]], console: Console) -> LoadTestReport:
-    endpoints = ENDPOINT_SETS[args.endpoint]
+    endpoints = _endpoints(args)
     bound = Bound(requests=args.requests, duration_s=args.duration)
     if bound.requests is None and bound.duration_s is None:
         bound = Bound(requests=16)
+    k: int | None = args.questions_per_doc
+    declare = not args.no_cache_prefix
+    tagger = Tagger()
     levels: list[tuple[int | None, float | None]] = (
         [(None, rate) for rate in args.rate] if args.rate else [(c, None) for c in args.concurrency]
     )
@@ -200,15 +246,23 @@ async def run(args: argparse.Namespace, documents: dict[int, list[Document]], co
                 for length in args.lengths:
                     docs = documents[length]
                     for doc in docs[: args.warmup]:
-                        all_records.append(await send(doc))
+                        # with questions: a first and a later question, so both ways of reading are warm
+                        for prompt in conversation(doc, tagger.next(), 2, declare) if k else [doc]:
+                            all_records.append(await send(prompt))
                     for concurrency, rate in levels:
                         label = f"{endpoint:<8} {length:>6} B " + (
                             f"c={concurrency}" if rate is None else f"{rate:g}/s"
                         )
-                        task = progress.add_task(label, total=bound.requests)
+                        task = progress.add_task(label, total=_level_requests(bound, k))
                         done = functools.partial(lambda task, _record: progress.advance(task), task)
                         level_before = await _try_scrape(client)
-                        if rate is None:
+                        if k:
+                            assert concurrency is not None
+                            records, wall = await ask_documents(
+                                send, docs, k, concurrency, documents_bound(bound, k), done,
+                                declare=declare, tagger=tagger,
+                            )  # fmt: skip
+                        elif rate is None:
                             assert concurrency is not None
                             records, wall = await closed_loop(send, docs, concurrency, bound, done)
                         else:
@@ -216,8 +270,12 @@ async def run(args: argparse.Namespace, documents: dict[int, list[Document]], co
                         all_records.extend(records)
                         result = summarise(endpoint, length, concurrency, rate, records, wall)
                         level_after = await _try_scrape(client)
+                        delta = None
                         if level_before and level_after:
                             result.server_batch_size = mean_batch_sizes(level_before, level_after)
+                            delta = prefix_cache_delta(level_before, level_after)
+                        if k:
+                            result.questions = summarise_questions(records, k, declare, delta)
                         results.append(result)
         if before is None:
             check = MetricsCheck(available=False, ok=False, problems=["/metrics could not be scraped before"])
@@ -233,6 +291,9 @@ async def run(args: argparse.Namespace, documents: dict[int, list[Document]], co
         "duration_s": bound.duration_s,
         "max_new_tokens": args.max_new_tokens,
         "warmup": args.warmup,
+        "questions_per_doc": k,
+        "cache_prefix": declare if k else None,
+        "run_id": tagger.run_id if k else None,
     }
     return LoadTestReport(
         url=args.url,
@@ -254,6 +315,17 @@ async def _reachable(url: str, api_key: str | None) -> str | None:
     return None
 
 
+def _questions_problem(args: argparse.Namespace) -> str | None:
+    """Why the --questions-per-doc options cannot run as given, or None."""
+    if args.questions_per_doc is None:
+        return "--no-cache-prefix needs --questions-per-doc" if args.no_cache_prefix else None
+    if args.rate:
+        return "--questions-per-doc runs closed loop only (--concurrency), not --rate"
+    if "embed" in _endpoints(args):
+        return "--questions-per-doc drives /generate and /generate_stream: use --endpoint generate or stream"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     console = Console(stderr=True)
@@ -261,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     if not out.is_terminal:
         out = Console(width=200)  # a file or pipe: keep the table's columns whole
     # option -> smallest value allowed, and option -> value it must exceed
-    minimums = {"requests": 1, "max_new_tokens": 1, "docs_per_length": 1, "warmup": 0}
+    minimums = {"requests": 1, "max_new_tokens": 1, "docs_per_length": 1, "warmup": 0, "questions_per_doc": 1}
     floors = {"duration": 0.0, "timeout": 0.0}
     for name, least in minimums.items():
         if getattr(args, name) is not None and getattr(args, name) < least:
@@ -271,6 +343,10 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name) is not None and getattr(args, name) <= floor:
             console.print(f"[bold red]--{name} must be more than {floor:g}[/]")
             return 2
+    problem = _questions_problem(args)
+    if problem:
+        console.print(f"[bold red]{problem}[/]")
+        return 2
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         # refused before the run, not after it: matplotlib is no dependency of the installed package
         console.print("[bold red]--plot needs matplotlib, which is not installed here (pip install matplotlib)[/]")

@@ -31,6 +31,8 @@ class RequestRecord:
     ttft_s: float | None = None  # streams: send -> first token event
     itl_s: list[float] = field(default_factory=list)  # streams: gaps between consecutive token events
     prompt_tokens: int | None = None  # as reported by the server (header or details)
+    cached_tokens: int | None = None  # of prompt_tokens, those the server restored instead of prefilling
+    question: int | None = None  # --questions-per-doc: which question about its document (0: the first)
     generated_tokens: int = 0  # tokens the client received (generate: details; stream: token events)
     prompt_bytes: int = 0
 
@@ -43,9 +45,12 @@ class RequestRecord:
 class GenerationSettings:
     max_new_tokens: int = 16
 
-    def parameters(self) -> dict[str, Any]:
+    def parameters(self, doc: Document) -> dict[str, Any]:
         # greedy and with details, so token counts come back with the answer
-        return {"max_new_tokens": self.max_new_tokens, "do_sample": False, "details": True}
+        params: dict[str, Any] = {"max_new_tokens": self.max_new_tokens, "do_sample": False, "details": True}
+        if doc.cache_prefix_chars is not None:
+            params["cache_prefix_chars"] = doc.cache_prefix_chars
+        return params
 
 
 def _int_header(response: httpx.Response, name: str) -> int | None:
@@ -76,11 +81,16 @@ def _prompt_tokens(details: dict[str, Any]) -> int | None:
     return None
 
 
+def _cached_tokens(details: dict[str, Any]) -> int | None:
+    value = details.get("cached_tokens")
+    return value if isinstance(value, int) else None
+
+
 async def send_generate(client: httpx.AsyncClient, doc: Document, gen: GenerationSettings) -> RequestRecord:
     started = time.perf_counter()
     record = RequestRecord("generate", TRANSPORT_ERROR, started, 0.0, prompt_bytes=doc.nbytes)
     try:
-        response = await client.post("/generate", json={"inputs": doc.text, "parameters": gen.parameters()})
+        response = await client.post("/generate", json={"inputs": doc.text, "parameters": gen.parameters(doc)})
     except httpx.HTTPError as exc:
         record.latency_s = time.perf_counter() - started
         record.error = type(exc).__name__
@@ -94,13 +104,16 @@ async def send_generate(client: httpx.AsyncClient, doc: Document, gen: Generatio
     generated = details.get("generated_tokens", _int_header(response, "x-generated-tokens"))
     record.generated_tokens = int(generated or 0)
     record.prompt_tokens = _int_header(response, "x-prompt-tokens") or _prompt_tokens(details)
+    record.cached_tokens = _cached_tokens(details)
+    if record.cached_tokens is None:
+        record.cached_tokens = _int_header(response, "x-cached-tokens")
     return record
 
 
 async def send_stream(client: httpx.AsyncClient, doc: Document, gen: GenerationSettings) -> RequestRecord:
     started = time.perf_counter()
     record = RequestRecord("stream", TRANSPORT_ERROR, started, 0.0, prompt_bytes=doc.nbytes)
-    body = {"inputs": doc.text, "parameters": gen.parameters()}
+    body = {"inputs": doc.text, "parameters": gen.parameters(doc)}
     last_token_at: float | None = None
     try:
         async with client.stream("POST", "/generate_stream", json=body) as response:
@@ -128,6 +141,7 @@ async def send_stream(client: httpx.AsyncClient, doc: Document, gen: GenerationS
                         last_token_at = now
                     if event.get("details"):
                         record.prompt_tokens = _prompt_tokens(event["details"])
+                        record.cached_tokens = _cached_tokens(event["details"])
     except (httpx.HTTPError, ValueError) as exc:  # ValueError: an event that is not JSON
         record.error = type(exc).__name__
     record.latency_s = time.perf_counter() - started

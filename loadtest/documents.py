@@ -44,6 +44,8 @@ class DocumentError(ValueError):
 class Document:
     source: str  # file the document starts in (relative to the documents directory)
     text: str
+    # sent as `cache_prefix_chars`: the text's first N characters are the part the server keeps and reuses
+    cache_prefix_chars: int | None = None
 
     @property
     def nbytes(self) -> int:

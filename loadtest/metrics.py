@@ -18,6 +18,8 @@ REQUESTS = "reformer_requests_total"
 GENERATED_TOKENS = "reformer_generated_tokens_total"
 PROMPT_TOKENS = "reformer_prompt_tokens_total"
 BATCH_SIZE = "reformer_batch_size"  # histogram by kind: embed, prefill, decode
+PREFIX_QUERIES = "reformer_prefix_cache_queries_tokens_total"  # tokens of the segments looked up
+PREFIX_HITS = "reformer_prefix_cache_hits_tokens_total"  # tokens restored, by tier (memory, disk)
 
 
 @dataclass
@@ -25,9 +27,34 @@ class MetricsSnapshot:
     requests: Counter[tuple[str, str]] = field(default_factory=Counter)  # (route, status) -> count
     generated_tokens: float = 0.0
     prompt_tokens: float = 0.0
-    present: set[str] = field(default_factory=set)  # which of the three series the server exposes
+    present: set[str] = field(default_factory=set)  # which of the series read here the server exposes
     batch_sum: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))  # kind -> requests
     batch_count: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))  # kind -> batches
+    prefix_queries_tokens: float = 0.0
+    prefix_hits_tokens: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))  # by tier
+
+
+@dataclass(frozen=True)
+class PrefixCacheDelta:
+    """What the server's prefix cache counted between two scrapes, in tokens."""
+
+    queries_tokens: float
+    hits_tokens: dict[str, float]  # by tier
+
+    @property
+    def hit_rate(self) -> float | None:
+        return sum(self.hits_tokens.values()) / self.queries_tokens if self.queries_tokens > 0 else None
+
+
+def prefix_cache_delta(before: MetricsSnapshot, after: MetricsSnapshot) -> PrefixCacheDelta | None:
+    """None when the server exposes no prefix-cache counters."""
+    if PREFIX_QUERIES not in after.present:
+        return None
+    tiers = set(before.prefix_hits_tokens) | set(after.prefix_hits_tokens)
+    return PrefixCacheDelta(
+        queries_tokens=after.prefix_queries_tokens - before.prefix_queries_tokens,
+        hits_tokens={t: after.prefix_hits_tokens[t] - before.prefix_hits_tokens[t] for t in sorted(tiers)},
+    )
 
 
 def mean_batch_sizes(before: MetricsSnapshot, after: MetricsSnapshot) -> dict[str, float]:
@@ -59,6 +86,10 @@ def parse_metrics(text: str) -> MetricsSnapshot:
                 snap.batch_sum[sample.labels.get("kind", "")] += sample.value
             elif sample.name == BATCH_SIZE + "_count":
                 snap.batch_count[sample.labels.get("kind", "")] += sample.value
+            elif sample.name == PREFIX_QUERIES:
+                snap.prefix_queries_tokens += sample.value
+            elif sample.name == PREFIX_HITS:
+                snap.prefix_hits_tokens[sample.labels.get("tier", "")] += sample.value
             else:
                 continue
             snap.present.add(sample.name)

@@ -14,22 +14,10 @@ from rich.table import Table
 
 from loadtest.client import TRANSPORT_ERROR, RequestRecord
 from loadtest.metrics import MetricsCheck
+from loadtest.quantiles import Quantiles
+from loadtest.questions import QuestionsResult
 
 GAIN_LEVEL = 8  # the issue's batching gain: throughput at concurrency 8 over concurrency 1
-
-
-class Quantiles(BaseModel):
-    p50: float
-    p95: float
-    p99: float
-    mean: float
-
-    @classmethod
-    def of(cls, values: list[float]) -> Quantiles | None:
-        if not values:
-            return None
-        p50, p95, p99 = np.percentile(np.asarray(values, dtype=float), [50, 95, 99])
-        return cls(p50=float(p50), p95=float(p95), p99=float(p99), mean=float(np.mean(values)))
 
 
 class LevelResult(BaseModel):
@@ -52,6 +40,7 @@ class LevelResult(BaseModel):
     itl_s: Quantiles | None = None
     gain_vs_c1: float | None = None  # throughput over the same endpoint and length at concurrency 1
     server_batch_size: dict[str, float] | None = None  # mean requests per batch, by kind, from /metrics
+    questions: QuestionsResult | None = None  # --questions-per-doc: first against later questions
 
     @property
     def level(self) -> float:
@@ -211,6 +200,50 @@ def result_cells(r: LevelResult) -> list[str]:
     ]
 
 
+QUESTIONS_HEADER = [
+    "endpoint",
+    "bytes",
+    "level",
+    "docs x K",
+    "declared",
+    "hit rate",
+    "saved tokens",
+    "saved %",
+    "TTFT first ms",
+    "TTFT later ms",
+    "first/later",
+    "TTFT all ms",
+    "latency first ms",
+    "latency later ms",
+]
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}"
+
+
+def questions_cells(r: LevelResult) -> list[str]:
+    """One row of the prefix-reuse table: means (TTFT, latency) in ms, the server's hit rate in %."""
+    q = r.questions
+    assert q is not None
+    return [
+        r.endpoint,
+        str(r.length_bytes),
+        f"c={r.concurrency}",
+        f"{q.documents} x {q.questions_per_doc}",
+        "yes" if q.cache_prefix_declared else "no",
+        _pct(q.hit_rate),
+        str(q.saved_prefill_tokens),
+        _pct(q.saved_fraction),
+        _ms(q.first.ttft_s, "mean"),
+        _ms(q.later.ttft_s, "mean"),
+        _num(q.ttft_first_over_later),
+        _ms(q.all.ttft_s, "mean"),
+        _ms(q.first.latency_s, "mean"),
+        _ms(q.later.latency_s, "mean"),
+    ]
+
+
 def check_lines(check: MetricsCheck) -> list[str]:
     if not check.available:
         return ["metrics cross-check: UNAVAILABLE", *check.problems]
@@ -240,6 +273,14 @@ def print_report(report: LoadTestReport, console: Console) -> None:
     for result in report.results:
         table.add_row(*result_cells(result))
     console.print(table)
+    reuse = [r for r in report.results if r.questions is not None]
+    if reuse:
+        table = Table(title="questions per document: prefix reuse (means)")
+        for name in QUESTIONS_HEADER:
+            table.add_column(name, justify="left" if name in ("endpoint", "declared") else "right")
+        for result in reuse:
+            table.add_row(*questions_cells(result))
+        console.print(table)
     for line in gain_lines(report.batching_gain):
         console.print(line)
     style = "bold green" if report.metrics_check.ok else "bold red"
@@ -263,6 +304,12 @@ def markdown(report: LoadTestReport) -> str:
     ]
     lines.extend("| " + " | ".join(result_cells(r)) + " |" for r in report.results)
     lines.append("")
+    reuse = [r for r in report.results if r.questions is not None]
+    if reuse:
+        lines.append("| " + " | ".join(QUESTIONS_HEADER) + " |")
+        lines.append("|" + "|".join("---" if h in ("endpoint", "declared") else "---:" for h in QUESTIONS_HEADER) + "|")
+        lines.extend("| " + " | ".join(questions_cells(r)) + " |" for r in reuse)
+        lines.append("")
     lines.extend(f"- {line}" for line in gain_lines(report.batching_gain))
     lines.append("")
     lines.append("```")

@@ -4,12 +4,7 @@ random artifact, on a free loopback port), their reports, the --strict cross-che
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
 import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -18,51 +13,7 @@ import pytest
 from loadtest import cli
 from loadtest.client import RequestRecord
 from loadtest.metrics import MetricsCheck, MetricsSnapshot
-
-REPO = Path(__file__).resolve().parents[2]
-API_KEY = "loadtest-secret"  # the test server's inference routes need it
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@pytest.fixture(scope="module")
-def server_url(tiny_artifact: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """The real service (`python -m service ARTIFACT --port N`, with an API key) on a loopback port."""
-    port = _free_port()
-    log_path = tmp_path_factory.mktemp("server") / "server.log"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "REFORMER_API_KEY": API_KEY}
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "service", str(tiny_artifact), "--host", "127.0.0.1", "--port", str(port)],
-            cwd=REPO,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, f"server exited early:\n{log_path.read_text()}"
-            try:
-                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, f"server not ready in 90 s:\n{log_path.read_text()}"
-            time.sleep(0.25)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+from tests.loadtest.helpers import API_KEY
 
 
 def test_load_test_against_the_real_server(server_url: str, docs_dir: Path, tmp_path: Path) -> None:

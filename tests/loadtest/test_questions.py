@@ -1,0 +1,99 @@
+"""`reformer loadtest --questions-per-doc K` (loadtest/questions.py): each document asked K questions that
+declare it as the cached part, against a real server with its prefix cache on: the server's hit rate, first
+against later questions, the prefill tokens saved, and the A/B without the declaration."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from loadtest import cli
+from loadtest.documents import Document
+from loadtest.questions import Tagger, conversation, question
+from tests.loadtest.helpers import API_KEY
+
+K = 3
+
+
+def _run(server_url: str, docs_dir: Path, out: Path, *extra: str) -> dict[str, Any]:
+    args = ["--url", server_url, "--docs", str(docs_dir), "--lengths", "512", "--concurrency", "1",
+            "--requests", str(2 * K), "--docs-per-length", "2", "--max-new-tokens", "2",
+            "--questions-per-doc", str(K), "--out", str(out), "--markdown", str(out.with_suffix(".md")),
+            "--strict", "--api-key", API_KEY, *extra]  # fmt: skip
+    assert cli.main(args) == 0
+    report: dict[str, Any] = json.loads(out.read_text())
+    (row,) = report["results"]
+    assert row["requests"] == row["ok"] == 2 * K and report["metrics_check"]["ok"]
+    return report
+
+
+def test_later_questions_restore_the_document_and_the_server_counts_it(
+    server_url: str, docs_dir: Path, tmp_path: Path
+) -> None:
+    report = _run(server_url, docs_dir, tmp_path / "stream.json")  # the default endpoint: stream
+    (row,) = report["results"]
+    q = row["questions"]
+    assert row["endpoint"] == "stream" and q["documents"] == 2 and q["cache_prefix_declared"]
+    assert q["first"]["requests"] == 2 and q["later"]["requests"] == 2 * (K - 1)
+    assert q["first"]["cached_tokens"] == 0  # the warm-up sent the same document: its tag kept this one cold
+    later = q["later"]
+    # the document (tag + text, a few hundred bytes: one token a byte) restored, the question read after it
+    assert 2 * (K - 1) * 0.9 * 512 < later["cached_tokens"] < later["prompt_tokens"]
+    assert later["prompt_tokens"] - later["cached_tokens"] < 2 * (K - 1) * 60  # only the questions were read
+    # the server looked up each request's document and found it for every later question: (K-1)/K exactly
+    assert q["hit_rate"] == pytest.approx((K - 1) / K, abs=1e-12)
+    assert sum(q["server_hits_tokens"].values()) == q["saved_prefill_tokens"] == later["cached_tokens"]
+    assert q["server_hits_tokens"]["memory"] == later["cached_tokens"]
+    assert q["saved_fraction"] == pytest.approx(later["cached_tokens"] / q["all"]["prompt_tokens"])
+    assert q["first"]["ttft_s"] is not None and later["ttft_s"] is not None and q["ttft_first_over_later"] > 0
+    assert report["settings"]["questions_per_doc"] == K and report["settings"]["cache_prefix"] is True
+    assert "| docs x K | declared | hit rate |" in (tmp_path / "stream.md").read_text()
+
+    # the same documents again, through /generate: the first questions are new to the server all the same
+    again = _run(server_url, docs_dir, tmp_path / "generate.json", "--endpoint", "generate")
+    q = again["results"][0]["questions"]
+    assert again["settings"]["run_id"] != report["settings"]["run_id"]
+    assert q["first"]["cached_tokens"] == 0 and q["later"]["cached_tokens"] > 0
+    assert q["hit_rate"] == pytest.approx((K - 1) / K, abs=1e-12)
+    assert q["first"]["ttft_s"] is None  # /generate answers at once: latency only
+    assert q["first"]["latency_s"] is not None
+
+
+def test_without_the_declaration_nothing_is_restored(server_url: str, docs_dir: Path, tmp_path: Path) -> None:
+    report = _run(server_url, docs_dir, tmp_path / "off.json", "--no-cache-prefix")
+    q = report["results"][0]["questions"]
+    assert not q["cache_prefix_declared"] and report["settings"]["cache_prefix"] is False
+    assert q["saved_prefill_tokens"] == 0 and q["hit_rate"] == 0
+    # each whole prompt was looked up (and missed): the questions differ
+    assert q["server_queries_tokens"] == q["all"]["prompt_tokens"] > 0
+
+
+def test_questions_differ_and_declare_the_tagged_document() -> None:
+    questions = [question(i) for i in range(30)]
+    assert len(set(questions)) == 30
+    doc = Document("book.txt", "Rostóv said “naïve café”.\n")
+    tagger = Tagger("abcd1234")
+    prompts = conversation(doc, tagger.next(), 4, declare=True)
+    head = "[loadtest abcd1234 document 0]\n\n" + doc.text
+    for i, prompt in enumerate(prompts):
+        assert prompt.cache_prefix_chars == len(head)  # characters, not bytes
+        assert prompt.text == head + question(i)
+    assert tagger.next() != "[loadtest abcd1234 document 0]\n\n"
+    assert all(p.cache_prefix_chars is None for p in conversation(doc, "t", 2, declare=False))
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--questions-per-doc", "2", "--rate", "1"], "closed loop only"),
+    (["--questions-per-doc", "2", "--endpoint", "all"], "use --endpoint generate or stream"),
+    (["--questions-per-doc", "0"], "--questions-per-doc must be at least 1"),
+    (["--no-cache-prefix"], "--no-cache-prefix needs --questions-per-doc"),
+])  # fmt: skip
+def test_options_that_cannot_run_are_refused_by_name(
+    docs_dir: Path, extra: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # no server listens on port 9: each refusal comes before any request
+    assert cli.main(["--url", "http://127.0.0.1:9", "--docs", str(docs_dir), "--lengths", "256", *extra]) == 2
+    assert message in " ".join(capsys.readouterr().err.split())  # rich wraps at the terminal's width
