@@ -128,11 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="K",
         help="ask each document K different questions, one after the other, each request declaring the "
-        "document as its cached part (cache_prefix_chars = its length in characters); each use of a document "
-        "starts with a tag of its own, so its first question is new to the server. --requests then counts "
-        "requests rounded up to whole documents; closed loop only. Reports the server's prefix-cache hit rate "
-        "(hit tokens / looked-up tokens, from /metrics), TTFT (streams) and latency of first and of later "
-        "questions, and the prefill tokens saved (the sum of the responses' cached_tokens)",
+        "document as its cached part (cache_prefix_chars = the length in characters of a tag of the document's "
+        "own and the document: the tag makes each use's first question new to the server). --requests then "
+        "counts requests rounded up to whole documents (--duration: a document begun in time gets all K); "
+        "closed loop only. Reports the server's prefix-cache hit rate over each level (hit tokens / looked-up "
+        "tokens, from /metrics), TTFT (streams) and latency of first and of later questions, and the prefill "
+        "tokens saved (the sum of the responses' cached_tokens)",
     )
     parser.add_argument(
         "--no-cache-prefix",
