@@ -4,6 +4,8 @@ Kubernetes has the schema, route to the Service the overlays make, and hash on t
 
 from __future__ import annotations
 
+from typing import Any
+
 import kubernetes_validate
 import pytest
 
@@ -16,8 +18,9 @@ PREFIX_CACHE = K8S / "prefix-cache"
 HEADER = "X-Session-Id"
 
 
-def _service() -> dict:  # type: ignore[type-arg]
-    return load_yaml(K8S / "base" / "service.yaml")
+def _service() -> dict[str, Any]:
+    service: dict[str, Any] = load_yaml(K8S / "base" / "service.yaml")
+    return service
 
 
 def _storage_bytes(quantity: str) -> int:
