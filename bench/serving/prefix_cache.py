@@ -18,8 +18,9 @@ streamed `/generate_stream` of 4 greedy tokens; TTFT is request sent -> first ev
 4. `cold`: prompts of --cold-lengths tokens, each new (no hit), cache on against off: TTFT (the cost of
    keeping a state).
 --n-tokens 0 and an empty --cold-lengths skip phases 3 and 4 (a 500K-token document: --doc-bytes in
-characters, the tokenizer's count reported as cached_tokens). Every figure is the median of --repeats. Writes the JSON and prints a table with the load. Run it alone
-(bench/quiet_run.sh): the two cores are the measurement.
+characters, the tokenizer's count reported as cached_tokens). Every figure is the median of --repeats. Writes
+the JSON and prints a table with the load. Run it alone (bench/quiet_run.sh): the two cores are the
+measurement.
 """
 
 from __future__ import annotations
