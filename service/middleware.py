@@ -37,6 +37,16 @@ def _header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
+def declared_length(value: str | None) -> int | None:
+    """A Content-Length header's value as a number, None where it is not ASCII digits (the body is then
+    counted as it arrives). isdigit() alone also holds for superscripts, which int() refuses, and int()
+    refuses more than 4300 digits: a length of more than 18 digits is beyond any payload limit anyway."""
+    if value is None or not (value.isascii() and value.isdigit()):
+        return None
+    digits = value.lstrip("0") or "0"
+    return int(digits) if len(digits) <= 18 else 10**18
+
+
 async def _send_error(scope: Scope, receive: Receive, send: Send, status: int, error_type: str, message: str,
                       headers: dict[str, str] | None = None) -> None:
     response = JSONResponse(error_body(scope["path"], error_type, message, status), status_code=status,
@@ -139,9 +149,9 @@ class PayloadLimitMiddleware:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
             await self.app(scope, receive, send)
             return
-        declared = _header(scope, b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._too_large(scope, receive, send, int(declared))
+        declared = declared_length(_header(scope, b"content-length"))
+        if declared is not None and declared > self.max_bytes:
+            await self._too_large(scope, receive, send, declared)
             return
         try:
             body = await asyncio.wait_for(self._read(receive), self.timeout_s)  # (asyncio.timeout is 3.11+)

@@ -139,10 +139,11 @@ class CompletionRequest(RequestModel):
         """logit_bias as (token id, value) pairs; a key that is not a token id of this vocabulary is refused."""
         pairs = []
         for key, value in (self.logit_bias or {}).items():
-            if not (key.isascii() and key.isdigit()) or int(key) >= vocab_size:
+            token_id = token_id_key(key, vocab_size)
+            if token_id is None:
                 raise ValidationFailed(
                     f"logit_bias keys must be token ids in [0, {vocab_size}) (got {key[:40]!r})", param="logit_bias")
-            pairs.append((int(key), float(value)))
+            pairs.append((token_id, float(value)))
         return tuple(sorted(pairs))
 
     def to_specs(self, tokenizer: PromptTokenizer, limits: Limits) -> list[list[GenerationSpec]]:
@@ -198,6 +199,17 @@ class CompletionRequest(RequestModel):
             logit_bias=bias,
             top_logprobs=self.logprobs or 0,
         )
+
+
+def token_id_key(key: str, vocab_size: int) -> int | None:
+    """A JSON object key that spells a token id of the vocabulary in ASCII digits, as that id; else None.
+    The length is checked before int(): Python refuses to convert more than 4300 digits (ValueError), and
+    `isdigit` also holds for digits int() does not take (superscripts) or takes as other scripts' numerals."""
+    digits = key.lstrip("0") or "0"
+    if not (key.isascii() and key.isdigit()) or len(digits) > len(str(vocab_size)):
+        return None
+    token_id = int(digits)
+    return token_id if token_id < vocab_size else None
 
 
 class CompletionLogprobs(ResponseModel):

@@ -63,7 +63,9 @@ def test_logit_bias_forces_and_forbids_tokens(client: TestClient, artifact: Any)
     assert banned != greedy and first not in artifact.tokenizer.encode(banned)
 
 
-@pytest.mark.parametrize("bias", [{"x": 1}, {"-1": 1}, {"258": 1}, {"1": 101}, {"1": "a"}])
+# a key of 5,000 digits passes isdigit() and then made int() raise (a 500); "²" and "٣" are digits to isdigit()
+@pytest.mark.parametrize("bias", [{"x": 1}, {"-1": 1}, {"258": 1}, {"1": 101}, {"1": "a"}, {"9" * 5000: 1},
+                                  {"1" + "0" * 4400: 1}, {"²": 1}, {"٣": 1}, {"1_0": 1}, {" 1": 1}, {"": 1}])
 def test_bad_logit_bias_is_refused_by_name(client: TestClient, bias: dict[str, Any]) -> None:
     r = client.post("/v1/completions", json={"prompt": PROMPT, "logit_bias": bias})
     assert r.status_code == 400 and r.json()["error"]["param"].startswith("logit_bias"), r.text
