@@ -25,7 +25,7 @@ from service.protocol.chat import (
 )
 from service.protocol.openai import CompletionLogprobs, CompletionRequest, Usage
 from service.routes.common import OPENAI_ERRORS, EventStreamResponse, State, ready_parts, sse
-from service.routes.openai import completions
+from service.routes.openai import check_model, completions
 from service.routes.tokenize import render_messages
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -115,6 +115,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     """OpenAI chat completions: the messages rendered with the artifact's chat template, then generated as
     `/v1/completions` generates a prompt. `stream: true` sends `chat.completion.chunk` events."""
     _, _, tokenizer = ready_parts(state)
+    check_model(body.model, state)  # before the template renders and the prompt is tokenized
     prompt = render_messages(state, tokenizer, body)
     if not prompt.strip():
         raise ValidationFailed("the chat template rendered these messages as empty text", param="messages")

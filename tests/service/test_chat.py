@@ -102,6 +102,24 @@ def test_chat_names_this_servers_model_or_is_not_found(client: TestClient) -> No
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "long " * 200}]}),
+    ("/v1/completions", {"prompt": ["long " * 200, "x"]}),
+    ("/v1/embeddings", {"input": "long " * 200}),
+])
+def test_the_model_is_checked_before_anything_is_tokenized(client: TestClient, artifact: Any, path: str,
+                                                           body: dict[str, Any],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request for another model is 404 without its prompts tokenized: not the input_too_long its over-long
+    prompt would get, and no call to the tokenizer."""
+    calls: list[str] = []
+    encode = type(artifact.tokenizer).encode
+    monkeypatch.setattr(type(artifact.tokenizer), "encode", lambda self, text: calls.append(text) or encode(self, text))
+    r = client.post(path, json={**body, "model": "gpt-4"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
+    assert calls == []
+
+
 def test_template_options_shape_the_chat_prompt(client: TestClient) -> None:
     def prompt_tokens(**fields: Any) -> int:
         r = client.post("/v1/chat/completions", json={"max_tokens": 1, **fields})
