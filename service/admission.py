@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 from service.errors import Overloaded, QueueTimeout, Unavailable
@@ -71,12 +72,24 @@ class Admission:
                 raise Unavailable("the model worker is not running")
             if self.waiting() - own >= self.max_queue_size:
                 raise self.overloaded()
-            enqueue()
+            # the timer exists before the worker can see the job: `start` (worker thread, under this lock)
+            # cancels it, which it could not do for a timer set after the lock is let go. The timer holds
+            # the job weakly all the same: a finished job is not kept for request_timeout_s by its timer.
+            job.timer = job.loop.call_later(self.request_timeout_s, self._expire_if_alive, weakref.ref(job))
+            try:
+                enqueue()
+            except BaseException:
+                job.timer.cancel()
+                raise
             self.pending[job.kind] += 1
             self.cond.notify()
         if reservation is not None:
             self.release(reservation)  # the place it held is now the job's
-        job.timer = job.loop.call_later(self.request_timeout_s, self.expire, job)
+
+    def _expire_if_alive(self, ref: weakref.ref[Job]) -> None:
+        job = ref()
+        if job is not None:
+            self.expire(job)
 
     def expire(self, job: Job) -> None:
         with self.cond:

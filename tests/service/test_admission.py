@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+import weakref
 
 import pytest
 
 from service.admission import Admission, Reservation
-from service.errors import Overloaded, Unavailable
+from service.errors import Overloaded, QueueTimeout, Unavailable
 from service.jobs_runtime import Job, JobState
 from service.metrics import ServiceMetrics
 
@@ -31,5 +33,46 @@ def test_an_explicit_reservation_becomes_the_queue_entry() -> None:
         with adm.cond:
             adm.start(job)
         assert job.state is JobState.RUNNING and adm.waiting() == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_job_the_worker_starts_at_once_leaves_no_timer_holding_it() -> None:
+    """The worker may start a job the moment it is queued, before `admit` returns: its queue timer must be
+    cancelled all the same, and nothing of admission keeps the finished job alive."""
+    async def scenario() -> None:
+        adm = Admission(max_queue_size=2, request_timeout_s=3600, metrics=ServiceMetrics())
+        job = Job(asyncio.get_running_loop(), None)
+        job.kind = "generate"
+        queue = [job]
+
+        def enqueue_and_start() -> None:  # what a worker taking the job at once does, under the lock
+            with adm.cond:
+                adm.start(queue.pop())
+
+        adm.admit(job, enqueue_and_start, None, closed=lambda: False)
+        await asyncio.sleep(0)  # the cancel `start` posts to the loop runs
+        timer = job.timer
+        assert timer is not None and timer.cancelled()
+        job.state = JobState.DONE
+        alive = weakref.ref(job)
+        del job
+        gc.collect()
+        assert alive() is None  # not held by the loop's timer heap for the hour of request_timeout_s
+
+    asyncio.run(scenario())
+
+
+def test_a_queued_job_still_expires_through_its_weak_timer() -> None:
+    async def scenario() -> None:
+        adm = Admission(max_queue_size=2, request_timeout_s=0.01, metrics=ServiceMetrics())
+        failed: list[Exception] = []
+        job = Job(asyncio.get_running_loop(), None)
+        job.kind = "generate"
+        job.fail = failed.append  # type: ignore[method-assign]
+        adm.admit(job, lambda: None, None, closed=lambda: False)
+        await asyncio.sleep(0.1)
+        assert job.state is JobState.DONE and adm.waiting() == 0
+        assert len(failed) == 1 and isinstance(failed[0], QueueTimeout)
 
     asyncio.run(scenario())
