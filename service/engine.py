@@ -34,6 +34,7 @@ from service.errors import InputTooLong, InternalError, Overloaded, ServiceError
 from service.generation_steps import GenerationSteps
 from service.jobs import EmbeddingResult, EmbeddingSpec, GenerationSpec
 from service.jobs_runtime import EmbedJob, GenerationJob, GenerationStream, Job, JobState
+from service.logs import working_on
 from service.memory import HeapKeeper
 from service.metrics import ServiceMetrics
 from service.policy import QueuedGeneration, take_generations
@@ -245,14 +246,19 @@ class Engine:
                 if trim:  # outside the lock, so requests are admitted meanwhile; never raises
                     self.memory.trim("idle")
                     continue
+                # each stage's log lines (the model's own too) name the requests it works for
                 if prefills:
-                    self.generations.prefill_all(prefills)
+                    with working_on(j.request_id for j in prefills):
+                        self.generations.prefill_all(prefills)
                 if self.generations.prefilling:
-                    self.generations.advance_prefills()
+                    with working_on(j.request_id for e in self.generations.prefilling for j in e.jobs):
+                        self.generations.advance_prefills()
                 if self.generations.running:
-                    self.generations.decode_step()
+                    with working_on(j.request_id for j in self.generations.running):
+                        self.generations.decode_step()
                 if batch is not None:
-                    self.embeds.run(batch, self.generations.fail)
+                    with working_on(it.job.request_id for it in batch):
+                        self.embeds.run(batch, self.generations.fail)
                 self.memory.after_work()  # the idle spell restarts; over the memory budget, a trim
         except BaseException as exc:  # the worker must never die silently
             self._die(exc)

@@ -24,6 +24,7 @@ from service.jobs import (
     Timings,
     TokenEvent,
 )
+from service.logs import request_id_var
 
 log = logging.getLogger("service.engine")
 
@@ -43,7 +44,8 @@ class Job:
 
     def __init__(self, loop: asyncio.AbstractEventLoop, request_id: str | None):
         self.loop = loop
-        self.request_id = request_id
+        # made on the event loop, in the request's context: its id, for the worker thread's log lines
+        self.request_id = request_id or request_id_var.get()
         self.seq = next(_sequence)
         self.state = JobState.PENDING
         self.timings = Timings()

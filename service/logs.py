@@ -2,14 +2,39 @@
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import json
 import logging
 import sys
 import time
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
+# On the model worker thread, which serves many requests at once: the ids of the requests whose work is
+# running (a batched step's rows), so that its log lines name them as the handlers' lines name theirs.
+work_ids_var: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("work_ids", default=())
+
+
+@contextlib.contextmanager
+def working_on(request_ids: Iterable[str | None]) -> Iterator[None]:
+    """Log lines emitted inside carry these request ids (the worker thread's batched work)."""
+    token = work_ids_var.set(tuple(dict.fromkeys(i for i in request_ids if i)))
+    try:
+        yield
+    finally:
+        work_ids_var.reset(token)
+
+
+def record_ids(record: logging.LogRecord) -> tuple[str | None, list[str]]:
+    """The request id a line carries (its own `extra`, the handler's, or the one request the worker is on),
+    and the ids of a batch the worker is on when it is several requests'."""
+    own = getattr(record, "request_id", None) or request_id_var.get()
+    if own:
+        return own, []
+    ids = work_ids_var.get()
+    return (ids[0], []) if len(ids) == 1 else (None, list(ids))
 
 # LogRecord attributes that are not user-supplied `extra` fields.
 _STANDARD_ATTRS = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime", "color_message"}
@@ -25,11 +50,13 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "message": record.getMessage(),
         }
-        request_id = getattr(record, "request_id", None) or request_id_var.get()
+        request_id, batch = record_ids(record)
         if request_id:
             entry["request_id"] = request_id
+        if batch:
+            entry["request_ids"] = batch
         for key, value in record.__dict__.items():
-            if key not in _STANDARD_ATTRS and key != "request_id" and not key.startswith("_"):
+            if key not in _STANDARD_ATTRS and key not in ("request_id", "request_ids") and not key.startswith("_"):
                 entry[key] = value
         if record.exc_info:
             entry["trace"] = self.formatException(record.exc_info)
@@ -40,8 +67,8 @@ class RequestIdFilter(logging.Filter):
     """Adds the current request id to plain-text records."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if not getattr(record, "request_id", None):
-            record.request_id = request_id_var.get() or "-"
+        request_id, batch = record_ids(record)
+        record.request_id = request_id or ",".join(batch) or "-"
         return True
 
 
