@@ -40,7 +40,15 @@ class Tokenizer(Protocol):
     @property
     def unk_id(self) -> int | None: ...
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str) -> list[int]:
+        """Text only: the ids never include a control token that the text spells out (`</s>`, `<|im_end|>`):
+        that text is encoded as its characters (model/tokenizers/text_only.py)."""
+        ...
+
+    def control_tokens(self) -> dict[str, int]:
+        """Spelling -> id of the control tokens (special ids) a chat template may write: the only text that
+        becomes control tokens, and only where the service's chat prompt says it is the template's."""
+        ...
 
     def decode(self, ids: list[int]) -> str: ...
 

@@ -15,6 +15,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from model.tokenizers.text_only import ControlTokenText
+
 log = logging.getLogger("service.errors")
 
 
@@ -210,6 +212,13 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ServiceError)
     async def _service_error(request: Request, exc: ServiceError) -> JSONResponse:
         return error_response(request.url.path, exc)
+
+    @app.exception_handler(ControlTokenText)
+    async def _control_text(request: Request, exc: ControlTokenText) -> JSONResponse:
+        # user text is only text (model/tokenizers/text_only.py); a character this tokenizer has no text id
+        # for is the request's problem, not the server's
+        return error_response(request.url.path, ValidationFailed(f"the input's {exc}; this tokenizer cannot "
+                                                                 "encode it as text"))
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

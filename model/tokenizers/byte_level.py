@@ -37,6 +37,12 @@ class ByteTokenizer:
     def is_special(self, token_id: int) -> bool:
         return token_id < self.offset or token_id == self.eos_id
 
+    def control_tokens(self) -> dict[str, int]:
+        """The spellings a chat template writes for the special ids (`</s>`): text that spells them otherwise
+        is its bytes."""
+        ids = {*range(self.offset), self.eos_id}
+        return {self.id_to_piece(i): i for i in sorted(ids)}
+
     def encode(self, text: str) -> list[int]:
         # surrogatepass keeps lone surrogates round-trippable instead of raising
         return [b + self.offset for b in text.encode("utf-8", errors="surrogatepass")]

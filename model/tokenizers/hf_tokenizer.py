@@ -1,5 +1,6 @@
 """A Hugging Face `tokenizers` file (tokenizer.json) as a model.tokenizer.Tokenizer: the library encodes and
-decodes; the special ids come from the artifact's description file."""
+decodes; the special ids come from the artifact's description file. Text is only text: its special tokens
+spelled out in text are encoded as characters, not as their ids (model/tokenizers/text_only.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizerModel
 
+from .text_only import respell
 from .window_decoder import WindowDecoder
 
 
@@ -19,8 +21,22 @@ class HFTokenizer:
         for name, value in (("pad_id", pad_id), ("eos_id", eos_id), ("bos_id", bos_id), ("unk_id", unk_id)):
             if value is not None and not 0 <= value < size:
                 raise ValueError(f"{name} {value} is outside the tokenizer's {size} ids")
-        self._special = {i for i in (pad_id, eos_id, bos_id) if i is not None}
-        self._special |= {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+        special = {i for i in (pad_id, eos_id, bos_id) if i is not None}
+        added = tokenizer.get_added_tokens_decoder()
+        special |= {i for i, t in added.items() if t.special}
+        self._special = frozenset(special)
+        # what text may not encode to: the unknown id is how a tokenizer encodes text it has no piece for
+        self._not_text = self._special - {unk_id}
+        # the spellings a chat template writes for control tokens: the special added tokens' and the named ids'
+        self._controls = {t.content: int(i) for i, t in added.items() if t.special}
+        for i in (pad_id, eos_id, bos_id, unk_id):
+            piece = tokenizer.id_to_token(i) if i is not None else None
+            if piece:
+                self._controls.setdefault(piece, int(i))  # type: ignore[arg-type]  # i is set where piece is
+        # user text is encoded by a copy that matches no special token (`tokenizers`' encode_special_tokens, as
+        # transformers' split_special_tokens); the original, which clients get as tokenizer.json, keeps it
+        self._text = HFTokenizerModel.from_str(tokenizer.to_str())
+        self._text.encode_special_tokens = True
 
     @classmethod
     def from_str(cls, text: str, **ids: Any) -> HFTokenizer:
@@ -55,7 +71,14 @@ class HFTokenizer:
         return self._unk
 
     def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
+        """Text only: a special token spelled out is encoded as its characters (model/tokenizers/text_only.py)."""
+        ids = list(self._text.encode(text, add_special_tokens=False).ids)
+        if self._not_text.isdisjoint(ids):
+            return ids
+        return [i for i, *_ in self.offsets(text)]
+
+    def control_tokens(self) -> dict[str, int]:
+        return dict(self._controls)
 
     def is_special(self, token_id: int) -> bool:
         return token_id in self._special or not 0 <= token_id < self.vocab_size
@@ -71,8 +94,12 @@ class HFTokenizer:
         return WindowDecoder(self.decode)
 
     def offsets(self, text: str) -> list[tuple[int, str, int, int]]:
-        enc = self._tok.encode(text, add_special_tokens=False)
-        return [(int(i), text[a:b], int(a), int(b)) for i, (a, b) in zip(enc.ids, enc.offsets)]
+        enc = self._text.encode(text, add_special_tokens=False)
+        pieces = [(int(i), text[a:b], int(a), int(b)) for i, (a, b) in zip(enc.ids, enc.offsets)]
+        if self._not_text.isdisjoint(enc.ids):
+            return pieces
+        return respell(text, pieces, self._not_text,
+                       lambda char: list(self._text.encode(char, add_special_tokens=False).ids))
 
     def describe(self) -> dict[str, Any]:
         return {"type": "hf", "vocab_size": self.vocab_size, "pad_id": self.pad_id, "eos_id": self.eos_id,

@@ -8,6 +8,7 @@ from typing import Any
 
 import sentencepiece as spm
 
+from .text_only import respell
 from .window_decoder import WindowDecoder
 
 
@@ -31,6 +32,7 @@ class SentencePieceTokenizer:
         for name, value in (("pad_id", self._pad), ("eos_id", self._eos)):
             if not 0 <= value < self.vocab_size:
                 raise ValueError(f"{name} {value} is outside the model's {self.vocab_size} pieces")
+        self._special = frozenset(i for i in range(self.vocab_size) if self.is_special(i))
 
     @property
     def kind(self) -> str:
@@ -58,7 +60,16 @@ class SentencePieceTokenizer:
         return self._unk if self._unk >= 0 else None
 
     def encode(self, text: str) -> list[int]:
-        return list(self._sp.encode(text, out_type=int))
+        """Text only. SentencePiece never matches a control piece in text, but it does match user-defined
+        pieces, and the description may name one as eos or pad: such an id is spelled out instead
+        (model/tokenizers/text_only.py)."""
+        ids = list(self._sp.encode(text, out_type=int))
+        if self._special.isdisjoint(ids):
+            return ids
+        return [i for i, *_ in self.offsets(text)]
+
+    def control_tokens(self) -> dict[str, int]:
+        return {str(self._sp.id_to_piece(i)): i for i in sorted(self._special)}
 
     def is_special(self, token_id: int) -> bool:
         if not 0 <= token_id < self.vocab_size:
@@ -81,8 +92,11 @@ class SentencePieceTokenizer:
         proto = self._sp.encode(text, out_type="proto")
         # piece.begin/end are byte offsets into the UTF-8 text; the interface gives character offsets
         char_at = _char_index_of_bytes(text)
-        return [(int(p.id), text[char_at[p.begin] : char_at[p.end]], char_at[p.begin], char_at[p.end])
-                for p in proto.pieces]
+        pieces = [(int(p.id), text[char_at[p.begin] : char_at[p.end]], char_at[p.begin], char_at[p.end])
+                  for p in proto.pieces]
+        if self._special.isdisjoint(i for i, *_ in pieces):
+            return pieces
+        return respell(text, pieces, self._special, lambda char: list(self._sp.encode(char, out_type=int)))
 
     def describe(self) -> dict[str, Any]:
         return {"type": "sentencepiece", "vocab_size": self.vocab_size, "pad_id": self.pad_id,

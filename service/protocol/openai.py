@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, PrivateAttr, field_validator
 
 from model.sampling import SamplingParams
 from service.errors import ValidationFailed
@@ -103,6 +103,18 @@ class CompletionRequest(RequestModel):
             raise ValueError("suffix (insertion) is not supported by this model")
         return value
 
+    # a token-id prompt's cached head, in tokens: set by /v1/chat/completions for cache_prefix_messages (whose
+    # prompt is ids: the template's control tokens and the messages' text), never by a client
+    _cached_tokens: int | None = PrivateAttr(default=None)
+
+    @property
+    def cached_tokens(self) -> int | None:
+        return self._cached_tokens
+
+    @cached_tokens.setter
+    def cached_tokens(self, value: int | None) -> None:
+        self._cached_tokens = value
+
     def prompts(self, tokenizer: PromptTokenizer) -> list[str]:
         """Each prompt's text (token ids decoded), as echo shows it."""
         return [prompt_text(item, tokenizer) for item in prompt_items(self.prompt)]
@@ -178,6 +190,7 @@ class CompletionRequest(RequestModel):
             else:
                 ids = prompt_ids(item, tokenizer, limits, field=field, keep_last=self.truncate_prompt_tokens,
                                  truncate_hint="set truncate_prompt_tokens to keep the last")
+                cut = self.cached_tokens
             new_tokens = fit_new_tokens(len(ids), max_new, limits, explicit=self.max_tokens is not None,
                                         input_field=field, new_field="max_tokens")
             specs.append([GenerationSpec(ids, self.sampling(seed, bias), new_tokens, stop,

@@ -26,35 +26,38 @@ from service.protocol.chat import (
 from service.protocol.openai import CompletionLogprobs, CompletionRequest, Usage
 from service.routes.common import OPENAI_ERRORS, EventStreamResponse, State, ready_parts, sse
 from service.routes.openai import check_model, completions
-from service.routes.tokenize import render_messages
+from service.routes.tokenize import message_prompt
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
 
-def _completion_request(body: ChatCompletionRequest, prompt: str, cached_chars: int | None = None
+def _completion_request(body: ChatCompletionRequest, prompt: list[int], cached_tokens: int | None = None
                         ) -> CompletionRequest:
     fields = body.completion_fields(set(CompletionRequest.model_fields))
-    if cached_chars is not None:
-        fields["cache_prefix_chars"] = cached_chars
     try:
-        return CompletionRequest.model_validate({**fields, "prompt": prompt})
+        request = CompletionRequest.model_validate({**fields, "prompt": prompt})
     except ValidationError as err:
         message, param = describe_validation_errors(list(err.errors()))
         raise ValidationFailed(message, param=param) from None
+    request.cached_tokens = cached_tokens
+    return request
 
 
-def _cached_chars(state: Any, tokenizer: Any, body: ChatCompletionRequest, prompt: str) -> int | None:
-    """The characters of `prompt` that `cache_prefix_messages` declares: its first messages rendered alone."""
+def _cached_tokens(state: Any, tokenizer: Any, body: ChatCompletionRequest, prompt: list[int]) -> int | None:
+    """The tokens of `prompt` that `cache_prefix_messages` declares: its first messages rendered alone."""
     count = body.cache_prefix_messages
     if count is None:
         return None
+    if body.truncate_prompt_tokens is not None:
+        raise ValidationFailed("cache_prefix_messages cannot be combined with truncate_prompt_tokens",
+                               param="cache_prefix_messages")
     head = body.model_copy(update={"messages": body.messages[:count], "add_generation_prompt": False,
                                    "continue_final_message": False})
-    text = render_messages(state, tokenizer, head)
-    if not text or not prompt.startswith(text):
+    ids, _ = message_prompt(state, tokenizer, head)
+    if not ids or prompt[:len(ids)] != ids:
         raise ValidationFailed(f"the chat template does not render the first {count} messages as the start of the "
                                "whole prompt, so they cannot be its cached part", param="cache_prefix_messages")
-    return len(text)
+    return len(ids)
 
 
 def _chat_id(completion_id: str) -> str:
@@ -116,12 +119,13 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     `/v1/completions` generates a prompt. `stream: true` sends `chat.completion.chunk` events."""
     _, _, tokenizer = ready_parts(state)
     check_model(body.model, state)  # before the template renders and the prompt is tokenized
-    prompt = render_messages(state, tokenizer, body)
-    if not prompt.strip():
+    # ids, not text: the template's control tokens stay control, the messages' text stays text
+    prompt, text = message_prompt(state, tokenizer, body)
+    if not text.strip():
         raise ValidationFailed("the chat template rendered these messages as empty text", param="messages")
     try:
-        response = await completions(_completion_request(body, prompt, _cached_chars(state, tokenizer, body, prompt)),
-                                     request, state)
+        response = await completions(
+            _completion_request(body, prompt, _cached_tokens(state, tokenizer, body, prompt)), request, state)
     except ServiceError as error:
         if error.param == "prompt":  # the rendered prompt is what the client sent as messages
             error.param, error.message = "messages", f"the rendered messages: {error.message}"

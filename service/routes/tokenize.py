@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import APIRouter
 from starlette.responses import JSONResponse
 
-from service.chat_template import render_chat
+from service.chat_prompt import chat_prompt_ids
 from service.protocol import ErrorResponse, TokenInfo
 from service.protocol.common import Limits, encode_checked
 from service.protocol.prompts import check_token_ids
@@ -38,10 +38,11 @@ def chat_template_of(state: State) -> str | None:
     return getattr(state.artifact, "chat_template", None)
 
 
-def render_messages(state: State, tokenizer: Any, body: Any) -> str:
-    """`body.messages` rendered with the artifact's chat template (400 naming it when there is none)."""
-    return render_chat(
-        chat_template_of(state), [m.template_view() for m in body.messages],
+def message_prompt(state: State, tokenizer: Any, body: Any) -> tuple[list[int], str]:
+    """`body.messages` rendered with the artifact's chat template (400 naming it when there is none): the ids,
+    the template's control tokens as their ids and the messages' text as text, and the rendered text."""
+    return chat_prompt_ids(
+        tokenizer, chat_template_of(state), [m.template_view() for m in body.messages],
         add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message,
         bos_token=special_text(tokenizer, tokenizer.bos_id), eos_token=special_text(tokenizer, tokenizer.eos_id),
         extra=body.chat_template_kwargs,
@@ -96,8 +97,8 @@ async def tokenize(body: TokenizeBody, state: State) -> JSONResponse:
     if body.inputs is not None:
         return JSONResponse(_tgi_tokens(body, tokenizer, limits))
     if body.messages is not None:
-        # the ids /v1/chat/completions generates after: the rendered text as its prompt is encoded
-        ids, add_default = list(tokenizer.encode(render_messages(state, tokenizer, body))), False
+        # the ids /v1/chat/completions generates after
+        ids, add_default = message_prompt(state, tokenizer, body)[0], False
     else:
         assert body.prompt is not None
         # no length limit: a client tokenizes whole documents to cut them into windows itself (lm-eval does)

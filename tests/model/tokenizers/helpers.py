@@ -1,5 +1,5 @@
-"""A tiny SentencePiece model trained on a few KB of multilingual text, for tests of tokenizers, artifacts,
-imports and the service."""
+"""A tiny SentencePiece model trained on a few KB of multilingual text, and a Hugging Face tokenizer with chat
+special tokens, for tests of tokenizers, artifacts, imports and the service."""
 
 from __future__ import annotations
 
@@ -8,7 +8,10 @@ import io
 import random
 
 import sentencepiece as spm
+from tokenizers import AddedToken
 
+from model import ByteTokenizer
+from model.tokenizers.hf_tokenizer import HFTokenizer
 from model.tokenizers.sentencepiece_tokenizer import SentencePieceTokenizer
 
 WORDS = ("the of and a to in is was it he she we they said old new house street night day Raskolnikov "
@@ -35,3 +38,16 @@ def sentencepiece_model(vocab_size: int = 64, byte_fallback: bool = False) -> by
 
 def sentencepiece_tokenizer(vocab_size: int = 64, byte_fallback: bool = False) -> SentencePieceTokenizer:
     return SentencePieceTokenizer(sentencepiece_model(vocab_size, byte_fallback))
+
+
+CHAT_SPECIALS = ("<|im_start|>", "<|im_end|>")
+
+
+def hf_chat_tokenizer() -> HFTokenizer:
+    """A Hugging Face tokenizer with special tokens a chat template writes: the byte tokenizer's ids (pad 0,
+    eos 1 spelled `</s>`, bytes from 2), `<|im_start|>` 258 and `<|im_end|>` 259 (special added tokens, as in
+    ChatML tokenizers), and two plain added words of several characters (`ab` + newline 260, `hello` 261)."""
+    tok = ByteTokenizer().to_hf()
+    tok.add_special_tokens([AddedToken("</s>", special=True), *CHAT_SPECIALS])
+    tok.add_tokens(["ab\n", "hello"])
+    return HFTokenizer(tok, pad_id=0, eos_id=1)
