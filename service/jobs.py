@@ -21,6 +21,9 @@ class GenerationSpec:
     max_new_tokens: int
     stop_sequences: tuple[str, ...] = ()
     stop_on_eos: bool = True
+    # where a stop sequence must be: True (TGI) at the end of the text so far; False (OpenAI, vLLM) anywhere in
+    # the text the newest token added (the route cuts the text there)
+    stop_at_end: bool = False
     # score the prompt too: None no; k >= 0 each prompt token's logprob and its k most likely alternatives,
     # from the prefill's forward (TokenEvent.prompt_logprobs)
     prompt_logprobs: int | None = None

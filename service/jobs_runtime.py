@@ -133,7 +133,7 @@ class GenerationJob(Job):
 
     def begin(self) -> None:
         self.sampler = Sampler(self.spec.sampling)
-        self.decoder = TextStream(self.tokenizer, self.spec.stop_sequences)
+        self.decoder = TextStream(self.tokenizer, self.spec.stop_sequences, at_end=self.spec.stop_at_end)
 
     @property
     def seed(self) -> int | None:
@@ -161,9 +161,12 @@ class GenerationJob(Job):
             reason = "length"
         if reason is not None:
             text += self.decoder.flush()
-        if reason is None and self.decoder.stopped(text):
+        # the last token's text is checked too: a stop sequence in it ends the text there (OpenAI cuts it),
+        # as vLLM checks stop strings before max_tokens; the end-of-text token adds no text of its own
+        if reason != "eos_token" and self.decoder.stopped(text):
+            if reason is None:
+                text += self.decoder.flush()
             reason = "stop_sequence"
-            text += self.decoder.flush()
         self.text_parts.append(text)
         self.pending_token = token
         finish = None

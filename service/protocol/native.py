@@ -188,8 +188,8 @@ class GenerateRequest(RequestModel):
         seeds = choice_seeds(p.seed, count)
         prompt_logprobs = 0 if p.details and p.decoder_input_details else None
         return [GenerationSpec(prompt_ids=ids, sampling=p.sampling(seed), max_new_tokens=max_new,
-                               stop_sequences=stop, stop_on_eos=not p.ignore_eos, prompt_logprobs=prompt_logprobs,
-                               cache_prefix_tokens=cut)
+                               stop_sequences=stop, stop_on_eos=not p.ignore_eos, stop_at_end=True,
+                               prompt_logprobs=prompt_logprobs, cache_prefix_tokens=cut)
                 for seed in seeds]
 
 

@@ -13,7 +13,7 @@ from model import ByteTokenizer
 from model.tokenizer import Tokenizer
 from service.detokenize import TextStream
 from tests.conftest import tiny_model
-from tests.model.tokenizers.helpers import SAMPLE, sentencepiece_tokenizer
+from tests.model.tokenizers.helpers import SAMPLE, hf_chat_tokenizer, sentencepiece_tokenizer
 
 from .helpers import running_app, sse_events
 
@@ -94,3 +94,16 @@ def test_a_stop_sequence_spanning_sentencepiece_pieces_ends_the_generation(sp_ar
     assert stopped["details"]["finish_reason"] == "stop_sequence"
     assert stopped["generated_text"].endswith(stop) or stop in stopped["generated_text"]
     assert text.startswith(stopped["generated_text"])
+
+
+def test_tgi_stops_only_where_the_text_ends_with_the_stop_openai_anywhere_in_the_token() -> None:
+    """One token of several characters (`ab` + newline): TGI's stop "b" is not at the end of the text, so it
+    does not stop there; OpenAI's (and vLLM's) stop strings match anywhere in the token's text."""
+    tok = hf_chat_tokenizer()
+    word = tok.encode("ab\n")
+    assert len(word) == 1
+    for at_end, stops in ((True, False), (False, True)):
+        stream = TextStream(tok, ["b"], at_end=at_end)
+        assert stream.stopped(stream.push(word[0])) is stops
+    tgi = TextStream(tok, ["b\n"], at_end=True)
+    assert tgi.stopped(tgi.push(word[0]))  # at the end: it does

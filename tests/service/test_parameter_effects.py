@@ -39,6 +39,19 @@ def test_stop_sequences_end_the_text_on_both_routes(client: TestClient) -> None:
     assert tgi["generated_text"].endswith(stop) and tgi["details"]["finish_reason"] == "stop_sequence"
 
 
+def test_a_stop_sequence_in_the_last_token_ends_the_text_there(client: TestClient) -> None:
+    """The token that reaches max_tokens is checked for stop sequences too (vLLM checks them before max_tokens):
+    OpenAI cuts the text at it and says stop, TGI ends with it and says stop_sequence."""
+    greedy = completion(client, temperature=0, ignore_eos=True, max_tokens=10)["choices"][0]["text"]
+    stop = greedy[-1]
+    first = greedy.index(stop)
+    cut = completion(client, temperature=0, ignore_eos=True, max_tokens=first + 1, stop=[stop])["choices"][0]
+    assert cut["text"] == greedy[:first] and cut["finish_reason"] == "stop", (greedy, cut)
+    tgi = client.post("/generate", json={"inputs": PROMPT, "parameters": {
+        "max_new_tokens": first + 1, "ignore_eos": True, "stop": [stop], "details": True}}).json()
+    assert tgi["generated_text"] == greedy[:first + 1] and tgi["details"]["finish_reason"] == "stop_sequence"
+
+
 def test_ignore_eos_generates_past_the_end_of_text(client: TestClient) -> None:
     stopped = completion(client, temperature=0, logit_bias=EOS)
     assert stopped["usage"]["completion_tokens"] == 1 and stopped["choices"][0]["finish_reason"] == "stop"
