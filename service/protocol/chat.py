@@ -90,7 +90,8 @@ class ChatCompletionRequest(ChatTemplateOptions):
     model: str | None = Field(None, description="The served model's id (/v1/models) when given; any other is 404.")
     max_tokens: int | None = Field(None, ge=1, description="Tokens to generate at most (the deprecated name).")
     max_completion_tokens: int | None = Field(
-        None, ge=1, description="Tokens to generate at most (the server's room when unset).")
+        None, ge=1, description="Tokens to generate at most. Unset (and max_tokens unset): the room the prompt "
+        "leaves in the model's positions, at most the server's max_new_tokens, as vLLM.")
     temperature: float = Field(1.0, ge=0, le=2, description="0 picks the most likely token; > 0 samples.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass, in (0, 1].")
     top_k: int = Field(0, ge=-1, description="Keep the k most likely tokens (0 or -1: all).")

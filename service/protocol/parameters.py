@@ -224,8 +224,11 @@ PARAMETERS: dict[str, dict[str, Parameter]] = {
                     f"{_CHAT}::test_chat_names_this_servers_model_or_is_not_found"),
         "max_tokens": _h("Tokens to generate at most (max_completion_tokens' older name; both must agree).",
                          f"{_CHAT}::test_chat_answers_what_completions_answers_for_the_rendered_prompt"),
-        "max_completion_tokens": _h("Tokens to generate at most.",
-                                    f"{_CHAT}::test_max_completion_tokens_and_text_parts"),
+        "max_completion_tokens": _h("Tokens to generate at most; unset (max_tokens too), the room the prompt "
+                                    "leaves in the model's positions, at most the server's max_new_tokens (as "
+                                    "vLLM; not OpenAI's 16 of /v1/completions).",
+                                    f"{_CHAT}::test_max_completion_tokens_and_text_parts",
+                                    f"{_CHAT}::test_chat_without_a_token_limit_generates_into_the_room_left"),
         "temperature": _h("As in /v1/completions.", _AS_COMPLETIONS),
         "top_p": _h("As in /v1/completions.", _AS_COMPLETIONS),
         "top_k": _h("As in /v1/completions.", _AS_COMPLETIONS),

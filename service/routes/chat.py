@@ -12,7 +12,7 @@ from fastapi import APIRouter, Request
 from pydantic import ValidationError
 from starlette.responses import JSONResponse, Response
 
-from service.errors import ServiceError, ValidationFailed, describe_validation_errors
+from service.errors import InputTooLong, ServiceError, ValidationFailed, describe_validation_errors
 from service.protocol.chat import (
     ChatChoice,
     ChatCompletionChunk,
@@ -23,6 +23,7 @@ from service.protocol.chat import (
     ChatStreamChoice,
     chat_logprobs,
 )
+from service.protocol.common import Limits
 from service.protocol.openai import CompletionLogprobs, CompletionRequest, Usage
 from service.routes.common import OPENAI_ERRORS, EventStreamResponse, State, ready_parts, sse
 from service.routes.openai import check_model, completions
@@ -31,9 +32,28 @@ from service.routes.tokenize import message_prompt
 router = APIRouter(prefix="/v1", tags=["openai"])
 
 
-def _completion_request(body: ChatCompletionRequest, prompt: list[int], cached_tokens: int | None = None
-                        ) -> CompletionRequest:
+def _room(body: ChatCompletionRequest, prompt_tokens: int, limits: Limits) -> int | None:
+    """The tokens to generate when the request sets no limit: the room the prompt leaves in the model's
+    positions, at most max_new_tokens (vLLM's default for chat); None when the prompt is refused anyway."""
+    if body.truncate_prompt_tokens is not None:
+        prompt_tokens = min(prompt_tokens, body.truncate_prompt_tokens)
+    if prompt_tokens > limits.max_input_tokens:
+        return None  # /v1/completions refuses the prompt by its length
+    room = limits.max_total_tokens - prompt_tokens
+    if room < 1:
+        raise InputTooLong(f"the rendered messages have {prompt_tokens} tokens, which fill the model's "
+                           f"{limits.max_total_tokens} positions (max_position_embeddings): no room is left "
+                           f"to generate", param="messages")
+    return min(room, limits.max_new_tokens)
+
+
+def _completion_request(body: ChatCompletionRequest, prompt: list[int], limits: Limits,
+                        cached_tokens: int | None = None) -> CompletionRequest:
     fields = body.completion_fields(set(CompletionRequest.model_fields))
+    if "max_tokens" not in fields:
+        room = _room(body, len(prompt), limits)
+        if room is not None:
+            fields["max_tokens"] = room
     try:
         request = CompletionRequest.model_validate({**fields, "prompt": prompt})
     except ValidationError as err:
@@ -117,7 +137,7 @@ async def _chat_events(events: AsyncIterable[str | bytes | memoryview]) -> Async
 async def chat_completions(body: ChatCompletionRequest, request: Request, state: State) -> Response:
     """OpenAI chat completions: the messages rendered with the artifact's chat template, then generated as
     `/v1/completions` generates a prompt. `stream: true` sends `chat.completion.chunk` events."""
-    _, _, tokenizer = ready_parts(state)
+    _, limits, tokenizer = ready_parts(state)
     check_model(body.model, state)  # before the template renders and the prompt is tokenized
     # ids, not text: the template's control tokens stay control, the messages' text stays text
     prompt, text = message_prompt(state, tokenizer, body)
@@ -125,7 +145,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
         raise ValidationFailed("the chat template rendered these messages as empty text", param="messages")
     try:
         response = await completions(
-            _completion_request(body, prompt, _cached_tokens(state, tokenizer, body, prompt)), request, state)
+            _completion_request(body, prompt, limits, _cached_tokens(state, tokenizer, body, prompt)), request,
+            state)
     except ServiceError as error:
         if error.param == "prompt":  # the rendered prompt is what the client sent as messages
             error.param, error.message = "messages", f"the rendered messages: {error.message}"

@@ -120,6 +120,26 @@ def test_the_model_is_checked_before_anything_is_tokenized(client: TestClient, a
     assert calls == []
 
 
+def test_chat_without_a_token_limit_generates_into_the_room_left(artifact: Any) -> None:
+    """Unset max_tokens: the room the prompt leaves in the model's positions, at most max_new_tokens (as vLLM),
+    not OpenAI's 16 of /v1/completions; a prompt that fills every position is refused naming messages."""
+    positions = artifact.config.max_position_embeddings
+    with running_app(dataclasses.replace(artifact, chat_template="{{ messages[0].content }}"), max_new_tokens=40,
+                     max_input_tokens=positions, max_wait_ms=0) as c:
+        def generated(content: str) -> int:
+            r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": content}],
+                                                     "ignore_eos": True, "temperature": 0})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["finish_reason"] == "length"
+            return int(r.json()["usage"]["completion_tokens"])
+
+        assert generated("Hi") == 40  # the server's max_new_tokens, not 16
+        assert generated("x" * (positions - 18)) == 18  # the room left
+        full = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x" * positions}]})
+        assert full.status_code == 400 and full.json()["error"]["param"] == "messages", full.text
+        assert "no room is left" in full.json()["error"]["message"]
+
+
 def test_template_options_shape_the_chat_prompt(client: TestClient) -> None:
     def prompt_tokens(**fields: Any) -> int:
         r = client.post("/v1/chat/completions", json={"max_tokens": 1, **fields})
