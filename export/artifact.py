@@ -1,5 +1,6 @@
 """The served artifact: a directory with config, weights, tokenizer, optional ONNX graphs and a manifest
-that records every file's sha256 and size. Loading checks all of it before building the model."""
+that records every file's sha256 and size. Loading checks all of it before building the model: it reads only
+files the manifest lists, and refuses by name a file the directory holds that the manifest does not list."""
 
 from __future__ import annotations
 
@@ -258,6 +259,18 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     return manifest
 
 
+def check_listing(directory: Path, manifest: dict[str, Any]) -> None:
+    """Everything in the directory but the manifest must be listed in it: the loader reads only listed (and
+    so hashed) files, and a file that is there but not listed (a chat template or a tokenizer file added
+    by hand, a leftover) would otherwise be ignored or, worse, read unchecked. Refused by name."""
+    listed = set(manifest["files"])
+    extra = sorted(p.name for p in directory.iterdir() if p.name != MANIFEST_FILE and p.name not in listed)
+    if extra:
+        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        raise ArtifactError(f"{extra[0]}: in {directory} but not listed in {MANIFEST_FILE}{more}; every file of "
+                            f"an artifact is listed with its sha256: remove it, or re-export the artifact")
+
+
 def check_files(directory: Path, manifest: dict[str, Any]) -> None:
     """Every listed file must exist with the recorded size and sha256."""
     for name, entry in sorted(manifest["files"].items()):
@@ -296,6 +309,7 @@ def load_artifact(path: str | Path | None = None, *, check_hashes: bool = True) 
     """Load and check an artifact (the shipped default when `path` is None)."""
     directory = Path(path) if path is not None else DEFAULT_ARTIFACT
     manifest = read_manifest(directory)
+    check_listing(directory, manifest)
     if check_hashes:
         check_files(directory, manifest)
     try:
@@ -307,7 +321,7 @@ def load_artifact(path: str | Path | None = None, *, check_hashes: bool = True) 
     except ValueError as e:
         raise ArtifactError(f"{CONFIG_FILE}: {e}") from e
     try:
-        tokenizer = read_tokenizer(directory)
+        tokenizer = read_tokenizer(directory, listed=set(manifest["files"]))
     except TokenizerFileError as e:
         raise ArtifactError(str(e)) from e
     if tokenizer.vocab_size != config.vocab_size:

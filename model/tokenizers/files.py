@@ -7,6 +7,7 @@ holding the byte tokenizer's description: read_tokenizer recognises that by its 
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -53,9 +54,12 @@ def is_legacy_description(content: Any) -> bool:
     return isinstance(content, dict) and "type" in content and "model" not in content
 
 
-def read_tokenizer(directory: Path) -> Tokenizer:
-    """The tokenizer an artifact directory carries. Raises TokenizerFileError naming the file at fault."""
-    hf_path = directory / HF_FILE
+def read_tokenizer(directory: Path, listed: Collection[str] | None = None) -> Tokenizer:
+    """The tokenizer an artifact directory carries. Raises TokenizerFileError naming the file at fault.
+    `listed`: the files the artifact's manifest lists (and so hashes); a file the tokenizer needs that is not
+    among them is refused by name before it is read (None: no manifest, as when writing one)."""
+    readable = _Readable(directory, listed)
+    hf_path = readable(HF_FILE)
     if not hf_path.is_file():
         raise TokenizerFileError(HF_FILE, f"missing from {directory}")
     hf_content = _read_json(hf_path)
@@ -64,16 +68,34 @@ def read_tokenizer(directory: Path) -> Tokenizer:
             return ByteTokenizer.from_dict(hf_content)
         except (ValueError, KeyError, TypeError) as e:
             raise TokenizerFileError(HF_FILE, f"not a valid tokenizer description ({e})") from e
-    desc_path = directory / DESCRIPTION_FILE
+    if listed is not None and DESCRIPTION_FILE not in listed and not (directory / DESCRIPTION_FILE).exists():
+        raise TokenizerFileError(DESCRIPTION_FILE, f"missing from {directory} (it says which tokenizer "
+                                 f"{HF_FILE} is and its special ids)")
+    desc_path = readable(DESCRIPTION_FILE)
     if not desc_path.is_file():
         raise TokenizerFileError(DESCRIPTION_FILE, f"missing from {directory} (it says which tokenizer "
                                  f"{HF_FILE} is and its special ids)")
     desc = _read_json(desc_path)
     if not isinstance(desc, dict):
         raise TokenizerFileError(DESCRIPTION_FILE, "expected a JSON object")
-    tokenizer = _from_description(directory, desc, hf_path)
+    tokenizer = _from_description(readable, desc, hf_path)
     _check_hf_file(hf_path, tokenizer)
     return tokenizer
+
+
+class _Readable:
+    """The path of a file the tokenizer is about to read, once it is known to be listed."""
+
+    def __init__(self, directory: Path, listed: Collection[str] | None) -> None:
+        self.directory = directory
+        self.listed = listed
+
+    def __call__(self, name: str) -> Path:
+        if self.listed is not None and name not in self.listed:
+            raise TokenizerFileError(name, "not listed in the artifact's manifest: every file the loader reads "
+                                     "must be listed with its sha256 (re-export the artifact, or rewrite its "
+                                     "manifest with export.artifact.write_manifest)")
+        return self.directory / name
 
 
 def sizing_file(directory: Path) -> str:
@@ -81,7 +103,8 @@ def sizing_file(directory: Path) -> str:
     return DESCRIPTION_FILE if (directory / DESCRIPTION_FILE).is_file() else HF_FILE
 
 
-def _from_description(directory: Path, desc: dict[str, Any], hf_path: Path) -> Tokenizer:
+def _from_description(readable: _Readable, desc: dict[str, Any], hf_path: Path) -> Tokenizer:
+    directory = readable.directory
     kind = desc.get("type")
     ids = {k: desc.get(k) for k in ("pad_id", "eos_id")}
     try:
@@ -89,8 +112,10 @@ def _from_description(directory: Path, desc: dict[str, Any], hf_path: Path) -> T
             return ByteTokenizer.from_dict(desc)
         if kind == "sentencepiece":
             name = desc.get("model_file", SENTENCEPIECE_FILE)
-            model_path = directory / str(name)
-            if Path(str(name)).name != name or not model_path.is_file():
+            if Path(str(name)).name != name:
+                raise TokenizerFileError(str(name), f"not a plain file name ({DESCRIPTION_FILE} names it)")
+            model_path = readable(str(name))
+            if not model_path.is_file():
                 raise TokenizerFileError(str(name), f"missing from {directory} ({DESCRIPTION_FILE} names it)")
             try:
                 sp: Tokenizer = SentencePieceTokenizer(model_path.read_bytes(), **ids)

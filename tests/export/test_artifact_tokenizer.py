@@ -12,6 +12,7 @@ from tokenizers import Tokenizer as HFFile
 
 from export.artifact import DEFAULT_ARTIFACT, ArtifactError, load_artifact, save_artifact, write_manifest
 from model import ByteTokenizer
+from model.tokenizers.files import TokenizerFileError, read_tokenizer
 from tests.conftest import tiny_model
 from tests.model.tokenizers.helpers import SAMPLE, sentencepiece_tokenizer
 
@@ -112,3 +113,33 @@ def test_bits_per_byte_counts_bytes_whatever_the_tokenizer(sp_artifact: Path) ->
     art = load_artifact(sp_artifact)
     per_token = bits_per_byte_torch(art.model, text, tok, window=len(ids)) * bytes_per_token
     assert 0 < per_token < 2 * torch.log2(torch.tensor(float(tok.vocab_size))).item()
+
+
+@pytest.mark.parametrize("unlisted", ["reformer_tokenizer.json", "tokenizer.model"])
+def test_a_tokenizer_file_the_manifest_does_not_list_is_refused_by_name(sp_artifact: Path, tmp_path: Path,
+                                                                        unlisted: str) -> None:
+    """The loader read the description and the SentencePiece model whether or not the manifest listed (and so
+    hashed) them: dropped from the manifest, either could be replaced unchecked."""
+    d = _copy(sp_artifact, tmp_path / "copy")
+    manifest = json.loads((d / "manifest.json").read_text())
+    del manifest["files"][unlisted]
+    (d / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match=f"^{unlisted}: in .* but not listed in manifest.json"):
+        load_artifact(d)
+    with pytest.raises(TokenizerFileError, match=f"^{unlisted}: not listed in the artifact's manifest"):
+        read_tokenizer(d, listed=set(manifest["files"]))
+
+
+def test_any_file_the_manifest_does_not_list_is_refused_by_name(sp_artifact: Path, tmp_path: Path) -> None:
+    d = _copy(sp_artifact, tmp_path / "copy")
+    (d / "chat_template.jinja").write_text("{{ messages[0].content }}")  # added by hand: would be ignored
+    with pytest.raises(ArtifactError, match="^chat_template.jinja: in .* but not listed in manifest.json"):
+        load_artifact(d)
+    _resign(d)
+    assert load_artifact(d).chat_template == "{{ messages[0].content }}"
+
+
+def test_the_shipped_artifact_lists_every_file_it_holds() -> None:
+    manifest = json.loads((DEFAULT_ARTIFACT / "manifest.json").read_text())
+    assert {p.name for p in DEFAULT_ARTIFACT.iterdir()} == {*manifest["files"], "manifest.json"}
+    load_artifact()
