@@ -6,13 +6,31 @@ fields onto the completions request's, so both routes share one set of sampling 
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import AfterValidator, Field, ValidationInfo, field_validator, model_validator
 
 from service.errors import ValidationFailed
 from service.protocol.common import PlainText, RequestModel, ResponseModel
 from service.protocol.openai import BiasValue, CompletionLogprobs, StreamOptions, Usage
+
+# How deep chat_template_kwargs may nest: a template reads settings, not trees, and what walks the value
+# (service/chat_prompt.py) must not run out of stack on a body nested as deep as the JSON parser allows.
+MAX_TEMPLATE_VARIABLE_DEPTH = 32
+
+
+def _shallow(value: dict[str, Any]) -> dict[str, Any]:
+    level: list[Any] = [value]
+    for _ in range(MAX_TEMPLATE_VARIABLE_DEPTH):
+        level = [v for item in level for v in (item.values() if isinstance(item, dict) else item)
+                 if isinstance(v, (dict, list))]
+        if not level:
+            return value
+    raise ValueError(f"must not nest more than {MAX_TEMPLATE_VARIABLE_DEPTH} levels deep")
+
+
+# Further template variables (chat_template_kwargs): JSON, at most MAX_TEMPLATE_VARIABLE_DEPTH levels deep.
+TemplateVariables = Annotated[dict[str, Any], AfterValidator(_shallow)]
 
 # Roles a chat template sees; any other is refused by name.
 ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
@@ -50,8 +68,8 @@ class ChatTemplateOptions(RequestModel):
         True, description="End the rendered prompt with the template's opening of an assistant turn.")
     continue_final_message: bool = Field(
         False, description="Leave the last (assistant) message open, for the model to continue it.")
-    chat_template_kwargs: dict[str, Any] | None = Field(
-        None, description="Further variables for the chat template.")
+    chat_template_kwargs: TemplateVariables | None = Field(
+        None, description="Further variables for the chat template (at most 32 levels deep).")
 
     @field_validator("messages")
     @classmethod

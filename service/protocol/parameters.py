@@ -217,7 +217,8 @@ PARAMETERS: dict[str, dict[str, Parameter]] = {
         "continue_final_message": _h("Leaves the last (assistant) message open for the model to continue; needs "
                                      "add_generation_prompt false.",
                                      f"{_CHAT}::test_template_options_shape_the_chat_prompt"),
-        "chat_template_kwargs": _h("Further template variables; those the server sets are refused by name.",
+        "chat_template_kwargs": _h("Further template variables (text, as the messages; at most 32 levels deep); "
+                                   "those the server sets are refused by name.",
                                    f"{_CHAT}::test_template_options_shape_the_chat_prompt",
                                    f"{_CHAT}::test_template_variables_come_from_chat_template_kwargs"),
         "model": _h("Must be the served model's id when given; any other is 404 model_not_found.",

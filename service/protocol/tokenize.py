@@ -3,11 +3,9 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from service.protocol.chat import ChatMessage, check_continuation
+from service.protocol.chat import ChatMessage, TemplateVariables, check_continuation
 from service.protocol.common import PlainText, RequestModel, ResponseModel
 
 
@@ -26,8 +24,8 @@ class TokenizeBody(RequestModel):
         "has none); default true for `inputs` (as TGI) and `prompt`, false for `messages` (as vLLM).")
     add_generation_prompt: bool = Field(True, description="With `messages`: as in /v1/chat/completions.")
     continue_final_message: bool = Field(False, description="With `messages`: as in /v1/chat/completions.")
-    chat_template_kwargs: dict[str, Any] | None = Field(
-        None, description="With `messages`: further variables for the chat template.")
+    chat_template_kwargs: TemplateVariables | None = Field(
+        None, description="With `messages`: further variables for the chat template (at most 32 levels deep).")
     return_token_strs: bool = Field(False, description="vLLM: also answer each token's text (`token_strs`).")
     model: str | None = Field(None, description="The served model's id (/v1/models) when given; any other is 404.")
 

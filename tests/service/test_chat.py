@@ -5,6 +5,7 @@ without a template answers 400 naming it; templates that fail or misbehave are t
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 import openai
@@ -221,6 +222,9 @@ def test_template_variables_come_from_chat_template_kwargs(client: TestClient, a
     ({"messages": MESSAGES, "max_tokens": 2, "max_completion_tokens": 3}, "max_completion_tokens"),
     ({"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),
     ({"messages": MESSAGES, "tools": []}, "tools"),
+    # nested deeper than anything walks safely (it was a RecursionError: 500)
+    ({"messages": MESSAGES, "chat_template_kwargs": {"a": json.loads('{"a":' * 800 + "1" + "}" * 800)}},
+     "chat_template_kwargs"),
 ])
 def test_bad_chat_requests_are_refused_by_name(client: TestClient, body: dict[str, Any], param: str) -> None:
     r = client.post("/v1/chat/completions", json=body)
