@@ -12,6 +12,7 @@ from fastapi import APIRouter, Request
 from pydantic import ValidationError
 from starlette.responses import JSONResponse, Response
 
+from service.chat_prompt import Segment, after_head, encode_segments
 from service.errors import InputTooLong, ServiceError, ValidationFailed, describe_validation_errors
 from service.protocol.chat import (
     ChatChoice,
@@ -27,7 +28,7 @@ from service.protocol.common import Limits
 from service.protocol.openai import CompletionLogprobs, CompletionRequest, Usage
 from service.routes.common import OPENAI_ERRORS, EventStreamResponse, State, ready_parts, sse
 from service.routes.openai import check_model, completions
-from service.routes.tokenize import message_prompt
+from service.routes.tokenize import message_segments
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
@@ -63,21 +64,22 @@ def _completion_request(body: ChatCompletionRequest, prompt: list[int], limits: 
     return request
 
 
-def _cached_tokens(state: Any, tokenizer: Any, body: ChatCompletionRequest, prompt: list[int]) -> int | None:
-    """The tokens of `prompt` that `cache_prefix_messages` declares: its first messages rendered alone."""
-    count = body.cache_prefix_messages
-    if count is None:
-        return None
+def _with_cached_head(state: Any, tokenizer: Any, body: ChatCompletionRequest, segments: list[Segment],
+                      count: int) -> tuple[list[int], int]:
+    """The prompt's ids with its first `count` messages (rendered alone, without a generation prompt) encoded
+    apart from the rest, as cache_prefix_chars encodes a text's head, and the head's token count."""
     if body.truncate_prompt_tokens is not None:
         raise ValidationFailed("cache_prefix_messages cannot be combined with truncate_prompt_tokens",
                                param="cache_prefix_messages")
-    head = body.model_copy(update={"messages": body.messages[:count], "add_generation_prompt": False,
-                                   "continue_final_message": False})
-    ids, _ = message_prompt(state, tokenizer, head)
-    if not ids or prompt[:len(ids)] != ids:
+    head_body = body.model_copy(update={"messages": body.messages[:count], "add_generation_prompt": False,
+                                        "continue_final_message": False})
+    head, _ = message_segments(state, tokenizer, head_body)
+    rest = after_head(segments, head)
+    head_ids = encode_segments(tokenizer, head)
+    if rest is None or not head_ids:
         raise ValidationFailed(f"the chat template does not render the first {count} messages as the start of the "
                                "whole prompt, so they cannot be its cached part", param="cache_prefix_messages")
-    return len(ids)
+    return head_ids + encode_segments(tokenizer, rest), len(head_ids)
 
 
 def _chat_id(completion_id: str) -> str:
@@ -140,13 +142,15 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     _, limits, tokenizer = ready_parts(state)
     check_model(body.model, state)  # before the template renders and the prompt is tokenized
     # ids, not text: the template's control tokens stay control, the messages' text stays text
-    prompt, text = message_prompt(state, tokenizer, body)
+    segments, text = message_segments(state, tokenizer, body)
     if not text.strip():
         raise ValidationFailed("the chat template rendered these messages as empty text", param="messages")
+    prompt, cached = encode_segments(tokenizer, segments), None
+    if body.cache_prefix_messages is not None:
+        prompt, cached = _with_cached_head(state, tokenizer, body, segments, body.cache_prefix_messages)
     try:
         response = await completions(
-            _completion_request(body, prompt, limits, _cached_tokens(state, tokenizer, body, prompt)), request,
-            state)
+            _completion_request(body, prompt, limits, cached), request, state)
     except ServiceError as error:
         if error.param == "prompt":  # the rendered prompt is what the client sent as messages
             error.param, error.message = "messages", f"the rendered messages: {error.message}"

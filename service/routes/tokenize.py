@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import APIRouter
 from starlette.responses import JSONResponse
 
-from service.chat_prompt import chat_prompt_ids
+from service.chat_prompt import Segment, chat_segments, encode_segments
 from service.protocol import ErrorResponse, TokenInfo
 from service.protocol.common import Limits, encode_checked
 from service.protocol.prompts import check_token_ids
@@ -38,15 +38,21 @@ def chat_template_of(state: State) -> str | None:
     return getattr(state.artifact, "chat_template", None)
 
 
-def message_prompt(state: State, tokenizer: Any, body: Any) -> tuple[list[int], str]:
-    """`body.messages` rendered with the artifact's chat template (400 naming it when there is none): the ids,
+def message_segments(state: State, tokenizer: Any, body: Any) -> tuple[list[Segment], str]:
+    """`body.messages` rendered with the artifact's chat template (400 naming it when there is none): its parts,
     the template's control tokens as their ids and the messages' text as text, and the rendered text."""
-    return chat_prompt_ids(
+    return chat_segments(
         tokenizer, chat_template_of(state), [m.template_view() for m in body.messages],
         add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message,
         bos_token=special_text(tokenizer, tokenizer.bos_id), eos_token=special_text(tokenizer, tokenizer.eos_id),
         extra=body.chat_template_kwargs,
     )
+
+
+def message_prompt(state: State, tokenizer: Any, body: Any) -> tuple[list[int], str]:
+    """The ids of `body.messages`' prompt (message_segments encoded), and its rendered text."""
+    segments, text = message_segments(state, tokenizer, body)
+    return encode_segments(tokenizer, segments), text
 
 
 def encode_spelled_specials(tokenizer: Any, text: str) -> list[int]:
