@@ -127,8 +127,10 @@ PARAMETERS: dict[str, dict[str, Parameter]] = {
         "cache_prefix_chars": _h("Extension, as TGI's parameters.cache_prefix_chars; text prompts only.",
                                  f"{_PREFIX}::test_a_declared_prefix_is_reused_and_the_answer_is_what_a_cold_server_gives",
                                  f"{_PREFIX}::test_completions_refuse_a_cache_prefix_on_token_prompts"),
-        "model": _h("Must be the served model's id (/v1/models) when given; any other is 404 model_not_found.",
-                    f"{_SHAPES}::test_openai_model_names_this_servers_model_or_is_not_found"),
+        "model": _h("Must be the served model's id (/v1/models) when given; any other is 404 model_not_found, before "
+                    "anything is tokenized.",
+                    f"{_SHAPES}::test_openai_model_names_this_servers_model_or_is_not_found",
+                    f"{_CHAT}::test_the_model_is_checked_before_anything_is_tokenized"),
         "prompt": _h("A text, a list of texts, token ids or lists of token ids.",
                      f"{_ROUTES}::test_v1_completions_several_prompts"),
         "suffix": _r("Any suffix is refused: this model does not insert.",
@@ -195,8 +197,10 @@ PARAMETERS: dict[str, dict[str, Parameter]] = {
     },
     "EmbeddingsRequest": {
         "input": _h("A text or a list of texts.", f"{_ROUTES}::test_v1_embeddings_float_and_base64_agree"),
-        "model": _h("Must be the served model's id when given; any other is 404 model_not_found.",
-                    f"{_SHAPES}::test_openai_model_names_this_servers_model_or_is_not_found"),
+        "model": _h("Must be the served model's id when given; any other is 404 model_not_found, before "
+                    "anything is tokenized.",
+                    f"{_SHAPES}::test_openai_model_names_this_servers_model_or_is_not_found",
+                    f"{_CHAT}::test_the_model_is_checked_before_anything_is_tokenized"),
         "encoding_format": _h("float or base64 (little-endian float32).",
                               f"{_ROUTES}::test_v1_embeddings_float_and_base64_agree"),
         "dimensions": _h("Must be the model's dimension when given; any other is refused.",
@@ -221,8 +225,10 @@ PARAMETERS: dict[str, dict[str, Parameter]] = {
                                    "those the server sets are refused by name.",
                                    f"{_CHAT}::test_template_options_shape_the_chat_prompt",
                                    f"{_CHAT}::test_template_variables_come_from_chat_template_kwargs"),
-        "model": _h("Must be the served model's id when given; any other is 404 model_not_found.",
-                    f"{_CHAT}::test_chat_names_this_servers_model_or_is_not_found"),
+        "model": _h("Must be the served model's id when given; any other is 404 model_not_found, before "
+                    "anything is tokenized.",
+                    f"{_CHAT}::test_chat_names_this_servers_model_or_is_not_found",
+                    f"{_CHAT}::test_the_model_is_checked_before_anything_is_tokenized"),
         "max_tokens": _h("Tokens to generate at most (max_completion_tokens' older name; both must agree).",
                          f"{_CHAT}::test_chat_answers_what_completions_answers_for_the_rendered_prompt"),
         "max_completion_tokens": _h("Tokens to generate at most; unset (max_tokens too), the room the prompt "
