@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, Field, ValidationInfo, field_validator, model_validator
 
 from service.errors import ValidationFailed
-from service.protocol.common import PlainText, RequestModel, ResponseModel
+from service.protocol.common import PlainText, RequestModel, ResponseModel, check_encodable
 from service.protocol.openai import BiasValue, CompletionLogprobs, StreamOptions, Usage
 
 # How deep chat_template_kwargs may nest: a template reads settings, not trees, and what walks the value
@@ -20,10 +20,15 @@ MAX_TEMPLATE_VARIABLE_DEPTH = 32
 
 
 def _shallow(value: dict[str, Any]) -> dict[str, Any]:
+    """At most MAX_TEMPLATE_VARIABLE_DEPTH levels, and its strings text as the messages' are (no NUL: in
+    enwik8's byte vocabulary NUL is the end-of-text id, and what the template writes is tokenized)."""
     level: list[Any] = [value]
     for _ in range(MAX_TEMPLATE_VARIABLE_DEPTH):
-        level = [v for item in level for v in (item.values() if isinstance(item, dict) else item)
-                 if isinstance(v, (dict, list))]
+        items = [v for item in level for v in ([*item.keys(), *item.values()] if isinstance(item, dict) else item)]
+        for item in items:
+            if isinstance(item, str):
+                check_encodable(item)
+        level = [v for v in items if isinstance(v, (dict, list))]
         if not level:
             return value
     raise ValueError(f"must not nest more than {MAX_TEMPLATE_VARIABLE_DEPTH} levels deep")
@@ -47,7 +52,7 @@ class ChatMessage(RequestModel):
     role: ChatRole = Field(description="Who speaks: system, developer, user, assistant or tool.")
     content: PlainText | list[TextPart] | None = Field(
         None, description="The text, or a list of text parts (joined with newlines, as vLLM joins them).")
-    name: str | None = Field(None, description="A participant's name, passed to the template.")
+    name: PlainText | None = Field(None, description="A participant's name, passed to the template.")
 
     def template_view(self) -> dict[str, Any]:
         """The message as a chat template sees it: `role`, `content` (a string) and `name` when given."""

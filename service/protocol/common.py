@@ -29,10 +29,10 @@ class ResponseModel(BaseModel):
 def _check_text(value: str) -> str:
     if not value.strip():
         raise ValueError("must contain text (it is empty or only whitespace)")
-    return _check_encodable(value)
+    return check_encodable(value)
 
 
-def _check_encodable(value: str) -> str:
+def check_encodable(value: str) -> str:
     if "\x00" in value:
         raise ValueError("must not contain NUL characters")
     try:
@@ -46,7 +46,7 @@ def _check_encodable(value: str) -> str:
 # data sent by mistake, and in enwik8-style vocabularies byte 0 shares its id with end-of-text.
 InputText = Annotated[str, AfterValidator(_check_text)]
 # Text only tokenized: may be empty, still UTF-8 encodable without NUL.
-PlainText = Annotated[str, AfterValidator(_check_encodable)]
+PlainText = Annotated[str, AfterValidator(check_encodable)]
 
 
 @dataclass(frozen=True)

@@ -291,3 +291,19 @@ def test_chat_messages_of_any_shape_get_an_answer_or_a_4xx(client: TestClient, m
         body = {"messages": messages, **{k: v for k, v in extra.items() if k not in chat_only}}
         r = client.post(route, json=body)
         assert r.status_code == 200 or 400 <= r.status_code < 500, (route, body, r.status_code, r.text)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": [{"role": "user", "content": "x", "name": "a\x00b"}]}, "messages.0.name"),
+    ({"messages": MESSAGES, "chat_template_kwargs": {"greeting": {"deep": ["a\x00"]}}}, "chat_template_kwargs"),
+    ({"messages": MESSAGES, "chat_template_kwargs": {"k\x00": 1}}, "chat_template_kwargs"),
+])
+def test_names_and_template_variables_are_text_as_the_messages_are(client: TestClient, body: dict[str, Any],
+                                                                   param: str) -> None:
+    """NUL is refused in every string the template writes into the prompt, as in the messages: in enwik8's byte
+    vocabulary it is the end-of-text id."""
+    for path in ("/v1/chat/completions", "/tokenize"):
+        r = client.post(path, json=body)
+        assert r.status_code in (400, 422) and "NUL" in r.text, r.text
+        if path.startswith("/v1"):
+            assert r.json()["error"]["param"] == param
