@@ -84,7 +84,8 @@ def test_v1_completions_and_stream_end_with_done(client: TestClient) -> None:
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["object"] == "text_completion"
-    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     assert body["choices"][0]["finish_reason"] == "length"
     assert len(body["choices"][0]["logprobs"]["token_logprobs"]) == 3
     s = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3, "stream": True, "ignore_eos": True,
