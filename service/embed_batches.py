@@ -71,7 +71,12 @@ class EmbedBatches:
         return batch, None
 
     def run(self, batch: list[EmbedItem], fail_jobs: Callable[[Iterable[Job]], None]) -> None:
-        """One backend call for the batch; each request completes when its last sequence has its vector."""
+        """One backend call for the batch; each request completes when its last sequence has its vector. Inputs
+        of requests whose client left after the batch was taken are left out (the whole call when none stays)."""
+        with self.cond:
+            batch = [it for it in batch if it.job.state is JobState.RUNNING]
+        if not batch:
+            return
         longest = max(len(it.ids) for it in batch)
         ids = torch.full((len(batch), longest), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(batch), longest), dtype=torch.long)

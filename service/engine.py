@@ -203,9 +203,10 @@ class Engine:
                 self._finish_pending(job)
                 self.metrics.dropped.labels("queued").inc()
             elif job.state is JobState.RUNNING and isinstance(job, EmbedJob):
-                # The batch in flight finishes and is discarded; the job's other inputs leave the queue.
+                # A batch in flight finishes and is discarded; the job's other inputs leave the queue, and a
+                # batch taken but not yet run leaves its inputs out (EmbedBatches.run).
                 job.state = JobState.DONE
-                self.metrics.dropped.labels("running").inc()
+                self.metrics.dropped.labels("embed").inc()
             elif job.state is JobState.RUNNING:
                 job.cancel_requested = True
                 self._cond.notify()

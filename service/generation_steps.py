@@ -92,13 +92,34 @@ class GenerationSteps:
             job.fail(InternalError("internal error; the server log has the details"))
 
     def drop_cancelled(self) -> None:
-        """Under the lock: running generations whose client went away stop and free their cache."""
+        """Under the lock: running generations whose client went away stop and free their cache; so do forks
+        waiting for a prefill (service/prompt_reuse.py), and a sliced prefill once every job of its group, and
+        every fork waiting on it, has gone. One with a job still waiting runs on: a row cannot leave a batched
+        prefill midway; the gone jobs get no token when it ends (`_start`)."""
         for job in [j for j in self.running if j.cancel_requested]:
             self.running.remove(job)
-            job.state = JobState.DONE
-            self.release(job)
-            self.metrics.dropped.labels("running").inc()
-            log.info("dropped a running generation: its client went away", extra={"request_id": job.request_id})
+            self._drop(job, "decode")
+        for forks in self.reuse.waiting.values():
+            for fork in [f for f in forks if f.cancel_requested]:
+                forks.remove(fork)
+                self._drop(fork, "prefill")
+        for entry in [e for e in self.prefilling if self._all_gone(e.jobs)]:
+            self.prefilling.remove(entry)
+            entry.slices.close()  # frees the cache the unfinished prefill held
+            for job in entry.jobs:
+                self._drop(job, "prefill")
+
+    def _all_gone(self, leaders: list[GenerationJob]) -> bool:
+        """Whether no client waits for these jobs' prefill: neither theirs nor a fork's."""
+        return all(j.cancel_requested for j in leaders) and not any(
+            self.reuse.waiting.get(j.prefix_key or "") for j in leaders)
+
+    def _drop(self, job: GenerationJob, stage: str) -> None:
+        """Under the lock: the job's client went away at `stage`; it ends and frees its cache."""
+        job.state = JobState.DONE
+        self.release(job)
+        self.metrics.dropped.labels(stage).inc()
+        log.info("dropped a generation at %s: its client went away", stage, extra={"request_id": job.request_id})
 
     def close_prefills(self) -> None:
         """Outside the lock: the sliced prefills in progress stop and free the cache they held (their jobs stay
@@ -116,7 +137,12 @@ class GenerationSteps:
     def prefill_all(self, jobs: list[GenerationJob]) -> None:
         """Prompts prefilled together, grouped by length under max_batch_tokens (one at a time when the
         engine runs batch-invariant, so a request's first token does not depend on its company). Prefix-cache hits
-        run at once; forks of a prompt being prefilled wait for it (service/prompt_reuse.py)."""
+        run at once; forks of a prompt being prefilled wait for it (service/prompt_reuse.py). A job whose client
+        left since it was taken is dropped before any of its prompt runs."""
+        with self.cond:
+            for job in [j for j in jobs if j.cancel_requested]:
+                self._drop(job, "prefill")
+            jobs = [j for j in jobs if not j.cancel_requested]
         jobs, ready, failed = self.reuse.sort(jobs)
         if failed:
             self.fail(failed)
@@ -154,6 +180,8 @@ class GenerationSteps:
                     recent.append(now - began)
                     for job in jobs:
                         job.timings.prefill_slices.append((began, now))
+                    if self._all_gone(jobs):  # nobody waits for it: the next turn's drop_cancelled closes it
+                        break
                     if not another_slice_fits(now - start, recent, self.prefill_budget_s):
                         break
                 continue
@@ -239,6 +267,9 @@ class GenerationSteps:
             for job, state, row, choice in zip(jobs, states, logits, _greedy(jobs, logits), strict=True):
                 job.cache = state
                 with self.cond:
+                    if job.cancel_requested:  # its client left during the prefill: no token for nobody
+                        self._drop(job, "prefill")
+                        continue
                     self.running.append(job)
                 if job.feeding:
                     job.feed_next()

@@ -49,7 +49,9 @@ BATCH_SIZE_BUCKETS = (0.999, 1.0, 1.999, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24
 # so `increase()` and `rate()` see the first event (a series that appears at its first increment has no
 # earlier sample to increase from, and Prometheus drops that first step).
 REJECT_REASONS = ("queue_full", "timeout", "unavailable")
-DROP_STAGES = ("queued", "running")
+# where a client's leaving stopped its work: in the queue, during a prefill (sliced or not), between decode
+# steps, or an embedding request between batches
+DROP_STAGES = ("queued", "prefill", "decode", "embed")
 BATCH_KINDS = ("embed", "prefill", "decode")
 
 
@@ -141,7 +143,8 @@ class ServiceMetrics:
         )
         self.dropped = Counter(
             PREFIX + "requests_dropped",
-            "Admitted requests whose client went away, by where the work was dropped (queued or running).",
+            "Admitted work whose client went away (a generation's sequence, or an embedding request), by the stage "
+            "where it stopped: queued, prefill, decode or embed.",
             ["stage"], registry=r,
         )
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Input tokens of completed requests.", registry=r)

@@ -130,7 +130,7 @@ def test_gpu_series_only_where_cuda_is(server: Any) -> None:
 
 
 def _dropped(url: str) -> float:
-    return metric_value(scrape(url), "reformer_requests_dropped_total", {"stage": "running"})
+    return metric_value(scrape(url), "reformer_requests_dropped_total", {"stage": "decode"})
 
 
 def _idle(url: str) -> bool:
