@@ -157,7 +157,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
         raise
     if isinstance(response, EventStreamResponse):
         return EventStreamResponse(_chat_events(response.body_iterator), headers={
-            k: v for k, v in response.headers.items() if k.startswith("x-")})
+            k: v for k, v in response.headers.items() if k.startswith("x-")}, on_close=response.on_close)
     if response.status_code != 200 or not isinstance(response, JSONResponse):
         return response
     completion = json.loads(bytes(response.body))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, Request
@@ -102,20 +102,28 @@ def sse(payload: Any) -> bytes:
 
 
 class EventStreamResponse(StreamingResponse):
-    """Server-Sent Events; the event generator is always closed, so a dropped stream cancels its work."""
+    """Server-Sent Events; the event generator is always closed and `on_close` (the work's cancel) always
+    called, so a dropped stream cancels its work. Closing alone would not do: a generator closed before its
+    first event (the client left before the response started) never runs its body, `finally` included."""
 
-    def __init__(self, events: AsyncIterator[bytes], headers: dict[str, str] | None = None):
+    def __init__(self, events: AsyncIterator[bytes], headers: dict[str, str] | None = None,
+                 on_close: Callable[[], None] | None = None):
         super().__init__(events, media_type="text/event-stream",
                          headers={"cache-control": "no-cache", "x-accel-buffering": "no", **(headers or {})})
         self._events = events
+        self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            aclose = getattr(self._events, "aclose", None)
-            if aclose is not None:
-                await aclose()
+            try:
+                aclose = getattr(self._events, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+            finally:
+                if self.on_close is not None:
+                    self.on_close()
 
 
 def disconnected_response() -> Response:

@@ -175,7 +175,8 @@ async def _generate_stream(body: GenerateRequest, request: Request, state: State
         return disconnected_response()
     prefix = body.inputs if body.parameters.return_full_text else ""
     top_n = body.parameters.top_n_tokens or 0
-    return EventStreamResponse(_events(state, stream, first, prefix, tokenizer if top_n else None))
+    return EventStreamResponse(_events(state, stream, first, prefix, tokenizer if top_n else None),
+                               on_close=stream.cancel)
 
 
 def _unasked(top: list[Token] | None) -> set[str]:

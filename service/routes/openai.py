@@ -97,7 +97,7 @@ async def completions(body: CompletionRequest, request: Request, state: State) -
             first = await until_disconnected(request, streams[0].next_event())
         except ClientDisconnected:
             return disconnected_response()
-        return EventStreamResponse(_stream(state, body, streams[0], first, tokenizer))
+        return EventStreamResponse(_stream(state, body, streams[0], first, tokenizer), on_close=streams[0].cancel)
     try:
         results = await until_disconnected(request, collect_all(streams))
     except ClientDisconnected:
