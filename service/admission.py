@@ -18,12 +18,16 @@ from service.metrics import ServiceMetrics
 
 
 class Reservation:
-    """A place in the queue held by a request between its arrival and its admission (see Admission.reserve)."""
+    """A request's place in the queue: held from its arrival until its first sequence is admitted (see
+    Admission.reserve), then the queue entry its sequences share (`pending` of them waiting for the model). The
+    queue counts requests, not sequences: a request of 17 prompts with n=4 takes one place."""
 
-    __slots__ = ("held",)
+    __slots__ = ("admitted", "held", "pending")
 
     def __init__(self) -> None:
         self.held = True
+        self.admitted = False
+        self.pending = 0
 
 
 class Admission:
@@ -32,8 +36,9 @@ class Admission:
         self.request_timeout_s = request_timeout_s
         self.metrics = metrics
         self.cond = threading.Condition()
-        self.pending = {"embed": 0, "generate": 0}  # admitted, not yet started
+        self.pending = {"embed": 0, "generate": 0}  # requests admitted with a sequence not yet started
         self.reserved = 0  # requests arrived but not yet admitted (touched on the event loop only)
+        self.entries: dict[Job, Reservation] = {}  # each pending job's request entry
 
     def waiting(self) -> int:
         return sum(self.pending.values()) + self.reserved
@@ -64,27 +69,38 @@ class Admission:
 
     def admit(self, job: Job, enqueue: Callable[[], None], reservation: Reservation | None, closed: Callable[[], bool]
               ) -> None:
-        """Queue the job (enqueue runs under the lock), its reservation becoming its entry; 503 when `closed()`,
-        429 when the queue is full (not counting the job's own reservation)."""
-        own = 1 if reservation is not None and reservation.held else 0
+        """Queue the job (enqueue runs under the lock), its request's reservation becoming the entry its
+        sequences share; 503 when `closed()`, 429 when the queue is full (not counting the job's own
+        reservation). A further sequence of a request already admitted is never refused for room: the request
+        holds its place (a retry could not do better), and refusing it would make a request within every
+        per-request limit depend on how fast the worker drains the queue meanwhile."""
+        entry = reservation if reservation is not None else Reservation()
+        if reservation is None:
+            entry.held = False  # a direct caller (no middleware) held no place before
+        own = 1 if entry.held else 0
         with self.cond:
             if closed():
                 raise Unavailable("the model worker is not running")
-            if self.waiting() - own >= self.max_queue_size:
+            if not entry.admitted and self.waiting() - own >= self.max_queue_size:
                 raise self.overloaded()
             # the timer exists before the worker can see the job: `start` (worker thread, under this lock)
             # cancels it, which it could not do for a timer set after the lock is let go. The timer holds
             # the job weakly all the same: a finished job is not kept for request_timeout_s by its timer.
+            # the job counts before the worker can see it, so a worker that starts it at once finds it counted
+            if entry.pending == 0:  # the request (again) has a sequence waiting: it counts once
+                self.pending[job.kind] += 1
+            entry.pending += 1
+            self.entries[job] = entry
             job.timer = job.loop.call_later(self.request_timeout_s, self._expire_if_alive, weakref.ref(job))
             try:
                 enqueue()
             except BaseException:
                 job.timer.cancel()
+                self._leave(job)
                 raise
-            self.pending[job.kind] += 1
+            entry.admitted = True
             self.cond.notify()
-        if reservation is not None:
-            self.release(reservation)  # the place it held is now the job's
+        self.release(entry)  # the place it held is now the entry's (a fresh entry held none on the loop)
 
     def _expire_if_alive(self, ref: weakref.ref[Job]) -> None:
         job = ref()
@@ -104,14 +120,23 @@ class Admission:
     def finish_pending(self, job: Job) -> None:
         """Under the lock: a pending job leaves the queue without running."""
         job.state = JobState.DONE
-        self.pending[job.kind] -= 1
+        self._leave(job)
         if job.timer is not None:
             job.timer.cancel()
+
+    def _leave(self, job: Job) -> None:
+        """Under the lock: a pending job leaves the queue; its request stops counting with its last one."""
+        entry = self.entries.pop(job, None)
+        if entry is None:
+            return
+        entry.pending -= 1
+        if entry.pending == 0:
+            self.pending[job.kind] -= 1
 
     def start(self, job: Job) -> None:
         """Under the lock: the model starts on a pending job."""
         if job.state is JobState.PENDING:
-            self.pending[job.kind] -= 1
+            self._leave(job)
             job.state = JobState.RUNNING
             job.timings.started = time.monotonic()
             if job.timer is not None:
@@ -120,3 +145,4 @@ class Admission:
     def clear(self) -> None:
         """Under the lock: nothing is pending any more (the engine failed or drained every job)."""
         self.pending = {"embed": 0, "generate": 0}
+        self.entries.clear()

@@ -145,7 +145,10 @@ class Settings(BaseSettings):
         return {"true": "auto", "1": "auto", "yes": "auto", "false": "off", "0": "off", "no": "off"}.get(text, text)
 
     max_queue_size: int = Field(
-        64, ge=1, description="Requests allowed to wait for the model; beyond it requests get 429 at once."
+        64, ge=1,
+        description="Requests allowed to wait for the model, counted as requests whatever their prompts and n/best_of "
+        "sequences: one holds a place from the arrival of its body until the model has started every sequence of "
+        "it. Beyond it new requests get 429 at once; a request once admitted is never refused for room.",
     )
     request_timeout_s: float = Field(
         60.0, gt=0, description="Longest a request may wait in the queue before it gets 504."

@@ -76,3 +76,30 @@ def test_a_queued_job_still_expires_through_its_weak_timer() -> None:
         assert len(failed) == 1 and isinstance(failed[0], QueueTimeout)
 
     asyncio.run(scenario())
+
+
+def test_the_queue_counts_requests_not_sequences() -> None:
+    """A request of many sequences (17 prompts, n=4) takes one place, and none of its sequences is refused
+    for room once the request is admitted, whatever the worker has started meanwhile."""
+    async def scenario() -> None:
+        adm = Admission(max_queue_size=2, request_timeout_s=30, metrics=ServiceMetrics())
+        big, other = adm.reserve(), adm.reserve()
+        assert isinstance(big, Reservation) and isinstance(other, Reservation)
+        jobs = []
+        for i in range(68):
+            job = Job(asyncio.get_running_loop(), None)
+            job.kind = "generate"
+            adm.admit(job, lambda: None, big, closed=lambda: False)
+            jobs.append(job)
+            if i == 10:  # the worker starts a few meanwhile
+                with adm.cond:
+                    for started in jobs[:5]:
+                        adm.start(started)
+        assert adm.pending["generate"] == 1 and adm.waiting() == 2  # the big request and the one being parsed
+        assert isinstance(adm.reserve(), Overloaded)  # a third request finds the two places taken
+        with adm.cond:
+            for job in jobs[5:]:
+                adm.start(job)
+        assert adm.pending["generate"] == 0 and adm.waiting() == 1
+
+    asyncio.run(scenario())

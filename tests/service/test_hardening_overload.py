@@ -113,3 +113,13 @@ def test_every_request_gives_its_place_back(app_client: TestClient, path: str, b
     engine = engine_of(app_client)
     assert app_client.post(path, json=body).status_code == status
     assert engine._reserved == 0 and sum(engine.stats()["queued"].values()) == 0
+
+
+def test_an_idle_server_admits_a_request_of_more_sequences_than_the_queue_has_places(app_client: TestClient) -> None:
+    """17 prompts with n=4 (68 sequences) within every per-request limit: one request, one place in a queue of
+    QUEUE; never a 429 that no retry could clear."""
+    body = {"prompt": [f"prompt {i}" for i in range(17)], "n": 4, "max_tokens": 2, "temperature": 1.0, "seed": 1}
+    for _ in range(2):
+        r = app_client.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert len(r.json()["choices"]) == 68
