@@ -72,6 +72,7 @@ def create_app(settings: Settings | None = None, artifact: Any = None, tracing: 
             task.cancel()
             if state.engine is not None:
                 await asyncio.to_thread(state.engine.stop)
+            state.tokenizing.shutdown()
             await asyncio.to_thread(tracing.shutdown)
 
     app = FastAPI(

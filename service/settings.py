@@ -156,6 +156,11 @@ class Settings(BaseSettings):
     max_client_batch_size: int = Field(32, ge=1, description="Most inputs (or prompts) in one request.")
     max_stop_sequences: int = Field(4, ge=0, description="Most stop sequences in one generation request.")
     max_payload_bytes: int = Field(4_000_000, ge=1, description="Largest request body in bytes; larger gets 413.")
+    tokenize_threads: int = Field(
+        2, ge=1,
+        description="Threads that tokenize request texts (and render chat templates) off the event loop: at most "
+        "this many bodies are tokenized at once, the others wait their turn.",
+    )
     body_timeout_s: float = Field(
         30.0, gt=0,
         description="Longest a client may take to send its request body after the headers; slower gets 408 "

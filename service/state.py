@@ -29,6 +29,7 @@ from service.metrics import ServiceMetrics
 from service.prefix_cache import PrefixCacheConfig
 from service.protocol import Limits
 from service.settings import Settings
+from service.tokenizing import Tokenizing
 
 
 def package_version() -> str:
@@ -88,6 +89,7 @@ class ServiceState:
         self.draining = False
         self.load_error: str | None = None
         self.inflight = 0
+        self.tokenizing = Tokenizing(settings.tokenize_threads)  # request texts are tokenized off the loop
         self._inflight_lock = threading.Lock()
         # Called (from any thread) when the model worker dies; the server makes the process exit non-zero.
         self.on_fatal: Callable[[BaseException], None] = lambda exc: None

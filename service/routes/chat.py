@@ -134,6 +134,17 @@ async def _chat_events(events: AsyncIterable[str | bytes | memoryview]) -> Async
             await aclose()
 
 
+def _chat_prompt(state: Any, tokenizer: Any, body: ChatCompletionRequest) -> tuple[list[int], int | None]:
+    """The rendered prompt's ids and the token count of its cached head (`cache_prefix_messages`), off the
+    event loop. Ids, not text: the template's control tokens stay control, the messages' text stays text."""
+    segments, text = message_segments(state, tokenizer, body)
+    if not text.strip():
+        raise ValidationFailed("the chat template rendered these messages as empty text", param="messages")
+    if body.cache_prefix_messages is not None:
+        return _with_cached_head(state, tokenizer, body, segments, body.cache_prefix_messages)
+    return encode_segments(tokenizer, segments), None
+
+
 @router.post("/chat/completions", response_model=ChatCompletionResponse, responses={
     **OPENAI_ERRORS, 200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE when stream=true."}})
 async def chat_completions(body: ChatCompletionRequest, request: Request, state: State) -> Response:
@@ -141,13 +152,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     `/v1/completions` generates a prompt. `stream: true` sends `chat.completion.chunk` events."""
     _, limits, tokenizer = ready_parts(state)
     check_model(body.model, state)  # before the template renders and the prompt is tokenized
-    # ids, not text: the template's control tokens stay control, the messages' text stays text
-    segments, text = message_segments(state, tokenizer, body)
-    if not text.strip():
-        raise ValidationFailed("the chat template rendered these messages as empty text", param="messages")
-    prompt, cached = encode_segments(tokenizer, segments), None
-    if body.cache_prefix_messages is not None:
-        prompt, cached = _with_cached_head(state, tokenizer, body, segments, body.cache_prefix_messages)
+    prompt, cached = await state.tokenizing.run(_chat_prompt, state, tokenizer, body)
     try:
         response = await completions(
             _completion_request(body, prompt, limits, cached), request, state)

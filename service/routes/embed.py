@@ -30,7 +30,7 @@ async def embed(body: EmbedRequest, request: Request, state: State) -> Response:
     """Embed one text or a list of texts: one pooled vector each."""
     started = time.perf_counter()
     engine, limits, tokenizer = ready_parts(state)
-    spec = body.to_spec(tokenizer, limits)
+    spec = await state.tokenizing.run(body.to_spec, tokenizer, limits)
     log.debug("embed inputs %r", body.inputs)
     try:
         result = await until_disconnected(request, engine.embed(spec, reservation=reservation_of(request)))

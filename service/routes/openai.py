@@ -86,7 +86,7 @@ async def completions(body: CompletionRequest, request: Request, state: State) -
     started = time.perf_counter()
     engine, limits, tokenizer = ready_parts(state)
     check_model(body.model, state)  # before any prompt is tokenized: a request for another model costs nothing
-    per_prompt = body.to_specs(tokenizer, limits)
+    per_prompt = await state.tokenizing.run(body.to_specs, tokenizer, limits)
     note_user(body.user, "/v1/completions")
     if body.stream and len(per_prompt) > 1:
         raise ValidationFailed("stream supports a single prompt", param="prompt")
@@ -218,7 +218,7 @@ async def embeddings(body: EmbeddingsRequest, request: Request, state: State) ->
     started = time.perf_counter()
     engine, limits, tokenizer = ready_parts(state)
     check_model(body.model, state)
-    spec = body.to_spec(tokenizer, limits, state.embedding_dim)
+    spec = await state.tokenizing.run(body.to_spec, tokenizer, limits, state.embedding_dim)
     note_user(body.user, "/v1/embeddings")
     try:
         result = await until_disconnected(request, engine.embed(spec, reservation=reservation_of(request)))

@@ -7,7 +7,7 @@ import re
 from typing import Any
 
 from fastapi import APIRouter
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 
 from service.chat_prompt import Segment, chat_segments, encode_segments
 from service.protocol import ErrorResponse, TokenInfo
@@ -94,14 +94,21 @@ def _tgi_tokens(body: TokenizeBody, tokenizer: Any, limits: Limits) -> list[dict
 
 
 @router.post("/tokenize", response_model=list[TokenInfo] | TokenizeResult, responses=_ERRORS)
-async def tokenize(body: TokenizeBody, state: State) -> JSONResponse:
+async def tokenize(body: TokenizeBody, state: State) -> Response:
     """TGI's body (`inputs`): the tokens with their text and character offsets. vLLM's (`prompt`, or
     `messages` rendered with the artifact's chat template): `tokens`, `count`, `max_model_len` and, with
     `return_token_strs`, each token's text."""
     _, limits, tokenizer = ready_parts(state)
     check_model(body.model, state)
+    # tokenized and the answer rendered off the event loop: a body of max_payload_bytes is millions of tokens
+    answer = await state.tokenizing.run(_tokenize_answer, body, state, tokenizer, limits)
+    return Response(answer, media_type="application/json")
+
+
+def _tokenize_answer(body: TokenizeBody, state: State, tokenizer: Any, limits: Limits) -> bytes:
+    """/tokenize's answer, rendered as JSON."""
     if body.inputs is not None:
-        return JSONResponse(_tgi_tokens(body, tokenizer, limits))
+        return bytes(JSONResponse(_tgi_tokens(body, tokenizer, limits)).body)
     if body.messages is not None:
         # the ids /v1/chat/completions generates after
         ids, add_default = message_prompt(state, tokenizer, body)[0], False
@@ -113,7 +120,7 @@ async def tokenize(body: TokenizeBody, state: State) -> JSONResponse:
     ids = with_bos(ids, tokenizer, add)
     strs = [tokenizer.id_to_piece(i) for i in ids] if body.return_token_strs else None
     result = TokenizeResult(count=len(ids), max_model_len=limits.max_total_tokens, tokens=ids, token_strs=strs)
-    return JSONResponse(result.model_dump(mode="json"))
+    return bytes(JSONResponse(result.model_dump(mode="json")).body)
 
 
 @router.post("/detokenize", response_model=DetokenizeResult, responses=_ERRORS)
@@ -121,9 +128,13 @@ async def detokenize(body: DetokenizeRequest, state: State) -> DetokenizeResult:
     """The text of token ids (vLLM); ids outside the vocabulary are refused, special ids give no text."""
     _, _, tokenizer = ready_parts(state)
     check_model(body.model, state)
-    if body.tokens:
-        check_token_ids(body.tokens, tokenizer.vocab_size, "tokens")
-    return DetokenizeResult(prompt=tokenizer.decode(body.tokens))
+    return await state.tokenizing.run(_detokenize, body.tokens, tokenizer)
+
+
+def _detokenize(tokens: list[int], tokenizer: Any) -> DetokenizeResult:
+    if tokens:
+        check_token_ids(tokens, tokenizer.vocab_size, "tokens")
+    return DetokenizeResult(prompt=tokenizer.decode(tokens))
 
 
 @router.get("/tokenizer_info", response_model=TokenizerInfo, responses=error_responses(ErrorResponse, READ_CODES))
