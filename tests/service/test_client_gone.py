@@ -23,8 +23,9 @@ LONG_PROMPT = [5 + i % 200 for i in range(300)]
 WAIT_S = 30.0
 
 
-def _spec(prompt: list[int], new: int) -> GenerationSpec:
-    return GenerationSpec(prompt_ids=prompt, sampling=SamplingParams(), max_new_tokens=new, stop_on_eos=False)
+def _spec(prompt: list[int], new: int, prompt_logprobs: int | None = None) -> GenerationSpec:
+    return GenerationSpec(prompt_ids=prompt, sampling=SamplingParams(), max_new_tokens=new, stop_on_eos=False,
+                          prompt_logprobs=prompt_logprobs)
 
 
 def _engine(artifact: Any, started: list[Engine], backend: Any = None, **config: Any) -> Engine:
@@ -61,13 +62,18 @@ def _count_slices(engine: Engine, on_slice: Callable[[int], None]) -> list[int]:
         slices[0] += 1
         on_slice(slices[0])
 
+    real_scored = engine.runner.prefill_scored_slices
     engine.runner.prefill_slices = lambda p, r: observed_slices(real(p, r), after)  # type: ignore[method-assign]
+    engine.runner.prefill_scored_slices = (  # type: ignore[method-assign]
+        lambda p, r, k: observed_slices(real_scored(p, r, k), after))
     return slices
 
 
+@pytest.mark.parametrize("scored", [None, 0])  # a plain prefill, and one that scores the prompt
 @pytest.mark.parametrize("budget_ms", [0.0, 10_000.0])
 def test_a_sliced_prefill_stops_within_one_slice_of_its_client_leaving(
-        artifact: Any, started: list[Engine], monkeypatch: pytest.MonkeyPatch, budget_ms: float) -> None:
+        artifact: Any, started: list[Engine], monkeypatch: pytest.MonkeyPatch, budget_ms: float,
+        scored: int | None) -> None:
     # a budget of 10 s: without the check between slices, the whole prefill would run in the first turn
     monkeypatch.setattr(steps_module, "CHUNKED_PREFILL_TOKENS", 50)
     engine = _engine(artifact, started, prefill_budget_ms=budget_ms)
@@ -76,7 +82,7 @@ def test_a_sliced_prefill_stops_within_one_slice_of_its_client_leaving(
     engine.start()
 
     async def scenario() -> None:
-        box.append(engine.generate(_spec(LONG_PROMPT, 50)))
+        box.append(engine.generate(_spec(LONG_PROMPT, 50, scored)))
         with pytest.raises(asyncio.TimeoutError):  # no token comes: the job was dropped
             await asyncio.wait_for(box[0].job.events.get(), 0.5)
 
