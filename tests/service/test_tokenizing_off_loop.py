@@ -6,12 +6,15 @@ measures /health's latency during real large tokenizations)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import threading
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from starlette.responses import JSONResponse
 
+from service.protocol.tokenize import TokenizeResult
 from tests.service.helpers import running_app
 
 MARK = "HOLD-HERE"
@@ -107,3 +110,18 @@ def test_no_more_texts_are_tokenized_at_once_than_tokenize_threads(artifact: Any
             for request in requests:
                 request.join(WAIT_S)
         assert statuses == [200] * 4 and held.most_inside == 2
+
+
+@pytest.mark.parametrize("body", [
+    {"prompt": "x" * 10_000, "return_token_strs": True},
+    {"prompt": "a \"quoted\" é text </s>"},
+    {"prompt": "", "add_special_tokens": False, "return_token_strs": True},
+])
+def test_tokenize_answers_what_tokenizeresult_renders(artifact: Any, body: dict[str, Any]) -> None:
+    """/tokenize renders its answer without building TokenizeResult (see service/routes/tokenize.py): the
+    bytes are the model's all the same."""
+    with running_app(artifact) as client:
+        r = client.post("/tokenize", json=body)
+    assert r.status_code == 200, r.text
+    expected = TokenizeResult.model_validate(json.loads(r.content)).model_dump(mode="json")
+    assert r.content == JSONResponse(expected).body
