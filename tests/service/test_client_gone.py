@@ -20,6 +20,7 @@ from service.metrics import ServiceMetrics
 from tests.service.helpers import metric_value, observed_slices
 
 LONG_PROMPT = [5 + i % 200 for i in range(300)]
+OTHER_PROMPT = [6 + i % 200 for i in range(300)]  # as long: prefilled in one group with LONG_PROMPT
 WAIT_S = 30.0
 
 
@@ -112,7 +113,7 @@ def test_a_prefill_group_stops_once_all_of_its_jobs_left_and_runs_on_for_one_tha
 
     async def scenario() -> None:
         with engine._cond:  # both queued before the worker looks: they start as one group
-            streams.extend(engine.generate(_spec(LONG_PROMPT, 20)) for _ in range(2))
+            streams.extend(engine.generate(_spec(prompt, 20)) for prompt in (LONG_PROMPT, OTHER_PROMPT))
         await asyncio.sleep(1.0)
 
     asyncio.run(scenario())
@@ -142,7 +143,7 @@ def test_a_decode_stops_within_one_step_and_a_gone_member_of_a_group_gets_no_tok
 
     async def scenario() -> None:
         with engine._cond:
-            streams.extend(engine.generate(_spec(LONG_PROMPT, 200)) for _ in range(2))
+            streams.extend(engine.generate(_spec(prompt, 200)) for prompt in (LONG_PROMPT, OTHER_PROMPT))
         await asyncio.sleep(1.0)
 
     asyncio.run(scenario())
@@ -151,6 +152,49 @@ def test_a_decode_stops_within_one_step_and_a_gone_member_of_a_group_gets_no_tok
     assert streams[0].job.generated == []  # the one that left during the prefill got no token
     assert steps[0] == 2 and len(streams[1].job.generated) == 3  # first token, then two steps
     assert _dropped(engine, "prefill") == 1 and _dropped(engine, "decode") == 1
+    assert engine.runner.stats()["cache_bytes"] == 0
+
+
+@pytest.mark.parametrize("fork_stays", [True, False])
+def test_a_prefill_runs_on_for_a_fork_waiting_on_it_and_stops_when_the_fork_left_too(
+        artifact: Any, started: list[Engine], monkeypatch: pytest.MonkeyPatch, fork_stays: bool) -> None:
+    """Two requests of the same prompt: the second is a fork waiting for the first's prefill
+    (service/prompt_reuse.py). The first leaving does not stop the prefill the fork needs."""
+    monkeypatch.setattr(steps_module, "CHUNKED_PREFILL_TOKENS", 50)
+    engine = _engine(artifact, started, prefill_budget_ms=0.0)
+    streams: list[Any] = []
+
+    def on_slice(n: int) -> None:
+        if n == 1:
+            engine.cancel(streams[0].job)
+        if n == 2 and not fork_stays:
+            engine.cancel(streams[1].job)
+
+    slices = _count_slices(engine, on_slice)
+    engine.start()
+
+    async def scenario() -> list[int]:
+        with engine._cond:
+            streams.extend(engine.generate(_spec(LONG_PROMPT, 5)) for _ in range(2))
+        ids: list[int] = []
+        if fork_stays:
+            while True:
+                event = await asyncio.wait_for(streams[1].next_event(), WAIT_S)
+                ids.append(event.id)
+                if event.finish is not None:
+                    return ids
+        await asyncio.sleep(1.0)
+        return ids
+
+    fork_ids = asyncio.run(scenario())
+    _wait_idle(engine)
+    assert streams[0].job.generated == []
+    if fork_stays:
+        assert len(fork_ids) == 5 and slices[0] > 2
+        assert _dropped(engine, "prefill") == 1
+    else:
+        assert slices[0] == 2 and streams[1].job.generated == []
+        assert _dropped(engine, "prefill") == 2
     assert engine.runner.stats()["cache_bytes"] == 0
 
 
