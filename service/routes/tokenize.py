@@ -4,10 +4,11 @@
 from __future__ import annotations
 
 import re
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from service.chat_prompt import Segment, chat_segments, encode_segments
 from service.protocol import ErrorResponse, TokenInfo
@@ -22,6 +23,7 @@ from service.protocol.tokenize import (
 )
 from service.routes.common import READ_CODES, TOKENIZE_CODES, State, error_responses, ready_parts
 from service.routes.openai import check_model
+from service.tokenizing import json_array, release_in_slices
 
 router = APIRouter(tags=["tokenizer"])
 
@@ -101,14 +103,20 @@ async def tokenize(body: TokenizeBody, state: State) -> Response:
     _, limits, tokenizer = ready_parts(state)
     check_model(body.model, state)
     # tokenized and the answer rendered off the event loop: a body of max_payload_bytes is millions of tokens
-    answer = await state.tokenizing.run(_tokenize_answer, body, state, tokenizer, limits)
-    return Response(answer, media_type="application/json")
+    pieces = await state.tokenizing.run(_tokenize_answer, body, state, tokenizer, limits)
+
+    async def send() -> AsyncIterator[bytes]:
+        for piece in pieces:
+            yield piece
+
+    return StreamingResponse(send(), media_type="application/json",
+                             headers={"content-length": str(sum(len(p) for p in pieces))})
 
 
-def _tokenize_answer(body: TokenizeBody, state: State, tokenizer: Any, limits: Limits) -> bytes:
-    """/tokenize's answer, rendered as JSON."""
+def _tokenize_answer(body: TokenizeBody, state: State, tokenizer: Any, limits: Limits) -> list[bytes]:
+    """/tokenize's answer, rendered as JSON in pieces."""
     if body.inputs is not None:
-        return bytes(JSONResponse(_tgi_tokens(body, tokenizer, limits)).body)
+        return [bytes(JSONResponse(_tgi_tokens(body, tokenizer, limits)).body)]
     if body.messages is not None:
         # the ids /v1/chat/completions generates after
         ids, add_default = message_prompt(state, tokenizer, body)[0], False
@@ -120,9 +128,12 @@ def _tokenize_answer(body: TokenizeBody, state: State, tokenizer: Any, limits: L
     ids = with_bos(ids, tokenizer, add)
     strs = [str(tokenizer.id_to_piece(i)) for i in ids] if body.return_token_strs else None
     # TokenizeResult's JSON without building the model: pydantic validates and dumps millions of ids in single
-    # calls that hold the GIL, and so the event loop, for about a second (json.dumps lets it go far sooner)
-    answer = {"count": len(ids), "max_model_len": int(limits.max_total_tokens), "tokens": ids, "token_strs": strs}
-    return bytes(JSONResponse(answer).body)
+    # calls that hold the GIL, and so the event loop, for about a second; json_array renders in slices
+    head = f'{{"count":{len(ids)},"max_model_len":{int(limits.max_total_tokens)},"tokens":'.encode()
+    pieces = [head, *json_array(ids), b',"token_strs":', *(json_array(strs) if strs is not None else [b"null"]), b"}"]
+    for values in (ids, strs or []):
+        release_in_slices(values)
+    return pieces
 
 
 @router.post("/detokenize", response_model=DetokenizeResult, responses=_ERRORS)
