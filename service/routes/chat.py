@@ -26,7 +26,16 @@ from service.protocol.chat import (
 )
 from service.protocol.common import Limits
 from service.protocol.openai import CompletionLogprobs, CompletionRequest, Usage
-from service.routes.common import OPENAI_ERRORS, EventStreamResponse, State, ready_parts, sse
+from service.routes.common import (
+    OPENAI_ERRORS,
+    ClientDisconnected,
+    EventStreamResponse,
+    State,
+    disconnected_response,
+    ready_parts,
+    sse,
+    tokenized,
+)
 from service.routes.openai import check_model, completions
 from service.routes.tokenize import message_segments
 
@@ -152,7 +161,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     `/v1/completions` generates a prompt. `stream: true` sends `chat.completion.chunk` events."""
     _, limits, tokenizer = ready_parts(state)
     check_model(body.model, state)  # before the template renders and the prompt is tokenized
-    prompt, cached = await state.tokenizing.run(_chat_prompt, state, tokenizer, body)
+    try:
+        prompt, cached = await tokenized(request, state, _chat_prompt, state, tokenizer, body)
+    except ClientDisconnected:
+        return disconnected_response()
     try:
         response = await completions(
             _completion_request(body, prompt, limits, cached), request, state)

@@ -77,6 +77,12 @@ async def until_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
     raise ClientDisconnected()
 
 
+async def tokenized(request: Request, state: ServiceState, fn: Callable[..., T], *args: Any) -> T:
+    """fn(*args) on the tokenize threads (service/tokenizing.py), unless the client leaves first: then
+    ClientDisconnected, and a text still waiting for a thread is never tokenized."""
+    return await until_disconnected(request, state.tokenizing.run(fn, *args))
+
+
 def timing_headers(timings: Timings, total_s: float, prompt_tokens: int, generated_tokens: int = 0) -> dict[str, str]:
     """TGI's timing headers, in milliseconds."""
     return {

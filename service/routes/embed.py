@@ -18,6 +18,7 @@ from service.routes.common import (
     ready_parts,
     reservation_of,
     timing_headers,
+    tokenized,
     until_disconnected,
 )
 
@@ -30,9 +31,9 @@ async def embed(body: EmbedRequest, request: Request, state: State) -> Response:
     """Embed one text or a list of texts: one pooled vector each."""
     started = time.perf_counter()
     engine, limits, tokenizer = ready_parts(state)
-    spec = await state.tokenizing.run(body.to_spec, tokenizer, limits)
     log.debug("embed inputs %r", body.inputs)
     try:
+        spec = await tokenized(request, state, body.to_spec, tokenizer, limits)
         result = await until_disconnected(request, engine.embed(spec, reservation=reservation_of(request)))
     except ClientDisconnected:
         return disconnected_response()

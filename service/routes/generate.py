@@ -36,6 +36,7 @@ from service.routes.common import (
     reservation_of,
     sse,
     timing_headers,
+    tokenized,
     until_disconnected,
 )
 
@@ -117,7 +118,10 @@ async def _generate(body: GenerateRequest, request: Request, state: State, route
     """/generate's answer and headers (None: the client went away); with best_of, the best of its sequences."""
     started = time.perf_counter()
     engine, limits, tokenizer = ready_parts(state)
-    specs = await state.tokenizing.run(body.to_specs, tokenizer, limits)
+    try:
+        specs = await tokenized(request, state, body.to_specs, tokenizer, limits)
+    except ClientDisconnected:
+        return None, {}
     log.debug("generate prompt %r", body.inputs)
     streams = start_all(engine, specs, request, stream=False)
     try:
@@ -167,7 +171,10 @@ async def generate_stream(body: GenerateRequest, request: Request, state: State)
 async def _generate_stream(body: GenerateRequest, request: Request, state: State) -> Response:
     body.check_streamable()
     engine, limits, tokenizer = ready_parts(state)
-    spec = await state.tokenizing.run(body.to_spec, tokenizer, limits)
+    try:
+        spec = await tokenized(request, state, body.to_spec, tokenizer, limits)
+    except ClientDisconnected:
+        return disconnected_response()
     stream = engine.generate(spec, reservation=reservation_of(request))
     try:
         first = await until_disconnected(request, stream.next_event())  # errors before the stream: real statuses

@@ -44,6 +44,7 @@ from service.routes.common import (
     reservation_of,
     sse,
     timing_headers,
+    tokenized,
     until_disconnected,
 )
 from service.routes.generate import collect_all, start_all, summed_logprob
@@ -86,7 +87,10 @@ async def completions(body: CompletionRequest, request: Request, state: State) -
     started = time.perf_counter()
     engine, limits, tokenizer = ready_parts(state)
     check_model(body.model, state)  # before any prompt is tokenized: a request for another model costs nothing
-    per_prompt = await state.tokenizing.run(body.to_specs, tokenizer, limits)
+    try:
+        per_prompt = await tokenized(request, state, body.to_specs, tokenizer, limits)
+    except ClientDisconnected:
+        return disconnected_response()
     note_user(body.user, "/v1/completions")
     if body.stream and len(per_prompt) > 1:
         raise ValidationFailed("stream supports a single prompt", param="prompt")
@@ -218,7 +222,10 @@ async def embeddings(body: EmbeddingsRequest, request: Request, state: State) ->
     started = time.perf_counter()
     engine, limits, tokenizer = ready_parts(state)
     check_model(body.model, state)
-    spec = await state.tokenizing.run(body.to_spec, tokenizer, limits, state.embedding_dim)
+    try:
+        spec = await tokenized(request, state, body.to_spec, tokenizer, limits, state.embedding_dim)
+    except ClientDisconnected:
+        return disconnected_response()
     note_user(body.user, "/v1/embeddings")
     try:
         result = await until_disconnected(request, engine.embed(spec, reservation=reservation_of(request)))

@@ -7,7 +7,7 @@ import re
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from service.chat_prompt import Segment, chat_segments, encode_segments
@@ -21,7 +21,16 @@ from service.protocol.tokenize import (
     TokenizeResult,
     TokenizerInfo,
 )
-from service.routes.common import READ_CODES, TOKENIZE_CODES, State, error_responses, ready_parts
+from service.routes.common import (
+    READ_CODES,
+    TOKENIZE_CODES,
+    ClientDisconnected,
+    State,
+    disconnected_response,
+    error_responses,
+    ready_parts,
+    tokenized,
+)
 from service.routes.openai import check_model
 from service.tokenizing import json_array, release_in_slices
 
@@ -96,14 +105,17 @@ def _tgi_tokens(body: TokenizeBody, tokenizer: Any, limits: Limits) -> list[dict
 
 
 @router.post("/tokenize", response_model=list[TokenInfo] | TokenizeResult, responses=_ERRORS)
-async def tokenize(body: TokenizeBody, state: State) -> Response:
+async def tokenize(body: TokenizeBody, request: Request, state: State) -> Response:
     """TGI's body (`inputs`): the tokens with their text and character offsets. vLLM's (`prompt`, or
     `messages` rendered with the artifact's chat template): `tokens`, `count`, `max_model_len` and, with
     `return_token_strs`, each token's text."""
     _, limits, tokenizer = ready_parts(state)
     check_model(body.model, state)
     # tokenized and the answer rendered off the event loop: a body of max_payload_bytes is millions of tokens
-    pieces = await state.tokenizing.run(_tokenize_answer, body, state, tokenizer, limits)
+    try:
+        pieces = await tokenized(request, state, _tokenize_answer, body, state, tokenizer, limits)
+    except ClientDisconnected:
+        return disconnected_response()
 
     async def send() -> AsyncIterator[bytes]:
         for piece in pieces:
@@ -137,11 +149,15 @@ def _tokenize_answer(body: TokenizeBody, state: State, tokenizer: Any, limits: L
 
 
 @router.post("/detokenize", response_model=DetokenizeResult, responses=_ERRORS)
-async def detokenize(body: DetokenizeRequest, state: State) -> DetokenizeResult:
+async def detokenize(body: DetokenizeRequest, request: Request, state: State) -> Response:
     """The text of token ids (vLLM); ids outside the vocabulary are refused, special ids give no text."""
     _, _, tokenizer = ready_parts(state)
     check_model(body.model, state)
-    return await state.tokenizing.run(_detokenize, body.tokens, tokenizer)
+    try:
+        result = await tokenized(request, state, _detokenize, body.tokens, tokenizer)
+    except ClientDisconnected:
+        return disconnected_response()
+    return JSONResponse(result.model_dump(mode="json"))
 
 
 def _detokenize(tokens: list[int], tokenizer: Any) -> DetokenizeResult:

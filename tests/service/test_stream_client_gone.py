@@ -30,22 +30,24 @@ def _scope(path: str, spec: str) -> dict[str, Any]:
 
 async def _leave_before_the_response_starts(app: Any, path: str, body: dict[str, Any], spec: str
                                             ) -> list[dict[str, Any]]:
-    """Call 1 gets the body, call 2 (the route's disconnect watcher, until the first token) waits, later calls
-    (the streaming response's own watcher under 2.3) get the disconnect; under 2.4 `send` raises OSError for
-    the response's start, as the spec has a server do for a client that is gone."""
+    """Call 1 gets the body; later calls (the route's disconnect watchers, and under 2.3 the streaming
+    response's own) get the disconnect once the response has started; under 2.4 `send` raises OSError for the
+    response's start, as the spec has a server do for a client that is gone."""
     calls = [0]
     sent: list[dict[str, Any]] = []
+    started = asyncio.Event()
 
     async def receive() -> dict[str, Any]:
         calls[0] += 1
         if calls[0] == 1:
             return {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
-        if calls[0] == 2:
-            await asyncio.sleep(WAIT_S)  # cancelled once the first token is there
+        await asyncio.wait_for(started.wait(), WAIT_S)  # the route's watchers are cancelled before then
         return {"type": "http.disconnect"}
 
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)
+        if message["type"] == "http.response.start":
+            started.set()
         if spec == "2.4" and message["type"] == "http.response.start" and message["status"] == 200:
             raise OSError("the client is gone")
 

@@ -125,3 +125,42 @@ def test_tokenize_answers_what_tokenizeresult_renders(artifact: Any, body: dict[
     assert r.status_code == 200, r.text
     expected = TokenizeResult.model_validate(json.loads(r.content)).model_dump(mode="json")
     assert r.content == JSONResponse(expected).body
+
+
+def test_a_text_whose_client_left_while_it_waited_for_a_thread_is_never_tokenized(artifact: Any) -> None:
+    held = HeldTokenizer(artifact.tokenizer)
+    seen: list[str] = []
+    encode = held.encode
+    held.encode = lambda text: (seen.append(text), encode(text))[1]  # type: ignore[method-assign]
+    gone = "GONE-BEFORE-ITS-TURN"
+
+    async def leave_at_once(app: Any) -> list[dict[str, Any]]:
+        body = json.dumps({"inputs": gone, "parameters": {"max_new_tokens": 1}}).encode()
+        messages = iter([{"type": "http.request", "body": body, "more_body": False}])
+        sent: list[dict[str, Any]] = []
+
+        async def receive() -> dict[str, Any]:
+            return next(messages, {"type": "http.disconnect"})
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+                 "method": "POST", "scheme": "http", "path": "/generate", "raw_path": b"/generate",
+                 "root_path": "", "query_string": b"", "headers": [(b"content-type", b"application/json")],
+                 "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000), "state": {}}
+        await app(scope, receive, send)
+        return sent
+
+    with running_app(dataclasses.replace(artifact, tokenizer=held), tokenize_threads=1) as client:
+        statuses: list[int] = []
+        first = _post_in_background(client, "/tokenize", {"prompt": MARK}, statuses)  # holds the one thread
+        try:
+            assert held.entered.acquire(timeout=WAIT_S)
+            sent = client.portal.call(leave_at_once, client.app)  # type: ignore[union-attr]
+        finally:
+            held.release.set()
+            first.join(WAIT_S)
+        client.post("/tokenize", json={"prompt": "after"})  # the thread has run whatever was left for it
+    assert sent[0]["status"] == 499
+    assert statuses == [200] and not any(gone in text for text in seen)
