@@ -107,6 +107,7 @@ class GenerationSteps:
             self.prefilling.remove(entry)
             entry.slices.close()  # frees the cache the unfinished prefill held
             for job in entry.jobs:
+                self.reuse.orphans(job)  # its prompt is no longer being prefilled: a later one leads anew
                 self._drop(job, "prefill")
 
     def _all_gone(self, leaders: list[GenerationJob]) -> bool:

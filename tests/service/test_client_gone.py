@@ -198,6 +198,33 @@ def test_a_prefill_runs_on_for_a_fork_waiting_on_it_and_stops_when_the_fork_left
     assert engine.runner.stats()["cache_bytes"] == 0
 
 
+def test_a_prompt_whose_prefill_was_dropped_is_prefilled_again_for_the_next_request(
+        artifact: Any, started: list[Engine], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first request leaves mid-prefill and its prefill stops; the same prompt asked again must lead a new
+    prefill, not wait as a fork of the one that stopped."""
+    monkeypatch.setattr(steps_module, "CHUNKED_PREFILL_TOKENS", 50)
+    engine = _engine(artifact, started, prefill_budget_ms=0.0)
+    box: list[Any] = []
+    _count_slices(engine, lambda n: engine.cancel(box[0].job) if n == 1 else None)
+    engine.start()
+
+    async def scenario() -> int:
+        box.append(engine.generate(_spec(LONG_PROMPT, 3)))
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(box[0].job.events.get(), 0.5)
+        again = engine.generate(_spec(LONG_PROMPT, 3))
+        count = 0
+        while True:
+            event = await asyncio.wait_for(again.next_event(), WAIT_S)
+            count += 1
+            if event.finish is not None:
+                return count
+
+    assert asyncio.run(scenario()) == 3
+    _wait_idle(engine)
+    assert engine.runner.stats()["cache_bytes"] == 0
+
+
 class _HeldBackend:
     """An embedding backend that counts its calls; the first waits until `release` is set."""
 
