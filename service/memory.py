@@ -36,6 +36,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 log = logging.getLogger("service.memory")
 
@@ -140,6 +141,46 @@ def rss_bytes() -> int:
             return int(f.read().split()[1]) * _PAGE
     except (OSError, ValueError, IndexError):
         return 0
+
+
+# The cgroup of this process as a container sees it (cgroup v2 at the root, v1 under memory/); tests point it
+# at a fake tree.
+CGROUP = Path("/sys/fs/cgroup")
+# cgroup v1 writes "no limit" as the largest page-aligned signed 64-bit value; anything this large is none.
+_NO_LIMIT = 1 << 62
+
+
+def _cgroup_bytes(v2_name: str, v1_name: str) -> int | None:
+    for path in (CGROUP / v2_name, CGROUP / "memory" / v1_name):
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            continue
+        if text == "max":
+            return None
+        try:
+            value = int(text)
+        except ValueError:
+            return None
+        return None if value >= _NO_LIMIT else value
+    return None
+
+
+def container_memory_limit() -> int | None:
+    """The memory limit of the container (`docker run --memory`, a Kubernetes memory limit) in bytes: cgroup
+    v2 `memory.max`, else v1 `memory.limit_in_bytes`; None without one. The kernel kills the process when its
+    memory reaches it, and /proc/meminfo (what psutil reads) does not show it."""
+    return _cgroup_bytes("memory.max", "memory.limit_in_bytes")
+
+
+def container_memory_available() -> int | None:
+    """What the container may still use before its limit (limit minus the cgroup's current usage), or None
+    without a limit."""
+    limit = container_memory_limit()
+    if limit is None:
+        return None
+    used = _cgroup_bytes("memory.current", "memory.usage_in_bytes") or 0
+    return max(0, limit - used)
 
 
 class HeapKeeper:

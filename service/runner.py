@@ -24,13 +24,13 @@ from model.decoding import (
 from model.decoding.prefill import PromptScores, prefill_scored_steps
 from model.decoding.steps.cuda_graphs import StepGraphs
 from model.kernels.weights import WeightKind
-from service.memory import HUGE_PAGE, release_pages
+from service.memory import HUGE_PAGE, container_memory_available, release_pages
 
 log = logging.getLogger("service.engine")
 
 # Default decode-cache capacity when REFORMER_CACHE_BYTES is unset: this share of the free device memory
-# after the model is loaded (CUDA), or of the available RAM (CPU); never more than max_batch_size requests
-# of max_position_embeddings positions could use.
+# after the model is loaded (CUDA), or of the available RAM within a container's memory limit (CPU); never
+# more than max_batch_size requests of max_position_embeddings positions could use.
 CUDA_CACHE_FRACTION = 0.5
 CPU_CACHE_FRACTION = 0.25
 
@@ -39,7 +39,11 @@ def default_cache_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * CUDA_CACHE_FRACTION)
-    return int(psutil.virtual_memory().available * CPU_CACHE_FRACTION)
+    available = psutil.virtual_memory().available
+    in_container = container_memory_available()  # /proc/meminfo shows the host's RAM, not a container's limit
+    if in_container is not None:
+        available = min(available, in_container)
+    return int(available * CPU_CACHE_FRACTION)
 
 
 def step_graphs_for(device: torch.device, enabled: bool) -> StepGraphs | None:

@@ -13,8 +13,10 @@ import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from service.memory import container_memory_limit
 
 BackendName = Literal["auto", "torch", "onnxruntime"]
 DeviceName = Literal["auto", "cpu", "cuda"]
@@ -76,8 +78,9 @@ class Settings(BaseSettings):
         description="Decode-cache capacity in bytes (keys, values and LSH bookkeeping of running generations, in "
         "preallocated blocks). A generation starts when its prompt plus max_new_tokens fits, waits in the queue "
         "while it does not, and gets 422 if it never could. Default: half the free GPU memory after the model "
-        "is loaded (CUDA) or a quarter of the available RAM (CPU), capped at what max_batch_size generations of "
-        "max_input_tokens + max_new_tokens could use. Each LSH layer's bucket order is held in the generation's "
+        "is loaded (CUDA) or a quarter of the available RAM, within a container's memory limit (CPU), capped at what "
+        "max_batch_size generations of max_input_tokens + max_new_tokens could use. A value not below the "
+        "container's memory limit is refused at start-up. Each LSH layer's bucket order is held in the generation's "
         "own blocks; with an automatic bucket count, the bucket counts of that longest generation are reserved "
         "for every slot (they grow for all slots at once).",
     )
@@ -288,6 +291,19 @@ class Settings(BaseSettings):
         if isinstance(value, str) and not value.strip():
             return None
         return value
+
+    @model_validator(mode="after")
+    def _cache_fits_the_container(self) -> Settings:
+        # A decode cache the container's memory limit cannot hold is refused at start-up: its pools are mapped
+        # whole but only resident where written, so it would otherwise start and be OOM-killed under load.
+        limit = container_memory_limit()
+        if self.cache_bytes is not None and limit is not None and self.cache_bytes >= limit:
+            raise ValueError(
+                f"cache_bytes ({self.cache_bytes} bytes) does not fit the container's memory limit ({limit} bytes, "
+                "the cgroup's memory.max / memory.limit_in_bytes): the process would be OOM-killed once the decode "
+                "cache fills. Set REFORMER_CACHE_BYTES well below the limit (the model and the process need memory "
+                "too), or raise the limit (docker run --memory, the pod's resources.limits.memory)")
+        return self
 
     def public_dict(self) -> dict[str, Any]:
         """The settings as JSON-able values, the API key reduced to whether one is set."""
