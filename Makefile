@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test serve lint typecheck bench clean gpu-wheels
+.PHONY: venv test serve lint typecheck bench clean gpu-wheels image-check
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,11 @@ gpu-wheels: $(STAMP)
 	  -d bench/wheels $$($(PY) -c "import importlib.metadata as m; \
 	  print(' '.join(f'{p}=={m.version(p)}' for p in '$(GPU_WHEEL_PACKAGES)'.split()))")
 	ls bench/wheels
+
+# Builds the CUDA and CPU images from cold caches and runs them as a user would (bench/docker/image_check.py;
+# needs root for dockerd and debootstrap; about 15 minutes on 2 cores). Writes bench/results/image_check.json.
+image-check: $(STAMP)
+	nice -n 10 $(PY) bench/docker/image_check.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

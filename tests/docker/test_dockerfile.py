@@ -5,6 +5,7 @@ non-root user, on the service's port, with a health check on a served path; and 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -15,11 +16,12 @@ from pathlib import Path
 import tomllib
 
 from service.cli import SUBCOMMANDS
-from service.settings import settings_from_argv
+from service.settings import Settings, settings_from_argv
 from tests.docker import service_contract as contract
 from tests.docker.conftest import REPO
 
 DOCKERFILE = REPO / "Dockerfile"
+HEALTHCHECK_IN_IMAGE = "/opt/reformer/healthcheck.py"
 
 
 @dataclass
@@ -57,6 +59,12 @@ def parse_stages(text: str) -> list[list[Instruction]]:
     return stages
 
 
+def stage_named(stages: list[list[Instruction]], name: str) -> list[Instruction]:
+    found = [stage for stage in stages if last(stage, "FROM").argument.lower().endswith(f" as {name}")]
+    assert len(found) == 1, f"no stage named {name}"
+    return found[0]
+
+
 def last(stage: list[Instruction], keyword: str) -> Instruction:
     found = [instruction for instruction in stage if instruction.keyword == keyword]
     assert found, f"no {keyword} in the stage"
@@ -90,25 +98,35 @@ def test_image_runs_reformer_serve_as_the_tests_do() -> None:
     assert command[:2] == ["reformer", "serve"]
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts["reformer"] == "service.cli:main" and "serve" in SUBCOMMANDS
-    settings = settings_from_argv(command[2:])  # the flags are ones `reformer serve` accepts
-    assert settings.host == "0.0.0.0"
+    # no flags: every setting, the address and port too, comes from REFORMER_* variables or the defaults
+    # (tests/docker/test_container_settings.py runs both with the variables set)
+    assert command[2:] == []
+    settings = settings_from_argv(command[2:])
     port = contract.default_port()
-    assert settings.port == port
+    assert Settings.model_fields["host"].default == "0.0.0.0" and Settings.model_fields["port"].default == port
+    assert settings.port == port or "REFORMER_PORT" in os.environ
     assert last(final, "EXPOSE").argument == str(port)
-    health = re.search(r"http://127\.0\.0\.1:(\d+)(/\w+)", last(final, "HEALTHCHECK").argument)
-    assert health is not None and int(health[1]) == port
-    assert health[2] == "/health" and health[2] in contract.served_paths()
+    # the health check is docker/healthcheck.py, copied into the image, asking the served /health
+    probe = last(final, "HEALTHCHECK").argument.partition(" CMD ")[2]
+    assert json.loads(probe) == ["python3", HEALTHCHECK_IN_IMAGE]
+    assert f"docker/healthcheck.py {HEALTHCHECK_IN_IMAGE}" in [i.argument for i in final if i.keyword == "COPY"]
+    assert in_build_context("docker/healthcheck.py")
+    assert "/health" in contract.served_paths() and '/health"' in (REPO / "docker/healthcheck.py").read_text()
 
 
 def test_image_is_non_root_and_installs_through_the_one_script() -> None:
     text = DOCKERFILE.read_text()
     stages = parse_stages(text)
-    assert all(last(stage, "FROM").argument.startswith("${PYTHON_IMAGE}") for stage in stages)
+    # the wheelhouse stage holds files only (an offline build's wheels); every stage that runs is on the base
+    assert last(stage_named(stages, "wheelhouse"), "FROM").argument == "scratch AS wheelhouse"
+    assert all(last(stage, "FROM").argument.startswith("${PYTHON_IMAGE}") for stage in stages
+               if stage is not stage_named(stages, "wheelhouse"))
     user = last(stages[-1], "USER").argument.split(":")[0]
     assert user not in {"root", "0"}
     # The only package install is docker/install.sh (tests/docker/test_install.py runs it): no pip elsewhere.
     runs = [i.argument for stage in stages for i in stage if i.keyword == "RUN"]
-    assert "docker/install.sh /opt/venv /src" in runs
+    installs = [run.rpartition(" docker/install.sh ")[2] for run in runs if " docker/install.sh " in run]
+    assert installs == ["deps /opt/venv /src", "package /opt/venv /src"]
     assert not any("pip" in run for run in runs)
     assert re.search(r"^ARG VARIANT=cuda$", text, flags=re.M), "the GPU image is the default build"
     assert in_build_context("docker/install.sh") and not in_build_context("docker/alerts.yml")
@@ -149,7 +167,7 @@ NOT_INSTALLED = {
 def test_build_context_holds_the_package_and_its_default_artifact() -> None:
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
     packages = pyproject["tool"]["setuptools"]["packages"]
-    build_stage = parse_stages(DOCKERFILE.read_text())[0]
+    build_stage = stage_named(parse_stages(DOCKERFILE.read_text()), "build")
     copies = " ".join(i.argument for i in build_stage if i.keyword == "COPY")
     # setuptools installs only the packages listed: every subpackage in the tree must be named too, and every
     # top-level package is either installed or named in NOT_INSTALLED (which the image does not copy).

@@ -1,9 +1,10 @@
 """The image's install and start steps, run without Docker: what the Dockerfile COPYs goes to a scratch
-build context, `docker/install.sh` (the image's only install step) installs it into a fresh venv with the
-CPU wheels (VARIANT=cpu; torch 2.13.0 from this machine's disk, held by constraints-cpu.txt so no other
-torch is ever fetched), then the installed `reformer` starts exactly as the image's ENTRYPOINT + CMD do
-(port moved to a free one, ENV applied, run from a directory outside the source), and the HEALTHCHECK
-command is probed: failing before the server runs, passing once it does. About a minute, in every CI run.
+build context, `docker/install.sh` (the image's only install script: its deps step, then its package step)
+installs it into a fresh venv and package folder with the CPU wheels (VARIANT=cpu; torch 2.13.0 from this
+machine's disk, held by constraints-cpu.txt so no other torch is ever fetched), then the installed `reformer`
+starts exactly as the image's ENTRYPOINT + CMD do (its port chosen by REFORMER_PORT, ENV applied, run from a
+directory outside the source), and the HEALTHCHECK command (docker/healthcheck.py) is probed: failing before
+the server runs, passing once it does. About a minute, in every CI run.
 """
 
 from __future__ import annotations
@@ -23,10 +24,8 @@ import pytest
 
 from bench.server_process import free_port
 from tests.docker.conftest import REPO
-from tests.docker.test_dockerfile import DOCKERFILE, Instruction, last, parse_stages
+from tests.docker.test_dockerfile import DOCKERFILE, HEALTHCHECK_IN_IMAGE, Instruction, last, parse_stages, stage_named
 from tests.docker.test_image_pairing import dockerfile_args
-
-IMAGE_PORT = "8000"
 
 
 def copy_build_context(stage: list[Instruction], into: Path) -> None:
@@ -58,33 +57,35 @@ def image_env(final: list[Instruction], venv: Path, home: Path) -> dict[str, str
     return env
 
 
-def with_port(argv: list[str], port: int) -> list[str]:
-    return [part.replace(IMAGE_PORT, str(port)) for part in argv]
-
-
 # CI runs it (`slow` is not deselected there). About 70 CPU-seconds, most of it unpacking torch; the limit
 # leaves room for a loaded machine, where the wall time was seen to pass 5 minutes.
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_install_script_then_the_image_command_serves_and_passes_its_healthcheck(tmp_path: Path) -> None:
     stages = parse_stages(DOCKERFILE.read_text())
-    build, final = stages[0], stages[-1]
+    build, final = stage_named(stages, "build"), stages[-1]
     context = tmp_path / "src"
     copy_build_context(build, context)
     assert (context / "docker/install.sh").is_file()
 
-    venv = tmp_path / "venv"
+    venv, app = tmp_path / "venv", tmp_path / "app"
     args = dockerfile_args(DOCKERFILE.read_text())
     env = {**os.environ, "VARIANT": "cpu", "TORCH_VERSION": args["TORCH_VERSION"], "TORCH_INDEX_URL": "",
-           "PIP_CONSTRAINT": str(REPO / "constraints-cpu.txt"), "PYTHON": sys.executable,
+           "PIP_CONSTRAINT": str(REPO / "constraints-cpu.txt"), "PYTHON": sys.executable, "APP_DIR": str(app),
+           "WHEELHOUSE": str(tmp_path / "no-wheelhouse"), "CA_BUNDLE": str(tmp_path / "no-secret"),
            "PIP_NO_COMPILE": "1"}  # the image compiles bytecode; here it would only cost time
     runs = [i.argument for i in build if i.keyword == "RUN"]
-    assert runs[-1] == "docker/install.sh /opt/venv /src"
+    assert [run.rpartition(" docker/install.sh ")[2] for run in runs[-2:]] == ["deps /opt/venv /src",
+                                                                                "package /opt/venv /src"]
     assert "gcc" in runs[0], "the build stage installs the compiler the kernels are built with"
-    installed = subprocess.run(["bash", "docker/install.sh", str(venv), str(context)], cwd=context, env=env,
-                               capture_output=True, text=True, timeout=600)
-    assert installed.returncode == 0, installed.stdout + installed.stderr
+    for step in ("deps", "package"):
+        installed = subprocess.run(["bash", "docker/install.sh", step, str(venv), str(context)], cwd=context,
+                                   env=env, capture_output=True, text=True, timeout=600)
+        assert installed.returncode == 0, installed.stdout + installed.stderr
     assert "installed: torch 2.13.0+cpu (CUDA None)" in installed.stdout
+    assert "kernels installed:" in installed.stdout
+    # the dependencies and the package are apart: the image copies them as two layers
+    assert (app / "site" / "service").is_dir() and not list(venv.glob("lib/python*/site-packages/service"))
 
     home = tmp_path / "home"
     home.mkdir()
@@ -92,20 +93,22 @@ def test_install_script_then_the_image_command_serves_and_passes_its_healthcheck
     image = image_env(final, venv, home)
     # no compiler at run time, as in the image's runtime stage: only the venv's programs, and an empty folder
     # where a first-use build of the kernels would go
-    image["PATH"] = str(venv / "bin")
+    image["PATH"] = f"{app / 'site' / 'bin'}:{venv / 'bin'}"
     image["REFORMER_KERNEL_DIR"] = str(tmp_path / "no-first-use-builds")
     assert shutil.which("cc", path=image["PATH"]) is None and shutil.which("gcc", path=image["PATH"]) is None
     # the installed package carries the load test (pyproject's packages), not the benchmarks
-    loadtest_help = subprocess.run([str(venv / "bin" / "reformer"), "loadtest", "--help"], cwd=home, env=image,
+    loadtest_help = subprocess.run([str(app / "site" / "bin" / "reformer"), "loadtest", "--help"], cwd=home, env=image,
                                    capture_output=True, text=True, timeout=60)
     assert loadtest_help.returncode == 0 and "--url" in loadtest_help.stdout, loadtest_help.stderr
     no_bench = subprocess.run([str(venv / "bin" / "python"), "-c", "import bench"], cwd=home, env=image,
                               capture_output=True, text=True, timeout=60)
     assert no_bench.returncode != 0 and "No module named 'bench'" in no_bench.stderr
-    command = with_port(last(final, "ENTRYPOINT").exec_form() + last(final, "CMD").exec_form(), port)
-    healthcheck = last(final, "HEALTHCHECK").argument
-    probe = with_port(parse_healthcheck(healthcheck), port)
-    assert shutil.which(probe[0], path=image["PATH"]) == str(venv / "bin" / probe[0])
+    # the image's command as it is: the port comes from REFORMER_PORT, as a user's `docker run -e` gives it
+    command = last(final, "ENTRYPOINT").exec_form() + last(final, "CMD").exec_form()
+    image["REFORMER_PORT"] = str(port)
+    probe = [REPO / "docker/healthcheck.py" if part == HEALTHCHECK_IN_IMAGE else part
+             for part in parse_healthcheck(last(final, "HEALTHCHECK").argument)]
+    assert shutil.which(str(probe[0]), path=image["PATH"]) == str(venv / "bin" / str(probe[0]))
 
     def probe_passes() -> bool:
         return subprocess.run(probe, cwd=home, env=image, capture_output=True, timeout=30).returncode == 0

@@ -248,3 +248,13 @@ def test_deploy_doc_states_the_kustomize_version_the_overlays_need() -> None:
     deploy = (REPO / "docs/DEPLOY.md").read_text()
     if "labels:" in uses or "- path:" in uses:
         assert "kustomize >= 4.1" in deploy and "kubectl >= 1.22" in deploy
+
+
+def test_the_root_file_system_is_read_only_with_a_writable_tmp(overlay: tuple[str, list[Manifest]]) -> None:
+    # bench/docker/image_check.py runs the image with `docker run --read-only --tmpfs /tmp`: the same here
+    _, manifests = overlay
+    main = container(manifests)
+    assert main["securityContext"]["readOnlyRootFilesystem"] is True
+    mounts = {mount["mountPath"]: mount["name"] for mount in main["volumeMounts"]}
+    volumes = {volume["name"]: volume for volume in one(manifests, "Deployment")["spec"]["template"]["spec"]["volumes"]}
+    assert "/tmp" in mounts and "emptyDir" in volumes[mounts["/tmp"]]
