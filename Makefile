@@ -46,7 +46,7 @@ gpu-wheels: $(STAMP)
 	ls bench/wheels
 
 # Builds the CUDA and CPU images from cold caches and runs them as a user would (bench/docker/image_check.py;
-# needs root for dockerd and debootstrap; about 15 minutes on 2 cores). Writes bench/results/image_check.json.
+# needs root for dockerd and debootstrap; 25 minutes on 2 busy cores). Writes bench/results/image_check.json.
 image-check: $(STAMP)
 	nice -n 10 $(PY) bench/docker/image_check.py
 
