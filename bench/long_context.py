@@ -10,8 +10,9 @@ should be lower.
 
 MODEL is an artifact directory (export/default_artifact) or a training checkpoint (runs/NAME/checkpoint).
 Passages are cut, without overlap, from the held-out tail of every file (`--val-fraction`, as in
-`reformer train`), so the model never trained on a byte of them. In the short case the first target byte
-sees exactly `--context` bytes before it, the last one `--context + tail - 1`.
+`reformer train`), so the model never trained on a byte of them; with `--test-books DIR`, from the whole
+books of the test set instead (bench/unseen_books.py: books no model here trained on). In the short case the
+first target byte sees exactly `--context` bytes before it, the last one `--context + tail - 1`.
 
 The two cases score the same bytes at different positions (the end of the passage against the start of a
 short input), so a third, the control, gives the short context at the passage's own positions (position
@@ -26,14 +27,17 @@ bytes again; score = share of the next 80 greedy bytes equal to the passage's ne
 control (the same document with the first occurrence replaced by other prose: what plain prediction
 scores). Copy is also scored teacher-forced (the share of the 80 bytes whose argmax is right given the true
 bytes before it), beside its control. Every document is exactly the length (prompt + answer), its prose cut
-from the validation tails of `--books` (default: the project's two book folders, train/corpus.py), keys,
-depths and places drawn from `--seed`. Asked three ways (bench/long_context_ways.py): the forward pass
-(teacher-forced, or greedy over the prefix only), cached decoding in process (greedy; teacher-forced by
-forced decode steps, which never see a later byte), and the running service (greedy).
+from the validation tails of `--books` (default: the project's two book folders, train/corpus.py), or with
+`--test-books DIR` from the test set's whole books, keys, depths and places drawn from `--seed` (the test
+set's from streams of their own: bench/unseen_books.py TEST_SET_STREAM). Asked three ways
+(bench/long_context_ways.py): the forward pass (teacher-forced, or greedy over the prefix only), cached
+decoding in process (greedy; teacher-forced by forced decode steps, which never see a later byte), and the
+running service (greedy).
 
     python bench/long_context.py MODEL --retrieval [--lengths 1024,4096,16384,65536] [--trials 20]
         [--seed 0] [--ways forward,cached,service] [--forward-mode teacher] [--service-artifact DIR]
-        [--port 0 | --url URL] [--bpb-passages 16384,65536] [--books DIR ...] [--out FILE.json]"""
+        [--port 0 | --url URL] [--bpb-passages 16384,65536] [--books DIR ... | --test-books DIR]
+        [--out FILE.json]"""
 
 from __future__ import annotations
 
@@ -54,8 +58,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.unseen_books import TEST_SET_STREAM, add_test_books_arg, describe, held_out_documents  # noqa: E402
 from train.corpus import NAMED_SETS  # noqa: E402
-from train.evaluation import add_passage_args, load_lm, nll_bits_of_last, passages, validation_tails  # noqa: E402
+from train.evaluation import add_passage_args, load_lm, nll_bits_of_last, passages  # noqa: E402
 from train.long_docs import (  # noqa: E402
     LongDoc,
     copy_control,
@@ -67,13 +72,14 @@ from train.long_docs import (  # noqa: E402
 
 
 def measure(model_path: Path, data: list[str], passage: int, tail: int, context: int, val_fraction: float,
-            max_passages: int) -> dict[str, Any]:
+            max_passages: int, test_books: Path | None = None) -> dict[str, Any]:
     lm, tok = load_lm(model_path)
-    cut = passages(validation_tails(data, val_fraction, tok), passage)
+    cut = passages(held_out_documents(data, val_fraction, tok, test_books), passage)
     if max_passages:
         cut = cut[:max_passages]
     if not cut:
-        raise SystemExit(f"long_context: no validation tail holds a {passage}-byte passage; use a shorter --passage")
+        where = "test book" if test_books is not None else "validation tail"
+        raise SystemExit(f"long_context: no {where} holds a {passage}-byte passage; use a shorter --passage")
     per_book: dict[str, dict[str, float]] = {}
     t0 = time.perf_counter()
     for name, ids in cut:
@@ -99,7 +105,8 @@ def measure(model_path: Path, data: list[str], passage: int, tail: int, context:
              "bpb_short_context_same_positions":
                  round(sum(b["control_bits"] for b in per_book.values()) / n_all, 4)}
     return {"benchmark": "long_context", "model": str(model_path), "passage_bytes": passage, "tail_bytes": tail,
-            "short_context_bytes": context, "val_fraction": val_fraction, "rows": [*rows, total],
+            "short_context_bytes": context, **_documents_record(data, val_fraction, test_books),
+            "rows": [*rows, total],
             "seconds": round(time.perf_counter() - t0, 1), "loadavg_1m": round(os.getloadavg()[0], 2)}
 
 
@@ -130,8 +137,17 @@ class Trial:
     depth: float | None = None
 
 
+def _documents_record(data: list[str], val_fraction: float, test_books: Path | None) -> dict[str, Any]:
+    """What a result says it was measured on: the test set's books (names, sizes, digests; not the folder's
+    path) or the folders whose validation tails were read."""
+    if test_books is not None:
+        return {"documents": "test set", "test_books": describe(test_books)}
+    return {"documents": "validation tails", "data": [str(d) for d in data], "val_fraction": val_fraction}
+
+
 def prose_pool(tails: list[tuple[str, np.ndarray]]) -> bytes:
-    """The validation tails end to end (a long document may cross from one book into the next), every
+    """The documents (validation tails, or the test set's whole books) end to end (a long document may cross
+    from one book into the next), every
     non-ASCII byte made a space: a document is cut at arbitrary bytes (a copy document's prompt ends inside
     its passage), and the service takes text, so every cut must fall between two characters."""
     raw = b"\n\n".join((ids - 2).astype(np.uint8).tobytes() for _, ids in tails)
@@ -141,19 +157,21 @@ def prose_pool(tails: list[tuple[str, np.ndarray]]) -> bytes:
 _ASCII_ONLY = bytes(b if b < 0x80 else 0x20 for b in range(256))
 
 
-def make_trials(pool: bytes, length: int, trials: int, seed: int) -> list[Trial]:
+def make_trials(pool: bytes, length: int, trials: int, seed: int, stream: int | None = None) -> list[Trial]:
     """`trials` documents of each kind (KINDS) of `length` bytes, a pure function of (pool, length, trials,
-    seed); the standard-filler passkeys draw from their own generator, so the other documents are those an
-    earlier version of this benchmark drew."""
+    seed, stream); the standard-filler passkeys draw from their own generator, so the other documents are those
+    an earlier version of this benchmark drew. A `stream` is prepended to every generator's key material: the
+    test set's (TEST_SET_STREAM) draws keys, depths and places no validation-tail run drew at any seed."""
     if len(pool) < length + COPY_PASSAGE:
-        raise SystemExit(f"long_context: {len(pool)} bytes of validation prose cannot hold a {length}-byte document")
+        raise SystemExit(f"long_context: {len(pool)} bytes of prose cannot hold a {length}-byte document")
+    prefix = [] if stream is None else [stream]
     out: list[Trial] = []
     for i in range(trials):
-        rng = np.random.default_rng([seed, length, i])
+        rng = np.random.default_rng([*prefix, seed, length, i])
         depth = float(rng.random())
         start = int(rng.integers(0, len(pool) - length + 1))
         out.append(Trial("passkey", length, i, passkey_document(pool[start:], random_key(rng), depth, length), depth))
-        own = np.random.default_rng([seed, length, i, 1])
+        own = np.random.default_rng([*prefix, seed, length, i, 1])
         depth_s = float(own.random())
         doc_s = passkey_document(standard_filler(length), random_key(own), depth_s, length)
         out.append(Trial("passkey_standard", length, i, doc_s, depth_s))
@@ -270,8 +288,9 @@ def retrieval(args: argparse.Namespace) -> dict[str, Any]:
 
     tune_cpu_runtime()  # the decoder's CPU settings, as `reformer serve` runs
     lm, tok = load_lm(args.model)
-    pool = prose_pool(validation_tails(args.data, args.val_fraction, tok))
-    trials = [t for length in args.lengths for t in make_trials(pool, length, args.trials, args.seed)]
+    pool = prose_pool(held_out_documents(args.data, args.val_fraction, tok, args.test_books))
+    stream = TEST_SET_STREAM if args.test_books is not None else None
+    trials = [t for length in args.lengths for t in make_trials(pool, length, args.trials, args.seed, stream)]
     ways: list[Any] = []
     if "forward" in args.ways:
         ways.append(ForwardWay(lm, args.forward_mode))
@@ -292,10 +311,12 @@ def retrieval(args: argparse.Namespace) -> dict[str, Any]:
         service_note = "skipped: MODEL is a checkpoint; give --service-artifact or --url"
     bpb = []
     for passage in args.bpb_passages:
-        bpb.append(measure(args.model, args.data, passage, 1024, 1024, args.val_fraction, args.max_passages))
+        bpb.append(measure(args.model, args.data, passage, 1024, 1024, args.val_fraction, args.max_passages,
+                           args.test_books))
     rows = summarize(records)
-    return {"benchmark": "long_context_retrieval", "model": str(args.model), "data": [str(d) for d in args.data],
-            "val_fraction": args.val_fraction, "lengths": args.lengths, "trials": args.trials, "seed": args.seed,
+    return {"benchmark": "long_context_retrieval", "model": str(args.model),
+            **_documents_record(args.data, args.val_fraction, args.test_books),
+            "lengths": args.lengths, "trials": args.trials, "seed": args.seed,
             "forward_mode": args.forward_mode, "service": service_note, "copy": {
                 "passage": COPY_PASSAGE, "cue": COPY_CUE, "scored": COPY_NEW},
             "rows": rows, "bits_per_byte": bpb, "records": records, "threads": args.threads,
@@ -313,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="folders (or files) of books whose validation tails are read (the same as --data); "
                         "default: the project's book folders (train/corpus.py): both with --retrieval, the "
                         "three books without")
+    add_test_books_arg(p)
     p.set_defaults(data=None, out=None)  # defaults below depend on --retrieval
     p.add_argument("--tail", type=int, default=1024)
     p.add_argument("--context", type=int, default=1024)
@@ -331,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--bpb-passages", type=_ints, default=[16384, 65536],
                    help="passage lengths for bits per byte of the last 1,024 bytes, whole vs preceding 1,024")
     args = p.parse_args(argv)
+    if args.test_books is not None and args.data is not None:
+        p.error("--test-books reads the test set's whole books in place of --books/--data: give one of them")
     if args.data is None:
         names = ("data", "corpus") if args.retrieval else ("data",)
         args.data = [str(NAMED_SETS[n]) for n in names]
@@ -349,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.tail + args.context > args.passage:
             p.error("--tail + --context must fit in --passage")
         result = measure(args.model, args.data, args.passage, args.tail, args.context, args.val_fraction,
-                         args.max_passages)
+                         args.max_passages, args.test_books)
         result["table"] = table(result)
         print(result["table"])
     args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -11,11 +11,15 @@ is an artifact that ships
 embedding_stats.safetensors, "served (artifact stats)": the final mean transformed with the artifact's
 statistics as the service does (whitened when the file holds the matrix, else standardised per dimension).
 
-    python bench/quality/embed_quality.py MODEL [--data corpus/data] [--passage 2048] [--per-book 40]
-                                  [--stats-passages 3000] [--shrinkage S] [--threads 2] [--out FILE.json]
+    python bench/quality/embed_quality.py MODEL [--data corpus/data] [--test-books DIR] [--passage 2048]
+                                  [--per-book 40] [--stats-passages 3000] [--shrinkage S] [--threads 2]
+                                  [--out FILE.json]
 
 MODEL is an artifact directory or a training checkpoint. Passages are cut, without overlap, from the
-held-out tail of every file, at most `--per-book` per book so that no book dominates the accuracy."""
+held-out tail of every file, at most `--per-book` per book so that no book dominates the accuracy. With
+`--test-books DIR` they are cut from the start of each whole book of the test set instead (bench/unseen_books.py),
+and identify one of its books; the standardised and whitened rows still estimate their statistics on the
+training heads of `--data`, so no test-set byte shapes them."""
 
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ from torch import Tensor
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from bench.unseen_books import add_test_books_arg, describe, held_out_documents  # noqa: E402
 from export.embedding_stats import (  # noqa: E402
     DEFAULT_PASSAGES,
     STATS_FILE,
@@ -44,7 +49,7 @@ from export.embedding_stats import (  # noqa: E402
 from model import ReformerLM  # noqa: E402
 from model.pooling import EmbeddingStats, pool_hidden, standardize, standardize_pooled  # noqa: E402
 from model.tokenizer import Tokenizer  # noqa: E402
-from train.evaluation import add_passage_args, load_lm, passages, validation_tails  # noqa: E402
+from train.evaluation import add_passage_args, load_lm, passages  # noqa: E402
 
 
 def bag_of_bytes(ids: np.ndarray, vocab: int) -> Tensor:
@@ -89,9 +94,10 @@ def pooled(lm: ReformerLM, cut: list[tuple[str, np.ndarray]]) -> dict[str, Tenso
 
 
 def measure(model_path: Path, data: list[str], passage: int, per_book: int, val_fraction: float,
-            stats_passages: int = DEFAULT_PASSAGES, shrinkage: float | None = None) -> dict[str, Any]:
+            stats_passages: int = DEFAULT_PASSAGES, shrinkage: float | None = None,
+            test_books: Path | None = None) -> dict[str, Any]:
     lm, tok, served_stats = load(model_path)
-    cut = passages(validation_tails(data, val_fraction, tok), passage, per_book)
+    cut = passages(held_out_documents(data, val_fraction, tok, test_books), passage, per_book)
     labels = [name for name, _ in cut]
     if len(set(labels)) < 2:
         raise SystemExit("embed_quality: need passages from at least two books; use a shorter --passage")
@@ -124,7 +130,10 @@ def measure(model_path: Path, data: list[str], passage: int, per_book: int, val_
     best = max(rows[1:], key=lambda r: r["accuracy"])
     books = {b: labels.count(b) for b in dict.fromkeys(labels)}
     stats_books = [name for name, _ in train_cut]
-    return {"benchmark": "embed_quality", "model": str(model_path), "passage_bytes": passage, "passages": len(cut),
+    return {"benchmark": "embed_quality", "model": str(model_path),
+            "documents": "test set" if test_books is not None else "validation tails",
+            "test_books": describe(test_books) if test_books is not None else None,
+            "passage_bytes": passage, "passages": len(cut),
             "per_book": books, "stats_passages": len(train_cut), "whitening_shrinkage": shrinkage,
             "shrinkage_selection": selection,
             "served_method": served_stats.method if served_stats is not None else None,
@@ -145,6 +154,7 @@ def table(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_passage_args(p, passage=2048, out=ROOT / "bench" / "results" / "embed_quality.json")
+    add_test_books_arg(p)
     p.add_argument("--per-book", type=int, default=40)
     p.add_argument("--stats-passages", type=int, default=DEFAULT_PASSAGES,
                    help="training-head passages the standardised and whitened rows estimate their statistics on")
@@ -154,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     result = measure(args.model, args.data, args.passage, args.per_book, args.val_fraction, args.stats_passages,
-                     args.shrinkage)
+                     args.shrinkage, args.test_books)
     result["table"] = table(result)
     print(f"{result['passages']} passages of {result['passage_bytes']} bytes {result['per_book']}; "
           f"majority-book chance {result['chance']:.3f}\n")
