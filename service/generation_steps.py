@@ -180,7 +180,7 @@ class GenerationSteps:
                     now = time.monotonic()
                     recent.append(now - began)
                     for job in jobs:
-                        job.timings.prefill_slices.append((began, now))
+                        job.timings.prefill.add_slice(began, now)
                     if self._all_gone(jobs):  # nobody waits for it: the next turn's drop_cancelled closes it
                         break
                     if not another_slice_fits(now - start, recent, self.prefill_budget_s):
@@ -225,7 +225,7 @@ class GenerationSteps:
                 logits, states = self.runner.prefill(prompts, reserve)
             ended = time.monotonic()
             for job in jobs:
-                job.timings.prefill_slices.append((began, ended))
+                job.timings.prefill.add_slice(began, ended)
         except Exception:
             if len(jobs) > 1:  # find the request that fails: each one alone
                 log.warning("a prefill batch of %d failed; retrying each alone", len(jobs))

@@ -45,20 +45,50 @@ class EmbeddingSpec:
         return sum(len(s) for s in self.sequences)
 
 
+# The prefill slices a job keeps one by one (its trace shows them as events of the `prefill` span): the
+# first ones; the rest are only counted and summed, so a 500K-token prompt's ~11,000 slices cost no more.
+PREFILL_SLICES_KEPT = 32
+
+
+@dataclass
+class PrefillTimings:
+    """A job's prefill summed over its calls (one, or one per slice of a long prompt prefilled between decode
+    steps): its trace's one `prefill` span and that span's attributes (service/tracing.py). Its size does not
+    grow with the prompt."""
+
+    tokens: int = 0  # the prompt's tokens (of which Timings.cached_tokens were not prefilled)
+    slices: int = 0
+    began: float | None = None  # the first slice's start
+    ended: float | None = None  # the last slice's end
+    total_s: float = 0.0  # the slices' summed time (without the decode steps between them)
+    longest_s: float = 0.0
+    first_slices: list[tuple[float, float]] = field(default_factory=list)  # (start, end), PREFILL_SLICES_KEPT
+
+    def add_slice(self, began: float, ended: float) -> None:
+        """One prefill call (or slice) the job's prompt took part in, from `began` to `ended` (monotonic)."""
+        took = max(0.0, ended - began)
+        self.slices += 1
+        self.began = began if self.began is None else self.began
+        self.ended = ended
+        self.total_s += took
+        self.longest_s = max(self.longest_s, took)
+        if len(self.first_slices) < PREFILL_SLICES_KEPT:
+            self.first_slices.append((began, ended))
+
+
 @dataclass
 class Timings:
-    """Monotonic timestamps of a job's life; the durations feed headers and histograms."""
+    """Monotonic timestamps of a job's life; the durations feed headers and histograms, and the request's
+    trace is made of them (service/tracing.py)."""
 
     enqueued: float = field(default_factory=time.monotonic)
     admitted: float | None = None  # past the admission checks, in the queue
     started: float | None = None
     first_token: float | None = None
     finished: float | None = None
-    # (start, end) of each prefill call the job's prompt took part in: one, or one per slice (service/tracing.py
-    # makes a span of each)
-    prefill_slices: list[tuple[float, float]] = field(default_factory=list)
+    prefill: PrefillTimings = field(default_factory=PrefillTimings)
     # prompt tokens restored from the prefix cache, or copied from an identical prompt prefilled with it,
-    # instead of prefilled (service/prompt_reuse.py)
+    # instead of prefilled (service/prompt_reuse.py); the prefill span's `reformer.prefill.cached_tokens`
     cached_tokens: int = 0
 
     @property

@@ -104,6 +104,7 @@ class GenerationJob(Job):
     ):
         super().__init__(loop, request_id)
         self.spec = spec
+        self.timings.prefill.tokens = len(spec.prompt_ids)
         # False: token events are held until the last one and delivered together (a non-streaming caller
         # wakes once, not once per token, so the event loop does not contend for the GIL at every step)
         self.stream = stream

@@ -1,25 +1,26 @@
 """OpenTelemetry spans for each request's life: the request itself (a server span whose parent is the W3C
 `traceparent` the client sent), and under it, for every engine job the request queued, `admission`, `queue`,
-one `prefill` per prefill slice, `decode` (or `embed`) and `delivery` (from the job's end to the response's
-last byte).
+`prefill`, `decode` (or `embed`) and `delivery` (from the job's end to the response's last byte): one span
+each, whatever the prompt's length. A long prompt prefilled in slices between decode steps still makes one
+`prefill` span, from its first slice's start to its last one's end; its attributes give the slice count,
+the prompt's tokens, those found in the prefix cache, and the slices' total and longest time, and its first
+PREFILL_SLICES_KEPT slices are events of it (service/jobs.py `PrefillTimings`, `Timings.cached_tokens`).
 
 The engine only records timestamps on the job's Timings (service/jobs.py) and names the job to the request
 that queued it (`note_job`); the spans are made here, from those timestamps, once the response is sent, so
 no tracing code runs on the model's worker thread. Every tracing call is guarded: a tracer, span or
 exporter that fails is logged, never the request's failure.
 
-Off unless the standard OTEL_* variables ask for it (`from_environment`): OTEL_TRACES_EXPORTER `otlp` or
-`console`, or, with it unset, an OTLP endpoint (OTEL_EXPORTER_OTLP_ENDPOINT / ..._TRACES_ENDPOINT);
-OTEL_SDK_DISABLED=true or OTEL_TRACES_EXPORTER=none keep it off. The SDK and the OTLP exporter come with the
-`otel` extra (`pip install reformer-serve[otel]`); the exporter reads its endpoint, headers and protocol from
-the same variables."""
+Off unless the standard OTEL_* variables ask for it (service/tracing_export.py). The SDK and the OTLP exporter
+come with the `otel` extra (`pip install reformer-serve[otel]`); the exporter reads its endpoint, headers and
+protocol from the same variables."""
 
 from __future__ import annotations
 
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,11 +28,11 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.jobs import Timings
+from service.tracing_export import SpanCounts, counted_provider, log_counts, otlp_exporter, wanted
 
 log = logging.getLogger("service.tracing")
 
 TRACER_NAME = "reformer-serve"
-DEFAULT_SERVICE_NAME = "reformer-serve"
 
 
 @dataclass
@@ -52,50 +53,14 @@ def note_job(timings: Timings) -> None:
         trace.jobs.append(timings)
 
 
-def _wanted(environ: Mapping[str, str]) -> str | None:
-    """The exporter the OTEL_* variables ask for ("otlp" or "console"), or None for tracing off."""
-    if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
-        return None
-    names = [n.strip().lower() for n in environ.get("OTEL_TRACES_EXPORTER", "").split(",") if n.strip()]
-    if not names:
-        endpoint = environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-        return "otlp" if endpoint else None
-    if "none" in names:
-        return None
-    for name in names:
-        if name in ("otlp", "console"):
-            return name
-    log.error("OTEL_TRACES_EXPORTER=%s: only otlp, console and none are supported; tracing is off", ",".join(names))
-    return None
-
-
-def _otlp_exporter(environ: Mapping[str, str]) -> Any:
-    """The OTLP exporter for the protocol and endpoint the variables name (the SDK's defaults otherwise; its
-    other settings, such as OTEL_EXPORTER_OTLP_HEADERS, it reads from the process environment itself)."""
-    protocol = (environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
-                or "http/protobuf").strip()
-    traces = environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-    base = environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-    if protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
-
-        return GrpcExporter(endpoint=traces or base)
-    if protocol != "http/protobuf":
-        raise ValueError(f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol}: use http/protobuf or grpc")
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-    # the signal's own endpoint is used as given; the base endpoint gets the traces path, as the spec says
-    endpoint = traces or (base.rstrip("/") + "/v1/traces" if base else None)
-    return OTLPSpanExporter(endpoint=endpoint)
-
-
 class Tracing:
     """The tracer the middleware uses (None: off) and, when this module made the provider, the provider to
-    flush and shut down with the app."""
+    flush and shut down with the app and the counts of the spans it ended and exported."""
 
-    def __init__(self, tracer: Any = None, provider: Any = None) -> None:
+    def __init__(self, tracer: Any = None, provider: Any = None, counts: SpanCounts | None = None) -> None:
         self.tracer = tracer
         self.provider = provider
+        self.counts = counts
 
     @property
     def enabled(self) -> bool:
@@ -113,18 +78,14 @@ class Tracing:
     @classmethod
     def from_environment(cls, environ: Mapping[str, str] | None = None) -> Tracing:
         env = os.environ if environ is None else environ
-        kind = _wanted(env)
+        kind = wanted(env)
         if kind is None:
             return cls.off()
         try:
-            from opentelemetry.sdk.resources import Resource
-            from opentelemetry.sdk.trace import TracerProvider
-            from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+            from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
-            exporter = ConsoleSpanExporter() if kind == "console" else _otlp_exporter(env)
-            attributes = {} if env.get("OTEL_SERVICE_NAME") else {"service.name": DEFAULT_SERVICE_NAME}
-            provider = TracerProvider(resource=Resource.create(attributes))
-            provider.add_span_processor(BatchSpanProcessor(exporter))
+            exporter = ConsoleSpanExporter() if kind == "console" else otlp_exporter(env)
+            provider, counts = counted_provider(exporter, env.get("OTEL_SERVICE_NAME"))
         except ImportError as err:
             log.error("tracing asked for by OTEL_* variables, but %s is not installed (pip install "
                       "'reformer-serve[otel]'); tracing is off", err.name)
@@ -133,42 +94,61 @@ class Tracing:
             log.error("tracing could not be set up (%s); tracing is off", err)
             return cls.off()
         log.info("tracing on: %s exporter", kind)
-        return cls(provider.get_tracer(TRACER_NAME), provider)
+        return cls(provider.get_tracer(TRACER_NAME), provider, counts)
 
     def shutdown(self) -> None:
-        """Flush what is batched and stop the exporter (only a provider this module made)."""
+        """Flush what is batched and stop the exporter (only a provider this module made); log the counts."""
         if self.provider is not None:
             try:
                 self.provider.shutdown()
             except Exception:
                 log.exception("tracing shutdown failed")
+        if self.counts is not None:
+            log_counts(self.counts)
 
 
 def _wall_ns(monotonic_s: float, offset_ns: int) -> int:
     return int(monotonic_s * 1e9) + offset_ns
 
 
+def prefill_attributes(job: Timings) -> dict[str, Any]:
+    """The `prefill` span's attributes (docs/DEPLOY.md, "Tracing")."""
+    prefill = job.prefill
+    return {
+        "reformer.prefill.tokens": prefill.tokens,
+        "reformer.prefill.cached_tokens": job.cached_tokens,
+        "reformer.prefill.slices": prefill.slices,
+        "reformer.prefill.slices_total_s": round(prefill.total_s, 6),
+        "reformer.prefill.slice_longest_s": round(prefill.longest_s, 6),
+    }
+
+
 def job_spans(tracer: Any, parent: Any, job: Timings, response_end: float, offset_ns: int) -> None:
-    """The child spans of one job, from its timestamps (those it never reached are left out)."""
+    """The child spans of one job, from its timestamps (those it never reached are left out): five at most."""
     from opentelemetry import trace
 
     context = trace.set_span_in_context(parent)
 
-    def span(name: str, start: float | None, end: float | None, **attributes: Any) -> None:
+    def span(name: str, start: float | None, end: float | None, attributes: dict[str, Any] | None = None,
+             events: Sequence[tuple[float, dict[str, Any]]] = ()) -> None:
         if start is None or end is None:
             return
         s = tracer.start_span(name, context=context, start_time=_wall_ns(start, offset_ns), attributes=attributes)
+        for at, event_attributes in events:
+            s.add_event("prefill.slice", event_attributes, timestamp=_wall_ns(at, offset_ns))
         s.end(end_time=_wall_ns(max(end, start), offset_ns))
 
     admitted = job.admitted if job.admitted is not None else job.enqueued
     span("admission", job.enqueued, admitted)
     span("queue", admitted, job.started if job.started is not None else job.finished)
-    slices = list(job.prefill_slices)
-    for index, (began, ended) in enumerate(slices):
-        span("prefill", began, ended, **{"reformer.prefill.slice": index, "reformer.prefill.slices": len(slices)})
+    prefill = job.prefill
+    if prefill.slices:
+        events = [(began, {"reformer.prefill.slice": index, "reformer.prefill.slice_s": round(ended - began, 6)})
+                  for index, (began, ended) in enumerate(prefill.first_slices)]
+        span("prefill", prefill.began, prefill.ended, prefill_attributes(job), events)
     if job.first_token is not None:
         span("decode", job.first_token, job.finished)
-    elif not slices:
+    elif not prefill.slices:
         span("embed", job.started, job.finished)
     span("delivery", job.finished, response_end)
 

@@ -1,14 +1,12 @@
 """OpenTelemetry spans of a request's life (SDK in-memory exporter): the request span under the client's
-`traceparent`, and admission, queue, each prefill slice, decode and delivery under it; OTLP export when the
-OTEL_* variables ask (to a loopback collector), off otherwise; a failing tracer, span or exporter never fails
-the request."""
+`traceparent`, and admission, queue, prefill (one span, however many slices), decode and delivery under it;
+tracing on when the OTEL_* variables ask, off otherwise; a failing tracer, span or exporter never fails the
+request. The export over OTLP to a receiver: tests/service/test_tracing_otlp.py."""
 
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Iterator, Sequence
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
@@ -22,7 +20,7 @@ import service.generation_steps as steps_module
 from model.sampling import SamplingParams
 from service.app import create_app
 from service.engine import Engine, EngineConfig
-from service.jobs import GenerationSpec, Timings
+from service.jobs import PREFILL_SLICES_KEPT, GenerationSpec, Timings
 from service.metrics import ServiceMetrics
 from service.settings import Settings
 from service.tracing import Tracing, job_spans
@@ -106,22 +104,47 @@ def test_a_refused_request_has_only_its_own_span(client: TestClient, exporter: I
     assert request.attributes["http.response.status_code"] // 100 == 4
 
 
-def test_every_prefill_slice_is_a_span() -> None:
+def test_a_sliced_prefill_is_one_span_its_slices_summed_and_the_first_ones_events() -> None:
     provider = TracerProvider()
     memory = InMemorySpanExporter()
     provider.add_span_processor(SimpleSpanProcessor(memory))
     tracer = provider.get_tracer("test")
     parent = tracer.start_span("request")
-    job = Timings(enqueued=10.0, admitted=10.1, started=10.5, first_token=13.0, finished=14.0,
-                  prefill_slices=[(10.5, 11.0), (11.2, 12.0), (12.1, 12.9)])
+    job = Timings(enqueued=10.0, admitted=10.1, started=10.5, first_token=13.0, finished=14.0)
+    job.prefill.tokens = 300
+    slices = [(10.5, 11.0), (11.2, 12.0), (12.1, 12.9)]
+    for _ in range(PREFILL_SLICES_KEPT):  # many more than are kept: only counted and summed past the first ones
+        slices.append((12.9, 12.9))
+    for began, ended in slices:
+        job.prefill.add_slice(began, ended)
     job_spans(tracer, parent, job, response_end=14.5, offset_ns=0)
     spans = sorted(memory.get_finished_spans(), key=lambda s: s.start_time or 0)
-    assert [s.name for s in spans] == ["admission", "queue", "prefill", "prefill", "prefill", "decode", "delivery"]
-    prefill = [s for s in spans if s.name == "prefill"]
-    assert [(s.attributes or {}).get("reformer.prefill.slice") for s in prefill] == [0, 1, 2]
-    assert [(s.start_time, s.end_time) for s in prefill] == [(10_500_000_000, 11_000_000_000),
-                                                            (11_200_000_000, 12_000_000_000),
-                                                            (12_100_000_000, 12_900_000_000)]
+    assert [s.name for s in spans] == ["admission", "queue", "prefill", "decode", "delivery"]
+    prefill = spans[2]
+    assert (prefill.start_time, prefill.end_time) == (10_500_000_000, 12_900_000_000)
+    assert prefill.attributes == {"reformer.prefill.tokens": 300, "reformer.prefill.cached_tokens": 0,
+                                  "reformer.prefill.slices": len(slices),
+                                  "reformer.prefill.slices_total_s": pytest.approx(2.1),
+                                  "reformer.prefill.slice_longest_s": pytest.approx(0.8)}
+    assert len(prefill.events) == PREFILL_SLICES_KEPT
+    assert [(e.timestamp, (e.attributes or {})["reformer.prefill.slice"]) for e in prefill.events[:3]] == [
+        (10_500_000_000, 0), (11_200_000_000, 1), (12_100_000_000, 2)]
+    assert [(e.attributes or {})["reformer.prefill.slice_s"] for e in prefill.events[:3]] == [
+        pytest.approx(0.5), pytest.approx(0.8), pytest.approx(0.8)]
+
+
+def test_a_prefix_cache_hit_shows_on_the_prefill_span() -> None:
+    """`cached_tokens`, which the prefix cache sets on the job's Timings, is the span's attribute."""
+    provider = TracerProvider()
+    memory = InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    tracer = provider.get_tracer("test")
+    job = Timings(enqueued=1.0, admitted=1.0, started=1.0, first_token=2.0, finished=2.0)
+    job.prefill.tokens, job.cached_tokens = 1000, 768
+    job.prefill.add_slice(1.0, 1.5)
+    job_spans(tracer, tracer.start_span("request"), job, response_end=2.0, offset_ns=0)
+    (prefill,) = [s for s in memory.get_finished_spans() if s.name == "prefill"]
+    assert prefill.attributes is not None and prefill.attributes["reformer.prefill.cached_tokens"] == 768
 
 
 class FailingExporter(SpanExporter):
@@ -183,46 +206,11 @@ def test_the_otel_variables_turn_tracing_on_or_off(environ: dict[str, str], on: 
     tracing.shutdown()
 
 
-class Collector(BaseHTTPRequestHandler):
-    received: list[tuple[str, bytes]] = []
-
-    def do_POST(self) -> None:  # noqa: N802 - the handler's name is http.server's
-        body = self.rfile.read(int(self.headers.get("content-length", 0)))
-        Collector.received.append((self.path, body))
-        self.send_response(200)
-        self.send_header("content-type", "application/x-protobuf")
-        self.end_headers()
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-
-def test_spans_are_exported_over_otlp_to_the_configured_endpoint(artifact: Any) -> None:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Collector)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        endpoint = f"http://127.0.0.1:{server.server_address[1]}"
-        tracing = Tracing.from_environment({"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_SERVICE_NAME": "t"})
-        assert tracing.enabled
-        for client in traced_client(artifact, tracing):  # leaving it shuts the app down, which flushes
-            r = client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2},
-                            headers={"traceparent": TRACEPARENT})
-            assert r.status_code == 200
-    finally:
-        server.shutdown()
-    paths = [path for path, _ in Collector.received]
-    assert "/v1/traces" in paths
-    body = b"".join(data for path, data in Collector.received if path == "/v1/traces")
-    for name in (b"POST /v1/completions", b"admission", b"queue", b"prefill", b"decode", b"delivery"):
-        assert name in body
-    assert bytes.fromhex(TRACE_ID) in body
-
-
 def test_the_engine_records_each_prefill_slice_of_a_long_prompt(artifact: Any,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """A long prompt arriving while a stream decodes is prefilled in slices between decode steps: the job's
-    Timings hold one (start, end) per slice, in order, between its admission and its first token."""
+    PrefillTimings count and sum them and keep the first ones, in order, between its admission and its first
+    token."""
     monkeypatch.setattr(steps_module, "CHUNKED_PREFILL_TOKENS", 50)
     engine = Engine(artifact.model, artifact.tokenizer, backend=None,  # type: ignore[arg-type]
                     device=None, config=EngineConfig(warmup=False, prefill_budget_ms=0.0), metrics=ServiceMetrics())
@@ -243,9 +231,14 @@ def test_the_engine_records_each_prefill_slice_of_a_long_prompt(artifact: Any,
         timings = asyncio.run(long_prompt_while_streaming())
     finally:
         engine.stop()
-    slices = timings.prefill_slices
-    assert len(slices) > 1
-    assert timings.admitted is not None and timings.enqueued <= timings.admitted <= slices[0][0]
-    for (began, ended), (next_began, _) in zip(slices, slices[1:]):
+    prefill = timings.prefill
+    assert prefill.tokens == 300 and timings.cached_tokens == 0
+    assert prefill.slices > 1 and len(prefill.first_slices) == min(prefill.slices, PREFILL_SLICES_KEPT)
+    assert prefill.began is not None and prefill.ended is not None
+    assert timings.admitted is not None and timings.enqueued <= timings.admitted <= prefill.began
+    kept = prefill.first_slices
+    assert kept[0][0] == prefill.began
+    for (began, ended), (next_began, _) in zip(kept, kept[1:]):
         assert began <= ended <= next_began
-    assert timings.first_token is not None and slices[-1][1] <= timings.first_token
+    assert 0 < prefill.longest_s <= prefill.total_s <= prefill.ended - prefill.began
+    assert timings.first_token is not None and prefill.ended <= timings.first_token
