@@ -146,6 +146,10 @@ def job_spans(tracer: Any, parent: Any, job: Timings, response_end: float, offse
         events = [(began, {"reformer.prefill.slice": index, "reformer.prefill.slice_s": round(ended - began, 6)})
                   for index, (began, ended) in enumerate(prefill.first_slices)]
         span("prefill", prefill.began, prefill.ended, prefill_attributes(job), events)
+    elif prefill.tokens and job.first_token is not None:
+        # a generation without a prefill call of its own: its prompt's state was reused whole (a prefix-cache
+        # hit, or the prefill of an identical prompt), from its start to its first token, 0 slices
+        span("prefill", job.started, job.first_token, prefill_attributes(job))
     if job.first_token is not None:
         span("decode", job.first_token, job.finished)
     elif not prefill.slices:

@@ -147,6 +147,23 @@ def test_a_prefix_cache_hit_shows_on_the_prefill_span() -> None:
     assert prefill.attributes is not None and prefill.attributes["reformer.prefill.cached_tokens"] == 768
 
 
+def test_a_prompt_reused_whole_still_has_its_prefill_span() -> None:
+    """A generation with no prefill call of its own (its prompt's state all from the prefix cache): the
+    prefill span runs from its start to its first token, with 0 slices."""
+    provider = TracerProvider()
+    memory = InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    tracer = provider.get_tracer("test")
+    job = Timings(enqueued=1.0, admitted=1.0, started=1.25, first_token=1.5, finished=2.0)
+    job.prefill.tokens = job.cached_tokens = 1000
+    job_spans(tracer, tracer.start_span("request"), job, response_end=2.0, offset_ns=0)
+    spans = sorted(memory.get_finished_spans(), key=lambda s: s.start_time or 0)
+    assert [s.name for s in spans] == ["admission", "queue", "prefill", "decode", "delivery"]
+    assert (spans[2].start_time, spans[2].end_time) == (1_250_000_000, 1_500_000_000)
+    assert spans[2].attributes is not None and spans[2].attributes["reformer.prefill.slices"] == 0
+    assert spans[2].attributes["reformer.prefill.cached_tokens"] == 1000
+
+
 class FailingExporter(SpanExporter):
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         raise RuntimeError("the collector is down")
