@@ -3,15 +3,17 @@ against the same server with tracing off and on, and one long prompt per length 
 OTLP/HTTP to a receiver in this process (bench/serving/otlp_receiver.py).
 
     python bench/serving/tracing_overhead.py [--artifact DIR] [--data corpus/data --data corpus/corpus]
-        [--requests 48] [--rounds 4] [--clients 6] [--long-every 24] [--span-lengths 5000,64000]
+        [--requests 48] [--rounds 4] [--warmup-rounds 1] [--clients 6] [--long-every 24]
+        [--span-lengths 5000,64000]
         [--out bench/results/tracing_overhead.json]
 
 Two servers (`python -m service`, the same settings) run side by side, one at a time under load: "off"
 (OTEL_SDK_DISABLED=true) and "on" (OTEL_EXPORTER_OTLP_ENDPOINT at the receiver, the SDK's default batch
 processor). Each round sends the same `--requests` requests of the soak's mix (requests 0..n-1: the same
 prompts, sizes and kinds every round; every `--long-every`-th a 32-64 KB prompt), `--clients` at a time, to
-one server; the rounds go off, on, on, off, ... (ABBA, so a drift of the machine's speed over the run falls
-on both). Tokens/s of a round: the server's prompt and generated tokens (`/metrics` counters, read before and
+one server; after `--warmup-rounds` uncounted rounds on each (the first touches of the heap and the decode
+cache's pages), the rounds go off, on, on, off, ... (ABBA, so a drift of the machine's speed over the run
+falls on both). Tokens/s of a round: the server's prompt and generated tokens (`/metrics` counters, read before and
 after) over the round's wall time. The overhead is 1 - (on's tokens over on's time) / (off's tokens over
 off's time), all rounds pooled; target: at most 3%.
 
@@ -66,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="directories of *.txt books (default: corpus/data and corpus/corpus)")
     p.add_argument("--requests", type=int, default=48, help="requests of the soak's mix per round")
     p.add_argument("--rounds", type=int, default=4, help="rounds per server (ABBA order)")
+    p.add_argument("--warmup-rounds", type=int, default=1, help="uncounted rounds per server first")
     p.add_argument("--clients", type=int, default=6, help="requests at a time")
     p.add_argument("--long-every", type=int, default=24, help="every n-th request a 32-64 KB prompt (0: none)")
     p.add_argument("--span-lengths", default="5000,64000", help="prompt lengths (bytes) whose trace is counted")
@@ -114,6 +117,9 @@ async def load_round(url: str, prompts: Prompts, args: argparse.Namespace) -> tu
 
 def measure_rounds(servers: dict[str, ServerProcess], prompts: Prompts, args: argparse.Namespace
                    ) -> list[dict[str, Any]]:
+    for _ in range(args.warmup_rounds):
+        for arm in servers:
+            asyncio.run(load_round(servers[arm].url, prompts, args))
     order = [("off", "on", "on", "off")[i % 4] for i in range(2 * args.rounds)]
     rounds = []
     for arm in order:
@@ -256,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
             long_prompts = long_prompt_traces(on.url, receiver, prompts, lengths)
             on.stop()  # SIGTERM: its tracing flushes, then logs what it ended and exported
         load_after = os.getloadavg()
-        on_rounds = sum(1 for r in rounds if r["server"] == "on")
+        on_rounds = args.warmup_rounds + sum(1 for r in rounds if r["server"] == "on")
         sent_to_on: Counter[str] = Counter()
         for i in range(args.requests):
             sent_to_on[f"POST {plan(i, prompts, args.long_every, 256).path}"] += on_rounds  # paths only
@@ -266,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(["python", "bench/serving/tracing_overhead.py", *(argv or sys.argv[1:])]),
         "commit": commit(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "load_before": load_before, "load_after": load_after, "settings": SETTINGS,
-        "requests_per_round": args.requests, "clients": args.clients, "long_every": args.long_every,
+        "requests_per_round": args.requests, "warmup_rounds": args.warmup_rounds, "clients": args.clients,
+        "long_every": args.long_every,
         "books": prompts.sources, "rounds": rounds, "summary": summarize(rounds), "spans": spans,
         "long_prompts": long_prompts,
     }
