@@ -142,3 +142,26 @@ def test_an_embedding_exports_its_four_stages(artifact: Any, receiver: OtlpRecei
     root = next(s for s in traces[TRACE_ID] if s.parent_span_id == PARENT_ID)
     assert root.name == "POST /embed"
     assert [s.name for s in traces[TRACE_ID] if s is not root] == ["admission", "queue", "embed", "delivery"]
+
+
+def test_a_prefix_cache_hit_is_a_prefill_span_of_cached_tokens_and_no_slices(artifact: Any,
+                                                                             receiver: OtlpReceiver) -> None:
+    prompt = "The miller's daughter kept the ledger of every sack the river brought. " * 5  # 355 tokens
+    second_trace = "0af7651916cd43dd8448eb211c80319c"
+
+    def twice(client: TestClient) -> Any:
+        generate(prompt)(client)  # prefilled, then kept in the prefix cache
+        r = client.post("/generate", json={"inputs": prompt, "parameters": {"max_new_tokens": 4, "details": True}},
+                        headers={"traceparent": f"00-{second_trace}-{PARENT_ID}-01"})
+        assert r.status_code == 200, r.text
+        assert r.json()["details"]["cached_tokens"] == len(prompt)
+        return r
+
+    export_requests(artifact, receiver, twice)
+    first, second = receiver.traces()[TRACE_ID], receiver.traces()[second_trace]
+    (cold,) = [s for s in first if s.name == "prefill"]
+    (hit,) = [s for s in second if s.name == "prefill"]
+    assert [s.name for s in second if s.parent_span_id != PARENT_ID] == STAGES
+    assert cold.attributes["reformer.prefill.slices"] == 1 and cold.attributes["reformer.prefill.cached_tokens"] == 0
+    assert hit.attributes["reformer.prefill.slices"] == 0 and hit.events == []
+    assert hit.attributes["reformer.prefill.tokens"] == hit.attributes["reformer.prefill.cached_tokens"] == len(prompt)
