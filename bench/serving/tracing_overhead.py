@@ -15,7 +15,7 @@ one server; after `--warmup-rounds` uncounted rounds on each (the first touches 
 cache's pages), the rounds go off, on, on, off, ... (ABBA, so a drift of the machine's speed over the run
 falls on both). Tokens/s of a round: the server's prompt and generated tokens (`/metrics` counters, read before and
 after) over the round's wall time. The overhead is 1 - (on's tokens over on's time) / (off's tokens over
-off's time), all rounds pooled; target: at most 3%.
+off's time), all rounds pooled; target: at most 3%. `--rounds 0 --warmup-rounds 0`: only the traced prompts.
 
 Then, on the "on" server with nothing else running, one `/generate` (4 new tokens) per `--span-lengths` prompt
 of book text (bytes: tokens, for the byte-level tokenizer), with a client `traceparent`: the spans of its
@@ -204,7 +204,11 @@ def commit() -> str:
                           text=True).stdout.strip()
 
 
-def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The pooled tokens/s of each server and the overhead; None without rounds (--rounds 0: spans only)."""
+    if not rounds:
+        return None
+
     def rate(arm: str) -> float:
         picked = [r for r in rounds if r["server"] == arm]
         return sum(r["tokens"] for r in picked) / sum(r["wall_s"] for r in picked)
@@ -226,9 +230,10 @@ def print_report(report: dict[str, Any]) -> None:
                       f"{r['load_1min']:.2f}")
     console.print(table)
     s = report["summary"]
-    console.print(f"pooled: off {s['off_tokens_per_s']:.0f} tokens/s, on {s['on_tokens_per_s']:.0f} tokens/s, "
-                  f"overhead {100 * s['overhead']:.1f}% (target <= {100 * s['target']:.0f}%: "
-                  f"{'met' if s['met'] else 'NOT met'})")
+    if s is not None:
+        console.print(f"pooled: off {s['off_tokens_per_s']:.0f} tokens/s, on {s['on_tokens_per_s']:.0f} tokens/s, "
+                      f"overhead {100 * s['overhead']:.1f}% (target <= {100 * s['target']:.0f}%: "
+                      f"{'met' if s['met'] else 'NOT met'})")
     spans = report["spans"]
     console.print(f"spans: server ended {spans['server_logged']}, receiver got {spans['received']} in "
                   f"{spans['traces']} traces, lost {spans['lost']}, at most {spans['most_spans_in_a_trace']} "

@@ -21,11 +21,12 @@ from service.tracing_export import SpanCounts, log_counts
 def test_the_overhead_pools_each_servers_rounds() -> None:
     rounds = [{"server": "off", "tokens": 1000.0, "wall_s": 1.0}, {"server": "on", "tokens": 1000.0, "wall_s": 1.1},
               {"server": "on", "tokens": 1000.0, "wall_s": 0.9}, {"server": "off", "tokens": 1000.0, "wall_s": 1.5}]
+    assert bench.summarize([]) is None  # --rounds 0: the traced prompts only
     summary = bench.summarize(rounds)
-    assert summary["off_tokens_per_s"] == 800.0 and summary["on_tokens_per_s"] == 1000.0
+    assert summary is not None and summary["off_tokens_per_s"] == 800.0 and summary["on_tokens_per_s"] == 1000.0
     assert summary["overhead"] == -0.25 and summary["met"]
     slower = bench.summarize([{**r, "wall_s": 1.0 if r["server"] == "off" else 1.05} for r in rounds])
-    assert slower["overhead"] == pytest.approx(1 - 1 / 1.05, abs=1e-4) and not slower["met"]
+    assert slower is not None and slower["overhead"] == pytest.approx(1 - 1 / 1.05, abs=1e-4) and not slower["met"]
 
 
 @pytest.mark.parametrize("ended, exported", [(12, 12), (12, 9)])
