@@ -7,15 +7,15 @@ OTLP/HTTP to a receiver in this process (bench/serving/otlp_receiver.py).
         [--span-lengths 5000,64000]
         [--out bench/results/tracing_overhead.json]
 
-Two servers (`python -m service`, the same settings) run side by side, one at a time under load: "off"
-(OTEL_SDK_DISABLED=true) and "on" (OTEL_EXPORTER_OTLP_ENDPOINT at the receiver, the SDK's default batch
-processor). Each round sends the same `--requests` requests of the soak's mix (requests 0..n-1: the same
-prompts, sizes and kinds every round; every `--long-every`-th a 32-64 KB prompt), `--clients` at a time, to
-one server; after `--warmup-rounds` uncounted rounds on each (the first touches of the heap and the decode
-cache's pages), the rounds go off, on, on, off, ... (ABBA, so a drift of the machine's speed over the run
-falls on both). Tokens/s of a round: the server's prompt and generated tokens (`/metrics` counters, read before and
-after) over the round's wall time. The overhead is 1 - (on's tokens over on's time) / (off's tokens over
-off's time), all rounds pooled; target: at most 3%. `--rounds 0 --warmup-rounds 0`: only the traced prompts.
+Two servers (`python -m service`, the same settings, the prefix cache off) run side by side, one at a time under
+load: "off" (OTEL_SDK_DISABLED=true) and "on" (OTEL_EXPORTER_OTLP_ENDPOINT at the receiver, the SDK's default
+batch processor). Each round sends the same `--requests` requests of the soak's mix (requests 0..n-1: the same
+prompts, sizes and kinds every round; every `--long-every`-th a 32-64 KB prompt), `--clients` at a time, to one
+server; after `--warmup-rounds` uncounted rounds on each (the first touches of the heap and the decode cache's
+pages), the rounds go off, on, on, off, ... (ABBA, so a drift of the machine's speed over the run falls on
+both). Tokens/s of a round: the server's prompt and generated tokens (`/metrics` counters, read before and
+after) over the round's wall time. The overhead is 1 - (on's tokens over on's time) / (off's tokens over off's
+time), all rounds pooled; target: at most 3%. `--rounds 0 --warmup-rounds 0`: only the traced prompts.
 
 Then, on the "on" server with nothing else running, one `/generate` (4 new tokens) per `--span-lengths` prompt
 of book text (bytes: tokens, for the byte-level tokenizer), with a client `traceparent`: the spans of its
@@ -57,8 +57,9 @@ from bench.serving.soak_report import OK  # noqa: E402
 TARGET_OVERHEAD = 0.03
 SERVER_KIND = 2  # opentelemetry.proto.trace.v1.Span.SpanKind.SPAN_KIND_SERVER
 TRACEPARENT = "00-{trace}-00f067aa0ba902b7-01"
-# the same server settings as the soak's (bench/serving/soak.py) and a decode cache both servers can map
-SETTINGS = {"REFORMER_MAX_NEW_TOKENS": "256", "REFORMER_CACHE_BYTES": str(2 * 2**30)}
+# the soak's server settings (bench/serving/soak.py), a decode cache both servers can map, and no prefix cache:
+# every round sends the same prompts, which from the second round on it would serve without a prefill
+SETTINGS = {"REFORMER_MAX_NEW_TOKENS": "256", "REFORMER_CACHE_BYTES": str(2 * 2**30), "REFORMER_PREFIX_CACHE": "false"}
 
 
 def build_parser() -> argparse.ArgumentParser:
