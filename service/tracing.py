@@ -151,7 +151,8 @@ def job_spans(tracer: Any, parent: Any, job: Timings, response_end: float, offse
         # hit, or the prefill of an identical prompt), from its start to its first token, 0 slices
         span("prefill", job.started, job.first_token, prefill_attributes(job))
     if job.first_token is not None:
-        span("decode", job.first_token, job.finished)
+        # a generation dropped because its client left never finishes: its decode ran until the response ended
+        span("decode", job.first_token, job.finished if job.finished is not None else response_end)
     elif not prefill.slices:
         span("embed", job.started, job.finished)
     span("delivery", job.finished, response_end)

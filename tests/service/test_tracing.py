@@ -164,6 +164,22 @@ def test_a_prompt_reused_whole_still_has_its_prefill_span() -> None:
     assert spans[2].attributes["reformer.prefill.cached_tokens"] == 1000
 
 
+def test_a_generation_whose_client_left_decodes_until_the_response_ended() -> None:
+    """Dropped when its client went away, it never finishes: its decode span ends with the response, and it
+    has no delivery."""
+    provider = TracerProvider()
+    memory = InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    tracer = provider.get_tracer("test")
+    job = Timings(enqueued=1.0, admitted=1.0, started=1.0, first_token=1.5, finished=None)
+    job.prefill.tokens = 10
+    job.prefill.add_slice(1.0, 1.25)
+    job_spans(tracer, tracer.start_span("request"), job, response_end=3.0, offset_ns=0)
+    spans = sorted(memory.get_finished_spans(), key=lambda s: s.start_time or 0)
+    assert [s.name for s in spans] == ["admission", "queue", "prefill", "decode"]
+    assert (spans[3].start_time, spans[3].end_time) == (1_500_000_000, 3_000_000_000)
+
+
 class FailingExporter(SpanExporter):
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         raise RuntimeError("the collector is down")
