@@ -61,6 +61,8 @@ class GenerationSteps:
         self.prefill_budget_s = prefill_budget_s
         self.running: list[GenerationJob] = []
         self.prefilling: list[SlicedPrefill] = []
+        self._held: set[int] = set()  # ids of states copied from after their first tokens (`_prefilled`)
+        self._deferred: list[Any] = []  # those states whose jobs finished meanwhile: freed after the copies
 
     @property
     def busy(self) -> bool:
@@ -72,8 +74,12 @@ class GenerationSteps:
         return len(self.running) + sum(len(entry.jobs) for entry in self.prefilling)
 
     def release(self, job: GenerationJob) -> None:
-        """The job's decode cache goes back to the allocator (its blocks and slot), then the job forgets it."""
-        self.runner.free(job.cache)
+        """The job's decode cache goes back to the allocator (its blocks and slot), then the job forgets it (a
+        prefilled state still to be copied from is freed after the copies: `_prefilled`)."""
+        if job.cache is not None and id(job.cache) in self._held:
+            self._deferred.append(job.cache)
+        else:
+            self.runner.free(job.cache)
         job.release()
 
     def fail(self, jobs: Iterable[Job]) -> None:
@@ -244,21 +250,30 @@ class GenerationSteps:
         self.metrics.batch_tokens.labels("prefill").observe(max(len(j.prefill_ids) for j in jobs) * len(jobs))
         for i, job in enumerate(jobs):
             job.prompt_scores = scores[i] if scores is not None else None
-        # the forks waiting on these prompts copy their states now, before any of them can finish and free it
-        forks = [(fork, i) for i, job in enumerate(jobs) for fork in self._forks(job, states[i], logits[i])]
+        # the forks that waited on these prompts start with their leader's logits; the copies of the leaders'
+        # states (into the forks, and out to the prefix cache) are made once every first token has gone out, so
+        # they delay no first token, and before the next decode step changes a state
+        leaders = [(i, job, group) for i, job in enumerate(jobs) if (group := self.reuse.take_forks(job)) is not None]
+        forks = [(fork, i) for i, _, group in leaders for fork in group]
         if forks:
             jobs = [*jobs, *(fork for fork, _ in forks)]
             states = [*states, *(fork.cache for fork, _ in forks)]
             logits = torch.cat([logits, logits[[i for _, i in forks]]])
-        self._start(jobs, states, logits)
-
-    def _forks(self, job: GenerationJob, state: Any, logits: torch.Tensor) -> list[GenerationJob]:
+        self._held = {id(states[i]) for i, _, _ in leaders}  # a leader that finishes at once frees after the copies
         try:
-            return self.reuse.prefilled(job, state, logits)
-        except Exception:
-            log.exception("copying a prefilled state to its forks failed", extra={"request_id": job.request_id})
-            self.fail(self.reuse.orphans(job))
-            return []
+            self._start(jobs, states, logits)
+        finally:
+            self._held = set()
+        for i, leader, group in leaders:
+            live = [fork for fork in group if fork.cache is not None]  # a fork may have finished or left already
+            try:
+                self.reuse.share(leader, states[i], logits[i], live)
+            except Exception:
+                log.exception("copying a prefilled state to its forks failed", extra={"request_id": leader.request_id})
+                self.fail(live)
+        deferred, self._deferred = self._deferred, []
+        for state in deferred:
+            self.runner.free(state)
 
     def _start(self, jobs: list[GenerationJob], states: list[Any], logits: torch.Tensor) -> None:
         """The jobs run from their states: each samples its first token from its row of `logits`, or, when its

@@ -99,13 +99,24 @@ class PromptReuse:
     def _reserve(self, job: GenerationJob) -> int:
         return min(len(job.spec.prompt_ids) + job.spec.max_new_tokens, self.runner.max_positions)
 
-    def prefilled(self, job: GenerationJob, state: object, logits: torch.Tensor) -> list[GenerationJob]:
-        """A leader's prefill is done (`state`, the logits after its segment): offer its state to the prefix
-        cache and copy it into each fork waiting on it; returns the forks, ready to run with the same logits."""
+    def take_forks(self, job: GenerationJob) -> list[GenerationJob] | None:
+        """A leader's prefill is done: the forks that waited on it (they run with its logits; `share` fills
+        their states before the next decode step), or None when the job leads nothing (a scored prompt)."""
+        if job.prefix_key is None:
+            return None
+        forks = self.waiting.pop(job.prefix_key, [])
+        for fork in forks:
+            fork.timings.cached_tokens = len(fork.prefill_ids)
+        if self.metrics is not None:
+            self.metrics.forks.inc(len(forks))
+        return forks
+
+    def share(self, job: GenerationJob, state: object, logits: torch.Tensor, forks: list[GenerationJob]) -> None:
+        """After the leader's and its forks' first tokens went out, before the next decode step: offer the
+        leader's `state` (and the logits after its segment) to the prefix cache, and copy it into each fork
+        still running."""
         key = job.prefix_key
-        if key is None:
-            return []
-        forks = self.waiting.pop(key, [])
+        assert key is not None
         with torch.inference_mode():
             length = len(job.prefill_ids)
             if self.cache is not None and self.cache.wants(length, self.runner.cache.bytes_for(length)):
@@ -116,10 +127,6 @@ class PromptReuse:
                                   extra={"request_id": job.request_id})
             for fork in forks:
                 copy_state(self.runner.cache, state, fork.cache)  # type: ignore[arg-type]
-                fork.timings.cached_tokens = len(fork.prefill_ids)
-                if self.metrics is not None:
-                    self.metrics.forks.inc()
-        return forks
 
     def orphans(self, leader: GenerationJob) -> list[GenerationJob]:
         """The forks of a leader that will not finish (it failed or was dropped): the caller fails them."""

@@ -33,8 +33,8 @@ class PrefixCacheMetrics(Collector):
         self.disk_refusals = counter("prefix_cache_disk_refusals", "Disk-tier files refused (corrupt, foreign: "
                                      "another artifact or setting, layout: another cache layout) or failed (io, "
                                      "write_failed); the request prefilled instead.", ("reason",))
-        self.forks = counter("prefix_cache_forks", "Requests (n / best_of choices, identical prompts) that copied "
-                             "another in-flight request's prefilled state instead of prefilling.")
+        self.forks = counter("prefix_cache_forks", "Generations (n / best_of choices, identical prompts) that "
+                             "started from an identical segment's prefill running with them instead of their own.")
         for tier in HIT_TIERS:
             self.hits.labels(tier)
         for reason in REFUSALS:

@@ -243,3 +243,24 @@ def test_a_kept_state_that_cannot_be_restored_is_computed_instead(artifact: Any)
         _store_holds(client)
     assert first[1] == 0 and second == (first[0], 0)
     assert third == (first[0], len(prompt))  # the recomputed state was kept again
+
+
+def test_a_leader_that_finishes_at_its_first_token_still_shares_its_state(artifact: Any) -> None:
+    """n=3 choices of one token each: every choice ends at its first token, before the leader's state is
+    copied (copies are made after the first tokens go out); the state is kept all the same, its blocks are
+    freed after, and a later request restores it."""
+    prompt = DOCS[1][:200] + QUESTIONS[0]
+    body = {"prompt": prompt, "max_tokens": 1, "temperature": 1.0, "seed": 3, "n": 3}
+    with running_app(artifact, **LIMITS, prefix_cache=False) as off:
+        want = off.post("/v1/completions", json={**body, "max_tokens": 4, "n": 1, "temperature": 0}).json()
+    with running_app(artifact, **LIMITS) as on:
+        first = on.post("/v1/completions", json=body).json()
+        later = on.post("/v1/completions", json={**body, "max_tokens": 4, "n": 1, "temperature": 0}).json()
+        metrics = on.get("/metrics").text
+        _store_holds(on)
+        engine = on.app.state.service.engine  # type: ignore[attr-defined]
+        assert engine.runner.stats()["cache_bytes"] == 0  # every state freed, the held leader's too
+    assert len(first["choices"]) == 3
+    assert metric_value(metrics, "reformer_prefix_cache_forks_total") == 2
+    assert later["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prompt)
+    assert later["choices"][0]["text"] == want["choices"][0]["text"]
