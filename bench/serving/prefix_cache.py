@@ -13,10 +13,12 @@ streamed `/generate_stream` of 4 greedy tokens; TTFT is request sent -> first ev
    without the field (today's one-piece prefill, the anchor).
 2. `restart` (with --cache-dir): a server restarted on the same disk tier answers one more question: its
    TTFT, restored from disk.
-3. `n`: a --n-tokens prompt asked with n=4 (sampled, seeded) against n=1 on /v1/completions, non-streaming:
-   wall time, and the decode cache's allocated bytes (reformer_decode_cache_bytes) read while it runs.
-4. `cold`: prompts of --cold-lengths tokens, each new (no hit), cache on against off: TTFT (the cost of
-   keeping a state).
+3. `n`: a --n-tokens prompt asked with n=4 (sampled, seeded) against n=1 on /v1/completions, one token each,
+   non-streaming: wall time (its time to first token), and the decode cache's allocated bytes
+   (reformer_decode_cache_bytes) read while it runs.
+4. `cold`: prompts of --cold-lengths tokens, each new (no hit), on a server with the memory tier only and one
+   with the cache off, both running, one request to each in turn (2 x --repeats each): TTFT (what keeping a
+   state costs a first token).
 --n-tokens 0 and an empty --cold-lengths skip phases 3 and 4 (a 500K-token document: --doc-bytes in
 characters, the tokenizer's count reported as cached_tokens). Every figure is the median of --repeats. Writes
 the JSON and prints a table with the load. Run it alone (bench/quiet_run.sh): the two cores are the
@@ -137,7 +139,8 @@ def n_phase(url: str, prompt: str, repeats: int) -> dict[str, Any]:
             watcher = threading.Thread(target=_watch_peak, args=(url, peak, done))
             watcher.start()
             began = time.perf_counter()
-            resp = httpx.post(url + "/v1/completions", json={"prompt": prompt + f" #{n}.{r}", "max_tokens": 8, "n": n,
+            # one token: the answer's time is its time to first token (a stream cannot carry n > 1)
+            resp = httpx.post(url + "/v1/completions", json={"prompt": prompt + f" #{n}.{r}", "max_tokens": 1, "n": n,
                                                             "temperature": 0.8, "seed": r}, timeout=1800)
             walls.append(time.perf_counter() - began)
             done.set()
@@ -171,9 +174,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result["doc_cache_on"] = doc_phase(on.url, doc, questions, 1, declare=True)
         if args.n_tokens:
             result["n"] = n_phase(on.url, text[: args.n_tokens], args.repeats)
-        result["cold_on"] = {n: statistics.median(ttft(on.url, text[i * 7 : i * 7 + n])[0]
-                                                  for i in range(1, args.repeats + 1))
-                             for n in cold_lengths}
+    if cold_lengths:  # the memory tier only (no disk writes), against the cache off, request by request in turn
+        with server(args.artifact, args.logs, "cold") as cold, \
+                server(args.artifact, args.logs, "cold_off", prefix_cache="false") as cold_off:
+            runs: dict[str, dict[int, list[float]]] = {"cold_on": {}, "cold_off": {}}
+            for n in cold_lengths:
+                for i in range(1, 2 * args.repeats + 1):
+                    runs["cold_on"].setdefault(n, []).append(ttft(cold.url, text[i * 7 : i * 7 + n])[0])
+                    runs["cold_off"].setdefault(n, []).append(ttft(cold_off.url, text[i * 7 + 3 : i * 7 + 3 + n])[0])
+            result["cold_runs"] = runs
+            for name, by_length in runs.items():
+                result[name] = {n: statistics.median(times) for n, times in by_length.items()}
     if args.cache_dir:
         with server(args.artifact, args.logs, "restart", **disk) as again:
             t, cached = ttft(again.url, doc + QUESTIONS[-1], len(doc))
@@ -181,9 +192,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with server(args.artifact, args.logs, "off", prefix_cache="false") as off:
         result["doc_cache_off"] = doc_phase(off.url, doc, questions[: args.off_questions], 1, declare=True)
         result["doc_whole_prompt"] = doc_phase(off.url, doc, questions[: args.off_questions], 1, declare=False)
-        result["cold_off"] = {n: statistics.median(ttft(off.url, text[i * 7 + 3 : i * 7 + 3 + n])[0]
-                                                   for i in range(1, args.repeats + 1))
-                              for n in cold_lengths}
     first = result["doc_cache_on"][0]["ttft_s"]
     later = [row["ttft_s"] for row in result["doc_cache_on"][1:]]
     anchor = statistics.median(row["ttft_s"] for row in result["doc_whole_prompt"])
@@ -206,7 +214,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"({result['restart']['cached_tokens']} cached) |")
     if "n" in result:
         n = result["n"]
-        print(f"| n=4 / n=1 wall time at {args.n_tokens} tokens | {n['wall_ratio']:.2f}x |")
+        print(f"| n=4 / n=1 time to the first token at {args.n_tokens} tokens | {n['wall_ratio']:.2f}x |")
         print(f"| n=4 / n=1 peak decode-cache bytes | {n['memory_ratio']:.2f}x |")
     for length, ratio in result["cold_speed_ratio"].items():
         print(f"| cold prompt of {length} tokens, speed with cache / without | {ratio:.3f}x |")
