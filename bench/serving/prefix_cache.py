@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     anchor = statistics.median(row["ttft_s"] for row in result["doc_whole_prompt"])
     result["second_question_ratio"] = statistics.median(later) / first
     result["second_question_vs_whole_prompt"] = statistics.median(later) / anchor
-    result["cold_speed_ratio"] = {n: result["cold_off"][n] / result["cold_on"][n] for n in result["cold_on"]}
+    result["cold_speed_ratio"] = {n: result["cold_off"][n] / result["cold_on"][n] for n in result.get("cold_on", {})}
     result["load_after"] = os.getloadavg()[0]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
