@@ -17,8 +17,15 @@ done
 if [[ ${#missing[@]} == 0 ]]; then
   exit 0
 fi
-packages=$(for tool in "${missing[@]}"; do echo "${package_of[$tool]}"; done | sort -u | tr '\n' ' ')
-packages=${packages% }
+# the packages of the missing binaries, each once, in a fixed order (bash only: the tests run this script on a
+# PATH of fakes, without sort or tr)
+declare -A wanted=()
+for tool in "${missing[@]}"; do wanted[${package_of[$tool]}]=1; done
+list=()
+for package in nginx prometheus; do
+  [[ -n ${wanted[$package]:-} ]] && list+=("$package")
+done
+packages="${list[*]}"
 
 install="apt-get update -q && apt-get install -y -q --no-install-recommends $packages"
 if [[ $(id -u) == 0 ]]; then

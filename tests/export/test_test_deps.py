@@ -39,6 +39,9 @@ def bin_dir(tmp_path: Path) -> Path:
     env, chmod = shutil.which("env"), shutil.which("chmod")
     assert env is not None and chmod is not None
     (d / "env").symlink_to(env)  # the script runs apt-get through env (DEBIAN_FRONTEND)
+    # nginx present, whether or not this machine's /usr/sbin (which the script adds to PATH) has one: these
+    # tests are about installing prometheus
+    fake(d, "nginx", "exit 0")
     # an apt-get that only records its arguments (so a test sees whether, and how, it was called) and
     # installs fake binaries when asked to install prometheus
     fake(d, "apt-get", f'echo "$*" >> {tmp_path}/apt.log\n'
