@@ -15,7 +15,7 @@ from tests.docker.kustomize_subset import load_documents, render
 from tests.docker.test_k8s import KUBERNETES_VERSIONS
 
 PREFIX_CACHE = K8S / "prefix-cache"
-HEADER = "X-Session-Id"
+HEADER = "X-Document-Id"
 
 
 def _service() -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """Prefix cache across replicas, through a real nginx (Debian's package) on loopback in front of two replicas
 of the service (tiny artifact, each its own process) that share one disk-tier folder:
-- hashing on the X-Session-Id header, with the key docker/k8s/prefix-cache/ingress-nginx.yaml gives
+- hashing on the X-Document-Id header, with the key docker/k8s/prefix-cache/ingress-nginx.yaml gives
   ingress-nginx, a session's later questions land on the replica that prefilled its document and restore it
   from that replica's memory tier (requests without the header are spread);
 - without affinity (round robin), the second question lands on the other replica, which restores the document
@@ -40,7 +40,7 @@ def _document(n: int) -> str:
 def _hash_key() -> str:
     """The nginx variable the Ingress hashes on: the header's, as ingress-nginx writes it into its nginx."""
     key: str = load_yaml(INGRESS)["metadata"]["annotations"]["nginx.ingress.kubernetes.io/upstream-hash-by"]
-    assert key == "$http_x_session_id"
+    assert key == "$http_x_document_id"
     return key
 
 
@@ -129,7 +129,7 @@ def _counters(server: ServerProcess) -> dict[str, float]:
 
 def _ask(url: str, doc: str, question: str, session: str | None = None) -> int:
     """One question about `doc`, declared as the cached part; the cached tokens the response reports."""
-    headers = {"X-Session-Id": session} if session else {}
+    headers = {"X-Document-Id": session} if session else {}
     body = {"inputs": doc + question,
             "parameters": {"max_new_tokens": 2, "details": True, "cache_prefix_chars": len(doc)}}
     r = httpx.post(url + "/generate", json=body, headers=headers, timeout=60)
