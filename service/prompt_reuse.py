@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from model.decoding.snapshot import copy_state, restore_snapshot, take_snapshot
+from model.decoding.snapshot import restore_snapshot, take_snapshot
 from service.jobs_runtime import GenerationJob
+from service.prefix_cache.keys import chain_key
 
 if TYPE_CHECKING:
     from service.prefix_cache import PrefixCache
@@ -25,6 +26,8 @@ if TYPE_CHECKING:
     from service.runner import ModelRunner
 
 log = logging.getLogger("service.engine")
+
+NO_IDENTITY = "00" * 32  # the chain's start when no prefix cache gives one (keys of prompts in flight only)
 
 
 class Sorted(NamedTuple):
@@ -64,16 +67,14 @@ class PromptReuse:
             return
         key = job.prefix_key = self._key(job)
         if key in self.waiting:
-            job.begin()
-            job.cache = self.runner.allocate(self._reserve(job))
+            self._own_state(job)
             self.waiting[key].append(job)
             return
         snap = None
         if self.cache is not None:
             snap = self.cache.lookup(key, len(job.prefill_ids), self.runner.cache)
         if snap is not None:
-            job.begin()
-            job.cache = self.runner.allocate(self._reserve(job))
+            self._own_state(job)
             try:
                 with torch.inference_mode():
                     restore_snapshot(self.runner.cache, snap, job.cache)
@@ -93,11 +94,15 @@ class PromptReuse:
     def _key(self, job: GenerationJob) -> str:
         if self.cache is not None:
             return self.cache.key(job.prefill_ids)
-        # no cache: forks still share one prefill; the key needs to be unique only among jobs in flight
-        return "tokens:" + ",".join(map(str, job.prefill_ids))
+        # no cache: forks still share one prefill, and a key need only tell apart the prompts in flight
+        return chain_key(NO_IDENTITY, job.prefill_ids)
 
-    def _reserve(self, job: GenerationJob) -> int:
-        return min(len(job.spec.prompt_ids) + job.spec.max_new_tokens, self.runner.max_positions)
+    def _own_state(self, job: GenerationJob) -> None:
+        """The job starts (its sampler) and gets its own blocks for its prompt plus max_new_tokens, for a kept or
+        shared state to be copied into."""
+        job.begin()
+        job.cache = self.runner.allocate(min(len(job.spec.prompt_ids) + job.spec.max_new_tokens,
+                                             self.runner.max_positions))
 
     def take_forks(self, job: GenerationJob) -> list[GenerationJob] | None:
         """A leader's prefill is done: the forks that waited on it (they run with its logits; `share` fills
@@ -117,16 +122,22 @@ class PromptReuse:
         still running."""
         key = job.prefix_key
         assert key is not None
+        length = len(job.prefill_ids)
+        keep = self.cache is not None and self.cache.wants(length, self.runner.cache.bytes_for(length))
+        if not keep and not forks:
+            return
         with torch.inference_mode():
-            length = len(job.prefill_ids)
-            if self.cache is not None and self.cache.wants(length, self.runner.cache.bytes_for(length)):
-                try:
-                    self.cache.offer(key, take_snapshot(self.runner.cache, state, logits))  # type: ignore[arg-type]
-                except Exception:  # the cache is an optimisation: the request goes on without it
-                    log.exception("could not keep a prefilled state in the prefix cache",
-                                  extra={"request_id": job.request_id})
+            # one copy out of the cache serves the prefix cache and every fork
+            snap = take_snapshot(self.runner.cache, state, logits)  # type: ignore[arg-type]
             for fork in forks:
-                copy_state(self.runner.cache, state, fork.cache)  # type: ignore[arg-type]
+                restore_snapshot(self.runner.cache, snap, fork.cache)
+        if keep:
+            assert self.cache is not None
+            try:
+                self.cache.offer(key, snap)
+            except Exception:  # the cache is an optimisation: the request goes on without it
+                log.exception("could not keep a prefilled state in the prefix cache",
+                              extra={"request_id": job.request_id})
 
     def orphans(self, leader: GenerationJob) -> list[GenerationJob]:
         """The forks of a leader that will not finish (it failed or was dropped): the caller fails them."""

@@ -14,8 +14,8 @@ plain tensors that belong to no slot and no block:
 
 `restore_snapshot` writes a snapshot into a state `DecodeCache.allocate` gave: the restored request then
 steps exactly as the request the snapshot was taken from would have (same bits: only copies, no
-arithmetic; tests/model/decoding/test_snapshot.py). `copy_state` is the same copy from one live state to
-another (the forks of `n` / `best_of`), without the snapshot in between.
+arithmetic; tests/model/decoding/test_snapshot.py). The forks of `n` / `best_of` are restores of one snapshot
+of their leader's state, the one the prefix cache keeps.
 
 A successor-value head's slot of the last position is written one step late, by the step after it
 (model/lsh/successor.py): a snapshot taken right after a prefill holds 0 there, and each restored copy
@@ -162,9 +162,3 @@ def restore_snapshot(cache: DecodeCache, snap: StateSnapshot, state: DecodeState
                            key=lambda n: tuple(int(p) for p in n.split(".")[1:])):
             layer = int(name.split(".")[1])
             plan.slices.setdefault(layer, []).append(snap.tensors[name].to(cache.device, copy=True))
-
-
-def copy_state(cache: DecodeCache, source: DecodeState, target: DecodeState) -> None:
-    """`restore_snapshot(take_snapshot(source))` into `target` without keeping the snapshot (the logits are
-    the caller's: a fork reuses the source's)."""
-    restore_snapshot(cache, take_snapshot(cache, source, torch.zeros(1)), target)

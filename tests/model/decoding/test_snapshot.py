@@ -9,7 +9,7 @@ import torch
 
 from model import ReformerLM
 from model.decoding import DecodeCache, Decoder, prefill
-from model.decoding.snapshot import StateSnapshot, check_fits, copy_state, restore_snapshot, take_snapshot
+from model.decoding.snapshot import StateSnapshot, check_fits, restore_snapshot, take_snapshot
 
 from ..helpers import tiny_config
 
@@ -83,7 +83,7 @@ def test_a_snapshot_is_not_changed_by_the_steps_after_it() -> None:
     assert all(torch.equal(kept[name], t) for name, t in snap.tensors.items())
 
 
-def test_copy_state_forks_a_request_that_then_steps_alone() -> None:
+def test_a_fork_restored_from_a_live_state_then_steps_alone() -> None:
     """n / best_of: one prefill, copied; each copy steps as the original, whatever the others feed."""
     lm = _model(["local", "lsh", "local", "lsh"], successor=1)
     cache = DecodeCache.for_tokens(lm, 70, slots=3, recent=4)
@@ -91,7 +91,7 @@ def test_copy_state_forks_a_request_that_then_steps_alone() -> None:
     prompt = torch.randint(3, 258, (33,), generator=torch.Generator().manual_seed(2))
     first, (a,) = prefill(lm, cache, [prompt], [70])
     b = cache.allocate(70)
-    copy_state(cache, a, b)
+    restore_snapshot(cache, take_snapshot(cache, a, first[0]), b)
     fed_a, fed_b = [5, 9, 11, 7, 3, 200, 17], [5, 9, 100, 7, 3, 8, 17]
     out_a, out_b = [], []
     with torch.no_grad():
