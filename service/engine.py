@@ -134,7 +134,7 @@ class Engine:
             model_dtype=str(cache.dtype), kv_cache_dtype=str(cache.kv_dtype), decode_weights=config.decode_weights,
             device_type=cache.device.type, recent_size=next(
                 (ix.recent_size for ix in cache.indexes if ix is not None), 0),
-            batch_invariant=config.batch_invariant)
+            batch_invariant=config.batch_invariant, config_digest=CacheIdentity.config_digest_of(model.config))
         return PrefixCache(identity, wanted, metrics.prefix_cache)
 
     # ---- event-loop side -------------------------------------------------------------------------------

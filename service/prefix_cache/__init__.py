@@ -35,7 +35,7 @@ __all__ = ["CacheIdentity", "PrefixCache", "PrefixCacheConfig", "PrefixStore"]
 @dataclass(frozen=True)
 class PrefixCacheConfig:
     capacity_bytes: int
-    min_tokens: int = 128  # shorter segments are not stored (a hit would save less than the copy costs)
+    min_tokens: int = 128  # shorter segments are not stored (REFORMER_PREFIX_CACHE_MIN_TOKENS)
     disk_dir: Path | None = None
     disk_bytes: int = 16 * 2**30
 
@@ -139,7 +139,7 @@ class PrefixCache:
                         pass
                 self._writes.task_done()
 
-    def flush(self, timeout: float | None = None) -> None:
+    def flush(self) -> None:
         """Wait until every queued disk write is done (tests, shutdown)."""
         if self._writer is not None:
             self._writes.join()

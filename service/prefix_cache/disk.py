@@ -38,7 +38,8 @@ class DiskRefusal(Exception):
 
 
 def _crc(t: torch.Tensor) -> int:
-    return zlib.crc32(t.contiguous().view(torch.uint8).numpy().tobytes()) if t.numel() else 0
+    # over the tensor's own bytes (a NumPy view: no copy of a state that may be gigabytes)
+    return zlib.crc32(t.contiguous().view(torch.uint8).numpy().data) if t.numel() else 0
 
 
 def checksums(tensors: dict[str, torch.Tensor]) -> str:

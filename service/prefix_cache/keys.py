@@ -18,9 +18,11 @@ assert array("i").itemsize == 4 and int.from_bytes(array("i", [1]).tobytes(), "l
 
 @dataclass(frozen=True)
 class CacheIdentity:
-    """Everything a decode state's bits depend on besides the tokens: the artifact (its manifest's sha256, which
-    covers the weights, the config and its hash seed), and each setting that changes what a prefill writes or
-    how the state is laid out. A state is only ever reused under the same identity."""
+    """Everything a decode state's bits depend on besides the tokens: the artifact (its weights' sha256 and the
+    whole model config, hash seed included), and each setting that changes what a prefill writes or how the
+    state is laid out. The decode weights change no stored bit (the prefill runs float32 whatever they are);
+    they are in the identity so that servers whose later steps differ never share entries. A state is only ever
+    reused under the same identity."""
 
     artifact_sha256: str
     hash_seed: int | None
@@ -30,7 +32,14 @@ class CacheIdentity:
     device_type: str
     recent_size: int  # the LSH indexes' recent order: its length is part of a state
     batch_invariant: bool  # prompts prefilled alone (bit for bit) or grouped with others
+    config_digest: str = ""  # the model config (chunk lengths, bucket counts, layers): `config_digest_of`
     layout_version: int = 1  # bumped when what a snapshot holds changes (model/decoding/snapshot.py)
+
+    @staticmethod
+    def config_digest_of(config: object) -> str:
+        """sha256 of a model config dataclass's fields, as sorted JSON."""
+        fields = asdict(config)  # type: ignore[call-overload]
+        return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()

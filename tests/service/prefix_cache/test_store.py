@@ -66,3 +66,14 @@ def test_keys_chain_the_identity_and_every_token() -> None:
     assert key != chain_key(other.digest(), tokens)  # a bit-changing setting is part of the key
     assert key != chain_key(identity.digest(), tokens[:-1])
     assert key != chain_key(identity.digest(), [*tokens[:10], 7, *tokens[11:]])
+
+
+def test_the_identity_covers_the_model_config() -> None:
+    """Two configs with the same weights' sha256 (a chunk length changed, say) never share an entry."""
+    from tests.model.helpers import tiny_config
+
+    one, two = tiny_config(), tiny_config(lsh_attn_chunk_length=16)
+    base = ("sha", 42, "float32", "float32", "float32", "cpu", 64, False)
+    assert CacheIdentity(*base, config_digest=CacheIdentity.config_digest_of(one)).digest() != CacheIdentity(
+        *base, config_digest=CacheIdentity.config_digest_of(two)).digest()
+    assert CacheIdentity.config_digest_of(one) == CacheIdentity.config_digest_of(tiny_config())
