@@ -237,8 +237,9 @@ class Settings(BaseSettings):
     prefix_cache: bool = Field(
         True,
         description="Keep the decode state of each prompt of at least prefix_cache_min_tokens tokens after its "
-        "prefill (or of the part a request declares with cache_prefix_chars), so a later request with the same "
-        "tokens restores it instead of prefilling (docs/API.md, \"Prefix cache\"). A restored state is a copy of "
+        "prefill (or of the part a request declares with cache_prefix_chars), when it fits prefix_cache_bytes or a "
+        "disk tier is set, so a later request with the same tokens restores it instead of prefilling (docs/API.md, "
+        "\"Prefix cache\"). A restored state is a copy of "
         "the state the prefill left, so an answer never depends on what the cache held. false: nothing is kept "
         "or looked up (identical prompts in flight together, and the choices of n / best_of, still share one "
         "prefill).",
