@@ -1,15 +1,18 @@
-"""Prefill time of this tree's model code against another commit's, in one process (in-process A/B).
+"""Prefill time of this tree's model code against another commit's, or of one artifact against another, in one
+process (in-process A/B).
 
     python bench/prefill/prefill_cost.py --against REV [--cases 1x256,8x256,1x4096,1x60000] [--reps 10]
                                  [--threads 1] [--artifact DIR] [--out bench/results/prefill_cost.json]
+    python bench/prefill/prefill_cost.py --against-artifact DIR [--artifact DIR] ...
 
 This machine's speed moves by up to 2x between runs minutes apart, so two code versions are compared in one
 process, their calls alternating: `git archive REV model` is unpacked into a temporary directory as the
 package `model_at_rev` (the model package imports itself only relatively), both packages build the same
 artifact's weights (default: the shipped one) and each case (N prompts of L bytes of a book, `NxL`) is
 prefilled by `model.decoding.prefill` of each, in turns, `--reps` times (4 for prompts past 20,000 bytes). The
-table gives the median of each and the largest difference of their logits. Writes the JSON and prints a table
-with the load average (run it through bench/quiet_run.sh).
+table gives the median of each and the largest difference of their logits. With `--against-artifact`, this
+tree's code prefills both artifacts' models (say, two hash-round counts), and the logits differ by design.
+Writes the JSON and prints a table with the load average (run it through bench/quiet_run.sh).
 """
 
 from __future__ import annotations
@@ -43,7 +46,9 @@ OLD = "model_at_rev"
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--against", required=True, help="the git revision whose model/ is compared with this tree's")
+    against = p.add_mutually_exclusive_group(required=True)
+    against.add_argument("--against", help="the git revision whose model/ is compared with this tree's")
+    against.add_argument("--against-artifact", help="an artifact whose model this tree's code also prefills")
     p.add_argument("--cases", default="1x256,8x256,1x4096,1x60000", help="NxL: N prompts of L bytes each")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--threads", type=int, default=1)
@@ -80,10 +85,15 @@ def main(argv: list[str] | None = None) -> int:
     lm, tok = artifact.model.eval(), artifact.tokenizer
     longest = max(length for _, length in cases) + 256
     with tempfile.TemporaryDirectory() as tmp:
-        old = import_model_at(args.against, Path(tmp))
-        lm_old = importlib.import_module(OLD).ReformerLM(lm.config).eval()
-        lm_old.load_state_dict(lm.state_dict())
-        runs = {"this tree": (new, lm), args.against: (old, lm_old)}
+        if args.against_artifact is not None:
+            other = args.against_artifact
+            runs = {"this tree": (new, lm), other: (new, load_artifact(other).model.eval())}
+        else:
+            other = args.against
+            old = import_model_at(args.against, Path(tmp))
+            lm_old = importlib.import_module(OLD).ReformerLM(lm.config).eval()
+            lm_old.load_state_dict(lm.state_dict())
+            runs = {"this tree": (new, lm), other: (old, lm_old)}
         caches = {name: mod.DecodeCache(m, 2**31, 16, max_tokens=min(longest, lm.config.max_position_embeddings))
                   for name, (mod, m) in runs.items()}
         load_before = [round(v, 2) for v in os.getloadavg()]
@@ -109,16 +119,18 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"prompts": n, "bytes": length, "reps": len(times["this tree"]),
                          "this_tree_ms": round(new_ms, 2), "against_ms": round(old_ms, 2),
                          "ratio": round(new_ms / old_ms, 3), "logits_max_abs_diff": diff})
-        sys.path.remove(tmp)
-    out = {"benchmark": "prefill_cost", "against": args.against,
-           "against_commit": subprocess.run(["git", "-C", str(ROOT), "rev-parse", args.against], check=True,
-                                            capture_output=True, text=True).stdout.strip(),
+        if tmp in sys.path:
+            sys.path.remove(tmp)
+    commit = None if args.against is None else subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", args.against], check=True, capture_output=True, text=True).stdout.strip()
+    out = {"benchmark": "prefill_cost", "against": other, "against_commit": commit,
+           "against_artifact": args.against_artifact,
            "artifact": str(args.artifact or "export/default_artifact"), "threads": args.threads, "rows": rows,
            "load_before": load_before, "load_after": [round(v, 2) for v in os.getloadavg()]}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"prefill, median ms, this tree against {args.against}, {args.threads} thread(s)")
-    print(f"{'prompts x bytes':>16}{'this tree':>12}{args.against[:12]:>14}{'ratio':>8}{'logits diff':>13}")
+    print(f"prefill, median ms, this tree against {other}, {args.threads} thread(s)")
+    print(f"{'prompts x bytes':>16}{'this tree':>12}{other[-12:]:>14}{'ratio':>8}{'logits diff':>13}")
     for r in rows:
         print(f"{r['prompts']:>7} x {r['bytes']:<6}{r['this_tree_ms']:>12.2f}{r['against_ms']:>14.2f}"
               f"{r['ratio']:>8.3f}{r['logits_max_abs_diff']:>13.2e}")

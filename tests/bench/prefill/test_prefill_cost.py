@@ -28,3 +28,25 @@ def test_a_run_against_head_times_both_and_compares_their_logits(tmp_path: Path)
         assert row["this_tree_ms"] > 0 and row["against_ms"] > 0
         # HEAD's model code is this tree's, give or take uncommitted edits: the same logits within rounding
         assert row["logits_max_abs_diff"] <= 1e-4
+
+
+def test_a_run_against_another_artifact_prefills_both_models_with_this_trees_code(tmp_path: Path) -> None:
+    from export import save_artifact
+    from model import ByteTokenizer
+    from tests.conftest import tiny_model
+
+    artifacts = []
+    for hashes in (2, 4):  # the same weights at two hash-round counts: only the hashing differs
+        artifacts.append(tmp_path / f"h{hashes}")
+        save_artifact(tiny_model(num_hashes=hashes), artifacts[-1], tokenizer=ByteTokenizer(),
+                      provenance={"note": "random weights for tests"}, onnx=False)
+    out = tmp_path / "prefill_cost.json"
+    (tmp_path / prefill_cost.BOOK).write_text("It was the best of times, it was the worst of times. " * 400)
+    assert prefill_cost.main(["--artifact", str(artifacts[0]), "--against-artifact", str(artifacts[1]),
+                              "--cases", "1x100", "--reps", "2", "--data", str(tmp_path), "--out", str(out)]) == 0
+    assert prefill_cost.OLD not in sys.modules  # no other commit's package was imported
+    result = json.loads(out.read_text())
+    assert result["against_artifact"] == str(artifacts[1]) and result["against_commit"] is None
+    (row,) = result["rows"]
+    assert row["this_tree_ms"] > 0 and row["against_ms"] > 0
+    assert row["logits_max_abs_diff"] > 0  # two rounds and four hash differently, so the models really differ
