@@ -3,15 +3,32 @@
 
 from __future__ import annotations
 
-import pytest
+import time
+from pathlib import Path
 
-from export import load_artifact
+import pytest
+from fastapi.testclient import TestClient
+
+from export import load_artifact, save_artifact
+from model import ByteTokenizer
+from service.app import create_app
+from service.settings import Settings
+from tests.conftest import tiny_model
 from tests.service.helpers import running_app
 
 
+@pytest.fixture(scope="module")
+def onnx_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny artifact with a verified model.onnx (the shipped default has none: docs/MODEL_CARD.md)."""
+    out = tmp_path_factory.mktemp("onnx_backend") / "artifact"
+    save_artifact(tiny_model(), out, tokenizer=ByteTokenizer(), provenance={"note": "random weights for tests"},
+                  onnx=True)
+    return out
+
+
 @pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
-def test_info_reports_the_backend_of_each_stage(backend: str) -> None:
-    artifact = load_artifact()  # the shipped default artifact carries model.onnx
+def test_info_reports_the_backend_of_each_stage(backend: str, onnx_artifact: Path) -> None:
+    artifact = load_artifact(onnx_artifact)
     assert artifact.onnx_path is not None
     with running_app(artifact, backend=backend, log_level="warning") as client:
         info = client.get("/info").json()
@@ -22,3 +39,16 @@ def test_info_reports_the_backend_of_each_stage(backend: str) -> None:
         assert r.status_code == 200
         engine = client.app.state.service.engine  # type: ignore[attr-defined]
         assert engine.backend.name == backend
+
+
+def test_onnxruntime_is_refused_at_start_up_for_an_artifact_without_a_graph(tiny_artifact: Path) -> None:
+    artifact = load_artifact(tiny_artifact)  # saved with onnx=False, as the shipped default is
+    assert artifact.onnx_path is None
+    app = create_app(Settings(backend="onnxruntime", log_level="warning"), artifact)
+    with TestClient(app, raise_server_exceptions=False) as client:
+        deadline = time.monotonic() + 30
+        while app.state.service.load_error is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert "has no model.onnx" in (app.state.service.load_error or "")
+        assert not app.state.service.ready
+        assert client.get("/health").status_code == 503
