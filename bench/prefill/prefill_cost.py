@@ -11,7 +11,8 @@ package `model_at_rev` (the model package imports itself only relatively), both 
 artifact's weights (default: the shipped one) and each case (N prompts of L bytes of a book, `NxL`) is
 prefilled by `model.decoding.prefill` of each, in turns, `--reps` times (4 for prompts past 20,000 bytes). The
 table gives the median of each and the largest difference of their logits. With `--against-artifact`, this
-tree's code prefills both artifacts' models (say, two hash-round counts), and the logits differ by design.
+tree's code prefills both artifacts' models (say, two hash-round counts), the logits differ by design, and the
+JSON's `this_tree_ms` is `--artifact`'s time.
 Writes the JSON and prints a table with the load average (run it through bench/quiet_run.sh).
 """
 
@@ -129,8 +130,9 @@ def main(argv: list[str] | None = None) -> int:
            "load_before": load_before, "load_after": [round(v, 2) for v in os.getloadavg()]}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"prefill, median ms, this tree against {other}, {args.threads} thread(s)")
-    print(f"{'prompts x bytes':>16}{'this tree':>12}{other[-12:]:>14}{'ratio':>8}{'logits diff':>13}")
+    mine = "this tree" if args.against is not None else str(args.artifact or "export/default_artifact")
+    print(f"prefill, median ms, {mine} against {other}, {args.threads} thread(s)")
+    print(f"{'prompts x bytes':>16}{mine[-12:]:>12}{other[-12:]:>14}{'ratio':>8}{'logits diff':>13}")
     for r in rows:
         print(f"{r['prompts']:>7} x {r['bytes']:<6}{r['this_tree_ms']:>12.2f}{r['against_ms']:>14.2f}"
               f"{r['ratio']:>8.3f}{r['logits_max_abs_diff']:>13.2e}")

@@ -24,12 +24,22 @@ def running_app(artifact: Any, **settings: Any) -> Iterator[TestClient]:
 
 
 def wait_ready(state: Any, timeout: float = 60.0) -> None:
+    wait_until(lambda: state.ready, timeout, "the app never became ready")
+
+
+def wait_load_error(state: Any, timeout: float = 30.0) -> str:
+    """The reason the app's model load failed, once it has."""
+    wait_until(lambda: state.load_error is not None, timeout, "the model load never failed")
+    return str(state.load_error)
+
+
+def wait_until(done: Callable[[], bool], timeout: float, failure: str) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if state.ready:
+        if done():
             return
         time.sleep(0.02)
-    raise AssertionError("the app never became ready")
+    raise AssertionError(failure)
 
 
 def sse_events(body: str) -> list[Any]:

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,7 @@ from model import ByteTokenizer
 from service.app import create_app
 from service.settings import Settings
 from tests.conftest import tiny_model
-from tests.service.helpers import running_app
+from tests.service.helpers import running_app, wait_load_error
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +45,6 @@ def test_onnxruntime_is_refused_at_start_up_for_an_artifact_without_a_graph(tiny
     assert artifact.onnx_path is None
     app = create_app(Settings(backend="onnxruntime", log_level="warning"), artifact)
     with TestClient(app, raise_server_exceptions=False) as client:
-        deadline = time.monotonic() + 30
-        while app.state.service.load_error is None and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert "has no model.onnx" in (app.state.service.load_error or "")
+        assert "has no model.onnx" in wait_load_error(app.state.service)
         assert not app.state.service.ready
         assert client.get("/health").status_code == 503
