@@ -21,7 +21,7 @@ venv: $(STAMP)
 test: $(STAMP)
 	scripts/test-deps.sh
 	$(PY) -m pytest -q -n 2 --dist loadgroup tests
-	$(PY) -m pytest -q tests/service/test_fuzz.py::test_every_response_is_documented_and_no_5xx
+	$(PY) -m pytest -q tests/service/api/test_fuzz.py::test_every_response_is_documented_and_no_5xx
 
 serve: $(STAMP)
 	$(VENV)/bin/reformer serve

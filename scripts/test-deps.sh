@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs what the test suite needs beyond the Python venv, from Debian's packages: `prometheus`, for the
-# `prometheus` and `promtool` binaries (tests/service/test_prometheus.py, tests/docker/test_prometheus_rules.py),
+# `prometheus` and `promtool` binaries (tests/service/observability/test_prometheus.py, tests/docker/test_prometheus_rules.py),
 # and `nginx` (tests/docker/test_prefix_routing.py runs it in front of two replicas). Both `make test` and
 # .ci/run call it. Does nothing when every binary is on PATH. Installs as root, or through sudo when sudo
 # works without a password; otherwise it stops at once (a prompt would hang CI, and a suite run without the

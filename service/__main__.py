@@ -2,6 +2,6 @@
 
 import sys
 
-from service.server import main
+from service.api.server import main
 
 sys.exit(main(sys.argv[1:]))

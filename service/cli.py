@@ -9,7 +9,7 @@ import sys
 # subcommand -> ("module", "function", "one-line help"); each function takes argv (list[str]) and
 # returns an exit code.
 SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
-    "serve": ("service.server", "main", "serve an artifact over HTTP (default: the shipped model)"),
+    "serve": ("service.api.server", "main", "serve an artifact over HTTP (default: the shipped model)"),
     "train": ("train.loop", "main", "train a byte-level Reformer on text files"),
     "data": ("train.corpus_fetch", "main", "write the training corpus into corpus/ (download or --from DIR)"),
     "export": ("export.cli", "export_main", "turn a training checkpoint into a served artifact"),

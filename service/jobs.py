@@ -28,7 +28,7 @@ class GenerationSpec:
     # from the prefill's forward (TokenEvent.prompt_logprobs)
     prompt_logprobs: int | None = None
     # the prompt's first N tokens are its segment: prefilled in one forward and kept in the prefix cache, the
-    # rest fed as decode steps (service/prompt_reuse.py); None: the whole prompt is the segment
+    # rest fed as decode steps (service/engine/prompt_reuse.py); None: the whole prompt is the segment
     cache_prefix_tokens: int | None = None
 
 
@@ -53,8 +53,8 @@ PREFILL_SLICES_KEPT = 32
 @dataclass
 class PrefillTimings:
     """A job's prefill summed over its calls (one, or one per slice of a long prompt prefilled between decode
-    steps): its trace's one `prefill` span and that span's attributes (service/tracing.py). Its size does not
-    grow with the prompt."""
+    steps): its trace's one `prefill` span and that span's attributes (service/observability/tracing.py). Its
+    size does not grow with the prompt."""
 
     tokens: int = 0  # the prompt's tokens (of which Timings.cached_tokens were not prefilled)
     slices: int = 0
@@ -79,7 +79,7 @@ class PrefillTimings:
 @dataclass
 class Timings:
     """Monotonic timestamps of a job's life; the durations feed headers and histograms, and the request's
-    trace is made of them (service/tracing.py)."""
+    trace is made of them (service/observability/tracing.py)."""
 
     enqueued: float = field(default_factory=time.monotonic)
     admitted: float | None = None  # past the admission checks, in the queue
@@ -88,7 +88,7 @@ class Timings:
     finished: float | None = None
     prefill: PrefillTimings = field(default_factory=PrefillTimings)
     # prompt tokens restored from the prefix cache, or copied from an identical prompt prefilled with it,
-    # instead of prefilled (service/prompt_reuse.py); the prefill span's `reformer.prefill.cached_tokens`
+    # instead of prefilled (service/engine/prompt_reuse.py); the prefill span's `reformer.prefill.cached_tokens`
     cached_tokens: int = 0
 
     @property

@@ -8,9 +8,9 @@ fragmentation, not with load. `malloc_trim(0)` returns the pages of every free c
 arena, without moving anything; the chunks stay free in the heap and fault in again when reused.
 
 The decode cache's pools (model/decoding/huge_pages.py) are mapped whole and stay resident wherever a request ever
-wrote them; the pages of their free blocks can go back too (service/runner.py `release_free_pages`).
+wrote them; the pages of their free blocks can go back too (service/engine/runner.py `release_free_pages`).
 
-`HeapKeeper` decides when the model worker gives memory back (service/engine.py calls it between its turns,
+`HeapKeeper` decides when the model worker gives memory back (service/engine/core.py calls it between its turns,
 never during a model step): after each turn in which a request finished, the pool pages of its blocks
 beyond the lowest `keep_bytes` of free blocks (REFORMER_CACHE_KEEP_MB), so that under steady load, never
 idle, the pools' resident pages follow the requests running and not the most ever held at once; once per

@@ -47,7 +47,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     Schemathesis gives every API operation of a `@schema.parametrize()` test the same node id (pytest 9), and
     pytest-xdist runs one item per node id: under xdist only `POST /generate` was fuzzed (seen by logging
     each case's operation). Under xdist those items are deselected; `make test` runs
-    tests/service/test_fuzz.py again on its own, without xdist, where every operation runs."""
+    tests/service/api/test_fuzz.py again on its own, without xdist, where every operation runs."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         fuzzed = [item for item in items if getattr(item, "operation_label", None) is not None]
         if fuzzed:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.metrics import ServiceMetrics
+from service.observability.metrics import ServiceMetrics
 from service.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -115,8 +115,8 @@ def _documented_metrics() -> dict[str, str]:
 
 
 def test_metrics_doc_lists_every_metric_the_service_defines() -> None:
-    code = "".join((ROOT / "service" / f).read_text() for f in ("metrics.py", "memory_metrics.py", "gpu_metrics.py",
-                                                                    "prefix_cache/metrics.py"))
+    sources = [*sorted((ROOT / "service" / "observability").glob("*.py")), ROOT / "service/prefix_cache/metrics.py"]
+    code = "".join(f.read_text() for f in sources)
     defined = {f"reformer_{n}" for n in re.findall(r'(?:PREFIX \+ |counter\()"(\w+)"', code)}
     defined |= set(re.findall(r'^[A-Z_]+ = "(reformer_\w+)"', code, re.MULTILINE))
     documented = _documented_metrics()

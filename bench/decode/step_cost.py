@@ -45,7 +45,7 @@ from bench.decode.generate import finish_batch_plot, hf_config  # noqa: E402
 from model import ReformerConfig, ReformerLM  # noqa: E402
 from model.decoding import DecodeCache, Decoder, prefill, step_threads  # noqa: E402
 from model.decoding.runtime import tune_cpu_runtime  # noqa: E402
-from service.backends import DTYPES  # noqa: E402
+from service.engine.backends import DTYPES  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 BANDWIDTH_BYTES = 512 * 2**20

@@ -279,7 +279,7 @@ def graph_decode(args: argparse.Namespace, sizes: Sizes, check: Check) -> dict[s
 
     from export import load_artifact
     from model.decoding.steps.cuda_graphs import StepGraphs
-    from service.runner import ModelRunner
+    from service.engine.runner import ModelRunner
 
     device = torch.device(sizes.device)
     artifact = load_artifact(args.artifact) if args.artifact else load_artifact()
@@ -330,7 +330,7 @@ def half_cache_decode(args: argparse.Namespace, sizes: Sizes, check: Check) -> d
     import torch
 
     from export import load_artifact
-    from service.runner import ModelRunner
+    from service.engine.runner import ModelRunner
 
     device = torch.device(sizes.device)
     artifact = load_artifact(args.artifact) if args.artifact else load_artifact()

@@ -6,9 +6,9 @@ tokens while it is prefilled, and its prefill time against its time alone.
                                 [--out bench/results/prefill_gap.json]
 
 MODEL is an artifact directory (default: the shipped export/default_artifact). Everything runs in this
-process through the service's own `Engine` (service/engine.py: its worker thread, its decode steps and its
+process through the service's own `Engine` (service/engine/core.py: its worker thread, its decode steps and its
 interleaving of sliced prefills), without HTTP, under the service's process settings
-(`service.server.apply_process_settings`):
+(`service.api.server.apply_process_settings`):
 
 1. alone: the long prompt (`--long-bytes` bytes of a book) prefilled by the engine with nothing else running
    (one piece, `ModelRunner.prefill`), timed from submission to its first token; then the same prompt
@@ -42,10 +42,10 @@ sys.path.insert(0, str(ROOT))
 
 from export import load_artifact  # noqa: E402
 from model.sampling import SamplingParams  # noqa: E402
-from service.engine import Engine, EngineConfig, GenerationStream  # noqa: E402
+from service.api.server import apply_process_settings  # noqa: E402
+from service.engine.core import Engine, EngineConfig, GenerationStream  # noqa: E402
 from service.jobs import GenerationSpec  # noqa: E402
-from service.metrics import ServiceMetrics  # noqa: E402
-from service.server import apply_process_settings  # noqa: E402
+from service.observability.metrics import ServiceMetrics  # noqa: E402
 from train.corpus_manifest import set_folder  # noqa: E402
 
 BOOKS = ("war_and_peace_pg2600.txt", "crime_and_punishment_pg2554.txt")

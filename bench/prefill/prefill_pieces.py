@@ -7,7 +7,7 @@ pieces are left longer than the engine's prefill budget allows between two decod
 MODEL is an artifact directory (default: the shipped export/default_artifact). The prompt is the same
 `--long-bytes` bytes of a book as bench/prefill/prefill_gap.py's long prompt; it is prefilled through
 `model.decoding.prefill_steps` into the cache the service's `ModelRunner` builds, under the service's process
-settings (`service.server.apply_process_settings`) and inference mode, on `--threads` intra-op threads, with
+settings (`service.api.server.apply_process_settings`) and inference mode, on `--threads` intra-op threads, with
 nothing else running: once to warm up (the pool's pages fault in, kernels load), then `--runs` times timed.
 
 A piece is the work between two `yield`s of the generator (what the engine runs as one slice). Each is
@@ -38,8 +38,8 @@ sys.path.insert(0, str(ROOT))
 
 from export import load_artifact  # noqa: E402
 from model.decoding import prefill_steps  # noqa: E402
-from service.runner import ModelRunner  # noqa: E402
-from service.server import apply_process_settings  # noqa: E402
+from service.api.server import apply_process_settings  # noqa: E402
+from service.engine.runner import ModelRunner  # noqa: E402
 from train.corpus_manifest import set_folder  # noqa: E402
 
 BOOK = "war_and_peace_pg2600.txt"  # bench/prefill/prefill_gap.py's long prompt: these bytes from offset 200,000

@@ -1,5 +1,5 @@
 """/health latency while the largest allowed requests are being tokenized (issue 54, item 3): tokenizing runs on
-the service's tokenize threads (service/tokenizing.py), never on the event loop, so /health stays fast while
+the service's tokenize threads (service/text/tokenizing.py), never on the event loop, so /health stays fast while
 bodies of max_payload_bytes are tokenized. The bar: /health p99 under 50 ms during the load.
 
 A prober sends GET /health every 10 ms on one keep-alive connection; first with the server idle (the anchor),

@@ -1,7 +1,8 @@
 """A plain OTLP/HTTP trace receiver on loopback: what a collector sees of the service's spans. It decodes each
 POST to /v1/traces as an `ExportTraceServiceRequest` (protobuf, opentelemetry-proto; gzip-compressed
 bodies too), keeps every span, and answers an empty `ExportTraceServiceResponse`. The tracing benchmark
-(bench/serving/tracing_overhead.py) and the tracing test (tests/service/test_tracing_otlp.py) export to it.
+(bench/serving/tracing_overhead.py) and the tracing test
+(tests/service/observability/test_tracing_otlp.py) export to it.
 
     with OtlpReceiver() as receiver:
         env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url}

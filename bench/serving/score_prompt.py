@@ -25,7 +25,7 @@ sys.path.insert(0, str(REPO))
 from fastapi.testclient import TestClient  # noqa: E402
 
 from export import load_artifact  # noqa: E402
-from service.app import create_app  # noqa: E402
+from service.api.app import create_app  # noqa: E402
 from service.settings import Settings  # noqa: E402
 
 

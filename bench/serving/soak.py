@@ -17,7 +17,7 @@ errors by kind (5xx, unexpected statuses, transport errors, timeouts, truncated 
 lost requests) and the verdict against the targets (bench/serving/soak_report.py). Without --url it starts
 `python -m service` itself.
 
-Count-based (the quick check tests/service/test_soak.py runs): no queued or running work, no decode cache
+Count-based (the quick check tests/service/api/test_soak.py runs): no queued or running work, no decode cache
 and no extra threads left after `--requests` mixed requests, and resident memory after them:
 
     python bench/serving/soak.py --requests 2000 [--artifact DIR | --url URL] [--out bench/results/soak.json]
@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.serving.overload import REPO, local_server, metric  # noqa: E402
 from bench.serving.soak_load import Prompts, plan, send  # noqa: E402
 from bench.serving.soak_report import Record, error_counts, memory_sample, verdict, windows  # noqa: E402
-from service.memory_metrics import DEBUG_MIN_INTERVAL_S  # noqa: E402
+from service.observability.memory_metrics import DEBUG_MIN_INTERVAL_S  # noqa: E402
 from train.corpus_manifest import set_folder  # noqa: E402
 
 TEXT = "The Reformer uses locality-sensitive hashing to attend over long documents. "

@@ -174,7 +174,7 @@ def wait_for_trace(receiver: OtlpReceiver, trace_id: str, timeout_s: float = 30.
 
 
 def tracing_counts(log_path: Path) -> dict[str, int] | None:
-    """The counts the "on" server logged when its tracing stopped (service/tracing_export.py)."""
+    """The counts the "on" server logged when its tracing stopped (service/observability/tracing_export.py)."""
     for line in log_path.read_text(errors="replace").splitlines():
         try:
             entry = json.loads(line)

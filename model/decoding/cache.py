@@ -25,7 +25,7 @@ On a Linux CPU the pools are mapped on transparent huge pages (model/decoding/hu
 read rows scattered over the whole pool. A pool's page stays resident once written, so free blocks are handed
 out lowest first (the running requests' blocks gather at the low end of the pools) and the cache keeps the
 free blocks written since their pages were last given back (`take_releasable`): the owner gives those pages
-back (service/runner.py), and the pools' resident pages follow the blocks in use instead of the highest
+back (service/engine/runner.py), and the pools' resident pages follow the blocks in use instead of the highest
 number of blocks ever held at once.
 """
 
@@ -289,7 +289,7 @@ class DecodeCache:
 
     def take_releasable(self, keep_blocks: int = 0, reach: int = 1) -> list[tuple[int, int]]:
         """Row ranges [start, stop) of the block pools (`block_pools`) whose contents are dead and whose pages
-        the owner gives back now (service/runner.py `release_free_pages`); the blocks in them count as given
+        the owner gives back now (service/engine/runner.py `release_free_pages`); the blocks in them count as given
         back from then on.
         Each range is a run of free blocks around the free blocks written since their last release, numbered
         `keep_blocks` or above (blocks are handed out lowest first, so those below are the next ones reused

@@ -3,7 +3,7 @@ Hugging Face tokenizers match their added special tokens (`<|im_end|>`, `</s>`) 
 model its user-defined pieces, one of which a description file may name as eos or pad; the tokenizers here
 encode with that matching off, and `respell` is the net under it: a special id an encoding still holds is
 replaced by the encoding of its characters one at a time. Control tokens come only from token ids a client
-sends or from the spellings a chat template writes (`control_tokens`, service/chat_prompt.py)."""
+sends or from the spellings a chat template writes (`control_tokens`, service/text/chat_prompt.py)."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ ENV_PREFIX = "REFORMER_"
 
 @functools.cache
 def exported_metric_families() -> frozenset[str]:
-    from service.metrics import exported_metric_families as families
+    from service.observability.metrics import exported_metric_families as families
 
     return frozenset(families())
 
@@ -26,7 +26,7 @@ def exported_metric_families() -> frozenset[str]:
 def served_paths() -> frozenset[str]:
     """Every path the FastAPI app routes, read from the app without loading a model (the model loads in
     the lifespan, which is never entered here)."""
-    from service.app import create_app
+    from service.api.app import create_app
 
     app = create_app(Settings(), artifact=None)
     # Recent FastAPI keeps included routers as lazy wrappers without a `path` in app.routes; the OpenAPI
@@ -51,7 +51,7 @@ def metric_names_in(text: str) -> set[str]:
 @functools.cache
 def histogram_families() -> frozenset[str]:
     """The families that have _bucket/_sum/_count series, from the `# TYPE` lines of a fresh scrape."""
-    from service.metrics import ServiceMetrics
+    from service.observability.metrics import ServiceMetrics
 
     text = ServiceMetrics().render().decode()
     typed = (line.split() for line in text.splitlines() if line.startswith("# TYPE "))

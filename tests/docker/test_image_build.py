@@ -78,6 +78,6 @@ def test_the_build_context_leaves_out_runs_corpus_venvs_and_bench_results() -> N
     for path in ("runs/run1/checkpoint.pt", "corpus/data/book.txt", ".venv/bin/python", ".venv-lmeval/x",
                  "bench/results/image_check.json", "wheel.whl", "tests/conftest.py"):
         assert not in_build_context(path), path
-    for path in ("docker/install.sh", "docker/apt-ca.sh", "docker/healthcheck.py", "setup.py", "service/app.py"):
+    for path in ("docker/install.sh", "docker/apt-ca.sh", "docker/healthcheck.py", "setup.py", "service/api/app.py"):
         assert in_build_context(path), path
     assert last(FINAL, "USER").argument.split(":")[0] not in {"0", "root"}

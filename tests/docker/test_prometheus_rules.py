@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from service.metrics import BATCH_SIZE_BUCKETS
+from service.observability.metrics import BATCH_SIZE_BUCKETS
 from tests.docker.conftest import DOCKER
 
 

@@ -12,7 +12,7 @@ import pytest
 from bench.server_process import ServerProcess as BenchServerProcess
 from bench.server_process import service_argv
 from export import load_artifact
-from service.engine import Engine
+from service.engine.core import Engine
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -11,8 +11,9 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from service import memory, server
-from service.runner import CPU_CACHE_FRACTION, default_cache_bytes
+from service import memory
+from service.api import server
+from service.engine.runner import CPU_CACHE_FRACTION, default_cache_bytes
 from service.settings import Settings
 
 GIB = 1 << 30

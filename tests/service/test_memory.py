@@ -15,11 +15,11 @@ import torch
 
 from model.sampling import SamplingParams
 from service import memory
-from service.engine import Engine, EngineConfig
+from service.engine.core import Engine, EngineConfig
+from service.engine.runner import ModelRunner
 from service.jobs import GenerationSpec
 from service.memory import BUDGET_CHECK_S, BUDGET_TRIM_INTERVAL_S, HeapKeeper
-from service.metrics import ServiceMetrics
-from service.runner import ModelRunner
+from service.observability.metrics import ServiceMetrics
 from tests.conftest import tiny_model
 
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from service.backends import kv_cache_dtype
-from service.protocol import CompletionRequest, EmbeddingsRequest, EmbedRequest, GenerateRequest
-from service.protocol.native import GenerateParameters
+from service.api.protocol import CompletionRequest, EmbeddingsRequest, EmbedRequest, GenerateRequest
+from service.api.protocol.native import GenerateParameters
+from service.engine.backends import kv_cache_dtype
 from service.settings import Settings, settings_from_argv
 from tests.service.conftest import REPO
 from tests.service.helpers import running_app
@@ -107,7 +107,7 @@ def test_kernels_on_refuses_to_start_naming_the_reason(tmp_path: Any) -> None:
            "REFORMER_KERNEL_DIR": str(tmp_path), "HOME": str(tmp_path)}
     code = ("import sys; from model.kernels import build; "
             "build.installed = lambda folder=build.HERE: {}; "  # nothing installed, as a broken install
-            "from service.server import main; sys.exit(main(['--device', 'cpu']))")
+            "from service.api.server import main; sys.exit(main(['--device', 'cpu']))")
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 2, r.stderr
@@ -119,7 +119,7 @@ def test_an_unwritable_prefix_cache_dir_refuses_to_start_naming_it(tmp_path: Any
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "REFORMER_PREFIX_CACHE_DIR": str(blocker / "cache")}
-    r = subprocess.run([sys.executable, "-c", "import sys; from service.server import main; sys.exit(main([]))"],
+    r = subprocess.run([sys.executable, "-c", "import sys; from service.api.server import main; sys.exit(main([]))"],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr
     assert f"REFORMER_PREFIX_CACHE_DIR {blocker / 'cache'}: cannot write there" in r.stderr

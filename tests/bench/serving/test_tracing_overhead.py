@@ -14,8 +14,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 import bench.serving.tracing_overhead as bench
 from bench.serving.otlp_receiver import OtlpReceiver
-from service.logs import JsonFormatter
-from service.tracing_export import SpanCounts, log_counts
+from service.observability.logs import JsonFormatter
+from service.observability.tracing_export import SpanCounts, log_counts
 
 
 def test_the_overhead_pools_each_servers_rounds() -> None:

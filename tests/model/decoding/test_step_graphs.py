@@ -15,7 +15,7 @@ import torch
 from model import ReformerLM
 from model.decoding import DecodeCache, Decoder, prefill
 from model.decoding.steps.cuda_graphs import StepGraphs
-from service.runner import ModelRunner, step_graphs_for
+from service.engine.runner import ModelRunner, step_graphs_for
 
 from ..helpers import tiny_config
 

@@ -1,0 +1,58 @@
+"""Request and response models of the HTTP API; each request model translates itself into engine specs."""
+
+from service.api.protocol.common import Limits, RequestModel
+from service.api.protocol.native import (
+    EmbedRequest,
+    ErrorResponse,
+    GenerateDetails,
+    GenerateRequest,
+    GenerateResponse,
+    StreamDetails,
+    StreamError,
+    StreamEvent,
+    Token,
+    TokenInfo,
+)
+from service.api.protocol.openai import (
+    OPENAI_FINISH_REASON,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    EmbeddingData,
+    EmbeddingsRequest,
+    EmbeddingsResponse,
+    ModelCard,
+    ModelList,
+    OpenAIErrorResponse,
+    PromptTokensDetails,
+    Usage,
+)
+
+__all__ = [
+    "OPENAI_FINISH_REASON",
+    "CompletionChoice",
+    "CompletionLogprobs",
+    "CompletionRequest",
+    "CompletionResponse",
+    "EmbedRequest",
+    "EmbeddingData",
+    "EmbeddingsRequest",
+    "EmbeddingsResponse",
+    "ErrorResponse",
+    "GenerateDetails",
+    "GenerateRequest",
+    "GenerateResponse",
+    "Limits",
+    "ModelCard",
+    "ModelList",
+    "OpenAIErrorResponse",
+    "RequestModel",
+    "StreamDetails",
+    "StreamError",
+    "StreamEvent",
+    "Token",
+    "TokenInfo",
+    "PromptTokensDetails",
+    "Usage",
+]

@@ -1,0 +1,324 @@
+"""The model executor: ONE worker thread owns the model and the device; handlers only enqueue and await.
+
+The engine in parts: `service/engine/admission.py` (queue bound, reservations, queue timeouts),
+`service/engine/policy.py`
+(pure functions: which generations start, how prompts are grouped, which embedding batch runs),
+`service/engine/runner.py` (the model runner: device tensors, the decode cache, batched prefill and decode steps),
+`service/engine/embed_batches.py` (the queued inputs of embedding requests and their batches),
+`service/engine/jobs_runtime.py` (per-request state and delivery to the event loop),
+`service/engine/generation_steps.py`
+(an object the engine owns: the generations past the queue, their prefills and decode steps) and, here, the
+requests' entry and the worker loop that ties them together. Each turn: start the queued generations the
+policy and the decode cache allow (prefilled together, grouped by length under `max_batch_tokens`, or sliced
+between decode steps when long, so requests that arrive meanwhile start between its slices), run ONE batched
+decode step over every running generation (continuous batching: requests join and leave between steps), then
+one embedding batch if one is ready. A failure in one request's work fails that request only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from model.kernels.weights import WeightKind
+from service.engine.admission import Admission, Reservation
+from service.engine.backends import EmbeddingBackend
+from service.engine.embed_batches import EmbedBatches
+from service.engine.generation_steps import GenerationSteps
+from service.engine.jobs_runtime import EmbedJob, GenerationJob, GenerationStream, Job, JobState
+from service.engine.policy import QueuedGeneration, take_generations
+from service.engine.prompt_reuse import PromptReuse
+from service.engine.runner import ModelRunner
+from service.errors import InputTooLong, InternalError, Overloaded, ServiceError, Unavailable
+from service.jobs import EmbeddingResult, EmbeddingSpec, GenerationSpec
+from service.memory import HeapKeeper
+from service.observability.logs import working_on
+from service.observability.metrics import ServiceMetrics
+from service.observability.tracing import note_job
+from service.prefix_cache import CacheIdentity, PrefixCache, PrefixCacheConfig
+
+log = logging.getLogger("service.engine")
+
+# Reservation lives in service/engine/admission.py and GenerationStream in service/engine/jobs_runtime.py; importers of
+# service.engine.core keep them.
+__all__ = ["Engine", "EngineConfig", "GenerationStream", "Reservation"]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_batch_size: int = 32
+    max_batch_tokens: int = 16384
+    max_wait_ms: float = 5.0
+    max_queue_size: int = 64
+    request_timeout_s: float = 60.0
+    warmup: bool = True
+    cache_bytes: int | None = None  # decode-cache capacity; None: service/engine/runner.py's default share
+    batch_invariant: bool = False  # decode steps in fixed row blocks: bit-identical to a request alone
+    max_request_tokens: int | None = None  # longest prompt plus max_new_tokens admitted; None: max positions
+    cuda_graphs: bool = False  # on CUDA, decode steps replay captured graphs (model/decoding/steps/cuda_graphs.py)
+    cpu_kernels: bool = True  # on CPU, decode steps attend through the C window kernel (model/kernels/bindings.py)
+    kv_cache_dtype: torch.dtype | None = None  # the decode cache's keys and values; None: the model's dtype
+    decode_weights: WeightKind = "float32"  # the C decode step's linear weights (model/kernels/weights.py)
+    # Between two decode steps, sliced prefills run slice after slice while the next one, if it takes as long
+    # as the longest of the last few (service/engine/policy.py another_slice_fits), still ends within this much time
+    # (at least one slice per step; 0: one slice per step). A running stream's gap is then about one decode
+    # step plus this (model/decoding/prefill/slices.py bounds a slice), and the prefill keeps about budget / (budget +
+    # decode step) of the time (bench/prefill/prefill_gap.py measures both; REFORMER_PREFILL_BUDGET_MS)
+    prefill_budget_ms: float = 100.0
+    idle_trim_s: float = 2.0  # idle this long: the heap's free pages go back to the system (service/memory.py)
+    memory_budget_bytes: int = 0  # RSS above which the worker trims between turns too; 0: only when idle
+    busy_trim_s: float = 30.0  # busy this long since the last trim: trim between turns (0: never)
+    # after a request finishes, the decode cache's pool pages of free blocks beyond the lowest this many bytes go
+    # back to the system (service/memory.py HeapKeeper; None: only idle or over the budget)
+    cache_keep_bytes: int | None = 64 * 2**20
+    # the prefix cache (service/prefix_cache/): None turns it off (forks of identical prompts still share one
+    # prefill); its capacity None: PREFIX_CACHE_SHARE of the decode cache's
+    prefix_cache: PrefixCacheConfig | None = None
+    artifact_sha256: str = ""  # what the prefix cache's keys start from (with the settings that change bits)
+
+
+# The prefix cache's memory tier when its capacity is not set: this share of the decode cache's capacity.
+PREFIX_CACHE_SHARE = 0.5
+
+
+class Engine:
+    def __init__(
+        self, model: Any, tokenizer: Any, backend: EmbeddingBackend, device: torch.device, config: EngineConfig,
+        metrics: ServiceMetrics, on_fatal: Callable[[BaseException], None] | None = None,
+    ):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.backend = backend
+        self.device = device
+        self.config = config
+        self.metrics = metrics
+        self.on_fatal = on_fatal
+        self.admission = Admission(config.max_queue_size, config.request_timeout_s, metrics)
+        self._cond = self.admission.cond
+        self._gen_queue: deque[GenerationJob] = deque()
+        self.embeds = EmbedBatches(backend, tokenizer.pad_id, metrics, self._cond, config.max_batch_size,
+                                   config.max_batch_tokens, config.max_wait_ms / 1000.0)
+        self.runner = ModelRunner(model, device, config.max_batch_size, config.cache_bytes, config.batch_invariant,
+                                  config.max_request_tokens, config.cuda_graphs, config.cpu_kernels,
+                                  config.kv_cache_dtype, config.decode_weights)
+        self.prefix_cache = self._prefix_cache(model, config, metrics)
+        # the generations past the queue (running, or prefilling in slices) and the steps that advance them
+        self.generations = GenerationSteps(self.runner, metrics, self._cond, batch_invariant=config.batch_invariant,
+                                           max_batch_tokens=config.max_batch_tokens,
+                                           prefill_budget_s=config.prefill_budget_ms / 1000.0,
+                                           reuse=PromptReuse(self.runner, self.prefix_cache, metrics.prefix_cache))
+        self.memory = HeapKeeper(config.idle_trim_s, config.memory_budget_bytes,
+                                 release=self.runner.release_free_pages, keep_bytes=config.cache_keep_bytes,
+                                 busy_trim_s=config.busy_trim_s)
+        self._stopping = False
+        self._dead = False
+        self.ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="reformer-model-worker", daemon=True)
+
+    def _prefix_cache(self, model: Any, config: EngineConfig, metrics: ServiceMetrics) -> PrefixCache | None:
+        wanted = config.prefix_cache
+        if wanted is None:
+            return None
+        cache = self.runner.cache
+        if wanted.capacity_bytes < 0:  # unset: a share of the decode cache's
+            wanted = PrefixCacheConfig(int(cache.capacity_bytes * PREFIX_CACHE_SHARE), wanted.min_tokens,
+                                       wanted.disk_dir, wanted.disk_bytes)
+        identity = CacheIdentity(
+            artifact_sha256=config.artifact_sha256, hash_seed=model.config.hash_seed,
+            model_dtype=str(cache.dtype), kv_cache_dtype=str(cache.kv_dtype), decode_weights=config.decode_weights,
+            device_type=cache.device.type, recent_size=next(
+                (ix.recent_size for ix in cache.indexes if ix is not None), 0),
+            batch_invariant=config.batch_invariant, config_digest=CacheIdentity.config_digest_of(model.config))
+        return PrefixCache(identity, wanted, metrics.prefix_cache)
+
+    # ---- event-loop side -------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._dead
+
+    def stats(self) -> dict[str, Any]:
+        with self._cond:
+            return {
+                "queued": dict(self._pending),
+                "running": len(self.generations.running),
+                **self.runner.stats(),
+                "alive": int(self.alive),
+            }
+
+    async def embed(self, spec: EmbeddingSpec, request_id: str | None = None,
+                    reservation: Reservation | None = None) -> EmbeddingResult:
+        job = EmbedJob(spec, asyncio.get_running_loop(), request_id)
+        self._admit(job, lambda: self.embeds.enqueue(job), reservation)
+        try:
+            return await job.future
+        except asyncio.CancelledError:
+            self.cancel(job)
+            raise
+
+    def generate(self, spec: GenerationSpec, request_id: str | None = None,
+                 reservation: Reservation | None = None, stream: bool = True) -> GenerationStream:
+        """Queue a generation. `stream=False`: the caller only needs the finished result, so its token events
+        reach the event loop all at once with the last one, not one wake-up of the loop per token."""
+        tokens = len(spec.prompt_ids) + spec.max_new_tokens
+        if not self.runner.fits_ever(tokens):
+            # waiting would never help: the decode cache could not hold it even empty
+            self.metrics.rejected.labels("cache_capacity").inc()
+            raise InputTooLong(self.runner.limit_message(tokens))
+        job = GenerationJob(spec, asyncio.get_running_loop(), request_id, self.tokenizer, stream)
+        self._admit(job, lambda: self._gen_queue.append(job), reservation)
+        return GenerationStream(job, self.cancel)
+
+    def reserve(self) -> Reservation | Overloaded:
+        return self.admission.reserve()
+
+    def release(self, reservation: Reservation) -> None:
+        self.admission.release(reservation)
+
+    @property
+    def _pending(self) -> dict[str, int]:
+        return self.admission.pending
+
+    @property
+    def _reserved(self) -> int:
+        return self.admission.reserved
+
+    def _admit(self, job: Job, enqueue: Callable[[], None], reservation: Reservation | None = None) -> None:
+        self.admission.admit(job, enqueue, reservation, lambda: self._dead or self._stopping)
+        job.timings.admitted = time.monotonic()
+        note_job(job.timings)  # the request's trace makes spans of the timings once it is answered
+
+    def cancel(self, job: Job) -> None:
+        """The client went away: drop queued work now, running work at the worker's next step."""
+        with self._cond:
+            if job.state is JobState.PENDING:
+                self._finish_pending(job)
+                self.metrics.dropped.labels("queued").inc()
+            elif job.state is JobState.RUNNING and isinstance(job, EmbedJob):
+                # A batch in flight finishes and is discarded; the job's other inputs leave the queue, and a
+                # batch taken but not yet run leaves its inputs out (EmbedBatches.run).
+                job.state = JobState.DONE
+                self.metrics.dropped.labels("embed").inc()
+            elif job.state is JobState.RUNNING:
+                job.cancel_requested = True
+                self._cond.notify()
+
+    def _finish_pending(self, job: Job) -> None:
+        self.admission.finish_pending(job)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+        if self.prefix_cache is not None:
+            self.prefix_cache.close()  # queued disk writes finish
+
+    # ---- worker thread ---------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            if self.config.warmup:
+                self._warm_up()
+            self.ready.set()
+            while True:
+                with self._cond:
+                    if self._stopping:
+                        break
+                    self._drop_cancelled()
+                    prefills = self._take_prefills()
+                    batch, wake_at = self.embeds.take(self._start, flush=self._stopping)
+                    trim = False
+                    if not prefills and not self.generations.busy and batch is None:
+                        timeout = None if wake_at is None else max(wake_at - time.monotonic(), 0.0)
+                        # idle with nothing queued either: once per idle spell the heap is trimmed
+                        trim = self.memory.idle_turn(not self._gen_queue and not self.embeds.items)
+                        if not trim:
+                            self._cond.wait(self.memory.idle_wait(timeout))
+                            continue
+                if trim:  # outside the lock, so requests are admitted meanwhile; never raises
+                    self.memory.trim("idle")
+                    continue
+                # each stage's log lines (the model's own too) name the requests it works for
+                if prefills:
+                    with working_on(j.request_id for j in prefills):
+                        self.generations.prefill_all(prefills)
+                if self.generations.prefilling:
+                    with working_on(j.request_id for e in self.generations.prefilling for j in e.jobs):
+                        self.generations.advance_prefills()
+                if self.generations.running:
+                    with working_on(j.request_id for j in self.generations.running):
+                        self.generations.decode_step()
+                if batch is not None:
+                    with working_on(it.job.request_id for it in batch):
+                        self.embeds.run(batch, self.generations.fail)
+                self.memory.after_work()  # the idle spell restarts; over the memory budget, a trim
+        except BaseException as exc:  # the worker must never die silently
+            self._die(exc)
+            return
+        self._fail_everything(Unavailable("the server is shutting down"))
+
+    def _die(self, exc: BaseException) -> None:
+        log.critical("the model worker died; the process must be restarted", exc_info=exc)
+        with self._cond:
+            self._dead = True
+        self._fail_everything(InternalError("the model worker stopped"))
+        if self.on_fatal is not None:
+            self.on_fatal(exc)
+
+    def _fail_everything(self, error: ServiceError) -> None:
+        self.generations.close_prefills()
+        with self._cond:
+            jobs: list[Job] = [*self._gen_queue, *self.embeds.jobs(), *self.generations.take_all()]
+            self._gen_queue.clear()
+            self.embeds.clear()
+            self.admission.clear()
+            for job in jobs:
+                job.state = JobState.DONE
+                if isinstance(job, GenerationJob):
+                    self.generations.release(job)
+        for job in {id(j): j for j in jobs}.values():
+            job.fail(error)
+
+    def _warm_up(self) -> None:
+        ids = self.tokenizer.encode("warm up the model")
+        mask = torch.ones(1, len(ids), dtype=torch.long)
+        for pooling in ("mean", "last"):
+            self.backend.embed(torch.tensor([ids]), mask, pooling)
+        logits, states = self.runner.prefill([ids], [len(ids) + 1])
+        try:
+            self.runner.decode([int(logits[0].argmax())], states)
+        finally:
+            self.runner.free(states[0])
+        log.info("warm-up done")
+
+    def _drop_cancelled(self) -> None:
+        """Under the lock: forget dead queue entries, drop running work whose client went away."""
+        if any(job.state is not JobState.PENDING for job in self._gen_queue):
+            self._gen_queue = deque(j for j in self._gen_queue if j.state is JobState.PENDING)
+        self.embeds.drop_done()
+        self.generations.drop_cancelled()
+
+    def _start(self, job: Job) -> None:
+        self.admission.start(job)
+
+    def _take_prefills(self) -> list[GenerationJob]:
+        """Under the lock: the generations that start now (service/engine/policy.py decides)."""
+        queued = [QueuedGeneration(len(j.spec.prompt_ids), len(j.spec.prompt_ids) + j.spec.max_new_tokens)
+                  for j in self._gen_queue]
+        n = take_generations(queued, self.generations.rows, self.config.max_batch_size,
+                             self.config.max_batch_tokens, self.runner.fits_together)
+        taken = [self._gen_queue.popleft() for _ in range(n)]
+        for job in taken:
+            self._start(job)
+        return taken
