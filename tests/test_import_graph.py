@@ -26,9 +26,24 @@ MAY_IMPORT: dict[str, set[str]] = {
     "model.decoding": {"model", "model.kernels"},
     "export": MODEL_LAYERS,
     "train": MODEL_LAYERS | {"export"},
-    "service": MODEL_LAYERS | {"export"},
     "loadtest": set(),
 }
+# The service's folders, bottom up: the shared base (settings, errors, jobs, memory at service/'s top level);
+# text; the prefix cache; observability (which reads the prefix cache's families); the engine; the HTTP side.
+# The command line's entry points (`cli`, `__main__`) sit above them all.
+BELOW_SERVICE = MODEL_LAYERS | {"export"}
+SERVICE_BASE = BELOW_SERVICE | {"service"}
+MAY_IMPORT.update({
+    "service": BELOW_SERVICE,
+    "service.text": SERVICE_BASE,
+    "service.prefix_cache": SERVICE_BASE,
+    "service.observability": SERVICE_BASE | {"service.prefix_cache"},
+    "service.engine": SERVICE_BASE | {"service.text", "service.prefix_cache", "service.observability"},
+    "service.api": SERVICE_BASE | {"service.text", "service.prefix_cache", "service.observability",
+                                   "service.engine"},
+})
+MAY_IMPORT["service.cli"] = MAY_IMPORT["service.__main__"] = SERVICE_BASE | set(MAY_IMPORT["service.api"]) | {
+    "service.api"}
 
 
 def _module_name(path: Path) -> str:
@@ -158,7 +173,7 @@ def test_every_folder_imports_only_the_folders_below_it() -> None:
     ("model.attention", "model.decoding.cache"),
     ("model.decoding.cache", "export.artifact"),
     ("export.embedding_stats", "train.data"),
-    ("export.artifact", "service.engine"),
+    ("export.artifact", "service.engine.core"),
 ])
 def test_the_check_allows_an_import_down_and_refuses_one_up(low: str, high: str) -> None:
     assert _layer_violations({high: {low}, low: set()}) == []
@@ -166,13 +181,14 @@ def test_the_check_allows_an_import_down_and_refuses_one_up(low: str, high: str)
 
 
 def test_the_check_refuses_train_and_the_service_each_other() -> None:
-    assert len(_layer_violations({"service.engine": {"train.data"}, "train.loop": {"service.engine"}})) == 2
+    assert len(_layer_violations({"service.engine.core": {"train.data"}, "train.loop": {"service.engine.core"}})) == 2
 
 
 def test_an_import_under_type_checking_counts(tmp_path: Path) -> None:
     source = tmp_path / "mod.py"
-    source.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from service.engine import Engine\n")
-    assert ("service.engine", ["Engine"]) in _imports(source, "model.mod", _modules())
+    source.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                      "    from service.engine.core import Engine\n")
+    assert ("service.engine.core", ["Engine"]) in _imports(source, "model.mod", _modules())
 
 
 @pytest.mark.parametrize("layer", ["model.decoding.plan", "model.kernels.abi"])
