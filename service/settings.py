@@ -73,6 +73,19 @@ class Settings(BaseSettings):
         "gaps between the running streams' tokens while a long prompt is prefilled, and a longer prefill. "
         "bench/prefill/prefill_gap.py measures both (bench/README.md).",
     )
+    prefill: Literal["one-piece", "causal"] = Field(
+        "one-piece",
+        description="How a generation's prompt is read. one-piece: one forward over the whole prompt (sorted "
+        "into LSH chunks together, so a position's attention depends on the tokens after it), sliced between "
+        "decode steps when long. causal: each prompt token read as a decode step reads a generated token (its "
+        "window a function of the tokens before it), one token per step, alone, in slices between the running "
+        "generations' steps; the prefix cache then keeps the state at each prompt's last 256-token block "
+        "boundary and any later prompt that starts with those tokens continues from it, with no "
+        "cache_prefix_chars declaration (declarations are ignored). Its answers are exact: a prompt gives "
+        "the same bits whatever the cache holds. It reads a cold prompt at decode-step speed, many times "
+        "slower than one-piece (bench/prefill/causal_prefill.py); prompts scored with logprobs "
+        "(echo, decoder_input_details) still take the one-piece forward.",
+    )
     cache_bytes: int | None = Field(
         None, ge=0,
         description="Decode-cache capacity in bytes (keys, values and LSH bookkeeping of running generations, in "

@@ -155,7 +155,7 @@ class ServiceState:
             prefix_cache=PrefixCacheConfig(
                 -1 if s.prefix_cache_bytes is None else s.prefix_cache_bytes, s.prefix_cache_min_tokens,
                 s.prefix_cache_dir, s.prefix_cache_dir_bytes) if s.prefix_cache else None,
-            artifact_sha256=artifact.sha256,
+            artifact_sha256=artifact.sha256, causal_prefill=s.prefill == "causal",
         )
         engine = Engine(model, artifact.tokenizer, backend, device, config, self.metrics,
                         on_fatal=lambda exc: self.on_fatal(exc))
@@ -232,6 +232,7 @@ class ServiceState:
                 "max_batch_size": s.max_batch_size, "max_batch_tokens": s.max_batch_tokens,
                 "max_wait_ms": s.max_wait_ms, "prefill_budget_ms": s.prefill_budget_ms,
                 "max_queue_size": s.max_queue_size,
+                "prefill": s.prefill,  # how prompts are read: one-piece or causal (REFORMER_PREFILL)
                 "request_timeout_s": s.request_timeout_s,
                 # bit-identical to a request alone (fixed row blocks), or the same greedy tokens within 1e-4
                 "batch_invariant": s.batch_invariant,

@@ -18,6 +18,7 @@ one embedding batch if one is ready. A failure in one request's work fails that 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -83,6 +84,9 @@ class EngineConfig:
     # prefill); its capacity None: PREFIX_CACHE_SHARE of the decode cache's
     prefix_cache: PrefixCacheConfig | None = None
     artifact_sha256: str = ""  # what the prefix cache's keys start from (with the settings that change bits)
+    # REFORMER_PREFILL=causal: every prompt read as decode steps read tokens (service/engine/runner.py
+    # extend_slices), its state kept and found at block boundaries with no declaration (prompt_reuse.py)
+    causal_prefill: bool = False
 
 
 # The prefix cache's memory tier when its capacity is not set: this share of the decode cache's capacity.
@@ -114,7 +118,9 @@ class Engine:
         self.generations = GenerationSteps(self.runner, metrics, self._cond, batch_invariant=config.batch_invariant,
                                            max_batch_tokens=config.max_batch_tokens,
                                            prefill_budget_s=config.prefill_budget_ms / 1000.0,
-                                           reuse=PromptReuse(self.runner, self.prefix_cache, metrics.prefix_cache))
+                                           reuse=PromptReuse(self.runner, self.prefix_cache, metrics.prefix_cache,
+                                                             causal=config.causal_prefill),
+                                           causal=config.causal_prefill)
         self.memory = HeapKeeper(config.idle_trim_s, config.memory_budget_bytes,
                                  release=self.runner.release_free_pages, keep_bytes=config.cache_keep_bytes,
                                  busy_trim_s=config.busy_trim_s)
@@ -136,7 +142,8 @@ class Engine:
             model_dtype=str(cache.dtype), kv_cache_dtype=str(cache.kv_dtype), decode_weights=config.decode_weights,
             device_type=cache.device.type, recent_size=next(
                 (ix.recent_size for ix in cache.indexes if ix is not None), 0),
-            batch_invariant=config.batch_invariant, config_digest=CacheIdentity.config_digest_of(model.config))
+            batch_invariant=config.batch_invariant, config_digest=CacheIdentity.config_digest_of(model.config),
+            prefill="causal" if config.causal_prefill else "one-piece")
         return PrefixCache(identity, wanted, metrics.prefix_cache)
 
     # ---- event-loop side -------------------------------------------------------------------------------
@@ -175,6 +182,9 @@ class Engine:
             # waiting would never help: the decode cache could not hold it even empty
             self.metrics.rejected.labels("cache_capacity").inc()
             raise InputTooLong(self.runner.limit_message(tokens))
+        if self.config.causal_prefill and spec.cache_prefix_tokens is not None:
+            # a causal prompt's every block boundary is found by its content: a declared part changes nothing
+            spec = dataclasses.replace(spec, cache_prefix_tokens=None)
         job = GenerationJob(spec, asyncio.get_running_loop(), request_id, self.tokenizer, stream)
         self._admit(job, lambda: self._gen_queue.append(job), reservation)
         return GenerationStream(job, self.cancel)

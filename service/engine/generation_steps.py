@@ -49,8 +49,9 @@ class GenerationSteps:
 
     def __init__(self, runner: ModelRunner, metrics: ServiceMetrics, cond: threading.Condition, *,
                  batch_invariant: bool, max_batch_tokens: int, prefill_budget_s: float,
-                 reuse: PromptReuse | None = None) -> None:
+                 reuse: PromptReuse | None = None, causal: bool = False) -> None:
         self.runner = runner
+        self.causal = causal  # REFORMER_PREFILL=causal: every prompt read by runner.extend_slices
         # prefix-cache hits and forks of identical prompts (service/engine/prompt_reuse.py)
         self.reuse = reuse if reuse is not None else PromptReuse(runner, None, None)
         self.metrics = metrics
@@ -156,6 +157,11 @@ class GenerationSteps:
         if ready:
             self._start([job for job, _ in ready], [job.cache for job, _ in ready],
                          torch.stack([logits for _, logits in ready]))
+        if self.causal:  # each prompt read alone, in slices; a scored one takes the one-piece forward below
+            for job in [j for j in jobs if j.spec.prompt_logprobs is None]:
+                job.begin()
+                self.prefilling.append(SlicedPrefill([job], self._causal_slices(job), deque(maxlen=SLICE_HISTORY)))
+            jobs = [j for j in jobs if j.spec.prompt_logprobs is not None]
         if not jobs:
             return
         if self.batch_invariant:
@@ -215,6 +221,26 @@ class GenerationSteps:
         if asked is not None:
             return self.runner.prefill_scored_slices(prompts, reserve, asked)
         return self.runner.prefill_slices(prompts, reserve)
+
+    def _causal_slices(self, job: GenerationJob) -> Generator[None, None, tuple[torch.Tensor, list[Any]]]:
+        """A causal prompt read from the state it starts from (`job.cache`: restored from the prefix cache, or
+        None), its state offered to the prefix cache on the way at the boundary `reuse.keep_at` picks."""
+        keep = self.reuse.keep_at(job)
+        reserve = len(job.spec.prompt_ids) + job.spec.max_new_tokens
+        steps = self.runner.extend_slices(job.prefill_ids, reserve, job.cache, stops=() if keep is None else (keep,))
+        while True:
+            try:
+                length, logits, state = next(steps)
+            except StopIteration as done:
+                logits, state = done.value
+                return logits.unsqueeze(0), [state]
+            if length == keep:
+                self.reuse.keep(job, state, logits, length)
+            try:
+                yield
+            except GeneratorExit:
+                steps.close()
+                raise
 
     def _prefill(self, jobs: list[GenerationJob]) -> None:
         scores = None

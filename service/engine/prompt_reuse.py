@@ -7,7 +7,13 @@ How a generation's prompt is processed never depends on what is cached (service/
 its segment (the whole prompt, or the part the request declared with `cache_prefix_chars`) is prefilled in one
 forward, and the tokens after it are fed as decode steps (`GenerationJob.suffix`). A hit or a fork copies the
 state of exactly that prefill (model/decoding/snapshot.py), so its tokens are the leader's bits. A prompt
-that asks to be scored (prompt logprobs) always prefills, alone of the cache."""
+that asks to be scored (prompt logprobs) always prefills, alone of the cache.
+
+With the causal prefill (REFORMER_PREFILL=causal) the segment is always the whole prompt, read as decode steps
+read tokens (service/engine/runner.py `extend_slices`), so the state after any block boundary of a prompt is
+a function of the tokens before it: the prefix cache keeps the state at the prompt's last block boundary
+while the prompt is read (`keep_at`, `keep`), and a later prompt continues from the longest kept boundary
+it starts with (`PrefixCache.lookup_longest`): no request declares anything."""
 
 from __future__ import annotations
 
@@ -37,10 +43,12 @@ class Sorted(NamedTuple):
 
 
 class PromptReuse:
-    def __init__(self, runner: ModelRunner, cache: PrefixCache | None, metrics: PrefixCacheMetrics | None) -> None:
+    def __init__(self, runner: ModelRunner, cache: PrefixCache | None, metrics: PrefixCacheMetrics | None,
+                 causal: bool = False) -> None:
         self.runner = runner
         self.cache = cache
         self.metrics = metrics
+        self.causal = causal  # REFORMER_PREFILL=causal: prompts continue from kept block boundaries
         # the segment key of every leader being prefilled now -> the forks waiting for its state (their own
         # states allocated when they started, so the blocks admission counted for them are theirs)
         self.waiting: dict[str, list[GenerationJob]] = {}
@@ -70,6 +78,11 @@ class PromptReuse:
             self._own_state(job)
             self.waiting[key].append(job)
             return
+        if self.causal:
+            self._continue_causal(job)
+            self.waiting[key] = []
+            out.prefill.append(job)
+            return
         snap = None
         if self.cache is not None:
             snap = self.cache.lookup(key, len(job.prefill_ids), self.runner.cache)
@@ -90,6 +103,52 @@ class PromptReuse:
                 return
         self.waiting[key] = []
         out.prefill.append(job)
+
+    def _continue_causal(self, job: GenerationJob) -> None:
+        """A causal prompt starts from the longest kept state of its prefix (restored into `job.cache`, which
+        the job owns, with room for the whole request), or from nothing (`job.cache` None); either way its
+        causal prefill then reads the rest."""
+        if self.cache is None:
+            return
+        # the prompt's last token is always read (its logits are the first token's), so a state of the whole
+        # prompt is never what it continues from
+        found = self.cache.lookup_longest(job.prefill_ids[:-1], self.runner.cache)
+        if found is None:
+            return
+        length, snap = found
+        state = self.runner.allocate(len(job.spec.prompt_ids) + job.spec.max_new_tokens)
+        try:
+            with torch.inference_mode():
+                restore_snapshot(self.runner.cache, snap, state)
+        except Exception:  # the entry is unusable: forget it, and compute what it held
+            log.exception("restoring a kept state failed; prefilling instead", extra={"request_id": job.request_id})
+            self.cache.forget(self.cache.key(job.prefill_ids[:length]))
+            self.runner.free(state)
+            return
+        job.cache = state
+        job.timings.cached_tokens = length
+
+    def keep_at(self, job: GenerationJob) -> int | None:
+        """Where a causal prompt's state is worth keeping: its last block boundary short of its end (so a
+        repeat of the prompt has a token to read and logits of its own), when the prefix cache takes it and it
+        lies past the state the prompt started from; else None."""
+        if self.cache is None or job.spec.prompt_logprobs is not None:
+            return None
+        ends = [n for n, _ in self.cache.links(job.prefill_ids) if n < len(job.prefill_ids)]
+        if not ends or ends[-1] <= job.timings.cached_tokens:
+            return None
+        length = ends[-1]
+        return length if self.cache.wants(length, self.runner.cache.bytes_for(length)) else None
+
+    def keep(self, job: GenerationJob, state: object, logits: torch.Tensor, length: int) -> None:
+        """Offer a causal prompt's state at `length` (a block boundary) to the prefix cache."""
+        assert self.cache is not None
+        with torch.inference_mode():
+            snap = take_snapshot(self.runner.cache, state, logits)  # type: ignore[arg-type]
+        try:
+            self.cache.offer(self.cache.key(job.prefill_ids[:length]), snap)
+        except Exception:  # the cache is an optimisation: the request goes on without it
+            log.exception("could not keep a state in the prefix cache", extra={"request_id": job.request_id})
 
     def _key(self, job: GenerationJob) -> str:
         if self.cache is not None:
@@ -123,7 +182,9 @@ class PromptReuse:
         key = job.prefix_key
         assert key is not None
         length = len(job.prefill_ids)
-        keep = self.cache is not None and self.cache.wants(length, self.runner.cache.bytes_for(length))
+        # a causal prompt's state was kept at its last block boundary while it was read (`keep`)
+        keep = not self.causal and self.cache is not None and self.cache.wants(
+            length, self.runner.cache.bytes_for(length))
         if not keep and not forks:
             return
         with torch.inference_mode():

@@ -23,7 +23,7 @@ from typing import Any
 from model.decoding import DecodeCache
 from model.decoding.snapshot import StateSnapshot, check_fits
 from service.prefix_cache.disk import DiskRefusal, DiskTier
-from service.prefix_cache.keys import CacheIdentity, chain_key
+from service.prefix_cache.keys import CacheIdentity, chain_key, chain_links
 from service.prefix_cache.metrics import PrefixCacheMetrics
 from service.prefix_cache.store import PrefixStore
 
@@ -72,6 +72,30 @@ class PrefixCache:
         if snap is not None and self.metrics is not None:
             self.metrics.hits.labels(tier).inc(tokens)
         return snap
+
+    def lookup_longest(self, tokens: Sequence[int], cache: DecodeCache) -> tuple[int, StateSnapshot] | None:
+        """The longest kept state of a prefix of `tokens` that ends at a block boundary (a multiple of
+        KEY_BLOCK_TOKENS, or the whole prompt), with its length, from memory or else from disk, or None. What the
+        causal prefill keeps (REFORMER_PREFILL=causal): a state there is a function of its own tokens only, so
+        any prompt that starts with them may continue from it. Counted as `lookup` counts: `tokens` queried,
+        the state's length hit."""
+        if self.metrics is not None:
+            self.metrics.queries.inc(len(tokens))
+        for length, key in reversed(self.links(tokens)):
+            snap = self.store.get(key)
+            tier = "memory"
+            if snap is None and self.disk is not None and self.disk.has(key):
+                snap, tier = self._read_disk(key, cache), "disk"
+            if snap is not None and snap.length == length:
+                if self.metrics is not None:
+                    self.metrics.hits.labels(tier).inc(length)
+                return length, snap
+        return None
+
+    def links(self, tokens: Sequence[int]) -> list[tuple[int, str]]:
+        """(length, key) of each of the prompt's prefixes the causal prefill may keep: those at block
+        boundaries of at least min_tokens tokens, and the whole prompt."""
+        return [(n, key) for n, key in chain_links(self.digest, tokens) if n >= self.config.min_tokens]
 
     def _read_disk(self, key: str, cache: DecodeCache) -> StateSnapshot | None:
         assert self.disk is not None

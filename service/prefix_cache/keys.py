@@ -34,6 +34,7 @@ class CacheIdentity:
     batch_invariant: bool  # prompts prefilled alone (bit for bit) or grouped with others
     config_digest: str = ""  # the model config (chunk lengths, bucket counts, layers): `config_digest_of`
     layout_version: int = 1  # bumped when what a snapshot holds changes (model/decoding/snapshot.py)
+    prefill: str = "one-piece"  # how prompts are read (REFORMER_PREFILL): a causal state is another state
 
     @staticmethod
     def config_digest_of(config: object) -> str:
@@ -48,12 +49,21 @@ class CacheIdentity:
 def chain_key(identity_digest: str, tokens: Sequence[int]) -> str:
     """The key of a prefix: sha256 chained over its blocks of KEY_BLOCK_TOKENS tokens (each link hashes the
     previous link, the block's length and its ids as little-endian int32), starting from the identity."""
+    return chain_links(identity_digest, tokens)[-1][1] if tokens else identity_digest
+
+
+def chain_links(identity_digest: str, tokens: Sequence[int]) -> list[tuple[int, str]]:
+    """(length, key) after every block of the chain, in order: the keys of the prompt's prefixes that end at a
+    multiple of KEY_BLOCK_TOKENS, and last the whole prompt's (its final block may be partial). The key of a
+    prefix of b tokens is the same in every prompt that starts with those b tokens."""
     link = bytes.fromhex(identity_digest)
+    out: list[tuple[int, str]] = []
     for start in range(0, len(tokens), KEY_BLOCK_TOKENS):
         block = tokens[start : start + KEY_BLOCK_TOKENS]
         h = hashlib.sha256(link)
         h.update(len(block).to_bytes(4, "little"))
-        ids = array("i", block)  # int32 (the platforms served are little-endian; checked below)
+        ids = array("i", block)  # int32 (the platforms served are little-endian; checked at import)
         h.update(ids.tobytes())
         link = h.digest()
-    return link.hex()
+        out.append((start + len(block), link.hex()))
+    return out

@@ -1,0 +1,97 @@
+"""REFORMER_PREFILL=causal through the service: a prompt read token by token as decode steps read tokens, its
+state kept at its last 256-token block boundary, and every later prompt that starts with those tokens
+continuing from it with no declaration. The answers are the cold answers bit for bit (the same text and the
+same logprobs) whatever the cache held, on every route, and forks of identical prompts still share one read."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from service.prefix_cache.keys import KEY_BLOCK_TOKENS
+from tests.service.helpers import metric_value, running_app
+
+# byte tokenizer: one token per character; the document spans two whole blocks and part of a third
+DOC = ("The harbour master kept a ledger of every ship that came in, its cargo, its crew and the weather. "
+       "In the valley the river turned twice before it reached the mill. ") * 4
+QUESTIONS = [" Who kept the ledger?", " Where did the river turn, and how often did it turn on its way?",
+             " Name one ship."]
+SETTINGS: dict[str, Any] = dict(prefill="causal", max_new_tokens=8, max_input_tokens=1024,
+                                prefix_cache_min_tokens=16)
+
+
+def _generate(client: TestClient, prompt: str, **params: Any) -> tuple[str, list[float], int]:
+    parameters = {"max_new_tokens": 6, "details": True, "do_sample": True, "seed": 7, **params}
+    r = client.post("/generate", json={"inputs": prompt, "parameters": parameters})
+    assert r.status_code == 200, r.text
+    details = r.json()["details"]
+    assert int(r.headers["x-cached-tokens"]) == details["cached_tokens"]
+    return r.json()["generated_text"], [t["logprob"] for t in details["tokens"]], details["cached_tokens"]
+
+
+@pytest.fixture(scope="module")
+def cold(artifact: Any) -> list[tuple[str, list[float], int]]:
+    """Each prompt alone on a causal server with the prefix cache off."""
+    with running_app(artifact, **SETTINGS, prefix_cache=False) as off:
+        return [_generate(off, DOC + q) for q in QUESTIONS]
+
+
+def test_the_document_is_found_by_content_and_the_answers_are_the_cold_ones(artifact: Any, cold: Any) -> None:
+    assert len(DOC) > 2 * KEY_BLOCK_TOKENS
+    with running_app(artifact, **SETTINGS) as on:
+        warm = [_generate(on, DOC + q) for q in QUESTIONS]
+        again = _generate(on, DOC + QUESTIONS[1])
+        metrics = on.get("/metrics").text
+        info = on.get("/info").json()
+    assert all(cached == 0 for _, _, cached in cold)
+    # the first prompt keeps its last boundary short of its end; the others start with that much of it
+    boundary = (len(DOC) // KEY_BLOCK_TOKENS) * KEY_BLOCK_TOKENS
+    assert [c for _, _, c in warm] == [0, boundary, boundary]
+    assert [(t, lp) for t, lp, _ in warm] == [(t, lp) for t, lp, _ in cold]  # bit for bit: equal floats
+    assert again[:2] == cold[1][:2] and again[2] == (len(DOC + QUESTIONS[1]) - 1) // KEY_BLOCK_TOKENS \
+        * KEY_BLOCK_TOKENS
+    assert metric_value(metrics, "reformer_prefix_cache_hits_tokens_total", {"tier": "memory"}) == \
+        2 * boundary + again[2]
+    assert info["batching"]["prefill"] == "causal"
+
+
+def test_a_conversation_continues_from_its_previous_turn(artifact: Any) -> None:
+    turn1 = DOC + " Who kept the ledger?"
+    with running_app(artifact, **SETTINGS, prefix_cache=False) as off:
+        first_cold = _generate(off, turn1)
+        turn2 = turn1 + first_cold[0] + " And the mill?"
+        second_cold = _generate(off, turn2)
+    with running_app(artifact, **SETTINGS) as on:
+        first = _generate(on, turn1)
+        second = _generate(on, turn2)
+    assert first == first_cold
+    assert second[:2] == second_cold[:2]
+    assert second[2] == (len(turn1) // KEY_BLOCK_TOKENS) * KEY_BLOCK_TOKENS
+
+
+def test_a_declared_prefix_changes_nothing_under_the_causal_prefill(artifact: Any, cold: Any) -> None:
+    with running_app(artifact, **SETTINGS, prefix_cache=False) as off:
+        declared = _generate(off, DOC + QUESTIONS[0], cache_prefix_chars=len(DOC))
+    assert declared == cold[0]
+
+
+def test_choices_share_one_read_and_a_short_prompt_reads_alone(artifact: Any) -> None:
+    with running_app(artifact, **SETTINGS) as on:
+        r = on.post("/v1/completions", json={"prompt": DOC + QUESTIONS[0], "n": 3, "max_tokens": 4,
+                                             "temperature": 1.0, "seed": 3})
+        assert r.status_code == 200, r.text
+        short = on.post("/generate", json={"inputs": "Hi", "parameters": {"max_new_tokens": 3, "details": True}})
+        assert short.status_code == 200, short.text
+        metrics = on.get("/metrics").text
+    assert len(r.json()["choices"]) == 3
+    assert metric_value(metrics, "reformer_prefix_cache_forks_total") == 2
+    assert short.json()["details"]["cached_tokens"] == 0
+
+
+def test_a_scored_prompt_still_takes_the_one_piece_forward(artifact: Any) -> None:
+    with running_app(artifact, **SETTINGS) as on:
+        r = on.post("/v1/completions", json={"prompt": DOC, "echo": True, "logprobs": 1, "max_tokens": 0})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"][0]["logprobs"]["token_logprobs"]) == len(DOC)
