@@ -5,10 +5,13 @@ same logprobs) whatever the cache held, on every route, and forks of identical p
 
 from __future__ import annotations
 
+import concurrent.futures
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from service.prefix_cache.keys import KEY_BLOCK_TOKENS
 from tests.service.helpers import metric_value, running_app
@@ -95,3 +98,41 @@ def test_a_scored_prompt_still_takes_the_one_piece_forward(artifact: Any) -> Non
         r = on.post("/v1/completions", json={"prompt": DOC, "echo": True, "logprobs": 1, "max_tokens": 0})
     assert r.status_code == 200, r.text
     assert len(r.json()["choices"][0]["logprobs"]["token_logprobs"]) == len(DOC)
+
+
+@pytest.fixture(scope="module")
+def pair(artifact: Any) -> Any:
+    """A causal server whose prefix cache holds about two states (so it evicts), and one without a cache."""
+    with running_app(artifact, **SETTINGS) as probe:
+        entry = probe.app.state.service.engine.runner.cache.bytes_for(3 * KEY_BLOCK_TOKENS)  # type: ignore[attr-defined]
+    with running_app(artifact, **SETTINGS, prefix_cache_bytes=2 * entry) as on, \
+            running_app(artifact, **SETTINGS, prefix_cache=False) as off:
+        yield on, off
+
+
+OTHER = DOC[::-1]  # a second document of the same length
+REQUEST = st.tuples(st.sampled_from([DOC, OTHER]), st.integers(1, len(DOC)), st.sampled_from(QUESTIONS),
+                    st.sampled_from([None, 3, 8]))
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(REQUEST, min_size=2, max_size=5), st.booleans())
+def test_any_requests_in_any_order_and_company_answer_as_with_the_cache_off(
+        pair: Any, requests: list[Any], together: bool) -> None:
+    """Prompts cut anywhere in one of two documents, greedy or seeded, sent one after another or all at once
+    (read while others run), with evictions: every answer (text and logprobs) equals the cache-off server's
+    answer to the same prompt alone."""
+    on, off = pair
+
+    def ask(client: TestClient, request: Any) -> tuple[str, list[float]]:
+        doc, cut, question, seed = request
+        params = {"do_sample": False} if seed is None else {"temperature": 0.8, "seed": seed}
+        return _generate(client, doc[:cut] + question, **params)[:2]
+
+    want = [ask(off, r) for r in requests]
+    if together:
+        with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
+            got = list(pool.map(lambda r: ask(on, r), requests))
+    else:
+        got = [ask(on, r) for r in requests]
+    assert got == want
