@@ -156,6 +156,9 @@ def restore_prefix(cache: DecodeCache, config: ReformerConfig, snap: StateSnapsh
     the module docstring). `config` is the model's (its successor-value heads). Returns the logits after
     position length - 1 when the tail kept them, else None."""
     facts = _check_prefix(cache, snap, state, length)
+    # every layer's buckets read back before anything is written: a snapshot they refuse leaves the state empty
+    buckets = {li: position_buckets(index, snap, li)[:, :, :length].to(cache.device)  # (H, R, length)
+               for li, index in enumerate(cache.indexes) if index is not None and facts.num_buckets[li] is not None}
     rows = cache.slot_rows(state, 0, length)  # (length,)
     for li, index in enumerate(cache.indexes):
         if index is None:
@@ -175,8 +178,7 @@ def restore_prefix(cache: DecodeCache, config: ReformerConfig, snap: StateSnapsh
             index.recent_counts[state.slot] = 0
             continue
         index.grow_buckets(max(flat_buckets(nb), snap.tensors[f"main_counts.{li}"].shape[-1]))
-        buckets = position_buckets(index, snap, li)[:, :, :length].to(cache.device)  # (H, R, length)
-        index.build(state.slot, rows, buckets, kernel=cache.kernel)
+        index.build(state.slot, rows, buckets[li], kernel=cache.kernel)
     state.length = length
     state.num_buckets = list(facts.num_buckets)
     state.index_len = [0 if ix is None or nb is None else length

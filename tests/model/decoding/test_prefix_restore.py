@@ -197,6 +197,12 @@ def test_what_cannot_be_truncated_is_refused() -> None:
             restore_prefix(cache, lm.config, snap, fresh, b)
     with pytest.raises(ValueError, match="no tail"):
         restore_prefix(cache, lm.config, bare, fresh, PREFIX_BLOCK)
+    order = snap.tensors["order.1"].clone()
+    order[0] = order[1]  # one position twice, another missing
+    broken = StateSnapshot(snap.length, snap.num_buckets, snap.index_len, {**snap.tensors, "order.1": order},
+                           tails=snap.tails)
+    with pytest.raises(ValueError, match="every position once"):
+        restore_prefix(cache, lm.config, broken, fresh, PREFIX_BLOCK)
     del snap.tensors[f"tail.{PREFIX_BLOCK}.ring.0"]
     with pytest.raises(ValueError, match="no ring of layer 0"):
         restore_prefix(cache, lm.config, snap, fresh, PREFIX_BLOCK)
