@@ -10,7 +10,9 @@ plain tensors that belong to no slot and no block:
   slot's whole ring copies across slots as it is;
 - the buckets hashed ahead of a bucket-count change (model/decoding/rehash_ahead.py), if any;
 - the length, each layer's bucket count and index length (DecodeState), and the logits after the last
-  position (what the first sampled token is drawn from).
+  position (what the first sampled token is drawn from);
+- optionally, what the state held at each 256-token boundary it passed that truncating it back to that
+  boundary needs (`tails`, tensors "tail.<b>.*"; model/decoding/prefix_restore.py).
 
 `restore_snapshot` writes a snapshot into a state `DecodeCache.allocate` gave: the restored request then
 steps exactly as the request the snapshot was taken from would have (same bits: only copies, no
@@ -34,6 +36,16 @@ from .cache import DecodeCache
 from .cache_state import DecodeState, HashedAhead
 
 
+@dataclass(frozen=True)
+class TailFacts:
+    """The scalar facts of a state at a 256-token boundary b that a truncation to b checks
+    (model/decoding/prefix_restore.py): each layer's bucket count at b, and whether buckets were hashed ahead
+    for it then (a state that cannot be rebuilt from the snapshot at its full length)."""
+
+    num_buckets: list[int | list[int] | None]
+    ahead: bool
+
+
 @dataclass
 class StateSnapshot:
     """One request's decode state at `length` positions, outside the cache (see the module docstring)."""
@@ -44,6 +56,7 @@ class StateSnapshot:
     tensors: dict[str, Tensor]  # named as `_names` gives; the logits after the last position as "logits"
     ahead: int | list[int] | None = None  # the count the buckets "ahead.<layer>.<i>" were hashed for
     meta: dict[str, Any] = field(default_factory=dict)  # the owner's (the prefix cache keeps its key there)
+    tails: dict[int, TailFacts] = field(default_factory=dict)  # by boundary b; their tensors "tail.<b>.*"
 
     @property
     def nbytes(self) -> int:
@@ -57,13 +70,17 @@ class StateSnapshot:
         """The scalar fields as strings (safetensors metadata): `from_header` reads them back."""
         return {"length": str(self.length), "num_buckets": json.dumps(self.num_buckets),
                 "index_len": json.dumps(self.index_len), "ahead": json.dumps(self.ahead),
-                "meta": json.dumps(self.meta, sort_keys=True)}
+                "meta": json.dumps(self.meta, sort_keys=True),
+                "tails": json.dumps({str(b): [f.num_buckets, f.ahead] for b, f in sorted(self.tails.items())})}
 
     @classmethod
     def from_header(cls, header: dict[str, str], tensors: dict[str, Tensor]) -> StateSnapshot:
         return cls(length=int(header["length"]), num_buckets=json.loads(header["num_buckets"]),
                    index_len=[int(n) for n in json.loads(header["index_len"])], tensors=tensors,
-                   ahead=json.loads(header["ahead"]), meta=json.loads(header["meta"]))
+                   ahead=json.loads(header["ahead"]), meta=json.loads(header["meta"]),
+                   # files written before tails were kept have none
+                   tails={int(b): TailFacts(list(nb), bool(ahead))
+                          for b, (nb, ahead) in json.loads(header.get("tails", "{}")).items()})
 
 
 def _held_rows(cache: DecodeCache, state: DecodeState) -> Tensor:
