@@ -85,6 +85,16 @@ class BlockTails:
         if logits is not None:
             self.tensors[f"tail.{b}.logits"] = logits.detach().to("cpu", torch.float32).clone()
 
+    @classmethod
+    def of_snapshot(cls, snap: StateSnapshot, upto: int) -> BlockTails:
+        """The tails `snap` holds at boundaries up to `upto`: what a request restored from it at `upto` passed
+        without processing (its own snapshot, taken later, carries them on)."""
+        tails = cls()
+        tails.facts = {b: f for b, f in snap.tails.items() if b <= upto}
+        tails.tensors = {name: t for name, t in snap.tensors.items()
+                         if name.startswith("tail.") and int(name.split(".")[1]) <= upto}
+        return tails
+
     def attach(self, snap: StateSnapshot) -> None:
         """Hand the tails at boundaries up to the snapshot's length to `snap` (its `tails` and tensors)."""
         for b, facts in self.facts.items():

@@ -23,6 +23,7 @@ from service.engine.runner import ModelRunner
 from service.errors import InternalError
 from service.jobs import TokenEvent
 from service.observability.metrics import ServiceMetrics
+from service.prefix_cache.keys import KEY_BLOCK_TOKENS
 
 log = logging.getLogger("service.engine")
 
@@ -227,13 +228,17 @@ class GenerationSteps:
         None), its state offered to the prefix cache on the way at the boundary `reuse.keep_at` picks."""
         keep = self.reuse.keep_at(job)
         reserve = len(job.spec.prompt_ids) + job.spec.max_new_tokens
-        steps = self.runner.extend_slices(job.prefill_ids, reserve, job.cache, stops=() if keep is None else (keep,))
+        # each block boundary up to the kept one: its tail, so the kept state serves prompts sharing less of it
+        stops = () if keep is None else range(KEY_BLOCK_TOKENS, keep + 1, KEY_BLOCK_TOKENS)
+        steps = self.runner.extend_slices(job.prefill_ids, reserve, job.cache, stops=stops)
         while True:
             try:
                 length, logits, state = next(steps)
             except StopIteration as done:
                 logits, state = done.value
                 return logits.unsqueeze(0), [state]
+            if keep is not None and length <= keep and length % KEY_BLOCK_TOKENS == 0:
+                self.reuse.keep_tail(job, state, logits)
             if length == keep:
                 self.reuse.keep(job, state, logits, length)
             try:

@@ -123,6 +123,8 @@ class GenerationJob(Job):
         self.suffix: list[int] = list(spec.prompt_ids[cut:])
         self.fed = 0  # suffix tokens fed so far (the pending one included)
         self.prefix_key: str | None = None  # the segment's key in the prefix cache
+        # a causal prompt's block tails (model/decoding/prefix_restore.py BlockTails) until its state is kept
+        self.tails: Any = None
         self.generated: list[int] = []
         self.text_parts: list[str] = []
         self.pending_token: int | None = None  # sampled, not yet fed to the model

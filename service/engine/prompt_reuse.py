@@ -22,9 +22,10 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from model.decoding.prefix_restore import PREFIX_BLOCK, BlockTails, restore_prefix
 from model.decoding.snapshot import restore_snapshot, take_snapshot
 from service.engine.jobs_runtime import GenerationJob
-from service.prefix_cache.keys import chain_key
+from service.prefix_cache.keys import KEY_BLOCK_TOKENS, chain_key
 
 if TYPE_CHECKING:
     from service.engine.runner import ModelRunner
@@ -32,6 +33,8 @@ if TYPE_CHECKING:
     from service.prefix_cache.metrics import PrefixCacheMetrics
 
 log = logging.getLogger("service.engine")
+
+assert KEY_BLOCK_TOKENS == PREFIX_BLOCK  # a key's blocks are the blocks a kept state can be cut back to
 
 NO_IDENTITY = "00" * 32  # the chain's start when no prefix cache gives one (keys of prompts in flight only)
 
@@ -119,12 +122,16 @@ class PromptReuse:
         state = self.runner.allocate(len(job.spec.prompt_ids) + job.spec.max_new_tokens)
         try:
             with torch.inference_mode():
-                restore_snapshot(self.runner.cache, snap, state)
+                if snap.length == length:
+                    restore_snapshot(self.runner.cache, snap, state)
+                else:  # a longer prompt's state, cut back to the boundary this prompt shares with it
+                    restore_prefix(self.runner.cache, self.runner.model.config, snap, state, length)
         except Exception:  # the entry is unusable: forget it, and compute what it held
             log.exception("restoring a kept state failed; prefilling instead", extra={"request_id": job.request_id})
             self.cache.forget(self.cache.key(job.prefill_ids[:length]))
             self.runner.free(state)
             return
+        job.tails = BlockTails.of_snapshot(snap, length)
         job.cache = state
         job.timings.cached_tokens = length
 
@@ -140,13 +147,26 @@ class PromptReuse:
         length = ends[-1]
         return length if self.cache.wants(length, self.runner.cache.bytes_for(length)) else None
 
+    def keep_tail(self, job: GenerationJob, state: object, logits: torch.Tensor) -> None:
+        """A causal prompt passed a block boundary on its way to `keep_at`: what a truncation back to it needs."""
+        if job.tails is None:
+            job.tails = BlockTails()
+        with torch.inference_mode():
+            job.tails.keep(self.runner.cache, state, logits)  # type: ignore[arg-type]
+
     def keep(self, job: GenerationJob, state: object, logits: torch.Tensor, length: int) -> None:
-        """Offer a causal prompt's state at `length` (a block boundary) to the prefix cache."""
+        """Offer a causal prompt's state at `length` (a block boundary) to the prefix cache, found by the key
+        of every boundary up to it (`PrefixCache.register`)."""
         assert self.cache is not None
         with torch.inference_mode():
             snap = take_snapshot(self.runner.cache, state, logits)  # type: ignore[arg-type]
+        if job.tails is not None:
+            job.tails.attach(snap)
+            job.tails = None
         try:
-            self.cache.offer(self.cache.key(job.prefill_ids[:length]), snap)
+            key = self.cache.key(job.prefill_ids[:length])
+            if self.cache.offer(key, snap):
+                self.cache.register(key, snap, job.prefill_ids[:length])
         except Exception:  # the cache is an optimisation: the request goes on without it
             log.exception("could not keep a state in the prefix cache", extra={"request_id": job.request_id})
 

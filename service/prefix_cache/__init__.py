@@ -29,6 +29,9 @@ from service.prefix_cache.store import PrefixStore
 
 log = logging.getLogger("service.prefix_cache")
 
+# boundary keys kept before those of evicted states are swept out (`register`): about 100 bytes each
+MAX_BOUNDARIES = 1 << 18
+
 __all__ = ["CacheIdentity", "PrefixCache", "PrefixCacheConfig", "PrefixStore"]
 
 
@@ -48,6 +51,8 @@ class PrefixCache:
         self.config = config
         self.metrics = metrics
         self.store = PrefixStore(config.capacity_bytes, metrics.evictions.inc if metrics is not None else None)
+        # the key of a block boundary a kept state passed -> that state's key (`register`)
+        self.boundaries: dict[str, str] = {}
         self.disk = DiskTier(config.disk_dir, config.disk_bytes, self.digest) if config.disk_dir else None
         self._writes: queue.Queue[tuple[str, StateSnapshot] | None] = queue.Queue()
         self._writer: threading.Thread | None = None
@@ -84,13 +89,27 @@ class PrefixCache:
         for length, key in reversed(self.links(tokens)):
             snap = self.store.get(key)
             tier = "memory"
+            if snap is None and key in self.boundaries:  # a longer kept state that passed this boundary
+                snap = self.store.get(self.boundaries[key])
+                if snap is None:
+                    del self.boundaries[key]  # its state was evicted
             if snap is None and self.disk is not None and self.disk.has(key):
                 snap, tier = self._read_disk(key, cache), "disk"
-            if snap is not None and snap.length == length:
+            if snap is not None and (snap.length == length or length in snap.tails):
                 if self.metrics is not None:
                     self.metrics.hits.labels(tier).inc(length)
                 return length, snap
         return None
+
+    def register(self, key: str, snapshot: StateSnapshot, tokens: Sequence[int]) -> None:
+        """Make the kept state under `key` (the state of `tokens`) found by the key of every block boundary it
+        kept a tail at (model/decoding/prefix_restore.py): a prompt that shares only the first b of its tokens
+        continues from it truncated to b. Memory tier only; entries whose state is gone are dropped on the way."""
+        if len(self.boundaries) > MAX_BOUNDARIES:
+            self.boundaries = {k: e for k, e in self.boundaries.items() if e in self.store}
+        for length, link in chain_links(self.digest, tokens):
+            if length in snapshot.tails and link != key:
+                self.boundaries[link] = key
 
     def links(self, tokens: Sequence[int]) -> list[tuple[int, str]]:
         """(length, key) of each of the prompt's prefixes the causal prefill may keep: those at block

@@ -60,6 +60,24 @@ def test_the_document_is_found_by_content_and_the_answers_are_the_cold_ones(arti
     assert info["batching"]["prefill"] == "causal"
 
 
+def test_a_state_kept_past_the_document_serves_it_cut_back_to_a_shared_boundary(artifact: Any) -> None:
+    """A first question long enough that its prompt's kept boundary lies inside the question: a second question
+    continues from that state truncated to the document's last whole block (model/decoding/prefix_restore.py)."""
+    long_question = " Tell me, in order and with every detail, " + "what each ship carried and who sailed it, " * 7
+    first, second = DOC + long_question, DOC + QUESTIONS[2]
+    kept = (len(first) - 1) // KEY_BLOCK_TOKENS * KEY_BLOCK_TOKENS
+    shared = len(DOC) // KEY_BLOCK_TOKENS * KEY_BLOCK_TOKENS
+    assert kept > len(DOC) > shared
+    with running_app(artifact, **SETTINGS, prefix_cache=False) as off:
+        cold = _generate(off, second)
+    with running_app(artifact, **SETTINGS) as on:
+        assert _generate(on, first)[2] == 0
+        entries = on.get("/info").json()["prefix_cache"]["entries"]
+        warm = _generate(on, second)
+    assert entries == 1
+    assert warm[:2] == cold[:2] and warm[2] == shared
+
+
 def test_a_conversation_continues_from_its_previous_turn(artifact: Any) -> None:
     turn1 = DOC + " Who kept the ledger?"
     with running_app(artifact, **SETTINGS, prefix_cache=False) as off:
