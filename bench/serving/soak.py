@@ -1,6 +1,6 @@
 """Soak benchmark: a server under a steady mixed load, and what its memory and latency do over time.
 
-Timed (the documented benchmark; bench/README.md, "Soak"):
+Timed (the documented benchmark; bench/serving/README.md, "Soak"):
 
     python bench/serving/soak.py --minutes 60 [--clients 6] [--window-minutes 10] [--sample-s 10] [--long-every 200]
                          [--data corpus/data --data corpus/corpus] [--artifact DIR | --url URL]
