@@ -21,7 +21,8 @@ DOCS = ("README.md", "docs/*.md", "docs/history/*.md", "bench/README.md", "bench
 REPO_PATH = re.compile(r"`((?:bench|docs|tests|model|service|train|export|loadtest|docker|scripts)/[^`\s{*<\[]*)`")
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 # a cited section: `docs/X.md, "Heading"`, `bench/README.md's "Heading"` or a link's `X.md#anchor`
-CITED_SECTION = re.compile(r"((?:docs/[A-Z_]+|docs/history/[\w-]+|bench/(?:\w+/)?README|README)\.md)(?:, |'s )\"([^\"]+)\"")
+CITED_SECTION = re.compile(
+    r"((?:docs/[A-Z_]+|docs/history/[\w-]+|bench/(?:\w+/)?README|README)\.md)(?:, |'s )\"([^\"]+)\"")
 # what no clone has: the design file and the folders beside the working copy it was written in
 OUTSIDE = re.compile(r"DESIGN\.md|\.\./shared|/work/shared|shared/(notes|tools|data|corpus)\b")
 # benchmark results record the commands exactly as they were run
