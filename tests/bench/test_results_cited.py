@@ -2,10 +2,10 @@
 
 Every `bench/results/...` path in a doc (a tracked .md file; a script's default output need not exist yet)
 resolves, a placeholder (NAME, ARM, N, B, FILE, `<minutes>`, `{2,4,8}`, `*`) matching at least one file; every
-result file a doc names bare (`val_bpb_run9.json`) is in bench/results/. And where a table row cites exactly
-one JSON result file, each figure in the row written with three or four decimals is one of that file's numbers
-at the precision written (or its negative, or its percentage), bounds quoted as "than X" aside: a figure typed
-into a doc stays traceable to the file that holds it."""
+result file a doc names bare (`val_bpb_run9.json`) is in bench/results/. And in a table row that cites JSON result
+files, each figure written with three or four decimals is one of their numbers at the precision written (or its
+negative, or its percentage), or the difference of two such figures written in the row ("-0.0549 (1.9473
+against 2.0022)"); bounds quoted as "than X" aside. A figure typed into a doc stays traceable to its file."""
 
 from __future__ import annotations
 
@@ -90,27 +90,36 @@ def _file_numbers(name: str) -> frozenset[str]:
     return frozenset(shown)
 
 
-def _figure_rows() -> Iterator[tuple[str, int, str, str]]:
-    """(doc, line number, cited file, row) for each table row citing exactly one JSON result file."""
+FIGURE = re.compile(r"(?<![\w.])[-+]?\d+\.\d{3,4}(?![\d.])")
+
+
+def _figure_rows() -> Iterator[tuple[str, int, list[str], str]]:
+    """(doc, line number, cited files, row) for each table row citing JSON result files."""
     for f in _tracked():
         if not f.endswith(".md"):
             continue
         for n, line in enumerate((ROOT / f).read_text().splitlines(), 1):
             if not line.startswith("|"):
                 continue
-            names = {m for m in re.findall(r"([\w-]+\.json(?:\.gz)?)", line) if (RESULTS / m).is_file()}
-            if len(names) == 1:
-                yield f, n, names.pop(), line
+            names = sorted({m for m in re.findall(r"([\w-]+\.json(?:\.gz)?)", line) if (RESULTS / m).is_file()})
+            if names:
+                yield f, n, names, line
 
 
 def test_figures_beside_a_cited_result_file_are_among_its_numbers() -> None:
     checked, wrong = 0, []
-    for f, n, name, row in _figure_rows():
+    for f, n, names, row in _figure_rows():
         text = re.sub(r"`[^`]*`", "", row)  # commands and file names are not figures
         text = re.sub(r"\bthan \d+\.\d+(?: / \d+\.\d+)?", "", text)  # "no worse than X": a bound, from elsewhere
-        for figure in re.findall(r"(?<![\w.])[-+]?\d+\.\d{3,4}(?![\d.])", text):
+        numbers = frozenset().union(*(_file_numbers(name) for name in names))
+        figures = FIGURE.findall(text)
+        found = [x for x in figures if x.lstrip("+") in numbers]
+        places = {len(x.partition(".")[2]) for x in figures}
+        differences = {f"{float(a) - float(b):+.{p}f}" for a in found for b in found for p in places}
+        for figure in figures:
             checked += 1
-            if figure.lstrip("+") not in _file_numbers(name):
-                wrong.append(f"{f}:{n}: {figure} not in {name}")
-    assert checked > 20, checked
+            signed = f"{float(figure):+.{len(figure.partition('.')[2])}f}"
+            if figure.lstrip("+") not in numbers and signed not in differences:
+                wrong.append(f"{f}:{n}: {figure} not in {', '.join(names)}")
+    assert checked > 40, checked
     assert not wrong, wrong
