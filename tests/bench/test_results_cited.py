@@ -5,7 +5,8 @@ resolves, a placeholder (NAME, ARM, N, B, FILE, `<minutes>`, `{2,4,8}`, `*`) mat
 result file a doc names bare (`val_bpb_run9.json`) is in bench/results/. And in a table row that cites JSON result
 files, each figure written with three or four decimals is one of their numbers at the precision written (or its
 negative, or its percentage), or the difference of two such figures written in the row ("-0.0549 (1.9473
-against 2.0022)"); bounds quoted as "than X" aside. A figure typed into a doc stays traceable to its file."""
+against 2.0022)"); bounds quoted as "than X" aside. A figure typed into a doc stays traceable to its file.
+And no text result over 40 KB is checked in uncompressed."""
 
 from __future__ import annotations
 
@@ -123,3 +124,12 @@ def test_figures_beside_a_cited_result_file_are_among_its_numbers() -> None:
                 wrong.append(f"{f}:{n}: {figure} not in {', '.join(names)}")
     assert checked > 40, checked
     assert not wrong, wrong
+
+
+def test_no_result_file_is_a_large_uncompressed_log() -> None:
+    """A run adds kilobytes: text results over 40 KB (per-trial records) are kept gzip-compressed, as the
+    benchmarks that write them do (bench/results_io.py); PNG plots are compressed already."""
+    out = subprocess.run(["git", "ls-files", "bench/results"], cwd=ROOT, capture_output=True, text=True, check=True)
+    large = [f for f in out.stdout.split() if (ROOT / f).is_file() and (ROOT / f).stat().st_size > 40_000
+             and not f.endswith((".gz", ".png"))]
+    assert not large, large
