@@ -6,7 +6,7 @@ just before them. The Reformer's reason to exist: with distant text to look at, 
 should be lower.
 
     python bench/long_context.py MODEL [--books DIR ...] [--passage 16384] [--tail 1024]
-                                 [--context 1024] [--max-passages 0] [--threads 2] [--out FILE.json]
+                                 [--context 1024] [--max-passages 0] [--threads 2] [--out FILE.json.gz]
 
 MODEL is an artifact directory (export/default_artifact) or a training checkpoint (runs/NAME/checkpoint).
 Passages are cut, without overlap, from the held-out tail of every file (`--val-fraction`, as in
@@ -37,12 +37,14 @@ running service (greedy).
     python bench/long_context.py MODEL --retrieval [--lengths 1024,4096,16384,65536] [--trials 20]
         [--seed 0] [--ways forward,cached,service] [--forward-mode teacher] [--service-artifact DIR]
         [--port 0 | --url URL] [--bpb-passages 16384,65536] [--books DIR ... | --test-books DIR]
-        [--out FILE.json]"""
+        [--out FILE.json.gz]
+
+The result keeps every trial's record, so it is written gzip-compressed (bench/results_io.py) unless the
+`--out` name ends in plain `.json`."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -58,6 +60,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.results_io import write_json  # noqa: E402
 from bench.unseen_books import TEST_SET_STREAM, add_test_books_arg, describe, held_out_documents  # noqa: E402
 from train.corpus import NAMED_SETS  # noqa: E402
 from train.evaluation import add_passage_args, load_lm, nll_bits_of_last, passages  # noqa: E402
@@ -329,7 +332,7 @@ def _ints(text: str) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_passage_args(p, passage=16384, out=ROOT / "bench" / "results" / "long_context.json")
+    add_passage_args(p, passage=16384, out=ROOT / "bench" / "results" / "long_context.json.gz")
     p.add_argument("--books", dest="data", nargs="+", metavar="DIR",
                    help="folders (or files) of books whose validation tails are read (the same as --data); "
                         "default: the project's book folders (train/corpus.py): both with --retrieval, the "
@@ -359,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         names = ("data", "corpus") if args.retrieval else ("data",)
         args.data = [str(NAMED_SETS[n]) for n in names]
     if args.out is None:
-        name = "long_context_retrieval.json" if args.retrieval else "long_context.json"
+        name = "long_context_retrieval.json.gz" if args.retrieval else "long_context.json.gz"
         args.out = ROOT / "bench" / "results" / name
     torch.set_num_threads(args.threads)
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -376,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
                          args.max_passages, args.test_books)
         result["table"] = table(result)
         print(result["table"])
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result)  # per-trial records: gzip-compressed when the name ends in .gz
     print(f"\nwrote {args.out} ({result['seconds']} s, load {result['loadavg_1m']})")
     return 0
 

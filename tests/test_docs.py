@@ -16,12 +16,13 @@ from service.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
-DOCS = ("README.md", "docs/*.md", "bench/README.md", "bench/HISTORY.md")
+DOCS = ("README.md", "docs/*.md", "docs/history/*.md", "bench/README.md", "bench/*/README.md")
 # a backticked path into one of the repository's folders (placeholders such as {2,4,8}, * or <variant> aside)
 REPO_PATH = re.compile(r"`((?:bench|docs|tests|model|service|train|export|loadtest|docker|scripts)/[^`\s{*<\[]*)`")
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 # a cited section: `docs/X.md, "Heading"`, `bench/README.md's "Heading"` or a link's `X.md#anchor`
-CITED_SECTION = re.compile(r"((?:docs/[A-Z_]+|bench/README|bench/HISTORY|README)\.md)(?:, |'s )\"([^\"]+)\"")
+CITED_SECTION = re.compile(
+    r"((?:docs/[A-Z_]+|docs/history/[\w-]+|bench/(?:\w+/)?README|README)\.md)(?:, |'s )\"([^\"\s][^\"]*)\"")
 # what no clone has: the design file and the folders beside the working copy it was written in
 OUTSIDE = re.compile(r"DESIGN\.md|\.\./shared|/work/shared|shared/(notes|tools|data|corpus)\b")
 # benchmark results record the commands exactly as they were run
@@ -89,16 +90,19 @@ def test_every_link_and_backticked_path_in_the_docs_exists() -> None:
 
 
 def test_every_cited_section_exists() -> None:
-    """`bench/README.md, "Soak"` in a docstring or a doc names a heading that starts with those words."""
+    """`bench/README.md, "Soak"` in a docstring or a doc names a heading that starts with those words (a citation
+    wrapped over two lines counts: the line break reads as a space, a comment's `#` dropped)."""
     missing = []
     for f in _tracked("*.py", "*.md", "*.sh", "*.yml", "*.yaml", "*.toml", "*.c", "*.h"):
         if f.startswith(RECORDED_AS_RUN) or f == "tests/test_docs.py":
             continue
-        for n, line in enumerate((ROOT / f).read_text(errors="replace").splitlines(), 1):
-            for doc, section in CITED_SECTION.findall(line):
-                headings = _headings(ROOT / doc) if (ROOT / doc).is_file() else None
-                if headings is None or not any(h.lower().startswith(section.lower()) for h in headings):
-                    missing.append(f"{f}:{n}: {doc}, {section!r}")
+        text = (ROOT / f).read_text(errors="replace")
+        joined = re.sub(r"\s*\n\s*(?:#+ ?)?", " ", text)
+        for m in CITED_SECTION.finditer(joined):
+            doc, section = m.groups()
+            headings = _headings(ROOT / doc) if (ROOT / doc).is_file() else None
+            if headings is None or not any(h.lower().startswith(section.lower()) for h in headings):
+                missing.append(f"{f}: {doc}, {section!r}")
     assert not missing, missing
 
 

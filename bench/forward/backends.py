@@ -6,7 +6,7 @@ torch eager on the same input.
 
     python bench/forward/backends.py [--artifact DIR] [--lengths 1024,4096,16384] [--repeats 3] [--no-compile]
 
-Writes bench/results/backends.json and the table in bench/README.md's "Backends" section.
+Writes bench/results/backends.json and the table in bench/forward/README.md's "Backends" section.
 torch.compile (dynamic=False) compiles once per new length; its compile time is reported apart from its
 steady-state speed, which is what a server with a few fixed length buckets would see.
 """
@@ -38,7 +38,7 @@ from export import load_artifact  # noqa: E402
 from export.onnx_export import OnnxForward, ort_session  # noqa: E402
 from export.quantize import quantize_int8  # noqa: E402
 
-README = ROOT / "bench" / "README.md"
+README = ROOT / "bench" / "forward" / "README.md"
 START, END = "<!-- backends:start -->", "<!-- backends:end -->"
 Forward = Callable[[torch.Tensor, torch.Tensor], np.ndarray]
 
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=0, help="torch and onnxruntime threads (0: their defaults)")
     p.add_argument("--no-compile", action="store_true", help="leave torch.compile out")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "backends.json")
-    p.add_argument("--no-readme", action="store_true", help="do not update bench/README.md")
+    p.add_argument("--no-readme", action="store_true", help="do not update bench/forward/README.md")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -1,5 +1,5 @@
-"""The GPU check (bench/README.md, "GPU check"; run by bench/gpu/gpu_check.sh): the service on CUDA in bf16 and fp32,
-/generate, /generate_stream and /embed at 1K, 16K and 64K tokens, decode tokens/s at concurrency 1, 8 and
+"""The GPU check (bench/gpu/README.md, "GPU check"; run by bench/gpu/gpu_check.sh): the service on CUDA in bf16
+and fp32, /generate, /generate_stream and /embed at 1K, 16K and 64K tokens, decode tokens/s at concurrency 1, 8 and
 32, every GPU series present and non-zero, the served model's forward tokens/s at 4K/16K/64K against a
 full-attention transformer of the same size (scaled_dot_product_attention) on the same GPU, peak memory,
 and decode steps replayed as CUDA graphs against eager ones (same logits within 1e-4, time per step).

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check (bench/README.md, "GPU check"): one call on a lent GPU machine, under 8 minutes, exit status 0 only
+# The GPU check (bench/gpu/README.md, "GPU check"): one call on a lent GPU machine, under 8 minutes, exit status 0 only
 # when every step passed. It uses the machine's own python3 (its CUDA torch, nvidia-ml-py,
 # prometheus-client, httpx, safetensors, onnxruntime) and installs the wheels that travel with the tree
 # (bench/wheels: fastapi, uvicorn, pydantic, pydantic-settings, starlette and their dependencies; made here

@@ -20,7 +20,6 @@ thread, which a busy machine inflates less, and the most minor page faults of a 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import statistics
@@ -36,6 +35,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from bench.results_io import write_json  # noqa: E402
 from export import load_artifact  # noqa: E402
 from model.decoding import prefill_steps  # noqa: E402
 from service.api.server import apply_process_settings  # noqa: E402
@@ -56,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--sort", choices=("wall", "cpu"), default="wall",
                    help="order by the median wall time, or by the CPU time (steadier on a busy machine)")
-    p.add_argument("--out", type=Path, default=None, help="also write the table as JSON")
+    p.add_argument("--out", type=Path, default=None,
+                   help="also write the table as JSON (gzip-compressed when the name ends in .gz)")
     return p
 
 
@@ -156,12 +157,11 @@ def main(argv: list[str] | None = None) -> int:
     for label, ms in sorted(by_label.items(), key=lambda kv: -max(kv[1]))[: args.top]:
         print(f"{len(ms):>5} {sum(ms):>10.1f} {max(ms):>8.1f}  {label}")
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({
+        write_json(args.out, {
             "benchmark": "prefill_pieces", "model": str(args.model or "export/default_artifact"),
             "tokens": len(ids), "threads": args.threads, "runs": args.runs, "process_settings": process,
             "total_s": [round(t, 3) for t in totals], "cpu_total_s": [round(t, 3) for t in cpu_totals], "pieces": rows,
-            "load_before": load_before, "load_after": load_after}, indent=2) + "\n")
+            "load_before": load_before, "load_after": load_after})
     return 0
 
 

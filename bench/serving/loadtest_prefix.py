@@ -1,7 +1,7 @@
 """`reformer loadtest --questions-per-doc K` against the served model, the prefix cache on against off.
 
     python bench/serving/loadtest_prefix.py [ARTIFACT] --docs DIR [--length 16384] [--questions 8]
-        [--documents 3] [--max-new-tokens 4] [--out bench/results/loadtest_prefix_16k.json]
+        [--documents 3] [--max-new-tokens 4] [--out bench/results/loadtest_prefix_16k.json.gz]
 
 Three load tests of the same shape (one client, --documents documents of --length bytes, each asked
 --questions different questions over `/generate_stream`, one warm-up document), each its own run of
@@ -29,6 +29,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from bench.results_io import write_json  # noqa: E402
 from bench.server_process import ServerProcess, service_argv  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--questions", type=int, default=8)
     p.add_argument("--documents", type=int, default=3, help="measured documents per run")
     p.add_argument("--max-new-tokens", type=int, default=4)
-    p.add_argument("--out", type=Path, default=ROOT / "bench/results/loadtest_prefix_16k.json")
+    p.add_argument("--out", type=Path, default=ROOT / "bench/results/loadtest_prefix_16k.json.gz",
+                   help="the result with every run's report, gzip-compressed when the name ends in .gz")
     p.add_argument("--logs", type=Path, default=Path("/tmp/loadtest_prefix_logs"))
     return p
 
@@ -111,8 +113,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"ttft_off_over_on >= {TTFT_TARGET}": mean["off"] / mean["on"] >= TTFT_TARGET,
         },
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result)
     print(f"commit {result['commit']}; load {result['load_before']:.2f} before, {result['load_after']:.2f} after; "
           f"{args.documents} documents of {args.length} bytes x {args.questions} questions")
     print("| run | hit rate (server) | prefill saved | TTFT first mean s | TTFT later mean s | TTFT all mean s |")

@@ -1,11 +1,11 @@
 """Soak benchmark: a server under a steady mixed load, and what its memory and latency do over time.
 
-Timed (the documented benchmark; bench/README.md, "Soak"):
+Timed (the documented benchmark; bench/serving/README.md, "Soak"):
 
     python bench/serving/soak.py --minutes 60 [--clients 6] [--window-minutes 10] [--sample-s 10] [--long-every 200]
                          [--data corpus/data --data corpus/corpus] [--artifact DIR | --url URL]
                          [--idle-trim-s S] [--busy-trim-s S] [--memory-budget-mb MB] [--no-debug-memory]
-                         [--out bench/results/soak_60min.json]
+                         [--out bench/results/soak_60min.json.gz]
 
 `--clients` coroutines send the mix of bench/serving/soak_load.py back to back for `--minutes` (long prompts of
 32-64 KB every `--long-every`-th request, streams left after 5 events, malformed bodies). Every `--sample-s`
@@ -20,7 +20,7 @@ lost requests) and the verdict against the targets (bench/serving/soak_report.py
 Count-based (the quick check tests/service/api/test_soak.py runs): no queued or running work, no decode cache
 and no extra threads left after `--requests` mixed requests, and resident memory after them:
 
-    python bench/serving/soak.py --requests 2000 [--artifact DIR | --url URL] [--out bench/results/soak.json]
+    python bench/serving/soak.py --requests 2000 [--artifact DIR | --url URL] [--out bench/results/soak.json.gz]
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import os
 import subprocess
 import sys
@@ -47,6 +46,7 @@ from rich.table import Table
 # run as a script, this checkout's bench/ (not an installed copy) must be the one imported
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from bench.results_io import write_json  # noqa: E402
 from bench.serving.overload import REPO, local_server, metric  # noqa: E402
 from bench.serving.soak_load import Prompts, plan, send  # noqa: E402
 from bench.serving.soak_report import Record, error_counts, memory_sample, verdict, windows  # noqa: E402
@@ -289,10 +289,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="server started here: REFORMER_DEBUG_MEMORY (live tensor bytes, Python objects)")
     parser.add_argument("--requests", type=int, help="the count-based check instead of the timed soak")
     parser.add_argument("--concurrency", type=int, default=8, help="count-based check: requests at a time")
-    parser.add_argument("--out", help="result JSON (default bench/results/soak_<minutes>min.json, or soak.json)")
+    parser.add_argument("--out", help="result JSON, gzip-compressed when the name ends in .gz (default "
+                                      "bench/results/soak_<minutes>min.json.gz, or soak.json.gz)")
     args = parser.parse_args(argv)
     timed = args.requests is None
-    default_out = f"soak_{args.minutes:g}min.json" if timed else "soak.json"
+    default_out = f"soak_{args.minutes:g}min.json.gz" if timed else "soak.json.gz"
     out = Path(args.out or REPO / "bench" / "results" / default_out)
     if timed:
         prompts = Prompts(args.data or [set_folder("data"), set_folder("corpus")])
@@ -320,8 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         print_timed(report)
     else:
         print_counted(report, args.requests)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(out, report)
     print(f"wrote {out}")
     return 0 if not timed or report["verdict"]["passed"] else 1
 
