@@ -3,12 +3,12 @@ windows of the test set, read by the one-piece forward and read causally, as the
 a prompt (its first token by a one-token forward, every later one by a decode step: service/engine/runner.py
 `extend_slices`).
 
-    python bench/decode/causal_quality.py [--artifact DIR] [--test-books DIR] [--lengths 4096,16384]
-        [--windows-per-book 1] [--out FILE]
+    python bench/decode/causal_quality.py --test-books DIR [--artifact DIR] [--lengths 4096,16384] [--out FILE]
 
-Each window is taken from the start of each book of --test-books (default: $TEST_BOOKS, else
-../shared/testbooks); every position after the first is predicted both ways. Also reported: how often the two
-ways' top-1 predictions agree. Writes bench/results/causal_quality_<date>.json and prints a table."""
+Each window is the first tokens of each whole book of --test-books (the test set's books, their Gutenberg header
+and licence removed: bench/unseen_books.py); every position after the first is predicted both ways. Also
+reported: how often the two ways' top-1 predictions agree. Writes bench/results/causal_quality_<date>.json and
+prints a table."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ import argparse
 import datetime
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from bench.unseen_books import add_test_books_arg, whole_books  # noqa: E402
 from export import load_artifact  # noqa: E402
 from model.decoding import DecodeCache, Decoder, prefill  # noqa: E402
 
@@ -52,29 +52,27 @@ def both_ways(lm: torch.nn.Module, ids: list[int]) -> tuple[float, float, float]
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--artifact", type=Path, default=REPO / "export" / "default_artifact")
-    p.add_argument("--test-books", type=Path,
-                   default=Path(os.environ.get("TEST_BOOKS", REPO.parent / "shared" / "testbooks")))
+    add_test_books_arg(p)
     p.add_argument("--lengths", type=lambda s: [int(n) for n in s.split(",")], default=[4096, 16384])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     art = load_artifact(args.artifact)
-    books = sorted(args.test_books.glob("*.txt"))
-    if not books:
-        raise SystemExit(f"no books (*.txt) in {args.test_books}")
+    if args.test_books is None:
+        raise SystemExit("--test-books DIR: the test set's books")
+    books = whole_books(args.test_books, art.tokenizer)
     rows = []
     began = time.perf_counter()
     for length in args.lengths:
-        for book in books:
-            data = book.read_bytes()
-            ids = art.tokenizer.encode(data.decode("utf-8", errors="replace"))[:length]
+        for name, book_ids in books:
+            ids = [int(i) for i in book_ids[:length]]
             if len(ids) < length:
                 continue
             text_bytes = len(art.tokenizer.decode(ids[1:]).encode())
             full, causal, agree = both_ways(art.model, ids)
             per_byte = (len(ids) - 1) / text_bytes  # tokens per byte: bits per token to bits per byte
-            rows.append({"length": length, "book": book.name, "bpb_one_piece": full * per_byte,
+            rows.append({"length": length, "book": name, "bpb_one_piece": full * per_byte,
                          "bpb_causal": causal * per_byte, "top1_agreement": agree})
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     summary = []

@@ -3,11 +3,10 @@ first token of a cold prompt (a document of `--chars` characters of a held-out b
 question about the same document (no declaration: the causal server finds the document's blocks by content;
 the one-piece server prefills again), and of a repeat of the first prompt. Ratios are taken in one run.
 
-    python bench/prefill/causal_prefill.py [ARTIFACT] [--chars 8000] [--book FILE] [--out FILE]
+    python bench/prefill/causal_prefill.py [ARTIFACT] --test-books DIR [--chars 8000] [--out FILE]
 
 Each server answers greedily with max_new_tokens 1, so the request's time is its time to first token. The
-document is the first `--chars` characters of FILE (default: the first book of $TEST_BOOKS,
-else ../shared/testbooks). Writes
+document is the first `--chars` characters of the first whole book of --test-books (bench/unseen_books.py). Writes
 bench/results/causal_prefill_<date>.json and prints a table with the 1-minute load before and after."""
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from bench.unseen_books import add_test_books_arg, whole_books  # noqa: E402
 from export import load_artifact  # noqa: E402
 from tests.service.helpers import running_app  # noqa: E402
 
@@ -54,26 +54,27 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("artifact", nargs="?", default=str(REPO / "export" / "default_artifact"))
     ap.add_argument("--chars", type=int, default=8000)
-    ap.add_argument("--book", type=Path, default=None)
+    add_test_books_arg(ap)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    books = Path(os.environ.get("TEST_BOOKS", REPO.parent / "shared" / "testbooks"))
-    book = args.book or sorted(books.glob("*.txt"))[0]
-    doc = book.read_text(errors="replace")[: args.chars]
+    if args.test_books is None:
+        raise SystemExit("--test-books DIR: the test set's books")
     artifact = load_artifact(Path(args.artifact))
+    name, ids = whole_books(args.test_books, artifact.tokenizer)[0]
+    doc = artifact.tokenizer.decode([int(i) for i in ids])[: args.chars]
     load_before = os.getloadavg()[0]
     results = {mode: run(artifact, doc, mode) for mode in ("one-piece", "causal")}
     load_after = os.getloadavg()[0]
     cold = results["one-piece"]["first"]["seconds"]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                             text=True).stdout.strip()
-    out = {"artifact": args.artifact, "book": book.name, "chars": len(doc), "commit": commit,
+    out = {"artifact": args.artifact, "book": name, "chars": len(doc), "commit": commit,
            "load_1min_before": load_before, "load_1min_after": load_after, "results": results,
            "ratios_to_one_piece_cold": {f"{mode}.{name}": r["seconds"] / cold
                                         for mode, rs in results.items() for name, r in rs.items()}}
     path = args.out or REPO / "bench" / "results" / f"causal_prefill_{datetime.date.today()}.json"
     path.write_text(json.dumps(out, indent=1) + "\n")
-    print(f"load before {load_before:.2f}, after {load_after:.2f}; {len(doc)} characters of {book.name}")
+    print(f"load before {load_before:.2f}, after {load_after:.2f}; {len(doc)} characters of {name}")
     print(f"{'prefill':<10} {'request':<8} {'TTFT s':>8} {'x one-piece cold':>17} {'cached':>7}")
     for mode, rs in results.items():
         for name, r in rs.items():
