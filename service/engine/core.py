@@ -18,6 +18,8 @@ one embedding batch if one is ready. A failure in one request's work fails that 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import logging
 import threading
 import time
@@ -44,6 +46,7 @@ from service.observability.logs import working_on
 from service.observability.metrics import ServiceMetrics
 from service.observability.tracing import note_job
 from service.prefix_cache import CacheIdentity, PrefixCache, PrefixCacheConfig
+from service.prefix_cache.fingerprint import runtime_fingerprint
 
 log = logging.getLogger("service.engine")
 
@@ -129,15 +132,15 @@ class Engine:
             return None
         cache = self.runner.cache
         if wanted.capacity_bytes < 0:  # unset: a share of the decode cache's
-            wanted = PrefixCacheConfig(int(cache.capacity_bytes * PREFIX_CACHE_SHARE), wanted.min_tokens,
-                                       wanted.disk_dir, wanted.disk_bytes)
+            wanted = dataclasses.replace(wanted, capacity_bytes=int(cache.capacity_bytes * PREFIX_CACHE_SHARE))
         identity = CacheIdentity(
             artifact_sha256=config.artifact_sha256, hash_seed=model.config.hash_seed,
-            model_dtype=str(cache.dtype), kv_cache_dtype=str(cache.kv_dtype), decode_weights=config.decode_weights,
+            model_dtype=str(cache.dtype), kv_cache_dtype=str(cache.kv_dtype),
             device_type=cache.device.type, recent_size=next(
                 (ix.recent_size for ix in cache.indexes if ix is not None), 0),
-            batch_invariant=config.batch_invariant, config_digest=CacheIdentity.config_digest_of(model.config))
-        return PrefixCache(identity, wanted, metrics.prefix_cache)
+            batch_invariant=config.batch_invariant, config_digest=CacheIdentity.config_digest_of(model.config),
+            runtime=json.dumps(runtime_fingerprint(cache.device, config.cpu_kernels), sort_keys=True))
+        return PrefixCache(identity, wanted, metrics.prefix_cache, vocab_size=model.config.vocab_size)
 
     # ---- event-loop side -------------------------------------------------------------------------------
     def start(self) -> None:

@@ -70,21 +70,23 @@ class PromptReuse:
             self._own_state(job)
             self.waiting[key].append(job)
             return
-        snap = None
+        found = None
         if self.cache is not None:
-            snap = self.cache.lookup(key, len(job.prefill_ids), self.runner.cache)
-        if snap is not None:
+            found = self.cache.lookup(key, len(job.prefill_ids), self.runner.cache)
+        if found is not None:
+            snap, tier = found
             self._own_state(job)
             try:
                 with torch.inference_mode():
                     restore_snapshot(self.runner.cache, snap, job.cache)
-            except Exception:  # the entry is unusable: forget it, and compute what it held
+            except Exception:  # the entry is unusable: forget it (memory and disk), and compute what it held
                 log.exception("restoring a kept state failed; prefilling instead", extra={"request_id": job.request_id})
                 assert self.cache is not None
                 self.cache.forget(key)
                 self.runner.free(job.cache)
                 job.cache = None
             else:
+                self.cache.hit(tier, len(job.prefill_ids))  # type: ignore[union-attr]
                 job.timings.cached_tokens = snap.length
                 out.ready.append((job, snap.logits))
                 return
@@ -92,10 +94,12 @@ class PromptReuse:
         out.prefill.append(job)
 
     def _key(self, job: GenerationJob) -> str:
+        salt = job.spec.cache_salt
         if self.cache is not None:
-            return self.cache.key(job.prefill_ids)
-        # no cache: forks still share one prefill, and a key need only tell apart the prompts in flight
-        return chain_key(NO_IDENTITY, job.prefill_ids)
+            return self.cache.key(job.prefill_ids, salt)
+        # no cache: forks still share one prefill, and a key need only tell apart the prompts in flight (and
+        # their salts: a caller never shares another tenant's prefill, nor learns of it from cached_tokens)
+        return chain_key(NO_IDENTITY, job.prefill_ids, salt)
 
     def _own_state(self, job: GenerationJob) -> None:
         """The job starts (its sampler) and gets its own blocks for its prompt plus max_new_tokens, for a kept or

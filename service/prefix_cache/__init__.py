@@ -21,87 +21,124 @@ from pathlib import Path
 from typing import Any
 
 from model.decoding import DecodeCache
-from model.decoding.snapshot import StateSnapshot, check_fits
-from service.prefix_cache.disk import DiskRefusal, DiskTier
+from model.decoding.snapshot import StateSnapshot
+from model.decoding.snapshot_layout import check_layout
+from service.prefix_cache.disk import DiskTier
+from service.prefix_cache.entry_format import EntryFault, TensorShapes
+from service.prefix_cache.entry_key import EntryKey, resolve_key
 from service.prefix_cache.keys import CacheIdentity, chain_key
 from service.prefix_cache.metrics import PrefixCacheMetrics
 from service.prefix_cache.store import PrefixStore
 
 log = logging.getLogger("service.prefix_cache")
 
-__all__ = ["CacheIdentity", "PrefixCache", "PrefixCacheConfig", "PrefixStore"]
+__all__ = ["CacheIdentity", "EntryKey", "PrefixCache", "PrefixCacheConfig", "PrefixStore", "resolve_key"]
 
 
 @dataclass(frozen=True)
 class PrefixCacheConfig:
     capacity_bytes: int
-    min_tokens: int = 128  # shorter segments are not stored (REFORMER_PREFIX_CACHE_MIN_TOKENS)
+    min_tokens: int = 128  # shorter segments are neither stored nor looked up (REFORMER_PREFIX_CACHE_MIN_TOKENS)
     disk_dir: Path | None = None
     disk_bytes: int = 16 * 2**30
+    key: EntryKey | None = None  # authenticates disk entries; None: a per-process key (entry_key.py)
+    ttl_s: float | None = None  # memory tier: a kept state is dropped this long after it was stored
+    disk_ttl_s: float | None = 86400.0  # disk tier: a file is refused and deleted this long after it was written
+    write_queue_bytes: int = 2 * 2**30  # states waiting for the disk writer; past it a state is not written
 
 
 class PrefixCache:
     def __init__(self, identity: CacheIdentity, config: PrefixCacheConfig,
-                 metrics: PrefixCacheMetrics | None = None) -> None:
+                 metrics: PrefixCacheMetrics | None = None, vocab_size: int | None = None) -> None:
         self.identity = identity
         self.digest = identity.digest()
         self.config = config
         self.metrics = metrics
-        self.store = PrefixStore(config.capacity_bytes, metrics.evictions.inc if metrics is not None else None)
-        self.disk = DiskTier(config.disk_dir, config.disk_bytes, self.digest) if config.disk_dir else None
+        self.vocab_size = vocab_size
+        self.store = PrefixStore(config.capacity_bytes, metrics.evictions.inc if metrics is not None else None,
+                                 ttl_s=config.ttl_s)
+        self.disk = None
+        if config.disk_dir:
+            key = config.key if config.key is not None else resolve_key(None, None)
+            if key.source == "per-process":
+                log.warning("REFORMER_PREFIX_CACHE_DIR without REFORMER_PREFIX_CACHE_KEY(_FILE): disk entries are "
+                            "authenticated with a per-process key, so a restarted server or another replica "
+                            "cannot read them")
+            self.disk = DiskTier(config.disk_dir, config.disk_bytes, self.digest, key, config.disk_ttl_s)
         self._writes: queue.Queue[tuple[str, StateSnapshot] | None] = queue.Queue()
+        self._queued_lock = threading.Lock()
+        self.queued_bytes = 0  # the states waiting in _writes (a gauge)
         self._writer: threading.Thread | None = None
         if self.disk is not None:
             self._writer = threading.Thread(target=self._write_loop, name="prefix-cache-disk", daemon=True)
             self._writer.start()
         if metrics is not None:
-            metrics.watch(self.store)
+            metrics.watch(self.store, self)
 
-    def key(self, tokens: Sequence[int]) -> str:
-        return chain_key(self.digest, tokens)
+    def key(self, tokens: Sequence[int], salt: str | None = None) -> str:
+        return chain_key(self.digest, tokens, salt)
 
-    def lookup(self, key: str, tokens: int, cache: DecodeCache) -> StateSnapshot | None:
-        """The snapshot of a segment of `tokens` tokens under `key`, from memory or else from disk (then kept
-        in memory too), or None. Counted in tokens, as vLLM counts: `tokens` queried, and hit when found."""
+    def lookup(self, key: str, tokens: int, cache: DecodeCache) -> tuple[StateSnapshot, str] | None:
+        """The snapshot of a segment of `tokens` tokens under `key` and the tier it came from, from memory or
+        else from disk (then kept in memory too), or None; a segment shorter than min_tokens is never kept, so
+        it is not looked up. Queries are counted here, hits by `hit` once the state is restored."""
+        if tokens < self.config.min_tokens:
+            return None
         if self.metrics is not None:
             self.metrics.queries.inc(tokens)
         snap = self.store.get(key)
-        tier = "memory"
-        if snap is None and self.disk is not None:
-            snap, tier = self._read_disk(key, cache), "disk"
-        if snap is not None and self.metrics is not None:
+        if snap is not None:
+            return snap, "memory"
+        if self.disk is not None:
+            snap = self._read_disk(key, cache)
+            if snap is not None:
+                return snap, "disk"
+        return None
+
+    def hit(self, tier: str, tokens: int) -> None:
+        """A looked-up state was restored: `tokens` tokens were not prefilled (counted in tokens, as vLLM)."""
+        if self.metrics is not None:
             self.metrics.hits.labels(tier).inc(tokens)
-        return snap
+
+    def _check(self, cache: DecodeCache, metadata: dict[str, str], shapes: TensorShapes) -> None:
+        vocab = self.vocab_size
+        if vocab is None:  # only tests build a cache without the model's vocabulary: trust the file's width
+            got = shapes.get("logits", ((0,), None))[0]
+            vocab = got[0] if len(got) == 1 else -1
+        check_layout(cache, metadata, shapes, vocab)
 
     def _read_disk(self, key: str, cache: DecodeCache) -> StateSnapshot | None:
         assert self.disk is not None
         try:
-            snap = self.disk.read(key)
-            if snap is None:
-                return None
-            try:
-                check_fits(cache, snap)
-            except ValueError as exc:
-                self.disk.path(key).unlink(missing_ok=True)
-                raise DiskRefusal("layout", f"prefix cache file {key}.safetensors: {exc}") from exc
-        except DiskRefusal as refusal:
-            log.warning("refused a prefix cache file; prefilling instead: %s", refusal)
-            if self.metrics is not None:
-                self.metrics.disk_refusals.labels(refusal.reason).inc()
+            snap = self.disk.read(key, lambda m, s: self._check(cache, m, s))
+        except EntryFault as fault:
+            log.warning("refused a prefix cache file; prefilling instead: %s", fault)
+            self._refused(fault.reason)
             return None
-        except OSError:
-            log.warning("could not read a prefix cache file; prefilling instead", exc_info=True)
-            if self.metrics is not None:
-                self.metrics.disk_refusals.labels("io").inc()
+        except Exception:  # the cache is an optimisation: nothing a file holds may fail a request
+            log.exception("reading a prefix cache file failed; prefilling instead")
+            self._refused("io")
+            return None
+        if snap is None:
             return None
         if self.metrics is not None:
             self.metrics.disk_reads.inc()
         self.store.put(key, snap)
         return snap
 
+    def _refused(self, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.disk_refusals.labels(reason).inc()
+
     def forget(self, key: str) -> None:
-        """Drop the memory tier's entry under `key` (one that could not be restored)."""
+        """A kept state could not be restored: drop it from memory and from disk, so it is not read again."""
         self.store.discard(key)
+        if self.disk is not None:
+            try:
+                self.disk.path(key).unlink(missing_ok=True)
+            except OSError:
+                log.warning("could not delete a prefix cache file that failed to restore", exc_info=True)
+        self._refused("restore")
 
     def wants(self, tokens: int, nbytes: int) -> bool:
         """Whether a segment of `tokens` tokens whose state takes about `nbytes` would be kept (checked before
@@ -110,10 +147,18 @@ class PrefixCache:
 
     def offer(self, key: str, snapshot: StateSnapshot) -> bool:
         """Keep a segment's state (False: not kept: too short, or larger than the whole memory tier); with a
-        disk tier it is also written there, pinned in memory until written."""
+        disk tier it is also queued for writing there (the writer skips a file already written), pinned in
+        memory until written, unless the queue already holds write_queue_bytes."""
         if snapshot.length < self.config.min_tokens:
             return False
-        write = self.disk is not None and not self.disk.has(key)
+        write = False
+        if self.disk is not None:
+            with self._queued_lock:
+                write = self.queued_bytes + snapshot.nbytes <= self.config.write_queue_bytes
+                if write:
+                    self.queued_bytes += snapshot.nbytes
+            if not write:
+                self._refused("queue_full")
         stored = self.store.put(key, snapshot, pin=write)
         if write:
             self._writes.put((key, snapshot))
@@ -124,14 +169,14 @@ class PrefixCache:
         while (item := self._writes.get()) is not None:
             key, snapshot = item
             try:
-                self.disk.write(key, snapshot)
-                if self.metrics is not None:
+                if self.disk.write(key, snapshot) and self.metrics is not None:
                     self.metrics.disk_writes.inc()
             except Exception:
                 log.warning("could not write a prefix cache file", exc_info=True)
-                if self.metrics is not None:
-                    self.metrics.disk_refusals.labels("write_failed").inc()
+                self._refused("write_failed")
             finally:
+                with self._queued_lock:
+                    self.queued_bytes -= snapshot.nbytes
                 if key in self.store:
                     try:
                         self.store.unpin(key)
@@ -160,4 +205,7 @@ class PrefixCache:
             "min_tokens": self.config.min_tokens,
             "disk_dir": str(self.config.disk_dir) if self.config.disk_dir else None,
             "disk_capacity_bytes": self.config.disk_bytes if self.disk is not None else None,
+            "disk_key": self.disk.key.source if self.disk is not None else None,
+            "ttl_s": self.config.ttl_s,
+            "disk_ttl_s": self.config.disk_ttl_s if self.disk is not None else None,
         }

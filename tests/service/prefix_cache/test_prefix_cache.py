@@ -21,6 +21,7 @@ DOCS = [
 ]
 QUESTIONS = [" Who kept the ledger?", " What did the miller's daughter do?", " Name one ship."]
 LIMITS: dict[str, Any] = dict(max_new_tokens=16, max_input_tokens=600, prefix_cache_min_tokens=16)
+KEY = "k" * 32  # the disk tier's HMAC key the replicas of these tests share
 
 
 def _generate(client: TestClient, text: str, chars: int | None = None, **params: Any) -> tuple[str, int]:
@@ -108,7 +109,7 @@ def test_the_disk_tier_serves_a_restarted_server_and_refuses_a_corrupt_file(arti
     doc = DOCS[1]
     with running_app(artifact, **LIMITS, prefix_cache=False) as off:
         want = _generate(off, doc + QUESTIONS[1], len(doc))[0]
-    settings_ = dict(LIMITS, prefix_cache_dir=tmp_path)
+    settings_ = dict(LIMITS, prefix_cache_dir=tmp_path, prefix_cache_key=KEY)
     with running_app(artifact, **settings_) as first:
         assert _generate(first, doc + QUESTIONS[1], len(doc)) == (want, 0)
         _store_holds(first)
@@ -126,22 +127,41 @@ def test_the_disk_tier_serves_a_restarted_server_and_refuses_a_corrupt_file(arti
         assert _generate(again, doc + QUESTIONS[1], len(doc)) == (want, 0)
         metrics = again.get("/metrics").text
         _store_holds(again)
-    assert metric_value(metrics, "reformer_prefix_cache_disk_refusals_total", {"reason": "corrupt"}) == 1
+    assert metric_value(metrics, "reformer_prefix_cache_disk_refusals_total", {"reason": "unauthenticated"}) == 1
     assert len(list(tmp_path.glob("*.safetensors"))) == 1  # rewritten by the request that computed
 
 
 def test_a_file_of_another_artifact_is_refused_by_name(artifact: Any, tmp_path: Path) -> None:
-    from service.prefix_cache.disk import DiskRefusal, DiskTier
+    from service.prefix_cache.disk import DiskTier, EntryFault
+    from service.prefix_cache.entry_key import EntryKey
 
     doc = DOCS[0]
-    with running_app(artifact, **LIMITS, prefix_cache_dir=tmp_path) as client:
+    with running_app(artifact, **LIMITS, prefix_cache_dir=tmp_path, prefix_cache_key=KEY) as client:
         _generate(client, doc + QUESTIONS[0], len(doc))
         _store_holds(client)
     (path,) = tmp_path.glob("*.safetensors")
-    foreign = DiskTier(tmp_path, 2**30, "0" * 64)
-    with pytest.raises(DiskRefusal, match=f"{path.name} was written for another artifact"):
-        foreign.read(path.name.removesuffix(".safetensors"))
+    foreign = DiskTier(tmp_path, 2**30, "0" * 64, EntryKey(KEY.encode(), "setting"))
+    with pytest.raises(EntryFault, match=f"{path.name} was written for another artifact") as refused:
+        foreign.read(path.name.removesuffix(".safetensors"), lambda metadata, shapes: None)
+    assert refused.value.reason == "foreign"
     assert not path.exists()
+
+
+def test_without_a_key_a_restarted_server_refuses_the_files_of_the_last(artifact: Any, tmp_path: Path) -> None:
+    """No REFORMER_PREFIX_CACHE_KEY: each process authenticates with a key of its own, so a file written by
+    another process (a planted one, or the last run's) is refused as unauthenticated, deleted and rewritten."""
+    doc = DOCS[0]
+    with running_app(artifact, **LIMITS, prefix_cache_dir=tmp_path) as first:
+        want = _generate(first, doc + QUESTIONS[0], len(doc))
+        assert first.get("/info").json()["prefix_cache"]["disk_key"] == "per-process"
+        _store_holds(first)
+    with running_app(artifact, **LIMITS, prefix_cache_dir=tmp_path) as second:
+        again = _generate(second, doc + QUESTIONS[0], len(doc))
+        repeat = _generate(second, doc + QUESTIONS[0], len(doc))
+        metrics = second.get("/metrics").text
+    assert want[1] == 0 and again == want  # refused: computed again
+    assert repeat == (want[0], len(doc))  # its own state, from memory
+    assert metric_value(metrics, "reformer_prefix_cache_disk_refusals_total", {"reason": "unauthenticated"}) == 1
 
 
 @pytest.mark.parametrize("body,param", [
