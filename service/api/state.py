@@ -165,6 +165,7 @@ class ServiceState:
             decode_weights=s.decode_weights,
             max_request_tokens=min(self.limits.max_input_tokens + self.limits.max_new_tokens, positions),
             prefix_cache=prefix_cache_config(s) if s.prefix_cache else None,
+            report_cached_tokens=s.prefix_cache_report,
             artifact_sha256=artifact.sha256,
         )
         engine = Engine(model, artifact.tokenizer, backend, device, config, self.metrics,

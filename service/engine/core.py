@@ -85,6 +85,7 @@ class EngineConfig:
     # the prefix cache (service/prefix_cache/): None turns it off (forks of identical prompts still share one
     # prefill); its capacity None: PREFIX_CACHE_SHARE of the decode cache's
     prefix_cache: PrefixCacheConfig | None = None
+    report_cached_tokens: bool = True  # REFORMER_PREFIX_CACHE_REPORT: false, every cached_tokens says 0
     artifact_sha256: str = ""  # what the prefix cache's keys start from (with the settings that change bits)
 
 
@@ -117,7 +118,8 @@ class Engine:
         self.generations = GenerationSteps(self.runner, metrics, self._cond, batch_invariant=config.batch_invariant,
                                            max_batch_tokens=config.max_batch_tokens,
                                            prefill_budget_s=config.prefill_budget_ms / 1000.0,
-                                           reuse=PromptReuse(self.runner, self.prefix_cache, metrics.prefix_cache))
+                                           reuse=PromptReuse(self.runner, self.prefix_cache, metrics.prefix_cache,
+                                                             report=config.report_cached_tokens))
         self.memory = HeapKeeper(config.idle_trim_s, config.memory_budget_bytes,
                                  release=self.runner.release_free_pages, keep_bytes=config.cache_keep_bytes,
                                  busy_trim_s=config.busy_trim_s)

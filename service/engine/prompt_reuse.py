@@ -37,8 +37,11 @@ class Sorted(NamedTuple):
 
 
 class PromptReuse:
-    def __init__(self, runner: ModelRunner, cache: PrefixCache | None, metrics: PrefixCacheMetrics | None) -> None:
+    def __init__(self, runner: ModelRunner, cache: PrefixCache | None, metrics: PrefixCacheMetrics | None,
+                 report: bool = True) -> None:
         self.runner = runner
+        # whether a job's cached_tokens says what it reused (REFORMER_PREFIX_CACHE_REPORT); false: always 0
+        self.report = report
         self.cache = cache
         self.metrics = metrics
         # the segment key of every leader being prefilled now -> the forks waiting for its state (their own
@@ -87,7 +90,7 @@ class PromptReuse:
                 job.cache = None
             else:
                 self.cache.hit(tier, len(job.prefill_ids))  # type: ignore[union-attr]
-                job.timings.cached_tokens = snap.length
+                job.timings.cached_tokens = snap.length if self.report else 0
                 out.ready.append((job, snap.logits))
                 return
         self.waiting[key] = []
@@ -115,7 +118,7 @@ class PromptReuse:
             return None
         forks = self.waiting.pop(job.prefix_key, [])
         for fork in forks:
-            fork.timings.cached_tokens = len(fork.prefill_ids)
+            fork.timings.cached_tokens = len(fork.prefill_ids) if self.report else 0
         if self.metrics is not None:
             self.metrics.forks.inc(len(forks))
         return forks
