@@ -116,3 +116,15 @@ def test_with_reports_off_a_hit_is_told_to_no_caller(chat_artifact: Any) -> None
             assert "x-cached-tokens" not in r.headers
         hits = metric_value(c.get("/metrics").text, "reformer_prefix_cache_hits_tokens_total", {"tier": "memory"})
     assert hits > 0  # the cache still served them
+
+
+def test_the_cached_tokens_header_says_what_usage_says(client: TestClient) -> None:
+    """Several prompts in one /v1/completions request: usage sums their cached tokens, and so does the header
+    (it once counted the first prompt's only)."""
+    prompts = [DOC + " one?", DOC[::-1] + " two?"]
+    body = {"prompt": prompts, "max_tokens": 2, "temperature": 0}
+    client.post("/v1/completions", json=body)
+    r = client.post("/v1/completions", json=body)
+    cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached == sum(len(p) for p in prompts)
+    assert int(r.headers["x-cached-tokens"]) == cached

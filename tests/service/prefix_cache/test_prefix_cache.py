@@ -284,3 +284,35 @@ def test_a_leader_that_finishes_at_its_first_token_still_shares_its_state(artifa
     assert metric_value(metrics, "reformer_prefix_cache_forks_total") == 2
     assert later["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prompt)
     assert later["choices"][0]["text"] == want["choices"][0]["text"]
+
+
+def _written_at(path: Path) -> float:
+    import json
+    import struct
+
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    return float(json.loads(data[8:8 + n])["__metadata__"]["written_at"])
+
+
+def test_a_state_that_fails_to_restore_leaves_both_tiers_and_is_not_counted_a_hit(artifact: Any,
+                                                                                  tmp_path: Path) -> None:
+    """A kept state that cannot be restored is dropped from memory and its file deleted (it is not read again),
+    counted as a `restore` refusal and not as a hit; the request computes, and its state is kept again."""
+    prompt = DOCS[1] + QUESTIONS[2]
+    with running_app(artifact, **LIMITS, prefix_cache_dir=tmp_path, prefix_cache_key=KEY) as client:
+        first = _generate(client, prompt)
+        cache = client.app.state.service.engine.prefix_cache  # type: ignore[attr-defined]
+        cache.flush()
+        (key,) = list(cache.store._entries)
+        written = _written_at(cache.disk.path(key))
+        del cache.store.get(key).tensors["kv.1"]
+        second = _generate(client, prompt)
+        metrics = client.get("/metrics").text
+        cache.flush()
+        rewritten = _written_at(cache.disk.path(key)) > written  # deleted, then written anew
+        _store_holds(client)
+    assert second == (first[0], 0)
+    assert metric_value(metrics, "reformer_prefix_cache_hits_tokens_total", {"tier": "memory"}) == 0
+    assert metric_value(metrics, "reformer_prefix_cache_disk_refusals_total", {"reason": "restore"}) == 1
+    assert rewritten  # the recomputed state was written again after the bad one was deleted
