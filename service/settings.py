@@ -251,14 +251,16 @@ class Settings(BaseSettings):
         "Default: half the decode cache's capacity.",
     )
     prefix_cache_min_tokens: int = Field(
-        128, ge=1, description="Shorter prompts (or declared parts) are not kept in the prefix cache.",
+        128, ge=1, description="Shorter prompts (or declared parts) are neither kept in the prefix cache nor looked "
+        "up in it.",
     )
     prefix_cache_dir: Path | None = Field(
         None,
         description="A folder for the prefix cache's disk tier: every kept state is also written there as a "
         "safetensors file named by its key (which covers the artifact and the settings that change bits), and "
-        "read back on a miss in memory: after a restart, or by another replica sharing the folder. A file that "
-        "is corrupt or belongs to another artifact is refused by name, deleted, and the request prefills.",
+        "read back on a miss in memory: after a restart, or by another replica sharing the folder and "
+        "prefix_cache_key. A file that fails its HMAC, its layout or its identity checks is refused by reason, "
+        "deleted, and the request prefills; a read that fails (EIO) leaves it.",
     )
     prefix_cache_dir_bytes: int = Field(
         16 * 2**30, ge=0,

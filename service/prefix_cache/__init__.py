@@ -6,8 +6,10 @@ whatever the cache holds (its segment prefilled in one forward, the rest fed as 
 restores a copy of the very state that processing leaves (model/decoding/snapshot.py). So the answer never
 depends on what the cache held: a hit gives the same bits as the miss that stored it.
 
-Parts: keys.py (the hash chain and the identity it starts from), store.py (the memory tier, its own byte
-budget, LRU), disk.py (the optional disk tier shared across restarts and replicas), metrics.py. This module
+Parts: keys.py (the hash chain, the identity and the cache salt it starts from), fingerprint.py (the code and
+machine in the identity), store.py (the memory tier, its own byte budget, LRU, a time to live), disk.py (the
+optional disk tier shared across restarts and replicas), entry_format.py and entry_key.py (its authenticated
+files and their key), metrics.py. This module
 ties them for the engine's worker thread; disk writes run on a thread of their own."""
 
 from __future__ import annotations
