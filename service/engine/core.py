@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import json
 import logging
 import threading
@@ -181,8 +182,24 @@ class Engine:
             self.metrics.rejected.labels("cache_capacity").inc()
             raise InputTooLong(self.runner.limit_message(tokens))
         job = GenerationJob(spec, asyncio.get_running_loop(), request_id, self.tokenizer, stream)
-        self._admit(job, lambda: self._gen_queue.append(job), reservation)
+        self._admit(job, lambda: self._enqueue(job), reservation)
         return GenerationStream(job, self.cancel)
+
+    def _enqueue(self, job: GenerationJob) -> None:
+        """Under the lock: queue the job, and with a disk tier have its segment's state read off the worker's
+        thread first; the job waits in the queue (and so does everything behind it) until the read is done."""
+        cache = self.prefix_cache
+        if cache is not None and job.spec.prompt_logprobs is None:
+            key = cache.key(job.prefill_ids, job.spec.cache_salt)
+            if cache.wants_read_ahead(key, len(job.prefill_ids)):
+                job.read_ahead_pending = True
+                cache.read_ahead(key, self.runner.cache, lambda snap: self._read_ahead_done(job, snap))
+        self._gen_queue.append(job)
+
+    def _read_ahead_done(self, job: GenerationJob, snap: Any) -> None:
+        with self._cond:
+            job.read_ahead, job.read_ahead_pending = snap, False
+            self._cond.notify_all()
 
     def reserve(self) -> Reservation | Overloaded:
         return self.admission.reserve()
@@ -319,8 +336,10 @@ class Engine:
 
     def _take_prefills(self) -> list[GenerationJob]:
         """Under the lock: the generations that start now (service/engine/policy.py decides)."""
+        # a job whose disk read is still running waits, and so does everything behind it (FIFO)
+        ready = next((i for i, j in enumerate(self._gen_queue) if j.read_ahead_pending), len(self._gen_queue))
         queued = [QueuedGeneration(len(j.spec.prompt_ids), len(j.spec.prompt_ids) + j.spec.max_new_tokens)
-                  for j in self._gen_queue]
+                  for j in itertools.islice(self._gen_queue, ready)]
         n = take_generations(queued, self.generations.rows, self.config.max_batch_size,
                              self.config.max_batch_tokens, self.runner.fits_together)
         taken = [self._gen_queue.popleft() for _ in range(n)]

@@ -123,6 +123,10 @@ class GenerationJob(Job):
         self.suffix: list[int] = list(spec.prompt_ids[cut:])
         self.fed = 0  # suffix tokens fed so far (the pending one included)
         self.prefix_key: str | None = None  # the segment's key in the prefix cache
+        # the disk tier's read of the segment's state, done off the worker's thread before the job starts
+        # (Engine.generate): pending while it runs (the job waits in the queue), then the state or None
+        self.read_ahead_pending = False
+        self.read_ahead: Any = None  # a StateSnapshot read from the disk tier
         self.generated: list[int] = []
         self.text_parts: list[str] = []
         self.pending_token: int | None = None  # sampled, not yet fed to the model

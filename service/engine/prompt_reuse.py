@@ -75,7 +75,8 @@ class PromptReuse:
             return
         found = None
         if self.cache is not None:
-            found = self.cache.lookup(key, len(job.prefill_ids), self.runner.cache)
+            found = self.cache.lookup(key, len(job.prefill_ids), job.read_ahead)
+            job.read_ahead = None  # the job holds no copy of a state it no longer needs
         if found is not None:
             snap, tier = found
             self._own_state(job)

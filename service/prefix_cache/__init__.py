@@ -10,14 +10,15 @@ Parts: keys.py (the hash chain, the identity and the cache salt it starts from),
 machine in the identity), store.py (the memory tier, its own byte budget, LRU, a time to live), disk.py (the
 optional disk tier shared across restarts and replicas), entry_format.py and entry_key.py (its authenticated
 files and their key), metrics.py. This module
-ties them for the engine's worker thread; disk writes run on a thread of their own."""
+ties them for the engine's worker thread; disk reads (asked for when a request is queued: `read_ahead`) and
+disk writes each run on a thread of their own, so the worker never waits on the folder."""
 
 from __future__ import annotations
 
 import logging
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,9 @@ class PrefixCache:
         self._queued_lock = threading.Lock()
         self.queued_bytes = 0  # the states waiting in _writes (a gauge)
         self._writer: threading.Thread | None = None
+        self._reads: queue.Queue[tuple[str, DecodeCache, Callable[[StateSnapshot | None], None]] | None] = \
+            queue.Queue()
+        self._reader: threading.Thread | None = None
         if self.disk is not None:
             self._writer = threading.Thread(target=self._write_loop, name="prefix-cache-disk", daemon=True)
             self._writer.start()
@@ -80,22 +84,47 @@ class PrefixCache:
     def key(self, tokens: Sequence[int], salt: str | None = None) -> str:
         return chain_key(self.digest, tokens, salt)
 
-    def lookup(self, key: str, tokens: int, cache: DecodeCache) -> tuple[StateSnapshot, str] | None:
-        """The snapshot of a segment of `tokens` tokens under `key` and the tier it came from, from memory or
-        else from disk (then kept in memory too), or None; a segment shorter than min_tokens is never kept, so
-        it is not looked up. Queries are counted here, hits by `hit` once the state is restored."""
+    def lookup(self, key: str, tokens: int, read_ahead: StateSnapshot | None = None
+               ) -> tuple[StateSnapshot, str] | None:
+        """The snapshot of a segment of `tokens` tokens under `key` and the tier it came from: `read_ahead`
+        (what `read_ahead` read from disk for this request), else the memory tier's, or None. The worker never
+        reads the disk here. A segment shorter than min_tokens is never kept, so it is not looked up. Queries
+        are counted here, hits by `hit` once the state is restored."""
         if tokens < self.config.min_tokens:
             return None
         if self.metrics is not None:
             self.metrics.queries.inc(tokens)
+        if read_ahead is not None:
+            return read_ahead, "disk"
         snap = self.store.get(key)
-        if snap is not None:
-            return snap, "memory"
-        if self.disk is not None:
-            snap = self._read_disk(key, cache)
-            if snap is not None:
-                return snap, "disk"
-        return None
+        return (snap, "memory") if snap is not None else None
+
+    def wants_read_ahead(self, key: str, tokens: int) -> bool:
+        """Whether a request's segment should be looked for on disk before it starts: a disk tier, a segment
+        long enough to be kept, and not in memory now."""
+        return self.disk is not None and tokens >= self.config.min_tokens and key not in self.store
+
+    def read_ahead(self, key: str, cache: DecodeCache, done: Callable[[StateSnapshot | None], None]) -> None:
+        """Read the state under `key` from disk on the reader thread (`read_disk`), then call `done` with it
+        (None: no usable file), there. Reads run one at a time, in the order asked."""
+        if self._reader is None:
+            self._reader = threading.Thread(target=self._read_loop, name="prefix-cache-read", daemon=True)
+            self._reader.start()
+        self._reads.put((key, cache, done))
+
+    def _read_loop(self) -> None:
+        while (item := self._reads.get()) is not None:
+            key, cache, done = item
+            snap = None
+            try:
+                snap = self.read_disk(key, cache)
+            finally:
+                done(snap)
+
+    def read_disk(self, key: str, cache: DecodeCache) -> StateSnapshot | None:
+        """The disk tier's state under `key` after every check (then kept in memory too), or None: no file, or
+        one refused (counted by reason). Never raises: nothing a file holds may fail a request."""
+        return self._read_disk(key, cache)
 
     def hit(self, tier: str, tokens: int) -> None:
         """A looked-up state was restored: `tokens` tokens were not prefilled (counted in tokens, as vLLM)."""
@@ -192,6 +221,9 @@ class PrefixCache:
             self._writes.join()
 
     def close(self) -> None:
+        if self._reader is not None:
+            self._reads.put(None)
+            self._reader.join(timeout=5)
         if self._writer is not None:
             self.flush()
             self._writes.put(None)

@@ -139,7 +139,8 @@ def test_a_prompt_below_the_minimum_is_not_looked_up(tmp_path: Path, monkeypatch
             raise AssertionError("the disk was read for a prompt too short to be kept")
 
         monkeypatch.setattr(cache.disk, "read", no_read)
-        assert cache.lookup(_key(1), 15, None) is None  # type: ignore[arg-type]
+        assert not cache.wants_read_ahead(_key(1), 15)
+        assert cache.lookup(_key(1), 15) is None
         assert metrics.queries._value.get() == 0
     finally:
         cache.close()

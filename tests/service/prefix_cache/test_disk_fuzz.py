@@ -174,7 +174,7 @@ def test_every_mutated_entry_is_refused_by_reason_and_never_raises(server: tuple
             before = {r: refusals.labels(r)._value.get() for r in REFUSALS}
             path.write_bytes(mutated)
             cache.store.clear()
-            found = cache.lookup(key, len(DOC), engine.runner.cache)
+            found = cache.read_disk(key, engine.runner.cache)
             after = {r: refusals.labels(r)._value.get() for r in REFUSALS}
             counted = [r for r in REFUSALS if after[r] != before[r]]
             assert found is None, kind
@@ -185,7 +185,7 @@ def test_every_mutated_entry_is_refused_by_reason_and_never_raises(server: tuple
             cases += 1
         path.write_bytes(data)  # the real entry is still read, and restored
         cache.store.clear()
-        assert cache.lookup(key, len(DOC), engine.runner.cache) is not None
+        assert cache.read_disk(key, engine.runner.cache) is not None
     assert cases >= 1000
     assert {"corrupt", "unauthenticated", "foreign", "expired", "layout", "logits"} <= set(seen), seen
 
@@ -211,7 +211,7 @@ def test_a_read_that_fails_is_counted_as_io_and_keeps_the_file(server: tuple[Tes
     with engine._cond:
         cache.store.clear()
         monkeypatch.setattr(builtins, "open", failing)
-        found = cache.lookup(path.name.removesuffix(".safetensors"), len(DOC), engine.runner.cache)
+        found = cache.read_disk(path.name.removesuffix(".safetensors"), engine.runner.cache)
         monkeypatch.undo()
     assert found is None and path.exists()
     assert cache.metrics.disk_refusals.labels("io")._value.get() == before + 1

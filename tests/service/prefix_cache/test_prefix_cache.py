@@ -316,3 +316,31 @@ def test_a_state_that_fails_to_restore_leaves_both_tiers_and_is_not_counted_a_hi
     assert metric_value(metrics, "reformer_prefix_cache_hits_tokens_total", {"tier": "memory"}) == 0
     assert metric_value(metrics, "reformer_prefix_cache_disk_refusals_total", {"reason": "restore"}) == 1
     assert rewritten  # the recomputed state was written again after the bad one was deleted
+
+
+def test_disk_reads_run_off_the_model_workers_thread(artifact: Any, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restarted server's hit from disk: the file is read on the prefix cache's reader thread while the
+    request waits in the queue, never on the model worker's (where a slow volume would stall every step)."""
+    import threading
+
+    from service.prefix_cache.disk import DiskTier
+
+    doc = DOCS[0]
+    settings_ = dict(LIMITS, prefix_cache_dir=tmp_path, prefix_cache_key=KEY)
+    with running_app(artifact, **settings_) as first:
+        want = _generate(first, doc + QUESTIONS[2], len(doc))
+        _store_holds(first)
+    threads: list[str] = []
+    real_read = DiskTier.read
+
+    def read(self: DiskTier, *args: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return real_read(self, *args)
+
+    monkeypatch.setattr(DiskTier, "read", read)
+    with running_app(artifact, **settings_) as restarted:
+        assert _generate(restarted, doc + QUESTIONS[2], len(doc)) == (want[0], len(doc))
+        metrics = restarted.get("/metrics").text
+    assert metric_value(metrics, "reformer_prefix_cache_hits_tokens_total", {"tier": "disk"}) == len(doc)
+    assert threads and set(threads) == {"prefix-cache-read"}
