@@ -1,8 +1,8 @@
 """A fuzzer of the disk tier: real entries, mutated 1,200 ways (truncated, bits flipped, emptied, a header
 length or shape claiming gigabytes, re-signed with the right key but a wrong shape, dtype, name, header field
-or logits, signed with another key), each read through the prefix cache's own lookup. Every one is refused
-with a reason, counted once under it, deleted when its content is at fault, and never raises; a few go
-through HTTP, where the answer is the cache-off server's and no response is a 500."""
+or logits, signed with another key), each read as the prefix cache reads its files (`read_disk`). Every one
+is refused with a reason, counted once under it, deleted when its content is at fault, and never raises; a
+few go through HTTP, where the answer is the cache-off server's and no response is a 500."""
 
 from __future__ import annotations
 
