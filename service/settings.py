@@ -17,6 +17,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from service.memory import container_memory_limit
+from service.settings_prefix_cache import PrefixCacheTrustSettings
 
 BackendName = Literal["auto", "torch", "onnxruntime"]
 DeviceName = Literal["auto", "cpu", "cuda"]
@@ -24,7 +25,7 @@ DtypeName = Literal["auto", "float32", "bfloat16", "float16"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 
 
-class Settings(BaseSettings):
+class Settings(BaseSettings, PrefixCacheTrustSettings):
     """Configuration of `reformer serve`."""
 
     model_config = SettingsConfigDict(env_prefix="REFORMER_", extra="forbid", validate_default=True)
@@ -267,42 +268,6 @@ class Settings(BaseSettings):
         description="The disk tier's size cap in bytes, its files being written included: past it, least recently "
         "used files are deleted.",
     )
-    # ---- prefix cache: trust and isolation (docs/DEPLOY.md, "The prefix cache's threat model") ----
-    prefix_cache_key: SecretStr | None = Field(
-        None,
-        description="The key (at least 32 bytes, e.g. `openssl rand -hex 32`) that authenticates the disk tier's "
-        "files with HMAC-SHA256: every replica sharing prefix_cache_dir needs the same one. Unset, and no "
-        "prefix_cache_key_file: each process draws a random key, so its files are read by itself only (a "
-        "restarted server or another replica refuses them and writes its own).",
-    )
-    prefix_cache_key_file: Path | None = Field(
-        None,
-        description="A file holding prefix_cache_key (a mounted Kubernetes Secret); surrounding whitespace is "
-        "ignored. prefix_cache_key, when set, wins.",
-    )
-    prefix_cache_ttl_s: float | None = Field(
-        None, gt=0,
-        description="The memory tier's time to live: a state stored longer ago is no longer restored. Unset: kept "
-        "until evicted.",
-    )
-    prefix_cache_dir_ttl_s: float = Field(
-        86400.0, ge=0,
-        description="The disk tier's time to live: a file written longer ago is refused (reason expired) and "
-        "deleted, and the folder's trim deletes files untouched for as long. 0: no limit.",
-    )
-    prefix_cache_write_queue_bytes: int = Field(
-        2 * 2**30, ge=0,
-        description="States waiting for the disk writer, in bytes: a state that would take the queue past it "
-        "is kept in memory only (reformer_prefix_cache_disk_refusals_total{reason=\"queue_full\"}).",
-    )
-    prefix_cache_report: bool = Field(
-        True,
-        description="Report prefix-cache hits to callers (usage.prompt_tokens_details.cached_tokens, "
-        "details.cached_tokens and the x-cached-tokens header). false: they always say 0 and the header is not "
-        "sent, so a caller cannot learn from them whether another sent the same document (timing still can; "
-        "cache_salt is the isolation: docs/API.md).",
-    )
-    # ---- end of the prefix cache's trust settings ----
     debug_memory: bool = Field(
         False,
         description="Also export reformer_python_objects, reformer_live_tensor_bytes and "
@@ -321,12 +286,11 @@ class Settings(BaseSettings):
             return [part.strip() for part in value.split(",") if part.strip()]
         return value
 
-    @field_validator("api_key", "prefix_cache_key", mode="before")
+    @field_validator("api_key", mode="before")
     @classmethod
     def _blank_key_is_no_key(cls, value: Any) -> Any:
         # `REFORMER_API_KEY=` (an empty variable, as templated env files and k8s secrets often leave it) must
-        # not turn authentication on with a blank key that every client would have to send; a blank
-        # REFORMER_PREFIX_CACHE_KEY is likewise no key (a per-process one is drawn).
+        # not turn authentication on with a blank key that every client would have to send.
         if isinstance(value, SecretStr):
             value = value.get_secret_value()
         if isinstance(value, str) and not value.strip():
