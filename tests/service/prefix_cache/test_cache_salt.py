@@ -101,7 +101,18 @@ def test_a_bad_salt_header_is_refused_naming_it(client: TestClient, route: str) 
 
 def test_forks_in_flight_are_keyed_by_salt_too() -> None:
     """With the cache off, identical prompts in flight share one prefill by key: never across salts."""
+    from types import SimpleNamespace
+
+    from service.engine.prompt_reuse import PromptReuse
+
     ids = list(range(300))
+    reuse = PromptReuse(None, None, None)  # type: ignore[arg-type]  # keys need neither runner nor cache
+
+    def job(salt: str | None) -> Any:
+        return SimpleNamespace(prefill_ids=ids, spec=SimpleNamespace(cache_salt=salt))
+
+    keys = [reuse._key(job(salt)) for salt in ("f:a", "f:b", None, "f:a")]
+    assert len(set(keys[:3])) == 3 and keys[0] == keys[3]
     assert chain_key(NO_IDENTITY, ids, "f:a") != chain_key(NO_IDENTITY, ids, "f:b")
     assert chain_key(NO_IDENTITY, ids, "f:a") != chain_key(NO_IDENTITY, ids)
     assert chain_key(NO_IDENTITY, ids, "f:a") == chain_key(NO_IDENTITY, list(ids), "f:a")
