@@ -189,8 +189,8 @@ class Engine:
         """Under the lock: queue the job, and with a disk tier have its segment's state read off the worker's
         thread first; the job waits in the queue (and so does everything behind it) until the read is done."""
         cache = self.prefix_cache
-        if cache is not None and job.spec.prompt_logprobs is None:
-            key = cache.key(job.prefill_ids, job.spec.cache_salt)
+        if cache is not None and cache.disk is not None and job.spec.prompt_logprobs is None:
+            key = cache.key(job.prefill_ids, job.spec.cache_salt)  # hashed only where a disk tier may hold it
             if cache.wants_read_ahead(key, len(job.prefill_ids)):
                 job.read_ahead_pending = True
                 cache.read_ahead(key, self.runner.cache, lambda snap: self._read_ahead_done(job, snap))

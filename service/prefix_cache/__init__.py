@@ -27,7 +27,7 @@ from model.decoding import DecodeCache
 from model.decoding.snapshot import StateSnapshot
 from model.decoding.snapshot_layout import check_layout
 from service.prefix_cache.disk import DiskTier
-from service.prefix_cache.entry_format import EntryFault, TensorShapes
+from service.prefix_cache.entry_format import EntryFault
 from service.prefix_cache.entry_key import EntryKey, resolve_key
 from service.prefix_cache.keys import CacheIdentity, chain_key
 from service.prefix_cache.metrics import PrefixCacheMetrics
@@ -51,13 +51,13 @@ class PrefixCacheConfig:
 
 
 class PrefixCache:
-    def __init__(self, identity: CacheIdentity, config: PrefixCacheConfig,
-                 metrics: PrefixCacheMetrics | None = None, vocab_size: int | None = None) -> None:
+    def __init__(self, identity: CacheIdentity, config: PrefixCacheConfig, metrics: PrefixCacheMetrics | None,
+                 vocab_size: int) -> None:
         self.identity = identity
         self.digest = identity.digest()
         self.config = config
         self.metrics = metrics
-        self.vocab_size = vocab_size
+        self.vocab_size = vocab_size  # the logits' length a disk entry must have
         self.store = PrefixStore(config.capacity_bytes, metrics.evictions.inc if metrics is not None else None,
                                  ttl_s=config.ttl_s)
         self.disk = None
@@ -113,35 +113,26 @@ class PrefixCache:
         self._reads.put((key, cache, done))
 
     def _read_loop(self) -> None:
+        # this thread must outlive any one read: a job waits in the queue until its `done` is called
         while (item := self._reads.get()) is not None:
             key, cache, done = item
-            snap = None
+            snap = self.read_disk(key, cache)
             try:
-                snap = self.read_disk(key, cache)
-            finally:
                 done(snap)
-
-    def read_disk(self, key: str, cache: DecodeCache) -> StateSnapshot | None:
-        """The disk tier's state under `key` after every check (then kept in memory too), or None: no file, or
-        one refused (counted by reason). Never raises: nothing a file holds may fail a request."""
-        return self._read_disk(key, cache)
+            except Exception:
+                log.exception("handing a prefix cache file's state to its request failed")
 
     def hit(self, tier: str, tokens: int) -> None:
         """A looked-up state was restored: `tokens` tokens were not prefilled (counted in tokens, as vLLM)."""
         if self.metrics is not None:
             self.metrics.hits.labels(tier).inc(tokens)
 
-    def _check(self, cache: DecodeCache, metadata: dict[str, str], shapes: TensorShapes) -> None:
-        vocab = self.vocab_size
-        if vocab is None:  # only tests build a cache without the model's vocabulary: trust the file's width
-            got = shapes.get("logits", ((0,), None))[0]
-            vocab = got[0] if len(got) == 1 else -1
-        check_layout(cache, metadata, shapes, vocab)
-
-    def _read_disk(self, key: str, cache: DecodeCache) -> StateSnapshot | None:
+    def read_disk(self, key: str, cache: DecodeCache) -> StateSnapshot | None:
+        """The disk tier's state under `key` after every check (then kept in memory too), or None: no file, or
+        one refused (counted by reason). Never raises: nothing a file holds may fail a request."""
         assert self.disk is not None
         try:
-            snap = self.disk.read(key, lambda m, s: self._check(cache, m, s))
+            snap = self.disk.read(key, lambda m, s: check_layout(cache, m, s, self.vocab_size))
         except EntryFault as fault:
             log.warning("refused a prefix cache file; prefilling instead: %s", fault)
             self._refused(fault.reason)

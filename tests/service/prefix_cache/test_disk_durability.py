@@ -100,7 +100,7 @@ def _cache(tmp_path: Path, **config: Any) -> tuple[PrefixCache, PrefixCacheMetri
     metrics = PrefixCacheMetrics(CollectorRegistry())
     identity = CacheIdentity("sha", 1, "float32", "float32", "cpu", 64, False)
     cache = PrefixCache(identity, PrefixCacheConfig(10**7, min_tokens=16, disk_dir=tmp_path, key=KEY, **config),
-                        metrics)
+                        metrics, vocab_size=7)
     return cache, metrics
 
 
