@@ -259,12 +259,20 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     return manifest
 
 
+def _mount_machinery(p: Path) -> bool:
+    """A folder the artifact's volume puts there, not a file of the artifact: `lost+found` at a filesystem's
+    root, and a Kubernetes ConfigMap or Secret mount's `..data` link and `..<timestamp>` folder (the listed
+    files are links through them). Only folders: a file of either name is still refused."""
+    return (p.name == "lost+found" or p.name.startswith("..")) and p.is_dir()
+
+
 def check_listing(directory: Path, manifest: dict[str, Any]) -> None:
     """Everything in the directory but the manifest must be listed in it: the loader reads only listed (and
     so hashed) files, and a file that is there but not listed (a chat template or a tokenizer file added
     by hand, a leftover) would otherwise be ignored or, worse, read unchecked. Refused by name."""
     listed = set(manifest["files"])
-    extra = sorted(p.name for p in directory.iterdir() if p.name != MANIFEST_FILE and p.name not in listed)
+    extra = sorted(p.name for p in directory.iterdir()
+                   if p.name != MANIFEST_FILE and p.name not in listed and not _mount_machinery(p))
     if extra:
         more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
         raise ArtifactError(f"{extra[0]}: in {directory} but not listed in {MANIFEST_FILE}{more}; every file of "

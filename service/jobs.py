@@ -30,6 +30,9 @@ class GenerationSpec:
     # the prompt's first N tokens are its segment: prefilled in one forward and kept in the prefix cache, the
     # rest fed as decode steps (service/engine/prompt_reuse.py); None: the whole prompt is the segment
     cache_prefix_tokens: int | None = None
+    # the tenant's cache salt (service/api/protocol/cache_salt.py): it starts the prefix key's chain, so prompts
+    # under different salts never share a kept state, an in-flight prefill or a cached_tokens report
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)

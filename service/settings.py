@@ -17,6 +17,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from service.memory import container_memory_limit
+from service.settings_prefix_cache import PrefixCacheTrustSettings
 
 BackendName = Literal["auto", "torch", "onnxruntime"]
 DeviceName = Literal["auto", "cpu", "cuda"]
@@ -24,7 +25,7 @@ DtypeName = Literal["auto", "float32", "bfloat16", "float16"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 
 
-class Settings(BaseSettings):
+class Settings(BaseSettings, PrefixCacheTrustSettings):
     """Configuration of `reformer serve`."""
 
     model_config = SettingsConfigDict(env_prefix="REFORMER_", extra="forbid", validate_default=True)
@@ -264,18 +265,21 @@ class Settings(BaseSettings):
         "Default: half the decode cache's capacity.",
     )
     prefix_cache_min_tokens: int = Field(
-        128, ge=1, description="Shorter prompts (or declared parts) are not kept in the prefix cache.",
+        128, ge=1, description="Shorter prompts (or declared parts) are neither kept in the prefix cache nor looked "
+        "up in it.",
     )
     prefix_cache_dir: Path | None = Field(
         None,
         description="A folder for the prefix cache's disk tier: every kept state is also written there as a "
         "safetensors file named by its key (which covers the artifact and the settings that change bits), and "
-        "read back on a miss in memory: after a restart, or by another replica sharing the folder. A file that "
-        "is corrupt or belongs to another artifact is refused by name, deleted, and the request prefills.",
+        "read back on a miss in memory: after a restart, or by another replica sharing the folder and "
+        "prefix_cache_key. A file that fails its HMAC, its layout or its identity checks is refused by reason, "
+        "deleted, and the request prefills; a read that fails (EIO) leaves it.",
     )
     prefix_cache_dir_bytes: int = Field(
         16 * 2**30, ge=0,
-        description="The disk tier's size cap in bytes: past it, least recently used files are deleted.",
+        description="The disk tier's size cap in bytes, its files being written included: past it, least recently "
+        "used files are deleted.",
     )
     debug_memory: bool = Field(
         False,
@@ -321,8 +325,9 @@ class Settings(BaseSettings):
 
     def public_dict(self) -> dict[str, Any]:
         """The settings as JSON-able values, the API key reduced to whether one is set."""
-        data = self.model_dump(mode="json", exclude={"api_key"})
+        data = self.model_dump(mode="json", exclude={"api_key", "prefix_cache_key"})
         data["api_key_set"] = self.api_key is not None
+        data["prefix_cache_key_set"] = self.prefix_cache_key is not None
         return data
 
 

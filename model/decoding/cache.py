@@ -147,6 +147,8 @@ class DecodeCache:
             self.blocks = (max_slots * -(-self.max_tokens // block_size) if usable >= 0 else 0) + 1
         rows = self.blocks * block_size
         self.scratch_slot = max_slots
+        # the widest bucket counts each LSH layer can reach (0 for local layers): what bounds a restored state's
+        self.bucket_limits = [spec[3] if spec is not None else 0 for spec in specs]
         self.indexes: list[LSHIndex | None] = [
             None if spec is None else LSHIndex(max_slots + 1, spec[0], spec[1], spec[2], rows, self.device, positions,
                                                recent)

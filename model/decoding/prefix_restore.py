@@ -43,13 +43,12 @@ from torch import Tensor
 from .cache import DecodeCache, flat_buckets
 from .cache_state import DecodeState
 from .lsh_index import LSHIndex
-from .snapshot import StateSnapshot, TailFacts, check_fits
+from .snapshot import PREFIX_BLOCK, StateSnapshot, TailFacts, check_fits
 
 if TYPE_CHECKING:
     from ..config import ReformerConfig
 
-# positions per prefix block: a kept state can be restored truncated to any multiple of this
-PREFIX_BLOCK = 256
+__all__ = ["PREFIX_BLOCK", "BlockTails", "position_buckets", "restore_prefix"]
 
 
 def _ring_rows(cache: DecodeCache, slot: int) -> slice:

@@ -35,6 +35,10 @@ from torch import Tensor
 from .cache import DecodeCache
 from .cache_state import DecodeState, HashedAhead
 
+# positions per prefix block: a snapshot that kept tails can be restored truncated to any multiple of this
+# (model/decoding/prefix_restore.py)
+PREFIX_BLOCK = 256
+
 
 @dataclass(frozen=True)
 class TailFacts:

@@ -24,7 +24,7 @@ from pydantic import ValidationError
 
 from model.decoding.runtime import fit_threads_to_container, tune_cpu_runtime
 from service.api.app import create_app
-from service.api.state import ServiceState
+from service.api.state import ServiceState, prefix_cache_config
 from service.engine.backends import kv_cache_dtype, resolve_device, resolve_dtype
 from service.observability.logs import configure_logging
 from service.settings import settings_from_argv
@@ -120,6 +120,11 @@ def main(argv: list[str] | None = None) -> int:
         problem = unusable_folder(settings.prefix_cache_dir)
         if problem:
             print(f"reformer serve: REFORMER_PREFIX_CACHE_DIR {settings.prefix_cache_dir}: {problem}", file=sys.stderr)
+            return 2
+        try:  # a key too short, or a key file that cannot be read, is refused before the model loads
+            prefix_cache_config(settings)
+        except (ValueError, OSError) as err:
+            print(f"reformer serve: invalid settings: {err}", file=sys.stderr)
             return 2
     from export import ArtifactError, load_artifact
 

@@ -27,7 +27,7 @@ from service.engine.backends import (
 )
 from service.engine.core import Engine, EngineConfig
 from service.observability.metrics import ServiceMetrics
-from service.prefix_cache import PrefixCacheConfig
+from service.prefix_cache import PrefixCacheConfig, resolve_key
 from service.settings import Settings
 from service.text.tokenizing import Tokenizing
 
@@ -68,6 +68,18 @@ def kernel_report(mode: str) -> dict[str, Any]:
     status = load_kernels()
     return {"mode": mode, "loaded": status.loaded, "source": status.source, "reason": status.reason,
             "path": status.kernels.path.name if status.kernels is not None else None}
+
+
+def prefix_cache_config(s: Settings) -> PrefixCacheConfig:
+    """The prefix cache's settings; ValueError naming the key setting when the disk tier's key is unusable."""
+    key = None
+    if s.prefix_cache_dir is not None:
+        secret = s.prefix_cache_key.get_secret_value() if s.prefix_cache_key is not None else None
+        key = resolve_key(secret, s.prefix_cache_key_file)
+    return PrefixCacheConfig(
+        -1 if s.prefix_cache_bytes is None else s.prefix_cache_bytes, s.prefix_cache_min_tokens,
+        s.prefix_cache_dir, s.prefix_cache_dir_bytes, key=key, ttl_s=s.prefix_cache_ttl_s,
+        disk_ttl_s=s.prefix_cache_dir_ttl_s or None, write_queue_bytes=s.prefix_cache_write_queue_bytes)
 
 
 class ServiceState:
@@ -152,9 +164,8 @@ class ServiceState:
             cpu_kernels=s.cpu_kernels != "off", kv_cache_dtype=kv_cache_dtype(s.kv_cache_dtype, dtype),
             decode_weights=s.decode_weights,
             max_request_tokens=min(self.limits.max_input_tokens + self.limits.max_new_tokens, positions),
-            prefix_cache=PrefixCacheConfig(
-                -1 if s.prefix_cache_bytes is None else s.prefix_cache_bytes, s.prefix_cache_min_tokens,
-                s.prefix_cache_dir, s.prefix_cache_dir_bytes) if s.prefix_cache else None,
+            prefix_cache=prefix_cache_config(s) if s.prefix_cache else None,
+            report_cached_tokens=s.prefix_cache_report,
             artifact_sha256=artifact.sha256, causal_prefill=s.prefill == "causal",
         )
         engine = Engine(model, artifact.tokenizer, backend, device, config, self.metrics,

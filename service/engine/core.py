@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
+import json
 import logging
 import threading
 import time
@@ -45,6 +47,7 @@ from service.observability.logs import working_on
 from service.observability.metrics import ServiceMetrics
 from service.observability.tracing import note_job
 from service.prefix_cache import CacheIdentity, PrefixCache, PrefixCacheConfig
+from service.prefix_cache.fingerprint import runtime_fingerprint
 
 log = logging.getLogger("service.engine")
 
@@ -83,6 +86,7 @@ class EngineConfig:
     # the prefix cache (service/prefix_cache/): None turns it off (forks of identical prompts still share one
     # prefill); its capacity None: PREFIX_CACHE_SHARE of the decode cache's
     prefix_cache: PrefixCacheConfig | None = None
+    report_cached_tokens: bool = True  # REFORMER_PREFIX_CACHE_REPORT: false, every cached_tokens says 0
     artifact_sha256: str = ""  # what the prefix cache's keys start from (with the settings that change bits)
     # REFORMER_PREFILL=causal: every prompt read as decode steps read tokens (service/engine/runner.py
     # extend_slices), its state kept and found at block boundaries with no declaration (prompt_reuse.py)
@@ -119,6 +123,7 @@ class Engine:
                                            max_batch_tokens=config.max_batch_tokens,
                                            prefill_budget_s=config.prefill_budget_ms / 1000.0,
                                            reuse=PromptReuse(self.runner, self.prefix_cache, metrics.prefix_cache,
+                                                             report=config.report_cached_tokens,
                                                              causal=config.causal_prefill),
                                            causal=config.causal_prefill)
         self.memory = HeapKeeper(config.idle_trim_s, config.memory_budget_bytes,
@@ -135,16 +140,16 @@ class Engine:
             return None
         cache = self.runner.cache
         if wanted.capacity_bytes < 0:  # unset: a share of the decode cache's
-            wanted = PrefixCacheConfig(int(cache.capacity_bytes * PREFIX_CACHE_SHARE), wanted.min_tokens,
-                                       wanted.disk_dir, wanted.disk_bytes)
+            wanted = dataclasses.replace(wanted, capacity_bytes=int(cache.capacity_bytes * PREFIX_CACHE_SHARE))
         identity = CacheIdentity(
             artifact_sha256=config.artifact_sha256, hash_seed=model.config.hash_seed,
-            model_dtype=str(cache.dtype), kv_cache_dtype=str(cache.kv_dtype), decode_weights=config.decode_weights,
+            model_dtype=str(cache.dtype), kv_cache_dtype=str(cache.kv_dtype),
             device_type=cache.device.type, recent_size=next(
                 (ix.recent_size for ix in cache.indexes if ix is not None), 0),
             batch_invariant=config.batch_invariant, config_digest=CacheIdentity.config_digest_of(model.config),
+            runtime=json.dumps(runtime_fingerprint(cache.device, config.cpu_kernels), sort_keys=True),
             prefill="causal" if config.causal_prefill else "one-piece")
-        return PrefixCache(identity, wanted, metrics.prefix_cache)
+        return PrefixCache(identity, wanted, metrics.prefix_cache, vocab_size=model.config.vocab_size)
 
     # ---- event-loop side -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -186,8 +191,30 @@ class Engine:
             # a causal prompt's every block boundary is found by its content: a declared part changes nothing
             spec = dataclasses.replace(spec, cache_prefix_tokens=None)
         job = GenerationJob(spec, asyncio.get_running_loop(), request_id, self.tokenizer, stream)
-        self._admit(job, lambda: self._gen_queue.append(job), reservation)
+        self._admit(job, lambda: self._enqueue(job), reservation)
         return GenerationStream(job, self.cancel)
+
+    def _enqueue(self, job: GenerationJob) -> None:
+        """Under the lock: queue the job, and with a disk tier have its segment's state read off the worker's
+        thread first; the job waits in the queue (and so does everything behind it) until the read is done."""
+        cache = self.prefix_cache
+        if cache is not None and cache.disk is not None and job.spec.prompt_logprobs is None and \
+                self.config.causal_prefill:  # the longest boundary of the prompt on disk (prompt_reuse.py)
+            keys = cache.causal_read_ahead(job.prefill_ids[:-1], job.spec.cache_salt)
+            if keys:
+                job.read_ahead_pending = True
+                cache.read_ahead(keys, self.runner.cache, lambda snap: self._read_ahead_done(job, snap))
+        elif cache is not None and cache.disk is not None and job.spec.prompt_logprobs is None:
+            key = cache.key(job.prefill_ids, job.spec.cache_salt)  # hashed only where a disk tier may hold it
+            if cache.wants_read_ahead(key, len(job.prefill_ids)):
+                job.read_ahead_pending = True
+                cache.read_ahead(key, self.runner.cache, lambda snap: self._read_ahead_done(job, snap))
+        self._gen_queue.append(job)
+
+    def _read_ahead_done(self, job: GenerationJob, snap: Any) -> None:
+        with self._cond:
+            job.read_ahead, job.read_ahead_pending = snap, False
+            self._cond.notify_all()
 
     def reserve(self) -> Reservation | Overloaded:
         return self.admission.reserve()
@@ -324,8 +351,10 @@ class Engine:
 
     def _take_prefills(self) -> list[GenerationJob]:
         """Under the lock: the generations that start now (service/engine/policy.py decides)."""
+        # a job whose disk read is still running waits, and so does everything behind it (FIFO)
+        ready = next((i for i, j in enumerate(self._gen_queue) if j.read_ahead_pending), len(self._gen_queue))
         queued = [QueuedGeneration(len(j.spec.prompt_ids), len(j.spec.prompt_ids) + j.spec.max_new_tokens)
-                  for j in self._gen_queue]
+                  for j in itertools.islice(self._gen_queue, ready)]
         n = take_generations(queued, self.generations.rows, self.config.max_batch_size,
                              self.config.max_batch_tokens, self.runner.fits_together)
         taken = [self._gen_queue.popleft() for _ in range(n)]

@@ -125,6 +125,10 @@ class GenerationJob(Job):
         self.prefix_key: str | None = None  # the segment's key in the prefix cache
         # a causal prompt's block tails (model/decoding/prefix_restore.py BlockTails) until its state is kept
         self.tails: Any = None
+        # the disk tier's read of the segment's state, done off the worker's thread before the job starts
+        # (Engine.generate): pending while it runs (the job waits in the queue), then the state or None
+        self.read_ahead_pending = False
+        self.read_ahead: Any = None  # a StateSnapshot read from the disk tier
         self.generated: list[int] = []
         self.text_parts: list[str] = []
         self.pending_token: int | None = None  # sampled, not yet fed to the model

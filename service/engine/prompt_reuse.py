@@ -12,8 +12,8 @@ that asks to be scored (prompt logprobs) always prefills, alone of the cache.
 With the causal prefill (REFORMER_PREFILL=causal) the segment is always the whole prompt, read as decode steps
 read tokens (service/engine/runner.py `extend_slices`), so the state after any block boundary of a prompt is
 a function of the tokens before it: the prefix cache keeps the state at the prompt's last block boundary
-while the prompt is read (`keep_at`, `keep`), and a later prompt continues from the longest kept boundary
-it starts with (`PrefixCache.lookup_longest`): no request declares anything."""
+while the prompt is read (`keep_at`, `keep_tail`, `keep`), and a later prompt continues from the longest
+kept boundary it starts with (`PrefixCache.lookup_longest`): no request declares anything."""
 
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from model.decoding.prefix_restore import PREFIX_BLOCK, BlockTails, restore_prefix
-from model.decoding.snapshot import restore_snapshot, take_snapshot
+from model.decoding.prefix_restore import BlockTails, restore_prefix
+from model.decoding.snapshot import PREFIX_BLOCK, restore_snapshot, take_snapshot
 from service.engine.jobs_runtime import GenerationJob
 from service.prefix_cache.keys import KEY_BLOCK_TOKENS, chain_key
 
@@ -47,11 +47,13 @@ class Sorted(NamedTuple):
 
 class PromptReuse:
     def __init__(self, runner: ModelRunner, cache: PrefixCache | None, metrics: PrefixCacheMetrics | None,
-                 causal: bool = False) -> None:
+                 report: bool = True, causal: bool = False) -> None:
         self.runner = runner
+        self.causal = causal  # REFORMER_PREFILL=causal: prompts continue from kept block boundaries
+        # whether a job's cached_tokens says what it reused (REFORMER_PREFIX_CACHE_REPORT); false: always 0
+        self.report = report
         self.cache = cache
         self.metrics = metrics
-        self.causal = causal  # REFORMER_PREFILL=causal: prompts continue from kept block boundaries
         # the segment key of every leader being prefilled now -> the forks waiting for its state (their own
         # states allocated when they started, so the blocks admission counted for them are theirs)
         self.waiting: dict[str, list[GenerationJob]] = {}
@@ -86,22 +88,25 @@ class PromptReuse:
             self.waiting[key] = []
             out.prefill.append(job)
             return
-        snap = None
+        found = None
         if self.cache is not None:
-            snap = self.cache.lookup(key, len(job.prefill_ids), self.runner.cache)
-        if snap is not None:
+            found = self.cache.lookup(key, len(job.prefill_ids), job.read_ahead)
+            job.read_ahead = None  # the job holds no copy of a state it no longer needs
+        if found is not None:
+            snap, tier = found
             self._own_state(job)
             try:
                 with torch.inference_mode():
                     restore_snapshot(self.runner.cache, snap, job.cache)
-            except Exception:  # the entry is unusable: forget it, and compute what it held
+            except Exception:  # the entry is unusable: forget it (memory and disk), and compute what it held
                 log.exception("restoring a kept state failed; prefilling instead", extra={"request_id": job.request_id})
                 assert self.cache is not None
                 self.cache.forget(key)
                 self.runner.free(job.cache)
                 job.cache = None
             else:
-                job.timings.cached_tokens = snap.length
+                self.cache.hit(tier, len(job.prefill_ids))  # type: ignore[union-attr]
+                job.timings.cached_tokens = snap.length if self.report else 0
                 out.ready.append((job, snap.logits))
                 return
         self.waiting[key] = []
@@ -111,14 +116,15 @@ class PromptReuse:
         """A causal prompt starts from the longest kept state of its prefix (restored into `job.cache`, which
         the job owns, with room for the whole request), or from nothing (`job.cache` None); either way its
         causal prefill then reads the rest."""
+        read_ahead, job.read_ahead = job.read_ahead, None
         if self.cache is None:
             return
         # the prompt's last token is always read (its logits are the first token's), so a state of the whole
         # prompt is never what it continues from
-        found = self.cache.lookup_longest(job.prefill_ids[:-1], self.runner.cache)
+        found = self.cache.lookup_longest(job.prefill_ids[:-1], job.spec.cache_salt, read_ahead)
         if found is None:
             return
-        length, snap = found
+        length, snap, tier = found
         state = self.runner.allocate(len(job.spec.prompt_ids) + job.spec.max_new_tokens)
         try:
             with torch.inference_mode():
@@ -126,14 +132,19 @@ class PromptReuse:
                     restore_snapshot(self.runner.cache, snap, state)
                 else:  # a longer prompt's state, cut back to the boundary this prompt shares with it
                     restore_prefix(self.runner.cache, self.runner.model.config, snap, state, length)
-        except Exception:  # the entry is unusable: forget it, and compute what it held
+        except Exception:  # the entry is unusable: forget it (memory and disk), and compute what it held
             log.exception("restoring a kept state failed; prefilling instead", extra={"request_id": job.request_id})
-            self.cache.forget(self.cache.key(job.prefill_ids[:length]))
+            at = self.cache.key(job.prefill_ids[:length], job.spec.cache_salt)
+            self.cache.forget(self.cache.boundaries.pop(at, at))  # the entry itself, kept at a later boundary
             self.runner.free(state)
             return
-        job.tails = BlockTails.of_snapshot(snap, length)
+        self.cache.hit(tier, length)
+        if snap.length == length and snap.tails:  # e.g. read from disk after a restart, or from a replica: found
+            salt = job.spec.cache_salt                # by every boundary it kept a tail at from now on (idempotent)
+            self.cache.register(self.cache.key(job.prefill_ids[:length], salt), snap, job.prefill_ids[:length], salt)
         job.cache = state
-        job.timings.cached_tokens = length
+        job.tails = BlockTails.of_snapshot(snap, length)
+        job.timings.cached_tokens = length if self.report else 0
 
     def keep_at(self, job: GenerationJob) -> int | None:
         """Where a causal prompt's state is worth keeping: its last block boundary short of its end (so a
@@ -141,8 +152,9 @@ class PromptReuse:
         lies past the state the prompt started from; else None."""
         if self.cache is None or job.spec.prompt_logprobs is not None:
             return None
-        ends = [n for n, _ in self.cache.links(job.prefill_ids) if n < len(job.prefill_ids)]
-        if not ends or ends[-1] <= job.timings.cached_tokens:
+        ends = [n for n, _ in self.cache.links(job.prefill_ids, job.spec.cache_salt) if n < len(job.prefill_ids)]
+        start = job.cache.length if job.cache is not None else 0
+        if not ends or ends[-1] <= start:
             return None
         length = ends[-1]
         return length if self.cache.wants(length, self.runner.cache.bytes_for(length)) else None
@@ -164,17 +176,20 @@ class PromptReuse:
             job.tails.attach(snap)
             job.tails = None
         try:
-            key = self.cache.key(job.prefill_ids[:length])
+            salt = job.spec.cache_salt
+            key = self.cache.key(job.prefill_ids[:length], salt)
             if self.cache.offer(key, snap):
-                self.cache.register(key, snap, job.prefill_ids[:length])
+                self.cache.register(key, snap, job.prefill_ids[:length], salt)
         except Exception:  # the cache is an optimisation: the request goes on without it
             log.exception("could not keep a state in the prefix cache", extra={"request_id": job.request_id})
 
     def _key(self, job: GenerationJob) -> str:
+        salt = job.spec.cache_salt
         if self.cache is not None:
-            return self.cache.key(job.prefill_ids)
-        # no cache: forks still share one prefill, and a key need only tell apart the prompts in flight
-        return chain_key(NO_IDENTITY, job.prefill_ids)
+            return self.cache.key(job.prefill_ids, salt)
+        # no cache: forks still share one prefill, and a key need only tell apart the prompts in flight (and
+        # their salts: a caller never shares another tenant's prefill, nor learns of it from cached_tokens)
+        return chain_key(NO_IDENTITY, job.prefill_ids, salt)
 
     def _own_state(self, job: GenerationJob) -> None:
         """The job starts (its sampler) and gets its own blocks for its prompt plus max_new_tokens, for a kept or
@@ -190,7 +205,7 @@ class PromptReuse:
             return None
         forks = self.waiting.pop(job.prefix_key, [])
         for fork in forks:
-            fork.timings.cached_tokens = len(fork.prefill_ids)
+            fork.timings.cached_tokens = len(fork.prefill_ids) if self.report else 0
         if self.metrics is not None:
             self.metrics.forks.inc(len(forks))
         return forks

@@ -6,23 +6,29 @@ whatever the cache holds (its segment prefilled in one forward, the rest fed as 
 restores a copy of the very state that processing leaves (model/decoding/snapshot.py). So the answer never
 depends on what the cache held: a hit gives the same bits as the miss that stored it.
 
-Parts: keys.py (the hash chain and the identity it starts from), store.py (the memory tier, its own byte
-budget, LRU), disk.py (the optional disk tier shared across restarts and replicas), metrics.py. This module
-ties them for the engine's worker thread; disk writes run on a thread of their own."""
+Parts: keys.py (the hash chain, the identity and the cache salt it starts from), fingerprint.py (the code and
+machine in the identity), store.py (the memory tier, its own byte budget, LRU, a time to live), disk.py (the
+optional disk tier shared across restarts and replicas), entry_format.py and entry_key.py (its authenticated
+files and their key), metrics.py. This module
+ties them for the engine's worker thread; disk reads (asked for when a request is queued: `read_ahead`) and
+disk writes each run on a thread of their own, so the worker never waits on the folder."""
 
 from __future__ import annotations
 
 import logging
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from model.decoding import DecodeCache
-from model.decoding.snapshot import StateSnapshot, check_fits
-from service.prefix_cache.disk import DiskRefusal, DiskTier
+from model.decoding.snapshot import StateSnapshot
+from model.decoding.snapshot_layout import check_layout
+from service.prefix_cache.disk import DiskTier
+from service.prefix_cache.entry_format import EntryFault
+from service.prefix_cache.entry_key import EntryKey, resolve_key
 from service.prefix_cache.keys import CacheIdentity, chain_key, chain_links
 from service.prefix_cache.metrics import PrefixCacheMetrics
 from service.prefix_cache.store import PrefixStore
@@ -32,119 +38,190 @@ log = logging.getLogger("service.prefix_cache")
 # boundary keys kept before those of evicted states are swept out (`register`): about 100 bytes each
 MAX_BOUNDARIES = 1 << 18
 
-__all__ = ["CacheIdentity", "PrefixCache", "PrefixCacheConfig", "PrefixStore"]
+__all__ = ["CacheIdentity", "EntryKey", "PrefixCache", "PrefixCacheConfig", "PrefixStore", "resolve_key"]
 
 
 @dataclass(frozen=True)
 class PrefixCacheConfig:
     capacity_bytes: int
-    min_tokens: int = 128  # shorter segments are not stored (REFORMER_PREFIX_CACHE_MIN_TOKENS)
+    min_tokens: int = 128  # shorter segments are neither stored nor looked up (REFORMER_PREFIX_CACHE_MIN_TOKENS)
     disk_dir: Path | None = None
     disk_bytes: int = 16 * 2**30
+    key: EntryKey | None = None  # authenticates disk entries; None: a per-process key (entry_key.py)
+    ttl_s: float | None = None  # memory tier: a kept state is dropped this long after it was stored
+    disk_ttl_s: float | None = 86400.0  # disk tier: a file is refused and deleted this long after it was written
+    write_queue_bytes: int = 2 * 2**30  # states waiting for the disk writer; past it a state is not written
 
 
 class PrefixCache:
-    def __init__(self, identity: CacheIdentity, config: PrefixCacheConfig,
-                 metrics: PrefixCacheMetrics | None = None) -> None:
+    def __init__(self, identity: CacheIdentity, config: PrefixCacheConfig, metrics: PrefixCacheMetrics | None,
+                 vocab_size: int) -> None:
         self.identity = identity
         self.digest = identity.digest()
         self.config = config
         self.metrics = metrics
-        self.store = PrefixStore(config.capacity_bytes, metrics.evictions.inc if metrics is not None else None)
+        self.vocab_size = vocab_size  # the logits' length a disk entry must have
+        self.store = PrefixStore(config.capacity_bytes, metrics.evictions.inc if metrics is not None else None,
+                                 ttl_s=config.ttl_s)
         # the key of a block boundary a kept state passed -> that state's key (`register`)
         self.boundaries: dict[str, str] = {}
-        self.disk = DiskTier(config.disk_dir, config.disk_bytes, self.digest) if config.disk_dir else None
+        self.disk = None
+        if config.disk_dir:
+            key = config.key if config.key is not None else resolve_key(None, None)
+            if key.source == "per-process":
+                log.warning("REFORMER_PREFIX_CACHE_DIR without REFORMER_PREFIX_CACHE_KEY(_FILE): disk entries are "
+                            "authenticated with a per-process key, so a restarted server or another replica "
+                            "cannot read them")
+            self.disk = DiskTier(config.disk_dir, config.disk_bytes, self.digest, key, config.disk_ttl_s)
         self._writes: queue.Queue[tuple[str, StateSnapshot] | None] = queue.Queue()
+        self._queued_lock = threading.Lock()
+        self.queued_bytes = 0  # the states waiting in _writes (a gauge)
         self._writer: threading.Thread | None = None
+        self._reads: queue.Queue[tuple[list[str], DecodeCache, Callable[[StateSnapshot | None], None]] | None] = \
+            queue.Queue()
+        self._reader: threading.Thread | None = None
         if self.disk is not None:
             self._writer = threading.Thread(target=self._write_loop, name="prefix-cache-disk", daemon=True)
             self._writer.start()
         if metrics is not None:
-            metrics.watch(self.store)
+            metrics.watch(self.store, self)
 
-    def key(self, tokens: Sequence[int]) -> str:
-        return chain_key(self.digest, tokens)
+    def key(self, tokens: Sequence[int], salt: str | None = None) -> str:
+        return chain_key(self.digest, tokens, salt)
 
-    def lookup(self, key: str, tokens: int, cache: DecodeCache) -> StateSnapshot | None:
-        """The snapshot of a segment of `tokens` tokens under `key`, from memory or else from disk (then kept
-        in memory too), or None. Counted in tokens, as vLLM counts: `tokens` queried, and hit when found."""
+    def lookup(self, key: str, tokens: int, read_ahead: StateSnapshot | None = None
+               ) -> tuple[StateSnapshot, str] | None:
+        """The snapshot of a segment of `tokens` tokens under `key` and the tier it came from: `read_ahead`
+        (what `read_ahead` read from disk for this request), else the memory tier's, or None. The worker never
+        reads the disk here. A segment shorter than min_tokens is never kept, so it is not looked up. Queries
+        are counted here, hits by `hit` once the state is restored."""
+        if tokens < self.config.min_tokens:
+            return None
         if self.metrics is not None:
             self.metrics.queries.inc(tokens)
+        if read_ahead is not None:
+            return read_ahead, "disk"
         snap = self.store.get(key)
-        tier = "memory"
-        if snap is None and self.disk is not None:
-            snap, tier = self._read_disk(key, cache), "disk"
-        if snap is not None and self.metrics is not None:
-            self.metrics.hits.labels(tier).inc(tokens)
-        return snap
+        return (snap, "memory") if snap is not None else None
 
-    def lookup_longest(self, tokens: Sequence[int], cache: DecodeCache) -> tuple[int, StateSnapshot] | None:
+    def wants_read_ahead(self, key: str, tokens: int) -> bool:
+        """Whether a request's segment should be looked for on disk before it starts: a disk tier, a segment
+        long enough to be kept, and not in memory now."""
+        return self.disk is not None and tokens >= self.config.min_tokens and key not in self.store
+
+    def read_ahead(self, key: str | list[str], cache: DecodeCache,
+                   done: Callable[[StateSnapshot | None], None]) -> None:
+        """Read the state under `key` from disk on the reader thread (`read_disk`), then call `done` with it
+        (None: no usable file), there; given several keys, the state of the first one with a usable file. Reads
+        run one at a time, in the order asked."""
+        if self._reader is None:
+            self._reader = threading.Thread(target=self._read_loop, name="prefix-cache-read", daemon=True)
+            self._reader.start()
+        self._reads.put(([key] if isinstance(key, str) else key, cache, done))
+
+    def _read_loop(self) -> None:
+        # this thread must outlive any one read: a job waits in the queue until its `done` is called
+        while (item := self._reads.get()) is not None:
+            keys, cache, done = item
+            snap = None
+            for key in keys:
+                if len(keys) > 1 and self.disk is not None and not self.disk.has(key):
+                    continue
+                if (snap := self.read_disk(key, cache)) is not None:
+                    break
+            try:
+                done(snap)
+            except Exception:
+                log.exception("handing a prefix cache file's state to its request failed")
+
+    def causal_read_ahead(self, tokens: Sequence[int], salt: str | None) -> list[str]:
+        """The boundary keys, longest first, a causal prompt's state is looked for on disk under before it
+        starts (`read_ahead`): none when there is no disk tier or memory holds one of them already."""
+        if self.disk is None:
+            return []
+        links = self.links(tokens, salt)
+        if any(key in self.store or key in self.boundaries for _, key in links):
+            return []
+        return [key for _, key in reversed(links)]
+
+    def lookup_longest(self, tokens: Sequence[int], salt: str | None, read_ahead: StateSnapshot | None = None
+                       ) -> tuple[int, StateSnapshot, str] | None:
         """The longest kept state of a prefix of `tokens` that ends at a block boundary (a multiple of
-        KEY_BLOCK_TOKENS, or the whole prompt), with its length, from memory or else from disk, or None. What the
-        causal prefill keeps (REFORMER_PREFILL=causal): a state there is a function of its own tokens only, so
-        any prompt that starts with them may continue from it. Counted as `lookup` counts: `tokens` queried,
-        the state's length hit."""
+        KEY_BLOCK_TOKENS, or the whole of `tokens`), with that length and its tier: a state kept at that very
+        boundary, or a longer one that kept a tail there (`register`): `read_ahead` (the disk tier's longest, read
+        off the worker's thread when memory held none), else memory's, or None. What the causal prefill keeps and finds
+        (REFORMER_PREFILL=causal): a state there is a function of its own tokens only, so any prompt that starts
+        with them continues from it. Queries are counted here, hits by `hit` once the state is restored."""
+        if len(tokens) < self.config.min_tokens:
+            return None
         if self.metrics is not None:
             self.metrics.queries.inc(len(tokens))
-        for length, key in reversed(self.links(tokens)):
+        if read_ahead is not None:  # asked for because memory held none of these boundaries when it was queued
+            return read_ahead.length, read_ahead, "disk"
+        for length, key in reversed(self.links(tokens, salt)):
             snap = self.store.get(key)
-            tier = "memory"
             if snap is None and key in self.boundaries:  # a longer kept state that passed this boundary
                 snap = self.store.get(self.boundaries[key])
                 if snap is None:
                     del self.boundaries[key]  # its state was evicted
-            if snap is None and self.disk is not None and self.disk.has(key):
-                snap, tier = self._read_disk(key, cache), "disk"
             if snap is not None and (snap.length == length or length in snap.tails):
-                if self.metrics is not None:
-                    self.metrics.hits.labels(tier).inc(length)
-                return length, snap
+                return length, snap, "memory"
         return None
 
-    def register(self, key: str, snapshot: StateSnapshot, tokens: Sequence[int]) -> None:
+    def register(self, key: str, snapshot: StateSnapshot, tokens: Sequence[int], salt: str | None) -> None:
         """Make the kept state under `key` (the state of `tokens`) found by the key of every block boundary it
         kept a tail at (model/decoding/prefix_restore.py): a prompt that shares only the first b of its tokens
         continues from it truncated to b. Memory tier only; entries whose state is gone are dropped on the way."""
         if len(self.boundaries) > MAX_BOUNDARIES:
             self.boundaries = {k: e for k, e in self.boundaries.items() if e in self.store}
-        for length, link in chain_links(self.digest, tokens):
+        for length, link in chain_links(self.digest, tokens, salt):
             if length in snapshot.tails and link != key:
                 self.boundaries[link] = key
 
-    def links(self, tokens: Sequence[int]) -> list[tuple[int, str]]:
+    def links(self, tokens: Sequence[int], salt: str | None) -> list[tuple[int, str]]:
         """(length, key) of each of the prompt's prefixes the causal prefill may keep: those at block
         boundaries of at least min_tokens tokens, and the whole prompt."""
-        return [(n, key) for n, key in chain_links(self.digest, tokens) if n >= self.config.min_tokens]
+        return [(n, key) for n, key in chain_links(self.digest, tokens, salt) if n >= self.config.min_tokens]
 
-    def _read_disk(self, key: str, cache: DecodeCache) -> StateSnapshot | None:
+    def hit(self, tier: str, tokens: int) -> None:
+        """A looked-up state was restored: `tokens` tokens were not prefilled (counted in tokens, as vLLM)."""
+        if self.metrics is not None:
+            self.metrics.hits.labels(tier).inc(tokens)
+
+    def read_disk(self, key: str, cache: DecodeCache) -> StateSnapshot | None:
+        """The disk tier's state under `key` after every check (then kept in memory too), or None: no file, or
+        one refused (counted by reason). Never raises: nothing a file holds may fail a request."""
         assert self.disk is not None
         try:
-            snap = self.disk.read(key)
-            if snap is None:
-                return None
-            try:
-                check_fits(cache, snap)
-            except ValueError as exc:
-                self.disk.path(key).unlink(missing_ok=True)
-                raise DiskRefusal("layout", f"prefix cache file {key}.safetensors: {exc}") from exc
-        except DiskRefusal as refusal:
-            log.warning("refused a prefix cache file; prefilling instead: %s", refusal)
-            if self.metrics is not None:
-                self.metrics.disk_refusals.labels(refusal.reason).inc()
+            snap = self.disk.read(key, lambda m, s: check_layout(cache, m, s, self.vocab_size))
+        except EntryFault as fault:
+            log.warning("refused a prefix cache file; prefilling instead: %s", fault)
+            self._refused(fault.reason)
             return None
-        except OSError:
-            log.warning("could not read a prefix cache file; prefilling instead", exc_info=True)
-            if self.metrics is not None:
-                self.metrics.disk_refusals.labels("io").inc()
+        except Exception:  # the cache is an optimisation: nothing a file holds may fail a request
+            log.exception("reading a prefix cache file failed; prefilling instead")
+            self._refused("io")
+            return None
+        if snap is None:
             return None
         if self.metrics is not None:
             self.metrics.disk_reads.inc()
         self.store.put(key, snap)
         return snap
 
+    def _refused(self, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.disk_refusals.labels(reason).inc()
+
     def forget(self, key: str) -> None:
-        """Drop the memory tier's entry under `key` (one that could not be restored)."""
+        """A kept state could not be restored: drop it from memory and from disk, so it is not read again."""
         self.store.discard(key)
+        if self.disk is not None:
+            try:
+                self.disk.path(key).unlink(missing_ok=True)
+            except OSError:
+                log.warning("could not delete a prefix cache file that failed to restore", exc_info=True)
+        self._refused("restore")
 
     def wants(self, tokens: int, nbytes: int) -> bool:
         """Whether a segment of `tokens` tokens whose state takes about `nbytes` would be kept (checked before
@@ -153,10 +230,18 @@ class PrefixCache:
 
     def offer(self, key: str, snapshot: StateSnapshot) -> bool:
         """Keep a segment's state (False: not kept: too short, or larger than the whole memory tier); with a
-        disk tier it is also written there, pinned in memory until written."""
+        disk tier it is also queued for writing there (the writer skips a file already written), pinned in
+        memory until written, unless the queue already holds write_queue_bytes."""
         if snapshot.length < self.config.min_tokens:
             return False
-        write = self.disk is not None and not self.disk.has(key)
+        write = False
+        if self.disk is not None:
+            with self._queued_lock:
+                write = self.queued_bytes + snapshot.nbytes <= self.config.write_queue_bytes
+                if write:
+                    self.queued_bytes += snapshot.nbytes
+            if not write:
+                self._refused("queue_full")
         stored = self.store.put(key, snapshot, pin=write)
         if write:
             self._writes.put((key, snapshot))
@@ -167,14 +252,14 @@ class PrefixCache:
         while (item := self._writes.get()) is not None:
             key, snapshot = item
             try:
-                self.disk.write(key, snapshot)
-                if self.metrics is not None:
+                if self.disk.write(key, snapshot) and self.metrics is not None:
                     self.metrics.disk_writes.inc()
             except Exception:
                 log.warning("could not write a prefix cache file", exc_info=True)
-                if self.metrics is not None:
-                    self.metrics.disk_refusals.labels("write_failed").inc()
+                self._refused("write_failed")
             finally:
+                with self._queued_lock:
+                    self.queued_bytes -= snapshot.nbytes
                 if key in self.store:
                     try:
                         self.store.unpin(key)
@@ -188,6 +273,9 @@ class PrefixCache:
             self._writes.join()
 
     def close(self) -> None:
+        if self._reader is not None:
+            self._reads.put(None)
+            self._reader.join(timeout=5)
         if self._writer is not None:
             self.flush()
             self._writes.put(None)
@@ -203,4 +291,7 @@ class PrefixCache:
             "min_tokens": self.config.min_tokens,
             "disk_dir": str(self.config.disk_dir) if self.config.disk_dir else None,
             "disk_capacity_bytes": self.config.disk_bytes if self.disk is not None else None,
+            "disk_key": self.disk.key.source if self.disk is not None else None,
+            "ttl_s": self.config.ttl_s,
+            "disk_ttl_s": self.config.disk_ttl_s if self.disk is not None else None,
         }

@@ -4,6 +4,7 @@ cache, and the memory tier's bytes read at scrape time."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -12,8 +13,17 @@ from prometheus_client.registry import Collector
 from service.prefix_cache.store import PrefixStore
 
 PREFIX = "reformer_"
+
+
+class QueuedBytes(Protocol):
+    queued_bytes: int
+
+
 HIT_TIERS = ("memory", "disk")
-REFUSALS = ("corrupt", "foreign", "layout", "io", "write_failed")
+# content faults (the file is deleted): corrupt, unauthenticated, foreign, expired, layout, logits, restore;
+# the rest keep the file: io (reading failed), write_failed, queue_full (the state was not queued for writing)
+REFUSALS = ("corrupt", "unauthenticated", "foreign", "expired", "layout", "logits", "restore", "io",
+            "write_failed", "queue_full")
 
 
 class PrefixCacheMetrics(Collector):
@@ -30,9 +40,13 @@ class PrefixCacheMetrics(Collector):
         self.evictions = counter("prefix_cache_evictions", "Entries evicted from the memory tier to make room.")
         self.disk_reads = counter("prefix_cache_disk_reads", "Entries read back from the disk tier.")
         self.disk_writes = counter("prefix_cache_disk_writes", "Entries written to the disk tier.")
-        self.disk_refusals = counter("prefix_cache_disk_refusals", "Disk-tier files refused (corrupt, foreign: "
-                                     "another artifact or setting, layout: another cache layout) or failed (io, "
-                                     "write_failed); the request prefilled instead.", ("reason",))
+        self.disk_refusals = counter("prefix_cache_disk_refusals", "Disk-tier files refused and deleted (corrupt: "
+                                     "malformed or the wrong size, unauthenticated: fails its HMAC, foreign: "
+                                     "another artifact, setting or key, expired: past its time to live, layout: "
+                                     "not this decode cache's tensors, logits: NaN logits, restore: a kept state "
+                                     "that failed to restore) or failed and kept (io: reading failed, write_failed, "
+                                     "queue_full: the write queue was full); the request prefilled instead.",
+                                     ("reason",))
         self.forks = counter("prefix_cache_forks", "Generations (n / best_of choices, identical prompts) that "
                              "started from an identical segment's prefill running with them instead of their own.")
         for tier in HIT_TIERS:
@@ -40,10 +54,12 @@ class PrefixCacheMetrics(Collector):
         for reason in REFUSALS:
             self.disk_refusals.labels(reason)
         self._store: PrefixStore | None = None
+        self._queue: QueuedBytes | None = None
         registry.register(self)
 
-    def watch(self, store: PrefixStore) -> None:
+    def watch(self, store: PrefixStore, queue: QueuedBytes | None = None) -> None:
         self._store = store
+        self._queue = queue
 
     def collect(self) -> Iterator[Metric]:
         store = self._store
@@ -56,6 +72,9 @@ class PrefixCacheMetrics(Collector):
         yield family
         yield GaugeMetricFamily(PREFIX + "prefix_cache_entries", "Entries in the memory tier.",
                                 value=float(len(store) if store else 0))
+        yield GaugeMetricFamily(PREFIX + "prefix_cache_disk_queue_bytes", "Bytes of states waiting for the disk "
+                                "writer (bounded by the write queue's cap: past it a state is not written).",
+                                value=float(self._queue.queued_bytes if self._queue is not None else 0))
 
     def describe(self) -> Iterator[Metric]:
         return iter(())

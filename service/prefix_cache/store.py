@@ -8,11 +8,15 @@ Invariants, checked by `check` (tests call it after every operation):
 - every entry's bytes are counted once.
 
 The snapshots are copies outside the decode cache: holding one never takes a block a request could use, so a
-full prefix cache never delays or fails a request (it only evicts, or declines to store)."""
+full prefix cache never delays or fails a request (it only evicts, or declines to store).
+
+With a time to live (`ttl_s`), an entry stored longer ago than that is not returned and is dropped (when no disk
+write pins it): how long a document's state stays in memory is bounded whatever the traffic."""
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,13 +29,16 @@ class Entry:
     snapshot: StateSnapshot
     nbytes: int
     pins: int = 0
+    born: float = 0.0  # time.monotonic() when stored
 
 
 class PrefixStore:
     """Thread-safe: the worker thread looks up and inserts; the disk writer unpins; scrapes read the figures."""
 
-    def __init__(self, capacity_bytes: int, on_evict: Callable[[], None] | None = None) -> None:
+    def __init__(self, capacity_bytes: int, on_evict: Callable[[], None] | None = None,
+                 ttl_s: float | None = None) -> None:
         self.capacity_bytes = max(int(capacity_bytes), 0)
+        self.ttl_s = ttl_s if ttl_s else None
         self.on_evict = on_evict
         self._entries: OrderedDict[str, Entry] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()
@@ -56,6 +63,10 @@ class PrefixStore:
             entry = self._entries.get(key)
             if entry is None:
                 return None
+            if self.ttl_s is not None and time.monotonic() - entry.born > self.ttl_s:
+                if entry.pins == 0:
+                    self._drop(key)
+                return None
             self._entries.move_to_end(key)
             return entry.snapshot
 
@@ -77,7 +88,7 @@ class PrefixStore:
                 self.evictions += 1
                 if self.on_evict is not None:
                     self.on_evict()
-            entry = Entry(snapshot, nbytes)
+            entry = Entry(snapshot, nbytes, born=time.monotonic())
             self._entries[key] = entry
             self.evictable_bytes += nbytes
             if pin:

@@ -9,16 +9,19 @@ between them, the stand-ins put back, is encoded as text (model/tokenizers/text_
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Iterator
 from typing import Any
 
 from model.tokenizer import Tokenizer
+from service.errors import ValidationFailed
 from service.text.chat_template import render_chat
 
-# Supplementary Private Use Area-B: characters no text means anything by; one per control spelling, those
-# that occur in neither the request nor the template
-_STAND_INS = range(0x10FFFD, 0x100000, -1)
+# The Private Use Areas (Supplementary B, then A, then the BMP's): characters no text means anything by; one
+# per control spelling, those that occur in neither the request nor the template. A request that uses every
+# one of them (about 137,000 distinct characters) is refused: there would be no stand-in left.
+_STAND_INS = (range(0x10FFFD, 0x100000, -1), range(0xFFFFD, 0xF0000, -1), range(0xF8FF, 0xDFFF, -1))
 
 
 def _strings(value: Any) -> Iterator[str]:
@@ -66,8 +69,13 @@ def chat_segments(tokenizer: Tokenizer, source: str | None, messages: list[dict[
         text = render(messages, extra)
         return ([text] if text else []), text
     used = set("".join(_strings([messages, extra, source or ""])))
-    free = (chr(c) for c in _STAND_INS if chr(c) not in used)
-    stand_in = {spelling: next(free) for spelling in controls}
+    unused = (chr(c) for c in itertools.chain(*_STAND_INS) if chr(c) not in used)
+    free = list(itertools.islice(unused, len(controls)))
+    if len(free) < len(controls):  # (next() on an exhausted iterator here once hung the request: a
+        # StopIteration cannot be set on the executor's future)
+        raise ValidationFailed("messages: the request uses every private-use character, so its text cannot be "
+                               "told from the template's control tokens", param="messages")
+    stand_in = dict(zip(controls, free))
     spelled = _alternation(controls)
     text = render(_replace(messages, spelled, stand_in), _replace(extra, spelled, stand_in))
     back = {c: spelling for spelling, c in stand_in.items()}

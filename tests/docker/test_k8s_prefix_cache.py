@@ -46,6 +46,15 @@ def test_shared_volume_variant_validates_and_mounts_the_claim_where_the_cache_di
     data = one(manifests, "ConfigMap")["data"]
     assert mounts[name] == data["REFORMER_PREFIX_CACHE_DIR"]
     assert mounts["tmp"] == "/tmp"  # the base's mounts kept
+    # the HMAC key: a Secret (not optional: replicas without a shared key cannot read each other's files),
+    # mounted read-only where REFORMER_PREFIX_CACHE_KEY_FILE points, readable by the pod's group only
+    secret = volumes["prefix-cache-key"]["secret"]
+    assert secret["secretName"] == "reformer-prefix-cache-key" and not secret.get("optional", False)
+    assert secret["defaultMode"] == 0o440 and pod["securityContext"]["fsGroup"]
+    (item,) = secret["items"]
+    assert data["REFORMER_PREFIX_CACHE_KEY_FILE"] == f"{mounts['prefix-cache-key']}/{item['path']}"
+    mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "prefix-cache-key")
+    assert mount["readOnly"]
     for key, value in data.items():
         monkeypatch.setenv(key, value)
     settings = Settings()

@@ -144,3 +144,22 @@ def test_same_weights_give_the_same_artifact_hash(tiny_artifact: Path, tmp_path:
     again = save_artifact(tiny_model(), tmp_path / "again", onnx=False)
     assert load_artifact(again).sha256 == load_artifact(tiny_artifact).sha256
     assert (again / "config.json").read_bytes() == (tiny_artifact / "config.json").read_bytes()
+
+
+def test_a_volume_roots_and_a_configmaps_folders_are_not_artifact_files(tiny_artifact: Path, tmp_path: Path) -> None:
+    """An artifact at a volume's root has `lost+found`; one mounted from a ConfigMap has `..data` (a link to a
+    `..<timestamp>` folder). Both were refused as unlisted files; a file of either name still is."""
+    d = _copy(tiny_artifact, tmp_path)
+    (d / "lost+found").mkdir()
+    (d / "..2026_12_07_16_00_00.123").mkdir()
+    (d / "..data").symlink_to("..2026_12_07_16_00_00.123")
+    assert load_artifact(d).config.hidden_size == 32
+    shutil.rmtree(d / "lost+found")
+    (d / "lost+found").write_text("not a folder")
+    with pytest.raises(ArtifactError, match=r"^lost\+found: in .* but not listed"):
+        load_artifact(d)
+    (d / "lost+found").unlink()
+    (d / "..data").unlink()
+    (d / "..data").write_text("a file")
+    with pytest.raises(ArtifactError, match=r"^\.\.data: in .* but not listed"):
+        load_artifact(d)

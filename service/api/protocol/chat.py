@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, ValidationInfo, field_validator, model_validator
 
+from service.api.protocol.cache_salt import cache_salt_field
 from service.api.protocol.common import PlainText, RequestModel, ResponseModel, check_encodable
 from service.api.protocol.openai import BiasValue, CompletionLogprobs, StreamOptions, Usage
 from service.errors import ValidationFailed
@@ -104,7 +105,7 @@ def check_continuation(messages: list[ChatMessage], add_generation_prompt: bool,
 # Chat fields that share a name and meaning with the completions request: passed through as they are.
 _SHARED_FIELDS = ("model", "temperature", "top_p", "top_k", "repetition_penalty", "n", "stream", "stop", "seed",
                   "ignore_eos", "user", "frequency_penalty", "presence_penalty", "logit_bias", "stream_options",
-                  "truncate_prompt_tokens")
+                  "truncate_prompt_tokens", "cache_salt")
 
 
 class ChatCompletionRequest(ChatTemplateOptions):
@@ -132,6 +133,7 @@ class ChatCompletionRequest(ChatTemplateOptions):
     ignore_eos: bool = Field(False, description="Keep generating past the end-of-text token.")
     truncate_prompt_tokens: int | None = Field(None, ge=1, description="Keep only the last N prompt tokens.")
     user: str | None = Field(None, description="The end user's id, written into the request's log line.")
+    cache_salt: str | None = cache_salt_field()
     cache_prefix_messages: int | None = Field(
         None, ge=1, description="Extension: the first N messages, rendered alone (no generation prompt), are the "
         "prompt's cached segment, as /v1/completions' cache_prefix_chars: a conversation that keeps its first N "

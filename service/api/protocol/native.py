@@ -9,6 +9,7 @@ from pydantic import Field, field_validator
 from model.sampling import SamplingParams
 from service.api.protocol.cache_prefix import DESCRIPTION as CACHE_PREFIX_DESCRIPTION
 from service.api.protocol.cache_prefix import split_encode
+from service.api.protocol.cache_salt import cache_salt_field
 from service.api.protocol.common import (
     MAX_LOGPROBS,
     InputText,
@@ -58,6 +59,7 @@ class GenerateParameters(RequestModel):
     )
     details: bool = Field(False, description="Return finish reason, token counts, seed and tokens.")
     cache_prefix_chars: int | None = Field(None, ge=1, description=CACHE_PREFIX_DESCRIPTION)
+    cache_salt: str | None = cache_salt_field()
     decoder_input_details: bool = Field(
         False, description="With details: details.prefill holds each input token with its logprob (the first "
         "null), scored in the prompt's one forward pass.")

@@ -9,6 +9,7 @@ from pydantic import Field, PrivateAttr, field_validator
 from model.sampling import SamplingParams
 from service.api.protocol.cache_prefix import DESCRIPTION as CACHE_PREFIX_DESCRIPTION
 from service.api.protocol.cache_prefix import split_encode
+from service.api.protocol.cache_salt import cache_salt_field
 from service.api.protocol.common import (
     MAX_LOGPROBS,
     InputText,
@@ -86,6 +87,7 @@ class CompletionRequest(RequestModel):
     ignore_eos: bool = Field(False, description="Keep generating past the end-of-text token.")
     truncate_prompt_tokens: int | None = Field(None, ge=1, description="Keep only the last N prompt tokens.")
     cache_prefix_chars: int | None = Field(None, ge=1, description=CACHE_PREFIX_DESCRIPTION + " Text prompts only.")
+    cache_salt: str | None = cache_salt_field()
     user: str | None = Field(None, description="The end user's id, written into the request's log line.")
 
     @field_validator("stop")

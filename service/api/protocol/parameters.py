@@ -41,6 +41,7 @@ _CHAT = "service/api/test_chat.py"
 _TOKENS = "service/api/test_tokenizer_routes.py"
 _AS_COMPLETIONS = f"{_CHAT}::test_chat_takes_each_sampling_field_as_completions_does"
 _PREFIX = "service/prefix_cache/test_prefix_cache.py"
+_SALT = "service/prefix_cache/test_cache_salt.py"
 
 # The routes each request model is the body (or part of the body) of.
 ROUTES: dict[str, str] = {
@@ -73,6 +74,11 @@ PARAMETERS: dict[str, dict[str, Parameter]] = {
                                  "out of range or with truncate or decoder_input_details.",
                                  f"{_PREFIX}::test_a_declared_prefix_is_reused_and_the_answer_is_what_a_cold_server_gives",
                                  f"{_PREFIX}::test_a_bad_cache_prefix_is_refused_by_name"),
+        "cache_salt": _h("Extension (vLLM's): the prefix-cache isolation key; with the X-Cache-Salt header, "
+                         "prompts share kept states, in-flight prefills and cached_tokens only under equal salts; "
+                         "refused unless 1-256 characters of [A-Za-z0-9._:/+=@-].",
+                          f"{_SALT}::test_two_salts_never_share_a_hit_or_a_report",
+                          f"{_SALT}::test_a_bad_salt_is_refused_naming_the_field"),
         "best_of": _h("Samples this many sequences (at most /info's max_best_of; needs sampling; not when "
                       "streaming), answers the one of the highest summed logprob, the others in "
                       "details.best_of_sequences; each sequence's seed derives from `seed`.",
@@ -127,6 +133,9 @@ PARAMETERS: dict[str, dict[str, Parameter]] = {
         "cache_prefix_chars": _h("Extension, as TGI's parameters.cache_prefix_chars; text prompts only.",
                                  f"{_PREFIX}::test_a_declared_prefix_is_reused_and_the_answer_is_what_a_cold_server_gives",
                                  f"{_PREFIX}::test_completions_refuse_a_cache_prefix_on_token_prompts"),
+        "cache_salt": _h("Extension (vLLM's), as TGI's parameters.cache_salt.",
+                          f"{_SALT}::test_two_salts_never_share_a_hit_or_a_report",
+                          f"{_SALT}::test_a_bad_salt_is_refused_naming_the_field"),
         "model": _h("Must be the served model's id (/v1/models) when given; any other is 404 model_not_found, before "
                     "anything is tokenized.",
                     f"{_SHAPES}::test_openai_model_names_this_servers_model_or_is_not_found",
@@ -213,6 +222,9 @@ PARAMETERS: dict[str, dict[str, Parameter]] = {
                                     "segment (as cache_prefix_chars); refused past the message count or when the "
                                     "template does not render them as the prompt's start.",
                                     f"{_PREFIX}::test_a_chat_keeps_its_first_messages_cached_across_turns"),
+        "cache_salt": _h("Extension (vLLM's), as TGI's parameters.cache_salt.",
+                          f"{_SALT}::test_two_salts_never_share_a_hit_or_a_report",
+                          f"{_SALT}::test_a_bad_salt_is_refused_naming_the_field"),
         "messages": _h("The conversation, rendered with the artifact's chat template; without one, 400 naming it.",
                        f"{_CHAT}::test_chat_answers_what_completions_answers_for_the_rendered_prompt",
                        f"{_CHAT}::test_without_a_template_chat_answers_400_naming_it"),

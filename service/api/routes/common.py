@@ -83,16 +83,21 @@ async def tokenized(request: Request, state: ServiceState, fn: Callable[..., T],
     return await until_disconnected(request, state.tokenizing.run(fn, *args))
 
 
-def timing_headers(timings: Timings, total_s: float, prompt_tokens: int, generated_tokens: int = 0) -> dict[str, str]:
-    """TGI's timing headers, in milliseconds."""
-    return {
+def timing_headers(timings: Timings, total_s: float, prompt_tokens: int, generated_tokens: int = 0, *,
+                   cached_tokens: int | None = None, report_cached: bool = True) -> dict[str, str]:
+    """TGI's timing headers, in milliseconds. x-cached-tokens is `cached_tokens` (what the body's usage says)
+    or else the timings'; left out when REFORMER_PREFIX_CACHE_REPORT=false (`report_cached`)."""
+    headers = {
         "x-queue-time": str(round(timings.queue_s * 1000)),
         "x-inference-time": str(round(timings.inference_s * 1000)),
         "x-total-time": str(round(total_s * 1000)),
         "x-prompt-tokens": str(prompt_tokens),
-        "x-cached-tokens": str(timings.cached_tokens),
+        "x-cached-tokens": str(timings.cached_tokens if cached_tokens is None else cached_tokens),
         "x-generated-tokens": str(generated_tokens),
     }
+    if not report_cached:
+        del headers["x-cached-tokens"]
+    return headers
 
 
 def observe(state: ServiceState, route: str, timings: Timings, prompt_tokens: int) -> None:

@@ -20,6 +20,7 @@ from service.api.protocol import (
     StreamEvent,
     Token,
 )
+from service.api.protocol.cache_salt import request_salt, salted
 from service.api.protocol.logprobs import tgi_prefill, tgi_token, tgi_top_tokens
 from service.api.protocol.native import BestOfSequence
 from service.api.routes.common import (
@@ -58,9 +59,12 @@ async def collect_all(streams: list[GenerationStream]) -> list[tuple[list[TokenE
     return list(await asyncio.gather(*(collect(s) for s in streams)))
 
 
-def start_all(engine: Engine, specs: list[GenerationSpec], request: Request, stream: bool) -> list[GenerationStream]:
-    """Queue every spec (one request's sequences); if one is refused, the ones queued already are dropped."""
+def start_all(engine: Engine, specs: list[GenerationSpec], request: Request, stream: bool,
+              salt: str | None = None) -> list[GenerationStream]:
+    """Queue every spec (one request's sequences) under the request's cache salt (`salt`: the body's field, and
+    the X-Cache-Salt header); if one is refused, the ones queued already are dropped."""
     streams: list[GenerationStream] = []
+    specs = salted(specs, request_salt(request.headers, salt))
     try:
         for spec in specs:
             streams.append(engine.generate(spec, reservation=reservation_of(request), stream=stream))
@@ -123,7 +127,7 @@ async def _generate(body: GenerateRequest, request: Request, state: State, route
     except ClientDisconnected:
         return None, {}
     log.debug("generate prompt %r", body.inputs)
-    streams = start_all(engine, specs, request, stream=False)
+    streams = start_all(engine, specs, request, stream=False, salt=body.parameters.cache_salt)
     try:
         results = await until_disconnected(request, collect_all(streams))
     except ClientDisconnected:
@@ -151,7 +155,8 @@ async def _generate(body: GenerateRequest, request: Request, state: State, route
     content = GenerateResponse(generated_text=text, details=details).model_dump(mode="json")
     _drop_unasked(content)
     generated = sum(len(f.generated_ids) for _, f in results)
-    headers = timing_headers(streams[best].timings, time.perf_counter() - started, finish.prompt_tokens, generated)
+    headers = timing_headers(streams[best].timings, time.perf_counter() - started, finish.prompt_tokens, generated,
+                             report_cached=state.settings.prefix_cache_report)
     return content, headers
 
 
@@ -175,6 +180,7 @@ async def _generate_stream(body: GenerateRequest, request: Request, state: State
         spec = await tokenized(request, state, body.to_spec, tokenizer, limits)
     except ClientDisconnected:
         return disconnected_response()
+    (spec,) = salted([spec], request_salt(request.headers, body.parameters.cache_salt))
     stream = engine.generate(spec, reservation=reservation_of(request))
     try:
         first = await until_disconnected(request, stream.next_event())  # errors before the stream: real statuses

@@ -95,7 +95,7 @@ async def completions(body: CompletionRequest, request: Request, state: State) -
     if body.stream and len(per_prompt) > 1:
         raise ValidationFailed("stream supports a single prompt", param="prompt")
     specs = [spec for group in per_prompt for spec in group]
-    streams = start_all(engine, specs, request, stream=body.stream)
+    streams = start_all(engine, specs, request, stream=body.stream, salt=body.cache_salt)
     if body.stream:
         try:
             first = await until_disconnected(request, streams[0].next_event())
@@ -128,7 +128,8 @@ async def completions(body: CompletionRequest, request: Request, state: State) -
                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached)),
         seeds=seeds,
     )
-    headers = timing_headers(streams[0].timings, time.perf_counter() - started, prompt_tokens, generated)
+    headers = timing_headers(streams[0].timings, time.perf_counter() - started, prompt_tokens, generated,
+                             cached_tokens=cached, report_cached=state.settings.prefix_cache_report)
     return JSONResponse(response.model_dump(mode="json"), headers=headers)
 
 

@@ -78,6 +78,27 @@ def test_a_state_kept_past_the_document_serves_it_cut_back_to_a_shared_boundary(
     assert warm[:2] == cold[:2] and warm[2] == shared
 
 
+def test_a_kept_state_and_its_tails_come_back_from_disk_after_a_restart(artifact: Any, tmp_path: Any) -> None:
+    """The disk tier keeps a causal state with its block tails (authenticated, layout-checked): a restarted
+    server continues the same prompt from it, and then a prompt sharing only an earlier boundary from it too."""
+    long_question = " Tell me, in order and with every detail, " + "what each ship carried and who sailed it, " * 7
+    first, second = DOC + long_question, DOC + QUESTIONS[2]
+    kept = (len(first) - 1) // KEY_BLOCK_TOKENS * KEY_BLOCK_TOKENS
+    disk = dict(SETTINGS, prefix_cache_dir=tmp_path, prefix_cache_key="k" * 32)
+    with running_app(artifact, **SETTINGS, prefix_cache=False) as off:
+        cold = [_generate(off, first), _generate(off, second)]
+    with running_app(artifact, **disk) as before:
+        assert _generate(before, first) == cold[0]
+        before.app.state.service.engine.prefix_cache.flush()  # type: ignore[attr-defined]
+    with running_app(artifact, **disk) as after:
+        again = _generate(after, first)
+        other = _generate(after, second)
+        metrics = after.get("/metrics").text
+    assert again[:2] == cold[0][:2] and again[2] == kept
+    assert other[:2] == cold[1][:2] and other[2] == len(DOC) // KEY_BLOCK_TOKENS * KEY_BLOCK_TOKENS
+    assert metric_value(metrics, "reformer_prefix_cache_hits_tokens_total", {"tier": "disk"}) == kept
+
+
 def test_a_conversation_continues_from_its_previous_turn(artifact: Any) -> None:
     turn1 = DOC + " Who kept the ledger?"
     with running_app(artifact, **SETTINGS, prefix_cache=False) as off:
@@ -154,3 +175,14 @@ def test_any_requests_in_any_order_and_company_answer_as_with_the_cache_off(
     else:
         got = [ask(on, r) for r in requests]
     assert got == want
+
+
+def test_two_salts_never_continue_from_each_others_states(artifact: Any) -> None:
+    with running_app(artifact, **SETTINGS) as on:
+        _generate(on, DOC + QUESTIONS[0], cache_salt="tenant-a")
+        other = on.post("/generate", json={"inputs": DOC + QUESTIONS[1], "parameters": {
+            "max_new_tokens": 2, "details": True, "cache_salt": "tenant-b"}})
+        same = on.post("/generate", json={"inputs": DOC + QUESTIONS[1], "parameters": {
+            "max_new_tokens": 2, "details": True, "cache_salt": "tenant-a"}})
+    assert other.json()["details"]["cached_tokens"] == 0
+    assert same.json()["details"]["cached_tokens"] == len(DOC) // KEY_BLOCK_TOKENS * KEY_BLOCK_TOKENS

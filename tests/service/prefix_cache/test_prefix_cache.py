@@ -21,6 +21,7 @@ DOCS = [
 ]
 QUESTIONS = [" Who kept the ledger?", " What did the miller's daughter do?", " Name one ship."]
 LIMITS: dict[str, Any] = dict(max_new_tokens=16, max_input_tokens=600, prefix_cache_min_tokens=16)
+KEY = "k" * 32  # the disk tier's HMAC key the replicas of these tests share
 
 
 def _generate(client: TestClient, text: str, chars: int | None = None, **params: Any) -> tuple[str, int]:
@@ -108,7 +109,7 @@ def test_the_disk_tier_serves_a_restarted_server_and_refuses_a_corrupt_file(arti
     doc = DOCS[1]
     with running_app(artifact, **LIMITS, prefix_cache=False) as off:
         want = _generate(off, doc + QUESTIONS[1], len(doc))[0]
-    settings_ = dict(LIMITS, prefix_cache_dir=tmp_path)
+    settings_ = dict(LIMITS, prefix_cache_dir=tmp_path, prefix_cache_key=KEY)
     with running_app(artifact, **settings_) as first:
         assert _generate(first, doc + QUESTIONS[1], len(doc)) == (want, 0)
         _store_holds(first)
@@ -126,22 +127,41 @@ def test_the_disk_tier_serves_a_restarted_server_and_refuses_a_corrupt_file(arti
         assert _generate(again, doc + QUESTIONS[1], len(doc)) == (want, 0)
         metrics = again.get("/metrics").text
         _store_holds(again)
-    assert metric_value(metrics, "reformer_prefix_cache_disk_refusals_total", {"reason": "corrupt"}) == 1
+    assert metric_value(metrics, "reformer_prefix_cache_disk_refusals_total", {"reason": "unauthenticated"}) == 1
     assert len(list(tmp_path.glob("*.safetensors"))) == 1  # rewritten by the request that computed
 
 
 def test_a_file_of_another_artifact_is_refused_by_name(artifact: Any, tmp_path: Path) -> None:
-    from service.prefix_cache.disk import DiskRefusal, DiskTier
+    from service.prefix_cache.disk import DiskTier, EntryFault
+    from service.prefix_cache.entry_key import EntryKey
 
     doc = DOCS[0]
-    with running_app(artifact, **LIMITS, prefix_cache_dir=tmp_path) as client:
+    with running_app(artifact, **LIMITS, prefix_cache_dir=tmp_path, prefix_cache_key=KEY) as client:
         _generate(client, doc + QUESTIONS[0], len(doc))
         _store_holds(client)
     (path,) = tmp_path.glob("*.safetensors")
-    foreign = DiskTier(tmp_path, 2**30, "0" * 64)
-    with pytest.raises(DiskRefusal, match=f"{path.name} was written for another artifact"):
-        foreign.read(path.name.removesuffix(".safetensors"))
+    foreign = DiskTier(tmp_path, 2**30, "0" * 64, EntryKey(KEY.encode(), "setting"))
+    with pytest.raises(EntryFault, match=f"{path.name} was written for another artifact") as refused:
+        foreign.read(path.name.removesuffix(".safetensors"), lambda metadata, shapes: None)
+    assert refused.value.reason == "foreign"
     assert not path.exists()
+
+
+def test_without_a_key_a_restarted_server_refuses_the_files_of_the_last(artifact: Any, tmp_path: Path) -> None:
+    """No REFORMER_PREFIX_CACHE_KEY: each process authenticates with a key of its own, so a file written by
+    another process (a planted one, or the last run's) is refused as unauthenticated, deleted and rewritten."""
+    doc = DOCS[0]
+    with running_app(artifact, **LIMITS, prefix_cache_dir=tmp_path) as first:
+        want = _generate(first, doc + QUESTIONS[0], len(doc))
+        assert first.get("/info").json()["prefix_cache"]["disk_key"] == "per-process"
+        _store_holds(first)
+    with running_app(artifact, **LIMITS, prefix_cache_dir=tmp_path) as second:
+        again = _generate(second, doc + QUESTIONS[0], len(doc))
+        repeat = _generate(second, doc + QUESTIONS[0], len(doc))
+        metrics = second.get("/metrics").text
+    assert want[1] == 0 and again == want  # refused: computed again
+    assert repeat == (want[0], len(doc))  # its own state, from memory
+    assert metric_value(metrics, "reformer_prefix_cache_disk_refusals_total", {"reason": "unauthenticated"}) == 1
 
 
 @pytest.mark.parametrize("body,param", [
@@ -264,3 +284,63 @@ def test_a_leader_that_finishes_at_its_first_token_still_shares_its_state(artifa
     assert metric_value(metrics, "reformer_prefix_cache_forks_total") == 2
     assert later["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prompt)
     assert later["choices"][0]["text"] == want["choices"][0]["text"]
+
+
+def _written_at(path: Path) -> float:
+    import json
+    import struct
+
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    return float(json.loads(data[8:8 + n])["__metadata__"]["written_at"])
+
+
+def test_a_state_that_fails_to_restore_leaves_both_tiers_and_is_not_counted_a_hit(artifact: Any,
+                                                                                  tmp_path: Path) -> None:
+    """A kept state that cannot be restored is dropped from memory and its file deleted (it is not read again),
+    counted as a `restore` refusal and not as a hit; the request computes, and its state is kept again."""
+    prompt = DOCS[1] + QUESTIONS[2]
+    with running_app(artifact, **LIMITS, prefix_cache_dir=tmp_path, prefix_cache_key=KEY) as client:
+        first = _generate(client, prompt)
+        cache = client.app.state.service.engine.prefix_cache  # type: ignore[attr-defined]
+        cache.flush()
+        (key,) = list(cache.store._entries)
+        written = _written_at(cache.disk.path(key))
+        del cache.store.get(key).tensors["kv.1"]
+        second = _generate(client, prompt)
+        metrics = client.get("/metrics").text
+        cache.flush()
+        rewritten = _written_at(cache.disk.path(key)) > written  # deleted, then written anew
+        _store_holds(client)
+    assert second == (first[0], 0)
+    assert metric_value(metrics, "reformer_prefix_cache_hits_tokens_total", {"tier": "memory"}) == 0
+    assert metric_value(metrics, "reformer_prefix_cache_disk_refusals_total", {"reason": "restore"}) == 1
+    assert rewritten  # the recomputed state was written again after the bad one was deleted
+
+
+def test_disk_reads_run_off_the_model_workers_thread(artifact: Any, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restarted server's hit from disk: the file is read on the prefix cache's reader thread while the
+    request waits in the queue, never on the model worker's (where a slow volume would stall every step)."""
+    import threading
+
+    from service.prefix_cache.disk import DiskTier
+
+    doc = DOCS[0]
+    settings_ = dict(LIMITS, prefix_cache_dir=tmp_path, prefix_cache_key=KEY)
+    with running_app(artifact, **settings_) as first:
+        want = _generate(first, doc + QUESTIONS[2], len(doc))
+        _store_holds(first)
+    threads: list[str] = []
+    real_read = DiskTier.read
+
+    def read(self: DiskTier, *args: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return real_read(self, *args)
+
+    monkeypatch.setattr(DiskTier, "read", read)
+    with running_app(artifact, **settings_) as restarted:
+        assert _generate(restarted, doc + QUESTIONS[2], len(doc)) == (want[0], len(doc))
+        metrics = restarted.get("/metrics").text
+    assert metric_value(metrics, "reformer_prefix_cache_hits_tokens_total", {"tier": "disk"}) == len(doc)
+    assert threads and set(threads) == {"prefix-cache-read"}

@@ -58,8 +58,8 @@ def test_the_accounting_holds_after_every_operation(ops: list[tuple[str, str, in
 
 
 def test_keys_chain_the_identity_and_every_token() -> None:
-    identity = CacheIdentity("sha", 42, "float32", "float32", "float32", "cpu", 64, False)
-    other = CacheIdentity("sha", 42, "float32", "bfloat16", "float32", "cpu", 64, False)
+    identity = CacheIdentity("sha", 42, "float32", "float32", "cpu", 64, False)
+    other = CacheIdentity("sha", 42, "float32", "bfloat16", "cpu", 64, False)
     tokens = list(range(3 * KEY_BLOCK_TOKENS + 5))
     key = chain_key(identity.digest(), tokens)
     assert key == chain_key(identity.digest(), list(tokens))
@@ -73,7 +73,7 @@ def test_the_identity_covers_the_model_config() -> None:
     from tests.model.helpers import tiny_config
 
     one, two = tiny_config(), tiny_config(lsh_attn_chunk_length=16)
-    base = ("sha", 42, "float32", "float32", "float32", "cpu", 64, False)
+    base = ("sha", 42, "float32", "float32", "cpu", 64, False)
     assert CacheIdentity(*base, config_digest=CacheIdentity.config_digest_of(one)).digest() != CacheIdentity(
         *base, config_digest=CacheIdentity.config_digest_of(two)).digest()
     assert CacheIdentity.config_digest_of(one) == CacheIdentity.config_digest_of(tiny_config())

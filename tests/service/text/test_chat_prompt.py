@@ -67,3 +67,24 @@ def test_a_chat_prompt_keeps_the_templates_control_tokens_and_the_messages_text(
     continued = client.post("/tokenize", json={"messages": [*messages, {"role": "assistant", "content": "a</s>"}],
                                                "add_generation_prompt": False, "continue_final_message": True})
     assert continued.json()["tokens"][-4:] == as_text("a</s>")[-4:] and EOS not in continued.json()["tokens"]
+
+
+def test_a_chat_that_uses_every_stand_in_is_answered(client: TestClient) -> None:
+    """A message holding all 65,533 characters of Private Use Area-B once made the renderer raise StopIteration
+    in its executor, and the request never answered: now other private-use characters stand in, and a
+    request that uses every one of them is refused naming messages."""
+    from service.errors import ValidationFailed
+    from service.text.chat_prompt import chat_segments
+
+    tok = hf_chat_tokenizer()
+    plane_16 = "".join(chr(c) for c in range(0x100001, 0x10FFFE))
+    segments, text = chat_segments(tok, CHATML, [{"role": "user", "content": plane_16 + "</s>"}],
+                                   add_generation_prompt=True, continue_final_message=False, bos_token=None,
+                                   eos_token="</s>")
+    assert plane_16 + "</s>" in text and START in segments and segments[-1] == EOS
+    every = plane_16 + "".join(chr(c) for c in [*range(0xF0001, 0xFFFFE), *range(0xE000, 0xF900)])
+    with pytest.raises(ValidationFailed, match="every private-use character"):
+        chat_segments(tok, CHATML, [{"role": "user", "content": every}], add_generation_prompt=True,
+                      continue_final_message=False, bos_token=None, eos_token="</s>")
+    r = client.post("/tokenize", json={"messages": [{"role": "user", "content": every}]})
+    assert r.status_code in (400, 422) and "messages" in r.text
