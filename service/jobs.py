@@ -4,12 +4,24 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 from model.sampling import SamplingParams
 
 Pooling = Literal["mean", "last"]
 FinishReason = Literal["length", "eos_token", "stop_sequence"]
+
+
+class OutputConstraint(Protocol):
+    """A compiled structured-output constraint (service/text/structured/grammars.py CompiledGrammar): what a
+    generation's tokens must spell. `kind`: json_schema, json_object, regex, choice or grammar; `key`: its
+    source's content, what the compile cache keys it by."""
+
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def key(self) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -30,6 +42,9 @@ class GenerationSpec:
     # the prompt's first N tokens are its segment: prefilled in one forward and kept in the prefix cache, the
     # rest fed as decode steps (service/engine/prompt_reuse.py); None: the whole prompt is the segment
     cache_prefix_tokens: int | None = None
+    # structured output: only tokens the constraint allows are sampled, and the generation ends (as at end of
+    # text) once the constraint is complete and allows nothing more; None: unconstrained
+    constraint: OutputConstraint | None = None
 
 
 @dataclass(frozen=True)

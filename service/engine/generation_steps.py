@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import torch
 
 from model.sampling import greedy_choices
+from service.engine.constrained import ConstrainedRows
 from service.engine.jobs_runtime import Event, GenerationJob, Job, JobState, deliver_together
 from service.engine.policy import SLICE_HISTORY, another_slice_fits, group_by_length
 from service.engine.prompt_reuse import PromptReuse
@@ -63,6 +64,8 @@ class GenerationSteps:
         self.prefilling: list[SlicedPrefill] = []
         self._held: set[int] = set()  # ids of states copied from after their first tokens (`_prefilled`)
         self._deferred: list[Any] = []  # those states whose jobs finished meanwhile: freed after the copies
+        # structured output's masks (service/engine/constrained.py)
+        self.constrained = ConstrainedRows(metrics.structured.mask_time.observe)
 
     @property
     def busy(self) -> bool:
@@ -279,6 +282,14 @@ class GenerationSteps:
         """The jobs run from their states: each samples its first token from its row of `logits`, or, when its
         prompt goes on after its segment, feeds the next prompt token to the decode steps first."""
         deliveries: list[tuple[GenerationJob, Event]] = []
+        try:
+            logits = self.constrained.apply(self.constrained.start(jobs), logits)
+        except Exception:
+            log.exception("structured-output masks over %d first tokens failed", len(jobs))
+            for job, state in zip(jobs, states, strict=True):
+                job.cache = state  # so that failing them frees their states
+            self.fail(jobs)
+            return
         with self.runner.sampling_scope():
             for job, state, row, choice in zip(jobs, states, logits, _greedy(jobs, logits), strict=True):
                 job.cache = state
@@ -305,7 +316,9 @@ class GenerationSteps:
         if not jobs:
             return
         try:
+            masks = self.constrained.start(jobs)  # computed while the model's step runs
             logits = self.runner.decode([j.pending_token for j in jobs], [j.cache for j in jobs])  # type: ignore[misc]
+            logits = self.constrained.apply(masks, logits)
         except Exception:
             log.exception("decode step over %d generations failed", len(jobs))
             self.fail(jobs)

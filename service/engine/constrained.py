@@ -1,0 +1,56 @@
+"""Structured output in the generation steps: the constrained rows' masks, started before a model call and
+applied to its logits after it, as one mask over the batch before any row is sampled.
+
+A decode step's masks are computed while the model's step runs (service/text/structured/masks.py MaskBatch,
+on a helper thread): what the step waits for afterwards is only what the masks took beyond the model's time.
+A prefill's first tokens have no model call left to hide behind; their masks are computed when the prefill
+ends."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+
+import torch
+
+from service.engine.jobs_runtime import GenerationJob
+from service.text.structured import MaskBatch, SequenceConstraint, apply_allowed
+from service.text.structured.masks import Masks
+
+Pending = Future[Masks] | None
+
+
+class ConstrainedRows:
+    """Masks for the rows of a batch that sample under a constraint. `observe` gets each batch's mask time in
+    seconds (the metrics' histogram)."""
+
+    def __init__(self, observe: Callable[[float], None], threads: int = 1) -> None:
+        self.observe = observe
+        self.threads = threads
+        self._masks: MaskBatch | None = None
+        self.last_seconds = 0.0  # the last batch's mask time (the decode span's attribute), 0 without one
+
+    def start(self, jobs: Sequence[GenerationJob]) -> Pending:
+        """Begin the masks of the jobs that will sample from the coming logits (not those still reading their
+        prompt); None when none of them is constrained."""
+        rows: list[SequenceConstraint | None] = [None if j.feeding else j.constraint for j in jobs]
+        if not any(row is not None for row in rows):
+            self.last_seconds = 0.0
+            return None
+        if self._masks is None:
+            self._masks = MaskBatch(jobs[0].tokenizer.vocab_size, self.threads)
+        return self._masks.submit(rows)
+
+    def apply(self, pending: Pending, logits: torch.Tensor) -> torch.Tensor:
+        """The logits with the masks of `start` applied (a new tensor), or the logits themselves when no row is
+        constrained. Waits for the masks if they are not done yet."""
+        if pending is None:
+            return logits
+        masks = pending.result()
+        self.last_seconds = masks.seconds
+        self.observe(masks.seconds)
+        return apply_allowed(logits, masks.allowed)
+
+    def close(self) -> None:
+        if self._masks is not None:
+            self._masks.close()

@@ -1,0 +1,198 @@
+"""A request's output constraint compiled by llguidance for the artifact's tokenizer.
+
+Compiling runs on this module's own threads, never on the event loop or the model worker, and is bounded
+three ways: the source's size (`max_source_bytes`), llguidance's parser limits (grammar symbols, lexer fuel:
+a schema built to explode is refused by the library itself in milliseconds) and a wall-clock timeout the
+caller waits at most (`timeout_s`; a compile that outlives it is refused, and so is the same source next
+time, since its result is cached as refused). Results, refusals included, are kept in an LRU keyed by the
+source's content, so a repeated schema costs a dictionary look-up."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from importlib.metadata import version
+from typing import Any, Literal, NoReturn
+
+import llguidance
+
+from model.tokenizer import Tokenizer
+from service.errors import ValidationFailed
+
+ENGINE = "llguidance"
+
+ConstraintKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+# What a refusal is counted as (reformer_structured_refused_total's `reason`).
+RefusalReason = Literal["invalid", "too_large", "timeout"]
+REFUSAL_REASONS: tuple[RefusalReason, ...] = ("invalid", "too_large", "timeout")
+
+# llguidance's own limits, as its defaults but without the parser state in error messages (a refusal's text
+# goes to the client: it names the construct, not the library's internals).
+_LIMITS = dict(verbose_errors=False)
+
+
+def engine_version() -> str:
+    return version(ENGINE)
+
+
+@dataclass(frozen=True)
+class ConstraintSource:
+    """What a request asks its output to match: `kind` and its canonical text (a schema as JSON with sorted
+    keys, so the same schema spelt in another key order shares a cache entry), and `field` the request field
+    that asked (named in a refusal)."""
+
+    kind: ConstraintKind
+    text: str
+    field: str
+
+    @property
+    def key(self) -> str:
+        return f"{self.kind}\x00{self.text}"
+
+    @staticmethod
+    def schema(value: Any, field: str) -> ConstraintSource:
+        """A JSON schema given as an object or as its JSON text."""
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as err:
+                raise ValidationFailed(f"{field} is not valid JSON: {err.msg} at character {err.pos}",
+                                       param=field) from None
+        if not isinstance(value, (dict, bool)):
+            raise ValidationFailed(f"{field} must be a JSON schema (an object)", param=field)
+        return ConstraintSource("json_schema", json.dumps(value, sort_keys=True, ensure_ascii=False), field)
+
+
+@dataclass(frozen=True, eq=False)
+class CompiledGrammar:
+    """A compiled constraint: a pristine matcher, never advanced; each sequence starts from a deep copy of it
+    (service/text/structured/masks.py SequenceConstraint). `compile_s`: what compiling it took."""
+
+    kind: ConstraintKind
+    key: str
+    matcher: llguidance.LLMatcher
+    compile_s: float
+
+
+def grammar_text(source: ConstraintSource) -> str:
+    """llguidance's grammar for the source. A JSON schema's output is compact JSON (no whitespace between
+    tokens, as vLLM's disable_any_whitespace): a model free to add whitespace can spend its whole budget on
+    it. `json_object` is any JSON object; `grammar` is a Lark grammar, or GBNF (llama.cpp's, with `::=`)."""
+    if source.kind == "json_object":
+        return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}',
+                                                             defaults={"whitespace_flexible": False})
+    if source.kind == "json_schema":
+        return llguidance.LLMatcher.grammar_from_json_schema(source.text, defaults={"whitespace_flexible": False})
+    return llguidance.grammar_from(source.kind, source.text)
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer, on its own threads, with the bounds above."""
+
+    def __init__(self, tokenizer: Tokenizer, *, cache_entries: int = 256, timeout_s: float = 10.0,
+                 max_source_bytes: int = 65536, threads: int = 2,
+                 on_compiled: Callable[[float], None] | None = None,
+                 on_refused: Callable[[RefusalReason], None] | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.cache_entries = cache_entries
+        self.timeout_s = timeout_s
+        self.max_source_bytes = max_source_bytes
+        self.on_compiled = on_compiled or (lambda seconds: None)
+        self.on_refused = on_refused or (lambda reason: None)
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="grammar")
+        self._lock = threading.Lock()  # the cache's
+        self._tokenizer_lock = threading.Lock()  # building llguidance's tokenizer (a large vocabulary: ~1 s)
+        self._cache: OrderedDict[str, CompiledGrammar | tuple[RefusalReason, str]] = OrderedDict()
+        self._ll_tokenizer: llguidance.LLTokenizer | None = None
+
+    def ll_tokenizer(self) -> llguidance.LLTokenizer:
+        """llguidance's view of the artifact's tokenizer, built once: from its `tokenizers` file (every kind of
+        artifact tokenizer has one, with the same ids), so the special ids stay special (never allowed by a
+        grammar) and the end-of-text id is the one a finished constraint allows."""
+        with self._tokenizer_lock:
+            if self._ll_tokenizer is None:
+                self._ll_tokenizer = llguidance.LLTokenizer(
+                    self.tokenizer.to_hf().to_str(), n_vocab=self.tokenizer.vocab_size,
+                    eos_token=self.tokenizer.eos_id)
+            return self._ll_tokenizer
+
+    def cached(self, source: ConstraintSource) -> CompiledGrammar | None:
+        """The compiled grammar when the cache has it (a cached refusal is raised again)."""
+        with self._lock:
+            entry = self._cache.get(source.key)
+            if entry is None:
+                return None
+            self._cache.move_to_end(source.key)
+        if isinstance(entry, tuple):
+            self._refuse(source, *entry)
+        return entry
+
+    async def compile(self, source: ConstraintSource) -> CompiledGrammar:
+        """From the event loop: the cached grammar, or one compiled on the grammar threads within timeout_s."""
+        hit = self.cached(source)
+        if hit is not None:
+            return hit
+        self._check_size(source)
+        future = asyncio.wrap_future(self._pool.submit(self.compile_now, source))
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), self.timeout_s)
+        except TimeoutError:
+            # the thread cannot be stopped; compile_now caches the source as refused once it ends
+            self._refuse(source, "timeout", self._too_slow())
+
+    def compile_now(self, source: ConstraintSource) -> CompiledGrammar:
+        """On the calling thread (the grammar threads, tests, benchmarks): compile, cache and return, or raise
+        ValidationFailed naming the construct the engine refused."""
+        hit = self.cached(source)
+        if hit is not None:
+            return hit
+        self._check_size(source)
+        began = time.perf_counter()
+        tokenizer = self.ll_tokenizer()
+        try:
+            text = grammar_text(source)
+        except ValueError as err:
+            self._remember(source, ("invalid", str(err)))
+            self._refuse(source, "invalid", str(err))
+        matcher = llguidance.LLMatcher(tokenizer, text, limits=llguidance.LLParserLimits(**_LIMITS))
+        took = time.perf_counter() - began
+        if matcher.is_error():
+            self._remember(source, ("invalid", matcher.get_error()))
+            self._refuse(source, "invalid", matcher.get_error())
+        if took > self.timeout_s:
+            self._remember(source, ("timeout", self._too_slow()))
+            self._refuse(source, "timeout", self._too_slow())
+        compiled = CompiledGrammar(source.kind, source.key, matcher, took)
+        self._remember(source, compiled)
+        self.on_compiled(took)
+        return compiled
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _too_slow(self) -> str:
+        return f"compiling it takes longer than the server's limit of {self.timeout_s:g} s"
+
+    def _check_size(self, source: ConstraintSource) -> None:
+        size = len(source.text.encode("utf-8", errors="surrogatepass"))
+        if size > self.max_source_bytes:
+            self._refuse(source, "too_large", f"it is {size} bytes; the server's limit is {self.max_source_bytes}")
+
+    def _remember(self, source: ConstraintSource, entry: CompiledGrammar | tuple[RefusalReason, str]) -> None:
+        with self._lock:
+            self._cache[source.key] = entry
+            self._cache.move_to_end(source.key)
+            while len(self._cache) > self.cache_entries:
+                self._cache.popitem(last=False)
+
+    def _refuse(self, source: ConstraintSource, reason: RefusalReason, detail: str) -> NoReturn:
+        self.on_refused(reason)
+        what = source.kind.replace("_", " ")
+        raise ValidationFailed(f"{source.field}: the {what} cannot be used for structured output: {detail}",
+                               param=source.field)
