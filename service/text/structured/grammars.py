@@ -31,6 +31,7 @@ ConstraintKind = Literal["json_schema", "json_object", "regex", "choice", "gramm
 # What a refusal is counted as (reformer_structured_refused_total's `reason`).
 RefusalReason = Literal["invalid", "too_large", "timeout"]
 REFUSAL_REASONS: tuple[RefusalReason, ...] = ("invalid", "too_large", "timeout")
+Refusal = tuple[RefusalReason, str]  # why, and what the client is told
 
 # llguidance's own limits, as its defaults but without the parser state in error messages (a refusal's text
 # goes to the client: it names the construct, not the library's internals).
@@ -58,15 +59,18 @@ class ConstraintSource:
     @staticmethod
     def schema(value: Any, field: str) -> ConstraintSource:
         """A JSON schema given as an object or as its JSON text."""
-        if isinstance(value, str):
-            try:
+        try:
+            if isinstance(value, str):
                 value = json.loads(value)
-            except json.JSONDecodeError as err:
-                raise ValidationFailed(f"{field} is not valid JSON: {err.msg} at character {err.pos}",
-                                       param=field) from None
-        if not isinstance(value, (dict, bool)):
+            text = json.dumps(value, sort_keys=True, ensure_ascii=False)
+        except json.JSONDecodeError as err:
+            raise ValidationFailed(f"{field} is not valid JSON: {err.msg} at character {err.pos}",
+                                   param=field) from None
+        except RecursionError:
+            raise ValidationFailed(f"{field} nests too deep", param=field) from None
+        if not isinstance(value, dict):
             raise ValidationFailed(f"{field} must be a JSON schema (an object)", param=field)
-        return ConstraintSource("json_schema", json.dumps(value, sort_keys=True, ensure_ascii=False), field)
+        return ConstraintSource("json_schema", text, field)
 
 
 @dataclass(frozen=True, eq=False)
@@ -108,7 +112,7 @@ class GrammarCompiler:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="grammar")
         self._lock = threading.Lock()  # the cache's
         self._tokenizer_lock = threading.Lock()  # building llguidance's tokenizer (a large vocabulary: ~1 s)
-        self._cache: OrderedDict[str, CompiledGrammar | tuple[RefusalReason, str]] = OrderedDict()
+        self._cache: OrderedDict[str, CompiledGrammar | Refusal] = OrderedDict()
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
 
     def ll_tokenizer(self) -> llguidance.LLTokenizer:
@@ -121,6 +125,11 @@ class GrammarCompiler:
                     self.tokenizer.to_hf().to_str(), n_vocab=self.tokenizer.vocab_size,
                     eos_token=self.tokenizer.eos_id)
             return self._ll_tokenizer
+
+    def holds(self, source: ConstraintSource) -> bool:
+        """Whether the cache has the source's result (compiled or refused)."""
+        with self._lock:
+            return source.key in self._cache
 
     def cached(self, source: ConstraintSource) -> CompiledGrammar | None:
         """The compiled grammar when the cache has it (a cached refusal is raised again)."""
@@ -139,39 +148,48 @@ class GrammarCompiler:
         if hit is not None:
             return hit
         self._check_size(source)
-        future = asyncio.wrap_future(self._pool.submit(self.compile_now, source))
+        future = asyncio.wrap_future(self._pool.submit(self._compile, source))
         try:
-            return await asyncio.wait_for(asyncio.shield(future), self.timeout_s)
+            return self._answer(source, await asyncio.wait_for(asyncio.shield(future), self.timeout_s))
         except TimeoutError:
-            # the thread cannot be stopped; compile_now caches the source as refused once it ends
+            # the thread cannot be stopped: its result is cached when it ends (as refused if it took too long)
             self._refuse(source, "timeout", self._too_slow())
 
     def compile_now(self, source: ConstraintSource) -> CompiledGrammar:
-        """On the calling thread (the grammar threads, tests, benchmarks): compile, cache and return, or raise
-        ValidationFailed naming the construct the engine refused."""
+        """On the calling thread (tests, benchmarks): compile, cache and return, or raise ValidationFailed
+        naming the construct the engine refused."""
         hit = self.cached(source)
         if hit is not None:
             return hit
         self._check_size(source)
+        return self._answer(source, self._compile(source))
+
+    def _answer(self, source: ConstraintSource, result: CompiledGrammar | Refusal) -> CompiledGrammar:
+        if isinstance(result, tuple):
+            self._refuse(source, *result)
+        self.on_compiled(result.compile_s)
+        return result
+
+    def _compile(self, source: ConstraintSource) -> CompiledGrammar | Refusal:
+        """Compile and cache the result, a grammar or a refusal (never raised here: nobody may be waiting)."""
         began = time.perf_counter()
         tokenizer = self.ll_tokenizer()
+        result: CompiledGrammar | Refusal
         try:
             text = grammar_text(source)
         except ValueError as err:
-            self._remember(source, ("invalid", str(err)))
-            self._refuse(source, "invalid", str(err))
-        matcher = llguidance.LLMatcher(tokenizer, text, limits=llguidance.LLParserLimits(**_LIMITS))
-        took = time.perf_counter() - began
-        if matcher.is_error():
-            self._remember(source, ("invalid", matcher.get_error()))
-            self._refuse(source, "invalid", matcher.get_error())
-        if took > self.timeout_s:
-            self._remember(source, ("timeout", self._too_slow()))
-            self._refuse(source, "timeout", self._too_slow())
-        compiled = CompiledGrammar(source.kind, source.key, matcher, took)
-        self._remember(source, compiled)
-        self.on_compiled(took)
-        return compiled
+            result = ("invalid", str(err))
+        else:
+            matcher = llguidance.LLMatcher(tokenizer, text, limits=llguidance.LLParserLimits(**_LIMITS))
+            took = time.perf_counter() - began
+            if matcher.is_error():
+                result = ("invalid", matcher.get_error())
+            elif took > self.timeout_s:
+                result = ("timeout", self._too_slow())
+            else:
+                result = CompiledGrammar(source.kind, source.key, matcher, took)
+        self._remember(source, result)
+        return result
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -184,7 +202,7 @@ class GrammarCompiler:
         if size > self.max_source_bytes:
             self._refuse(source, "too_large", f"it is {size} bytes; the server's limit is {self.max_source_bytes}")
 
-    def _remember(self, source: ConstraintSource, entry: CompiledGrammar | tuple[RefusalReason, str]) -> None:
+    def _remember(self, source: ConstraintSource, entry: CompiledGrammar | Refusal) -> None:
         with self._lock:
             self._cache[source.key] = entry
             self._cache.move_to_end(source.key)
