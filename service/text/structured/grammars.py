@@ -96,6 +96,25 @@ def grammar_text(source: ConstraintSource) -> str:
     return llguidance.grammar_from(source.kind, source.text)
 
 
+def engine_tokenizer_file(tokenizer: Tokenizer) -> str:
+    """The artifact tokenizer's `tokenizers` file (every kind has one, with the same ids) with each id that is
+    not text marked special: the control tokens, padding, end-of-text, beginning-of-text and unknown. llguidance
+    never allows a special token inside a grammar (the end-of-text id only where it may end); unmarked, the byte
+    tokenizer's `<pad>` and `</s>` read as those five characters, which fit inside any JSON string."""
+    data = json.loads(tokenizer.to_hf().to_str())
+    ids = {*tokenizer.control_tokens().values(), tokenizer.pad_id, tokenizer.eos_id}
+    ids |= {i for i in (tokenizer.bos_id, tokenizer.unk_id) if i is not None}
+    added = {entry["id"]: entry for entry in data.setdefault("added_tokens", [])}
+    for token_id in sorted(ids):
+        if token_id in added:
+            added[token_id]["special"] = True
+        else:
+            data["added_tokens"].append({"id": token_id, "content": tokenizer.id_to_piece(token_id),
+                                         "single_word": False, "lstrip": False, "rstrip": False,
+                                         "normalized": False, "special": True})
+    return json.dumps(data, ensure_ascii=False)
+
+
 class GrammarCompiler:
     """Compiles constraints for one tokenizer, on its own threads, with the bounds above."""
 
@@ -116,13 +135,12 @@ class GrammarCompiler:
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
 
     def ll_tokenizer(self) -> llguidance.LLTokenizer:
-        """llguidance's view of the artifact's tokenizer, built once: from its `tokenizers` file (every kind of
-        artifact tokenizer has one, with the same ids), so the special ids stay special (never allowed by a
-        grammar) and the end-of-text id is the one a finished constraint allows."""
+        """llguidance's view of the artifact's tokenizer, built once (service/text/structured/grammars.py
+        `engine_tokenizer_file`); the end-of-text id is the one a complete constraint allows."""
         with self._tokenizer_lock:
             if self._ll_tokenizer is None:
                 self._ll_tokenizer = llguidance.LLTokenizer(
-                    self.tokenizer.to_hf().to_str(), n_vocab=self.tokenizer.vocab_size,
+                    engine_tokenizer_file(self.tokenizer), n_vocab=self.tokenizer.vocab_size,
                     eos_token=self.tokenizer.eos_id)
             return self._ll_tokenizer
 
