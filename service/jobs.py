@@ -105,6 +105,10 @@ class Timings:
     # prompt tokens restored from the prefix cache, or copied from an identical prompt prefilled with it,
     # instead of prefilled (service/engine/prompt_reuse.py); the prefill span's `reformer.prefill.cached_tokens`
     cached_tokens: int = 0
+    # structured output: the mask time of the batches this job was constrained in (each batch's whole time,
+    # computed alongside the model's step) and their count; the decode span's `reformer.structured.*`
+    mask_s: float = 0.0
+    mask_steps: int = 0
 
     @property
     def queue_s(self) -> float:

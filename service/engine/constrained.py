@@ -28,27 +28,29 @@ class ConstrainedRows:
         self.observe = observe
         self.threads = threads
         self._masks: MaskBatch | None = None
-        self.last_seconds = 0.0  # the last batch's mask time (the decode span's attribute), 0 without one
 
     def start(self, jobs: Sequence[GenerationJob]) -> Pending:
         """Begin the masks of the jobs that will sample from the coming logits (not those still reading their
         prompt); None when none of them is constrained."""
         rows: list[SequenceConstraint | None] = [None if j.feeding else j.constraint for j in jobs]
         if not any(row is not None for row in rows):
-            self.last_seconds = 0.0
             return None
         if self._masks is None:
             self._masks = MaskBatch(jobs[0].tokenizer.vocab_size, self.threads)
         return self._masks.submit(rows)
 
-    def apply(self, pending: Pending, logits: torch.Tensor) -> torch.Tensor:
-        """The logits with the masks of `start` applied (a new tensor), or the logits themselves when no row is
-        constrained. Waits for the masks if they are not done yet."""
+    def apply(self, pending: Pending, logits: torch.Tensor, jobs: Sequence[GenerationJob]) -> torch.Tensor:
+        """The logits with the masks of `start` (over the same `jobs`) applied (a new tensor), or the logits
+        themselves when no row is constrained. Waits for the masks if they are not done yet; each constrained
+        job's trace counts the batch's mask time."""
         if pending is None:
             return logits
         masks = pending.result()
-        self.last_seconds = masks.seconds
         self.observe(masks.seconds)
+        for job in jobs:
+            if job.constraint is not None and not job.feeding:
+                job.timings.mask_s += masks.seconds
+                job.timings.mask_steps += 1
         return apply_allowed(logits, masks.allowed)
 
     def close(self) -> None:

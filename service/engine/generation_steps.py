@@ -283,7 +283,7 @@ class GenerationSteps:
         prompt goes on after its segment, feeds the next prompt token to the decode steps first."""
         deliveries: list[tuple[GenerationJob, Event]] = []
         try:
-            logits = self.constrained.apply(self.constrained.start(jobs), logits)
+            logits = self.constrained.apply(self.constrained.start(jobs), logits, jobs)
         except Exception:
             log.exception("structured-output masks over %d first tokens failed", len(jobs))
             for job, state in zip(jobs, states, strict=True):
@@ -318,7 +318,7 @@ class GenerationSteps:
         try:
             masks = self.constrained.start(jobs)  # computed while the model's step runs
             logits = self.runner.decode([j.pending_token for j in jobs], [j.cache for j in jobs])  # type: ignore[misc]
-            logits = self.constrained.apply(masks, logits)
+            logits = self.constrained.apply(masks, logits, jobs)
         except Exception:
             log.exception("decode step over %d generations failed", len(jobs))
             self.fail(jobs)

@@ -125,6 +125,7 @@ PARAMETERS: dict[str, dict[str, Parameter]] = {
                       "(finish eos_token once complete, length if the budget ends first); a constraint the engine "
                       "cannot compile, or within the server's size and time limits, is refused naming it.",
                       f"{_STRUCTURED}::test_tgi_grammar_constrains_generate",
+                      f"{_STRUCTURED}::test_huggingface_hubs_inference_client_sends_a_grammar",
                       f"{_SAMPLING}::test_tgi_refuses_what_it_cannot_honour_by_name",
                       f"{_STRUCTURED_LIMITS}::test_a_schema_the_engine_cannot_compile_is_refused_naming_the_construct"),
         "adapter_id": _r("Any adapter is refused: none are served.",

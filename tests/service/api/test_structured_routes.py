@@ -166,3 +166,13 @@ def test_the_openai_client_sends_response_format(client: TestClient) -> None:
     text = api.completions.create(model=reply.model, prompt=PROMPT, max_tokens=8,
                                   extra_body={"guided_choice": CHOICES}).choices[0].text
     assert text in CHOICES
+
+
+def test_huggingface_hubs_inference_client_sends_a_grammar(server_factory: Any) -> None:
+    hub = pytest.importorskip("huggingface_hub")
+    server = server_factory(backend="torch", max_new_tokens=32)
+    client = hub.InferenceClient(server.url)
+    text = client.text_generation(PROMPT, max_new_tokens=32, grammar={"type": "json", "value": FLAG})
+    assert is_flag(text)
+    regex = client.text_generation(PROMPT, max_new_tokens=32, grammar={"type": "regex", "value": REGEX})
+    assert re.fullmatch(REGEX, regex)
