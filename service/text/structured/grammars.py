@@ -115,6 +115,14 @@ def engine_tokenizer_file(tokenizer: Tokenizer) -> str:
     return json.dumps(data, ensure_ascii=False)
 
 
+def _stops_at_once(matcher: llguidance.LLMatcher) -> bool:
+    """Whether the grammar allows no token at its start but the end of text (llguidance finds out when it first
+    computes a mask: on a copy, the pristine matcher stays unused)."""
+    probe = matcher.deep_copy()
+    probe.compute_bitmask()
+    return bool(probe.is_stopped())
+
+
 class GrammarCompiler:
     """Compiles constraints for one tokenizer, on its own threads, with the bounds above."""
 
@@ -202,6 +210,10 @@ class GrammarCompiler:
             took = time.perf_counter() - began
             if matcher.is_error():
                 result = ("invalid", matcher.get_error())
+            elif _stops_at_once(matcher):
+                # complete before any token: no text can match (`{"$ref": "#"}`), or only the empty one; a
+                # sequence would have nothing to sample but the end-of-text its matcher no longer takes
+                result = ("invalid", "no text matches it (or only the empty text)")
             elif took > self.timeout_s:
                 result = ("timeout", self._too_slow())
             else:

@@ -49,6 +49,8 @@ def completions(client: TestClient, **fields: Any) -> Any:
     ({"guided_json": "{not json"}, "not valid JSON"),
     ({"guided_regex": "(unclosed"}, "guided_regex"),
     ({"structured_outputs": {"grammar": "start: missing_rule"}}, "missing_rule"),
+    ({"guided_json": {"$ref": "#"}}, "no text matches it"),  # a document nested without end
+    ({"guided_grammar": "start: start"}, "no text matches it"),
 ])
 def test_a_schema_the_engine_cannot_compile_is_refused_naming_the_construct(client: TestClient, fields: dict[str, Any],
                                                                            construct: str) -> None:
