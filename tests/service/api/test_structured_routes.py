@@ -153,6 +153,17 @@ def test_n_choices_each_match_and_each_is_reproduced_alone(client: TestClient) -
         alone = completion(client, temperature=1, seed=seed, guided_json=FLAG, logprobs=1)
         assert alone["text"] == choice["text"]
         assert alone["logprobs"]["token_logprobs"] == choice["logprobs"]["token_logprobs"]
+    # best_of ranks constrained sequences by their summed logprob as it ranks any
+    best = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 32, "n": 1, "best_of": 3,
+                                                "temperature": 1, "seed": 11, "guided_json": FLAG, "logprobs": 1})
+    assert best.status_code == 200, best.text
+    sums = {c["text"]: sum(c["logprobs"]["token_logprobs"]) for c in together["choices"]}
+    assert best.json()["choices"][0]["text"] == max(sums, key=lambda t: sums[t])
+    tgi_best = client.post("/generate", json={"inputs": PROMPT, "parameters": {
+        "max_new_tokens": 32, "best_of": 2, "do_sample": True, "seed": 11, "details": True,
+        "grammar": {"type": "json", "value": FLAG}}}).json()
+    assert is_flag(tgi_best["generated_text"])
+    assert all(is_flag(o["generated_text"]) for o in tgi_best["details"]["best_of_sequences"])
 
 
 def test_the_openai_client_sends_response_format(client: TestClient) -> None:
