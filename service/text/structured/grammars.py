@@ -68,6 +68,9 @@ class ConstraintSource:
                                    param=field) from None
         except RecursionError:
             raise ValidationFailed(f"{field} nests too deep", param=field) from None
+        except ValueError as err:  # an integer of more digits than Python converts (4300)
+            raise ValidationFailed(f"{field} holds a number too long to read ({str(err)[:60]})",
+                                   param=field) from None
         if not isinstance(value, dict):
             raise ValidationFailed(f"{field} must be a JSON schema (an object)", param=field)
         return ConstraintSource("json_schema", text, field)
