@@ -9,11 +9,14 @@ what compiling costs, and what a JSON-schema constraint costs a decode step.
     under the service's default limits, and why the others are refused.
 (c) compile time: each schema compiled once (never from the cache) in this process, for the artifact's
     tokenizer, as the service compiles it; p50/p99/max over those that compile.
-(b) decode step: batches of 1 and 8 requests generating `--steps` tokens, unconstrained (ignore_eos) against
-    constrained by a JSON schema whose one string is longer than the budget (so both run every step), in
-    alternating rounds; the mean inter-token latency from the server's own histogram
-    (reformer_inter_token_latency_seconds) per condition, the median over rounds, and their ratio; with the
-    structured runs' mean mask time per batch (reformer_structured_mask_seconds), computed during the step.
+(b) decode step: batches of 1 and 8 greedy requests generating `--steps` tokens (end of text banned by
+    logit_bias, so every request runs every step), in rotating order over `--rounds` rounds: unconstrained;
+    constrained by a JSON schema whose one string is longer than the budget (`json_schema`: the real use, but
+    its tokens differ from the unconstrained ones, and this model's step time depends on the tokens it reads);
+    and constrained by a regex every valid UTF-8 text matches (`any_text`: the same tokens as unconstrained
+    wherever the greedy choice is valid UTF-8, so its ratio is the constraint machinery's own cost). The mean
+    inter-token latency from the server's histogram (reformer_inter_token_latency_seconds), the median over
+    rounds, its ratio to unconstrained, and the mean mask time per batch (reformer_structured_mask_seconds).
 
     python bench/serving/structured_output.py [--artifact DIR] [--max-tokens 160] [--steps 64] [--rounds 3]
         [--concurrency 8] [--limit N] [--out bench/results/structured_output_<date>.json]
@@ -110,15 +113,18 @@ async def answer_all(url: str, schemas: list[dict[str, Any]], max_tokens: int, c
         return list(await asyncio.gather(*(one(client, i, e) for i, e in enumerate(schemas))))
 
 
-async def timed_batch(url: str, batch: int, steps: int, constrained: bool, seed: int) -> dict[str, float]:
+CONDITIONS: dict[str, dict[str, Any]] = {"unconstrained": {}, "json_schema": {"guided_json": LONG},
+                                         "any_text": {"guided_regex": "(?s:.*)"}}
+
+
+async def timed_batch(url: str, batch: int, steps: int, condition: str, eos_id: int) -> dict[str, Any]:
     """`batch` requests of `steps` tokens at once; the server's mean inter-token latency and mask time over them."""
     async with httpx.AsyncClient(timeout=600) as client:
         before = (await client.get(url + "/metrics")).text
-        extra = {"guided_json": LONG} if constrained else {"ignore_eos": True}
         began = time.perf_counter()
         answers = await asyncio.gather(*(client.post(url + "/v1/completions", json={
-            "prompt": PROMPT, "max_tokens": steps, "temperature": 0.8, "seed": seed + i, **extra})
-            for i in range(batch)))
+            "prompt": f"{PROMPT}{i}", "max_tokens": steps, "temperature": 0, "logit_bias": {str(eos_id): -100},
+            **CONDITIONS[condition]}) for i in range(batch)))
         wall = time.perf_counter() - began
         after = (await client.get(url + "/metrics")).text
     assert all(a.status_code == 200 and a.json()["usage"]["completion_tokens"] == steps for a in answers), \
@@ -128,26 +134,31 @@ async def timed_batch(url: str, batch: int, steps: int, constrained: bool, seed:
         return metric_sum(after, name) - metric_sum(before, name)
 
     name = "reformer_inter_token_latency_seconds"
-    itl = delta(f"{name}_sum") / max(delta(f"{name}_count"), 1)
     masks = delta("reformer_structured_mask_seconds_count")
-    return {"itl_s": itl, "wall_s": wall,
-            "mask_s": delta("reformer_structured_mask_seconds_sum") / masks if masks else 0.0}
+    return {"itl_s": delta(f"{name}_sum") / max(delta(f"{name}_count"), 1), "wall_s": wall,
+            "mask_s": delta("reformer_structured_mask_seconds_sum") / masks if masks else 0.0,
+            "texts": [a.json()["choices"][0]["text"] for a in answers]}
 
 
-async def step_costs(url: str, steps: int, rounds: int) -> dict[str, Any]:
+async def step_costs(url: str, steps: int, rounds: int, eos_id: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
+    names = list(CONDITIONS)
     for batch in (1, 8):
-        runs: dict[str, list[dict[str, float]]] = {"unconstrained": [], "json_schema": []}
+        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
         for r in range(rounds):
-            order = [False, True] if r % 2 == 0 else [True, False]  # alternate, so drift hits both alike
-            for constrained in order:
-                runs["json_schema" if constrained else "unconstrained"].append(
-                    await timed_batch(url, batch, steps, constrained, seed=100 * r))
+            for name in names[r % len(names):] + names[:r % len(names)]:  # rotated: drift hits each alike
+                runs[name].append(await timed_batch(url, batch, steps, name, eos_id))
         median = {k: statistics.median(x["itl_s"] for x in v) for k, v in runs.items()}
+        same = sum(a == b for a, b in zip(runs["any_text"][0]["texts"], runs["unconstrained"][0]["texts"],
+                                          strict=True))
+        for v in runs.values():
+            for x in v:
+                del x["texts"]
         out[f"batch_{batch}"] = {
             "runs": runs, "median_itl_s": median,
-            "ratio_json_schema_to_unconstrained": median["json_schema"] / median["unconstrained"],
-            "median_mask_s_per_batch": statistics.median(x["mask_s"] for x in runs["json_schema"]),
+            "ratio_to_unconstrained": {k: median[k] / median["unconstrained"] for k in names[1:]},
+            "median_mask_s_per_batch": {k: statistics.median(x["mask_s"] for x in runs[k]) for k in names[1:]},
+            "any_text_same_tokens_as_unconstrained": f"{same}/{batch}",
         }
     return out
 
@@ -166,7 +177,7 @@ def run(artifact: Path | None, *, max_tokens: int, steps: int, rounds: int, conc
     with ServerProcess(service_argv(artifact), log_path=log_dir / "server.log", env=env, cwd=REPO) as server:
         server.wait_ready()
         answers = asyncio.run(answer_all(server.url, [s for s in schemas if s["id"] in ok], max_tokens, concurrency))
-        steps_report = asyncio.run(step_costs(server.url, steps, rounds))
+        steps_report = asyncio.run(step_costs(server.url, steps, rounds, tokenizer.eos_id))
     finished = [a for a in answers if a.get("finish_reason") == "stop"]
     return {
         "date": datetime.date.today().isoformat(), "artifact": str(artifact or "export/default_artifact"),
@@ -204,10 +215,10 @@ def main() -> None:
           f"p99 {report['compile_s']['p99'] * 1e3:.2f} ms; answers: {a['finished']} finished, {a['valid']} valid, "
           f"{a['length']} cut by max_tokens, {len(a['not_200'])} not 200")
     for batch, figures in report["decode_step"].items():
-        m = figures["median_itl_s"]
-        print(f"{batch}: unconstrained {m['unconstrained'] * 1e3:.2f} ms/token, json_schema "
-              f"{m['json_schema'] * 1e3:.2f} ms/token, ratio {figures['ratio_json_schema_to_unconstrained']:.3f}, "
-              f"mask {figures['median_mask_s_per_batch'] * 1e6:.0f} us/batch")
+        m, ratio, mask = figures["median_itl_s"], figures["ratio_to_unconstrained"], figures["median_mask_s_per_batch"]
+        print(f"{batch}: unconstrained {m['unconstrained'] * 1e3:.2f} ms/token; " + "; ".join(
+            f"{k} {m[k] * 1e3:.2f} ms/token, ratio {ratio[k]:.3f}, mask {mask[k] * 1e6:.0f} us/batch" for k in ratio)
+            + f"; any_text same tokens {figures['any_text_same_tokens_as_unconstrained']}")
     print(f"load (1 min) {report['load_1min_before']:.2f} -> {report['load_1min_after']:.2f}; wrote {args.out}")
 
 

@@ -24,9 +24,8 @@ class ConstrainedRows:
     """Masks for the rows of a batch that sample under a constraint. `observe` gets each batch's mask time in
     seconds (the metrics' histogram)."""
 
-    def __init__(self, observe: Callable[[float], None], threads: int = 1) -> None:
+    def __init__(self, observe: Callable[[float], None]) -> None:
         self.observe = observe
-        self.threads = threads
         self._masks: MaskBatch | None = None
 
     def start(self, jobs: Sequence[GenerationJob]) -> Pending:
@@ -36,7 +35,7 @@ class ConstrainedRows:
         if not any(row is not None for row in rows):
             return None
         if self._masks is None:
-            self._masks = MaskBatch(jobs[0].tokenizer.vocab_size, self.threads)
+            self._masks = MaskBatch(jobs[0].tokenizer.vocab_size)
         return self._masks.submit(rows)
 
     def apply(self, pending: Pending, logits: torch.Tensor, jobs: Sequence[GenerationJob]) -> torch.Tensor:

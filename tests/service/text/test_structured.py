@@ -93,7 +93,7 @@ def test_a_batch_of_masks_is_each_row_alone() -> None:
             assert row is not None
             row.consume(token)
     rows.insert(1, None)  # an unconstrained row
-    masks = MaskBatch(tokenizer.vocab_size, threads=2)
+    masks = MaskBatch(tokenizer.vocab_size)
     together = masks.compute(rows).allowed
     assert together[1].all()
     for i, row in enumerate(rows):
