@@ -99,16 +99,53 @@ def grammar_text(source: ConstraintSource) -> str:
     return llguidance.grammar_from(source.kind, source.text)
 
 
+def special_ids(tokenizer: Tokenizer) -> list[int]:
+    """The ids that are not text: control tokens, padding, end-of-text, beginning-of-text and unknown."""
+    ids = {*tokenizer.control_tokens().values(), tokenizer.pad_id, tokenizer.eos_id}
+    return sorted(ids | {i for i in (tokenizer.bos_id, tokenizer.unk_id) if i is not None})
+
+
+class _ByteExactVocabulary:
+    """What llguidance's TokenizerWrapper reads: each id's bytes, the special ids, and a tokenize function.
+    The function is a greedy longest match over those bytes, not the artifact's own encoder: llguidance
+    tokenizes the text a grammar forces, and an encoder that normalizes (a SentencePiece model folding tabs,
+    newlines and runs of spaces into one `▁`) would give it tokens that spell other bytes, which the matcher
+    then refuses when the model takes them."""
+
+    def __init__(self, tokenizer: Tokenizer, table: llguidance.LLTokenizer) -> None:
+        self.eos_token_id = tokenizer.eos_id
+        self.bos_token_id = tokenizer.bos_id
+        self.special_token_ids = special_ids(tokenizer)
+        specials = set(self.special_token_ids)
+        self.tokens = [tokenizer.id_to_piece(i).encode() if i in specials else table.decode_bytes([i])
+                       for i in range(tokenizer.vocab_size)]
+        self._table = table
+
+    def __call__(self, text: str) -> list[int]:
+        if not isinstance(text, str):  # llguidance probes for bytes: text only, as greedy_tokenize takes
+            raise TypeError("text only")
+        return list(self._table.greedy_tokenize(text))
+
+
+def engine_tokenizer(tokenizer: Tokenizer) -> llguidance.LLTokenizer:
+    """llguidance's tokenizer for the artifact's: each id's bytes as the artifact's `tokenizers` file decodes
+    them (`engine_tokenizer_file`), the ids that are not text special (llguidance allows a special id nowhere
+    inside a grammar, and the end-of-text id only where the grammar may end), and a byte-exact tokenize
+    (`_ByteExactVocabulary`)."""
+    table = llguidance.LLTokenizer(engine_tokenizer_file(tokenizer), n_vocab=tokenizer.vocab_size,
+                                   eos_token=tokenizer.eos_id)
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteExactVocabulary(tokenizer, table)),
+                                  n_vocab=tokenizer.vocab_size, eos_token=tokenizer.eos_id)
+
+
 def engine_tokenizer_file(tokenizer: Tokenizer) -> str:
     """The artifact tokenizer's `tokenizers` file (every kind has one, with the same ids) with each id that is
-    not text marked special: the control tokens, padding, end-of-text, beginning-of-text and unknown. llguidance
-    never allows a special token inside a grammar (the end-of-text id only where it may end); unmarked, the byte
-    tokenizer's `<pad>` and `</s>` read as those five characters, which fit inside any JSON string."""
+    not text marked special (`special_ids`); unmarked, the byte tokenizer's `<pad>` and `</s>` would read as
+    those five characters, which fit inside any JSON string."""
     data = json.loads(tokenizer.to_hf().to_str())
-    ids = {*tokenizer.control_tokens().values(), tokenizer.pad_id, tokenizer.eos_id}
-    ids |= {i for i in (tokenizer.bos_id, tokenizer.unk_id) if i is not None}
+    ids = special_ids(tokenizer)
     added = {entry["id"]: entry for entry in data.setdefault("added_tokens", [])}
-    for token_id in sorted(ids):
+    for token_id in ids:
         if token_id in added:
             added[token_id]["special"] = True
         else:
@@ -146,13 +183,10 @@ class GrammarCompiler:
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
 
     def ll_tokenizer(self) -> llguidance.LLTokenizer:
-        """llguidance's view of the artifact's tokenizer, built once (service/text/structured/grammars.py
-        `engine_tokenizer_file`); the end-of-text id is the one a complete constraint allows."""
+        """llguidance's view of the artifact's tokenizer, built once (`engine_tokenizer`)."""
         with self._tokenizer_lock:
             if self._ll_tokenizer is None:
-                self._ll_tokenizer = llguidance.LLTokenizer(
-                    engine_tokenizer_file(self.tokenizer), n_vocab=self.tokenizer.vocab_size,
-                    eos_token=self.tokenizer.eos_id)
+                self._ll_tokenizer = engine_tokenizer(self.tokenizer)
             return self._ll_tokenizer
 
     def holds(self, source: ConstraintSource) -> bool:
