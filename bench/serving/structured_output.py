@@ -34,6 +34,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -207,8 +208,9 @@ def main() -> None:
                         default=REPO / "bench" / "results" / f"structured_output_{datetime.date.today()}.json")
     args = parser.parse_args()
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    log_dir = Path(tempfile.mkdtemp(prefix="structured_output_"))  # the server's log: not a result
     report = run(args.artifact, max_tokens=args.max_tokens, steps=args.steps, rounds=args.rounds,
-                 concurrency=args.concurrency, limit=args.limit, log_dir=args.out.parent)
+                 concurrency=args.concurrency, limit=args.limit, log_dir=log_dir)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     a, c = report["answers"], report["coverage"]
     print(f"coverage {c['compiled']}/{c['schemas']} compiled; compile p50 {report['compile_s']['p50'] * 1e3:.2f} ms "
@@ -219,7 +221,8 @@ def main() -> None:
         print(f"{batch}: unconstrained {m['unconstrained'] * 1e3:.2f} ms/token; " + "; ".join(
             f"{k} {m[k] * 1e3:.2f} ms/token, ratio {ratio[k]:.3f}, mask {mask[k] * 1e6:.0f} us/batch" for k in ratio)
             + f"; any_text same tokens {figures['any_text_same_tokens_as_unconstrained']}")
-    print(f"load (1 min) {report['load_1min_before']:.2f} -> {report['load_1min_after']:.2f}; wrote {args.out}")
+    print(f"load (1 min) {report['load_1min_before']:.2f} -> {report['load_1min_after']:.2f}; wrote {args.out} "
+          f"(server log: {log_dir / 'server.log'})")
 
 
 if __name__ == "__main__":
