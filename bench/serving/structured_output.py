@@ -1,7 +1,7 @@
 """Structured output on the served model (issue 65): does every answer match its schema, which schemas compile,
 what compiling costs, and what a JSON-schema constraint costs a decode step.
 
-(a) answers: each schema of bench/serving/structured_schemas.json (240: Kubernetes object schemas from the
+(a) answers: each schema of bench/serving/structured_schemas.json.gz (240: Kubernetes object schemas from the
     `kubernetes-validate` package and written ones; bench/serving/structured_corpus.py says which) that the
     engine compiles is sent to a loopback server's /v1/completions as `guided_json`, sampled with its own seed;
     every answer that finished (finish_reason stop) must parse and validate with `jsonschema` (formats checked);
@@ -48,8 +48,8 @@ if str(REPO) not in sys.path:  # run as a script: the tree's packages are import
 
 from bench.server_process import ServerProcess, service_argv  # noqa: E402
 from bench.serving.chaos_clients import metric_sum  # noqa: E402
+from bench.serving.structured_corpus import read_corpus  # noqa: E402
 
-CORPUS = Path(__file__).with_name("structured_schemas.json")
 PROMPT = "The record, as JSON:\n"
 # one string longer than any step budget here: a constrained request runs its whole budget, as an ignore_eos one
 LONG = {"type": "object", "properties": {"text": {"type": "string", "minLength": 100000}}, "required": ["text"]}
@@ -168,7 +168,7 @@ def run(artifact: Path | None, *, max_tokens: int, steps: int, rounds: int, conc
         log_dir: Path) -> dict[str, Any]:
     from export import load_artifact
 
-    schemas = json.loads(CORPUS.read_text())["schemas"][:limit]
+    schemas = read_corpus()[:limit]
     tokenizer = (load_artifact(artifact) if artifact else load_artifact()).tokenizer
     load_before = os.getloadavg()[0]
     compiled = compile_all(tokenizer, schemas)
