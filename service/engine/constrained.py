@@ -8,8 +8,10 @@ ends."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from typing import Any
 
 import torch
 
@@ -18,6 +20,7 @@ from service.text.structured import MaskBatch, SequenceConstraint, apply_allowed
 from service.text.structured.masks import Masks
 
 Pending = Future[Masks] | None
+log = logging.getLogger("service.engine")
 
 
 class ConstrainedRows:
@@ -51,6 +54,19 @@ class ConstrainedRows:
                 job.timings.mask_s += masks.seconds
                 job.timings.mask_steps += 1
         return apply_allowed(logits, masks.allowed)
+
+    def first(self, jobs: Sequence[GenerationJob], states: Sequence[Any], logits: torch.Tensor,
+              fail: Callable[[list[GenerationJob]], None]) -> torch.Tensor | None:
+        """A prefill's logits masked for its jobs' first tokens (no model call left to overlap: computed now);
+        None when the masks failed, the jobs then failed with their states (so that failing frees them)."""
+        try:
+            return self.apply(self.start(jobs), logits, jobs)
+        except Exception:
+            log.exception("structured-output masks over %d first tokens failed", len(jobs))
+            for job, state in zip(jobs, states, strict=True):
+                job.cache = state
+            fail(list(jobs))
+            return None
 
     def close(self) -> None:
         if self._masks is not None:

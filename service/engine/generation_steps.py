@@ -64,8 +64,7 @@ class GenerationSteps:
         self.prefilling: list[SlicedPrefill] = []
         self._held: set[int] = set()  # ids of states copied from after their first tokens (`_prefilled`)
         self._deferred: list[Any] = []  # those states whose jobs finished meanwhile: freed after the copies
-        # structured output's masks (service/engine/constrained.py)
-        self.constrained = ConstrainedRows(metrics.structured.mask_time.observe)
+        self.constrained = ConstrainedRows(metrics.structured.mask_time.observe)  # structured output's masks
 
     @property
     def busy(self) -> bool:
@@ -282,16 +281,10 @@ class GenerationSteps:
         """The jobs run from their states: each samples its first token from its row of `logits`, or, when its
         prompt goes on after its segment, feeds the next prompt token to the decode steps first."""
         deliveries: list[tuple[GenerationJob, Event]] = []
-        try:
-            logits = self.constrained.apply(self.constrained.start(jobs), logits, jobs)
-        except Exception:
-            log.exception("structured-output masks over %d first tokens failed", len(jobs))
-            for job, state in zip(jobs, states, strict=True):
-                job.cache = state  # so that failing them frees their states
-            self.fail(jobs)
+        if (masked := self.constrained.first(jobs, states, logits, self.fail)) is None:
             return
         with self.runner.sampling_scope():
-            for job, state, row, choice in zip(jobs, states, logits, _greedy(jobs, logits), strict=True):
+            for job, state, row, choice in zip(jobs, states, masked, _greedy(jobs, masked), strict=True):
                 job.cache = state
                 with self.cond:
                     if job.cancel_requested:  # its client left during the prefill: no token for nobody
