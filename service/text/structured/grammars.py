@@ -3,9 +3,11 @@
 Compiling runs on this module's own threads, never on the event loop or the model worker, and is bounded
 three ways: the source's size (`max_source_bytes`), llguidance's parser limits (grammar symbols, lexer fuel:
 a schema built to explode is refused by the library itself in milliseconds) and a wall-clock timeout the
-caller waits at most (`timeout_s`; a compile that outlives it is refused, and so is the same source next
-time, since its result is cached as refused). Results, refusals included, are kept in an LRU keyed by the
-source's content, so a repeated schema costs a dictionary look-up."""
+caller waits at most (`timeout_s`, its wait for a free compile thread included: the request is refused then,
+while the compile, which cannot be stopped, runs on; its result is cached when it ends, as refused if the
+compile itself took longer than `timeout_s`, so such a source is refused at once the next time). Results,
+refusals included, are kept in an LRU keyed by the source's content, so a repeated schema costs a dictionary
+look-up."""
 
 from __future__ import annotations
 
