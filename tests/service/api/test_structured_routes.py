@@ -191,7 +191,7 @@ def test_huggingface_hubs_inference_client_sends_a_grammar(server_factory: Any) 
 
 def test_a_prompt_read_by_decode_steps_is_not_masked(client: TestClient) -> None:
     # cache_prefix_chars: the prompt after its first 5 characters is fed through decode steps, rows the masks
-    # skip (a mask there would refuse the prompt's own tokens); only the generated tokens are constrained
+    # skip; only the generated tokens advance the matcher (were the prompt's, the regex would refuse them)
     first = completion(client, guided_regex=REGEX, temperature=1, seed=9, cache_prefix_chars=5)
     again = completion(client, guided_regex=REGEX, temperature=1, seed=9, cache_prefix_chars=5)  # a cache hit
     assert re.fullmatch(REGEX, first["text"]) and again["text"] == first["text"]
