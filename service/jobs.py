@@ -4,12 +4,24 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 from model.sampling import SamplingParams
 
 Pooling = Literal["mean", "last"]
 FinishReason = Literal["length", "eos_token", "stop_sequence"]
+
+
+class OutputConstraint(Protocol):
+    """A compiled structured-output constraint (service/text/structured/grammars.py CompiledGrammar): what a
+    generation's tokens must spell. `kind`: json_schema, json_object, regex, choice or grammar; `key`: its
+    source's content, what the compile cache keys it by."""
+
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def key(self) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -33,6 +45,9 @@ class GenerationSpec:
     # the tenant's cache salt (service/api/protocol/cache_salt.py): it starts the prefix key's chain, so prompts
     # under different salts never share a kept state, an in-flight prefill or a cached_tokens report
     cache_salt: str | None = None
+    # structured output: only tokens the constraint allows are sampled, and the generation ends (as at end of
+    # text) once the constraint is complete and allows nothing more; None: unconstrained
+    constraint: OutputConstraint | None = None
 
 
 @dataclass(frozen=True)
@@ -93,6 +108,10 @@ class Timings:
     # prompt tokens restored from the prefix cache, or copied from an identical prompt prefilled with it,
     # instead of prefilled (service/engine/prompt_reuse.py); the prefill span's `reformer.prefill.cached_tokens`
     cached_tokens: int = 0
+    # structured output: the mask time of the batches this job was constrained in (each batch's whole time,
+    # computed alongside the model's step) and their count; the decode span's `reformer.structured.*`
+    mask_s: float = 0.0
+    mask_steps: int = 0
 
     @property
     def queue_s(self) -> float:

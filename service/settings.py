@@ -288,6 +288,18 @@ class Settings(BaseSettings, PrefixCacheTrustSettings):
         "between reuses the figures): about 0.2 s with the GIL held, for diagnosis and bench/serving/soak.py, not for "
         "production.",
     )
+    # structured output (service/text/structured/)
+    structured_compile_timeout_s: float = Field(
+        10.0, gt=0, description="Longest a request waits for its structured-output constraint (schema, regex, "
+        "grammar) to compile before it is refused (400/422); compiling runs on its own threads, never on the "
+        "event loop or the model worker.")
+    structured_max_bytes: int = Field(
+        65536, ge=1, description="Largest structured-output constraint (a schema's JSON text, a regex, a grammar) in "
+        "bytes; larger is refused.")
+    structured_cache_size: int = Field(
+        256, ge=1, description="Compiled structured-output constraints kept (least recently used dropped), "
+        "refusals included, keyed by their content.")
+    # end of structured output
     warmup: bool = Field(True, description="Run a warm-up embedding and generation before reporting ready.")
     log_level: LogLevel = Field("info", description="Log level; prompts are logged only at debug.")
     log_json: bool = Field(True, description="Structured JSON logs (one object per line) rather than plain text.")

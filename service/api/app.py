@@ -74,6 +74,8 @@ def create_app(settings: Settings | None = None, artifact: Any = None, tracing: 
             if state.engine is not None:
                 await asyncio.to_thread(state.engine.stop)
             state.tokenizing.shutdown()
+            if state.grammars is not None:
+                state.grammars.close()
             await asyncio.to_thread(tracing.shutdown)
 
     app = FastAPI(

@@ -29,6 +29,7 @@ from service.engine.core import Engine, EngineConfig
 from service.observability.metrics import ServiceMetrics
 from service.prefix_cache import PrefixCacheConfig, resolve_key
 from service.settings import Settings
+from service.text.structured import ENGINE, GrammarCompiler, engine_version
 from service.text.tokenizing import Tokenizing
 
 
@@ -91,6 +92,7 @@ class ServiceState:
         self.artifact: Any = None
         self.engine: Engine | None = None
         self.limits: Limits | None = None
+        self.grammars: GrammarCompiler | None = None  # structured output's compiler, once the tokenizer is here
         self.model_id = settings.served_model_name or "reformer"
         self.backend_name = "torch"
         self.device = "cpu"
@@ -154,6 +156,11 @@ class ServiceState:
             max_stop_sequences=s.max_stop_sequences,
             max_client_batch_size=s.max_client_batch_size,
         )
+        structured = self.metrics.structured
+        self.grammars = GrammarCompiler(
+            artifact.tokenizer, cache_entries=s.structured_cache_size, timeout_s=s.structured_compile_timeout_s,
+            max_source_bytes=s.structured_max_bytes, on_compiled=structured.compile_time.observe,
+            on_refused=lambda reason: structured.refused.labels(reason).inc())
         config = EngineConfig(
             max_batch_size=s.max_batch_size, max_batch_tokens=s.max_batch_tokens, max_wait_ms=s.max_wait_ms,
             prefill_budget_ms=s.prefill_budget_ms, max_queue_size=s.max_queue_size, idle_trim_s=s.idle_trim_s,
@@ -268,6 +275,8 @@ class ServiceState:
                              else {"enabled": False}),
             # when the worker returns the heap's free pages (service/memory.py), and whether it can here
             "memory": self.engine.memory.describe() if self.engine else {},
+            # what compiles and enforces structured output (service/text/structured/)
+            "structured_output": {"engine": ENGINE, "version": engine_version()},
             "version": package_version(),
             "settings": public_settings(s),
         }

@@ -261,6 +261,7 @@ class Engine:
             self._thread.join(timeout)
         if self.prefix_cache is not None:
             self.prefix_cache.close()  # queued disk writes finish
+        self.generations.constrained.close()
 
     # ---- worker thread ---------------------------------------------------------------------------------
     def _run(self) -> None:

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import torch
 
 from model.sampling import greedy_choices
+from service.engine.constrained import ConstrainedRows
 from service.engine.jobs_runtime import Event, GenerationJob, Job, JobState, deliver_together
 from service.engine.policy import SLICE_HISTORY, another_slice_fits, group_by_length
 from service.engine.prompt_reuse import PromptReuse
@@ -65,6 +66,7 @@ class GenerationSteps:
         self.prefilling: list[SlicedPrefill] = []
         self._held: set[int] = set()  # ids of states copied from after their first tokens (`_prefilled`)
         self._deferred: list[Any] = []  # those states whose jobs finished meanwhile: freed after the copies
+        self.constrained = ConstrainedRows(metrics.structured.mask_time.observe)  # structured output's masks
 
     @property
     def busy(self) -> bool:
@@ -310,8 +312,10 @@ class GenerationSteps:
         """The jobs run from their states: each samples its first token from its row of `logits`, or, when its
         prompt goes on after its segment, feeds the next prompt token to the decode steps first."""
         deliveries: list[tuple[GenerationJob, Event]] = []
+        if (masked := self.constrained.first(jobs, states, logits, self.fail)) is None:
+            return
         with self.runner.sampling_scope():
-            for job, state, row, choice in zip(jobs, states, logits, _greedy(jobs, logits), strict=True):
+            for job, state, row, choice in zip(jobs, states, masked, _greedy(jobs, masked), strict=True):
                 job.cache = state
                 with self.cond:
                     if job.cancel_requested:  # its client left during the prefill: no token for nobody
@@ -336,7 +340,9 @@ class GenerationSteps:
         if not jobs:
             return
         try:
+            masks = self.constrained.start(jobs)  # computed while the model's step runs
             logits = self.runner.decode([j.pending_token for j in jobs], [j.cache for j in jobs])  # type: ignore[misc]
+            logits = self.constrained.apply(masks, logits, jobs)
         except Exception:
             log.exception("decode step over %d generations failed", len(jobs))
             self.fail(jobs)

@@ -25,6 +25,7 @@ from service.jobs import (
 )
 from service.observability.logs import request_id_var
 from service.text.detokenize import TextStream
+from service.text.structured import SequenceConstraint
 
 log = logging.getLogger("service.engine")
 
@@ -137,9 +138,14 @@ class GenerationJob(Job):
         # the prompt's scores from its prefill (model/decoding/prefill/scores.py PromptScores), when the spec
         # asked: the first token's event carries them
         self.prompt_scores: Any = None
+        # structured output: the sequence's matcher, advanced by each token it takes (its mask is applied to
+        # the logits before `accept`: service/engine/constrained.py)
+        self.constraint: SequenceConstraint | None = None
 
     def begin(self) -> None:
         self.sampler = Sampler(self.spec.sampling)
+        if self.spec.constraint is not None:
+            self.constraint = SequenceConstraint(self.spec.constraint)
         self.decoder = TextStream(self.tokenizer, self.spec.stop_sequences, at_end=self.spec.stop_at_end)
 
     @property
@@ -157,6 +163,8 @@ class GenerationJob(Job):
             choice = self.sampler.choose(logits, self.history, self.generated)
             token, logprob, top = choice.token, choice.logprob, choice.top
         token = int(token)
+        if self.constraint is not None:
+            self.constraint.consume(token)
         self.generated.append(token)
         self.history.append(token)
         special = self.is_special(token)
@@ -164,6 +172,8 @@ class GenerationJob(Job):
         reason: FinishReason | None = None
         if self.spec.stop_on_eos and token == self.eos_id:
             reason = "eos_token"
+        elif self.constraint is not None and self.constraint.finished:
+            reason = "eos_token"  # the structure is complete: nothing more may follow it
         elif len(self.generated) >= self.spec.max_new_tokens:
             reason = "length"
         if reason is not None:
@@ -211,6 +221,7 @@ class GenerationJob(Job):
         """Free the decode cache (the request ended, failed or was dropped)."""
         self.cache = None
         self.decoder = None
+        self.constraint = None
 
     @property
     def feeding(self) -> bool:

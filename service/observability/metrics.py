@@ -25,6 +25,7 @@ from prometheus_client.registry import Collector
 
 from service.observability.gpu_metrics import GPU_FAMILIES, GpuCollector
 from service.observability.memory_metrics import MemoryCollector
+from service.observability.structured_metrics import StructuredMetrics
 from service.prefix_cache.metrics import PrefixCacheMetrics
 
 log = logging.getLogger("service.metrics")
@@ -196,6 +197,7 @@ class ServiceMetrics:
             registry=r,
         )
         self.prefix_cache = PrefixCacheMetrics(r)  # its series stay 0 while the cache is off
+        self.structured = StructuredMetrics(r)  # structured output's: 0 until a request asks for it
         self.decode_cache = DecodeCacheCollector(engine_source)
         self.add_collector(EngineCollector(engine_source), "engine")
         self.add_collector(self.decode_cache, "decode_cache")

@@ -153,7 +153,9 @@ def job_spans(tracer: Any, parent: Any, job: Timings, response_end: float, offse
         span("prefill", job.started, job.first_token, prefill_attributes(job))
     if job.first_token is not None:
         # a generation dropped because its client left never finishes: its decode ran until the response ended
-        span("decode", job.first_token, job.finished if job.finished is not None else response_end)
+        structured = {"reformer.structured.mask_s": round(job.mask_s, 6),
+                      "reformer.structured.mask_steps": job.mask_steps} if job.mask_steps else None
+        span("decode", job.first_token, job.finished if job.finished is not None else response_end, structured)
     elif not prefill.slices:
         span("embed", job.started, job.finished)
     span("delivery", job.finished, response_end)

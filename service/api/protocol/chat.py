@@ -13,6 +13,7 @@ from pydantic import AfterValidator, Field, ValidationInfo, field_validator, mod
 from service.api.protocol.cache_salt import cache_salt_field
 from service.api.protocol.common import PlainText, RequestModel, ResponseModel, check_encodable
 from service.api.protocol.openai import BiasValue, CompletionLogprobs, StreamOptions, Usage
+from service.api.protocol.structured import OPENAI_STRUCTURED_FIELDS, OpenAIStructured
 from service.errors import ValidationFailed
 
 # How deep chat_template_kwargs may nest: a template reads settings, not trees, and what walks the value
@@ -105,10 +106,10 @@ def check_continuation(messages: list[ChatMessage], add_generation_prompt: bool,
 # Chat fields that share a name and meaning with the completions request: passed through as they are.
 _SHARED_FIELDS = ("model", "temperature", "top_p", "top_k", "repetition_penalty", "n", "stream", "stop", "seed",
                   "ignore_eos", "user", "frequency_penalty", "presence_penalty", "logit_bias", "stream_options",
-                  "truncate_prompt_tokens", "cache_salt")
+                  "truncate_prompt_tokens", "cache_salt", *OPENAI_STRUCTURED_FIELDS)
 
 
-class ChatCompletionRequest(ChatTemplateOptions):
+class ChatCompletionRequest(ChatTemplateOptions, OpenAIStructured):
     """`POST /v1/chat/completions`."""
 
     model: str | None = Field(None, description="The served model's id (/v1/models) when given; any other is 404.")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field, field_validator
 
@@ -26,11 +26,13 @@ from service.api.protocol.common import (
     fit_new_tokens,
     sampling_params,
 )
+from service.api.protocol.structured import Constrained, TGIGrammar
 from service.errors import ValidationFailed
 from service.jobs import EmbeddingSpec, FinishReason, GenerationSpec
+from service.text.structured import ConstraintSource
 
 
-class GenerateParameters(RequestModel):
+class GenerateParameters(Constrained):
     """TGI's generation parameters (every field of TGI's `GenerateParameters`, and `ignore_eos`)."""
 
     best_of: int | None = Field(
@@ -69,7 +71,9 @@ class GenerateParameters(RequestModel):
     return_full_text: bool = Field(False, description="Prepend the prompt to generated_text.")
     ignore_eos: bool = Field(False, description="Keep generating past the end-of-text token.")
     watermark: bool = Field(False, description="Refused when true: this server does not watermark.")
-    grammar: dict[str, Any] | None = Field(None, description="Refused when set: no grammar-constrained decoding.")
+    grammar: TGIGrammar | None = Field(
+        None, description="Structured output: the text matches a JSON schema ({type: json, value: schema}) or a "
+        "regular expression ({type: regex, value: pattern}).")
     adapter_id: str | None = Field(None, description="Refused when set: this server serves no adapters.")
 
     @field_validator("stop")
@@ -93,19 +97,15 @@ class GenerateParameters(RequestModel):
             raise ValueError("watermarking is not supported by this server")
         return value
 
-    @field_validator("grammar")
-    @classmethod
-    def _no_grammar(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value is not None:
-            raise ValueError("grammar-constrained decoding is not supported by this server")
-        return value
-
     @field_validator("adapter_id")
     @classmethod
     def _no_adapter(cls, value: str | None) -> str | None:
         if value is not None:
             raise ValueError("this server serves no adapters")
         return value
+
+    def constraint_source(self) -> ConstraintSource | None:
+        return self.grammar.source("parameters.grammar") if self.grammar is not None else None
 
     @property
     def samples(self) -> bool:
@@ -191,7 +191,8 @@ class GenerateRequest(RequestModel):
         prompt_logprobs = 0 if p.details and p.decoder_input_details else None
         return [GenerationSpec(prompt_ids=ids, sampling=p.sampling(seed), max_new_tokens=max_new,
                                stop_sequences=stop, stop_on_eos=not p.ignore_eos, stop_at_end=True,
-                               prompt_logprobs=prompt_logprobs, cache_prefix_tokens=cut)
+                               prompt_logprobs=prompt_logprobs, cache_prefix_tokens=cut,
+                               constraint=p.compiled_constraint)
                 for seed in seeds]
 
 

@@ -33,6 +33,7 @@ from service.api.protocol.prompts import (
     prompt_items,
     prompt_text,
 )
+from service.api.protocol.structured import OpenAIStructured
 from service.errors import ValidationFailed
 from service.jobs import EmbeddingSpec, GenerationSpec
 
@@ -49,7 +50,7 @@ class StreamOptions(RequestModel):
 BiasValue = Annotated[float, Field(ge=-100, le=100)]
 
 
-class CompletionRequest(RequestModel):
+class CompletionRequest(OpenAIStructured):
     """`POST /v1/completions`."""
 
     model: str | None = Field(None, description="The served model's id (/v1/models), or unset; any other is 404.")
@@ -197,7 +198,7 @@ class CompletionRequest(RequestModel):
                                         input_field=field, new_field="max_tokens")
             specs.append([GenerationSpec(ids, self.sampling(seed, bias), new_tokens, stop,
                                          stop_on_eos=not self.ignore_eos, prompt_logprobs=prompt_logprobs,
-                                         cache_prefix_tokens=cut)
+                                         cache_prefix_tokens=cut, constraint=self.compiled_constraint)
                           for seed in seeds])
         return specs
 

@@ -42,6 +42,8 @@ _TOKENS = "service/api/test_tokenizer_routes.py"
 _AS_COMPLETIONS = f"{_CHAT}::test_chat_takes_each_sampling_field_as_completions_does"
 _PREFIX = "service/prefix_cache/test_prefix_cache.py"
 _SALT = "service/prefix_cache/test_cache_salt.py"
+_STRUCTURED = "service/api/test_structured_routes.py"
+_STRUCTURED_LIMITS = "service/api/test_structured_limits.py"
 
 # The routes each request model is the body (or part of the body) of.
 ROUTES: dict[str, str] = {
@@ -124,8 +126,14 @@ PARAMETERS: dict[str, dict[str, Parameter]] = {
                          f"{_EFFECTS}::test_ignore_eos_generates_past_the_end_of_text"),
         "watermark": _r("true is refused: no watermarking.",
                         f"{_SAMPLING}::test_tgi_refuses_what_it_cannot_honour_by_name"),
-        "grammar": _r("Any grammar is refused: no constrained decoding.",
-                      f"{_SAMPLING}::test_tgi_refuses_what_it_cannot_honour_by_name"),
+        "grammar": _h("Structured output: {type: json, value: schema} (json_object its alias), {type: "
+                      "json_schema, value: {name, schema}} or {type: regex, value: pattern}; the text matches it "
+                      "(finish eos_token once complete, length if the budget ends first); a constraint the engine "
+                      "cannot compile, or within the server's size and time limits, is refused naming it.",
+                      f"{_STRUCTURED}::test_tgi_grammar_constrains_generate",
+                      f"{_STRUCTURED}::test_huggingface_hubs_inference_client_sends_a_grammar",
+                      f"{_SAMPLING}::test_tgi_refuses_what_it_cannot_honour_by_name",
+                      f"{_STRUCTURED_LIMITS}::test_a_schema_the_engine_cannot_compile_is_refused_naming_the_construct"),
         "adapter_id": _r("Any adapter is refused: none are served.",
                          f"{_SAMPLING}::test_tgi_refuses_what_it_cannot_honour_by_name"),
     },
@@ -314,6 +322,73 @@ PARAMETERS: dict[str, dict[str, Parameter]] = {
                     f"{_TOKENS}::test_tokenizer_routes_name_this_servers_model_or_are_not_found"),
     },
 }
+
+
+# Structured output's fields (service/api/protocol/structured.py), the same on /v1/completions and on
+# /v1/chat/completions, which passes them on to it.
+_OPENAI_STRUCTURED = {
+    "response_format": _h("{type: json_object}: any JSON object; {type: json_schema, json_schema: {name, schema}}: "
+                          "JSON matching the schema; {type: text}: unconstrained. Compact JSON (no whitespace "
+                          "between tokens); finish stop once complete, length if the budget ends first.",
+                          f"{_STRUCTURED}::test_openai_and_vllm_spellings_constrain_both_routes",
+                          f"{_STRUCTURED}::test_json_object_is_any_object_even_against_a_bias",
+                          f"{_STRUCTURED}::test_the_openai_client_sends_response_format"),
+    "structured_outputs": _h("vLLM's: one of json (a schema, object or JSON text), regex, choice, grammar (Lark "
+                             "or GBNF) or json_object.",
+                             f"{_STRUCTURED}::test_openai_and_vllm_spellings_constrain_both_routes"),
+    "guided_json": _h("vLLM's older name of structured_outputs.json.",
+                      f"{_STRUCTURED}::test_openai_and_vllm_spellings_constrain_both_routes"),
+    "guided_regex": _h("vLLM's older name of structured_outputs.regex.",
+                       f"{_STRUCTURED}::test_openai_and_vllm_spellings_constrain_both_routes",
+                       f"{_STRUCTURED}::test_streams_carry_the_constrained_text"),
+    "guided_choice": _h("vLLM's older name of structured_outputs.choice.",
+                        f"{_STRUCTURED}::test_openai_and_vllm_spellings_constrain_both_routes"),
+    "guided_grammar": _h("vLLM's older name of structured_outputs.grammar.",
+                         f"{_STRUCTURED}::test_openai_and_vllm_spellings_constrain_both_routes"),
+}
+_ONE_AT_MOST = f"{_STRUCTURED_LIMITS}::test_two_structured_fields_at_once_are_refused"
+PARAMETERS["CompletionRequest"].update(_OPENAI_STRUCTURED)
+PARAMETERS["ChatCompletionRequest"].update(_OPENAI_STRUCTURED)
+ROUTES.update({
+    "ResponseFormat": "`response_format` of POST /v1/completions and /v1/chat/completions",
+    "JsonSchemaFormat": "`response_format.json_schema`",
+    "StructuredOutputs": "`structured_outputs` of POST /v1/completions and /v1/chat/completions (vLLM)",
+    "TGIGrammar": "`parameters.grammar` of POST /generate, /generate_stream, / (TGI)",
+})
+PARAMETERS.update({
+    "ResponseFormat": {
+        "type": _h("text, json_object or json_schema.",
+                   f"{_STRUCTURED}::test_json_object_is_any_object_even_against_a_bias"),
+        "json_schema": _h("With type json_schema (and only with it): the schema.", _ONE_AT_MOST),
+    },
+    "JsonSchemaFormat": {
+        "name": _h("Accepted; not used.", f"{_STRUCTURED}::test_openai_and_vllm_spellings_constrain_both_routes"),
+        "description": _h("Accepted; not used.",
+                          f"{_STRUCTURED}::test_openai_and_vllm_spellings_constrain_both_routes"),
+        "json_schema": _h("`schema` on the wire: the JSON schema the output matches.",
+                          f"{_STRUCTURED}::test_openai_and_vllm_spellings_constrain_both_routes"),
+        "strict": _h("Accepted; the output always matches the schema, strict or not.",
+                     f"{_STRUCTURED}::test_openai_and_vllm_spellings_constrain_both_routes"),
+    },
+    "StructuredOutputs": {
+        "json_": _h("`json` on the wire: a JSON schema, as an object or its JSON text.",
+                    f"{_STRUCTURED}::test_openai_and_vllm_spellings_constrain_both_routes"),
+        "regex": _h("A regular expression (Rust regex syntax) the whole text matches.",
+                    f"{_STRUCTURED}::test_openai_and_vllm_spellings_constrain_both_routes"),
+        "choice": _h("The text is exactly one of these strings.",
+                     f"{_STRUCTURED}::test_openai_and_vllm_spellings_constrain_both_routes"),
+        "grammar": _h("A Lark grammar (llguidance's dialect) or a GBNF one (with ::=).",
+                      f"{_STRUCTURED}::test_openai_and_vllm_spellings_constrain_both_routes"),
+        "json_object": _h("true: any JSON object.",
+                          f"{_STRUCTURED}::test_json_object_is_any_object_even_against_a_bias", _ONE_AT_MOST),
+    },
+    "TGIGrammar": {
+        "type": _h("json (or json_object), json_schema or regex.",
+                   f"{_STRUCTURED}::test_tgi_grammar_constrains_generate"),
+        "value": _h("The schema (object or JSON text), {name, schema}, or the regular expression.",
+                    f"{_STRUCTURED}::test_tgi_grammar_constrains_generate"),
+    },
+})
 
 
 def render_markdown() -> str:

@@ -37,6 +37,7 @@ from service.api.routes.common import (
     tokenized,
     until_disconnected,
 )
+from service.api.routes.structured import compile_constraint
 from service.engine.core import Engine, GenerationStream
 from service.errors import ServiceError, ValidationFailed, native_type
 from service.jobs import FinishEvent, GenerationSpec, TokenEvent
@@ -122,6 +123,7 @@ async def _generate(body: GenerateRequest, request: Request, state: State, route
     """/generate's answer and headers (None: the client went away); with best_of, the best of its sequences."""
     started = time.perf_counter()
     engine, limits, tokenizer = ready_parts(state)
+    await compile_constraint(state, body.parameters, ignore_eos=body.parameters.ignore_eos)
     try:
         specs = await tokenized(request, state, body.to_specs, tokenizer, limits)
     except ClientDisconnected:
@@ -176,6 +178,7 @@ async def generate_stream(body: GenerateRequest, request: Request, state: State)
 async def _generate_stream(body: GenerateRequest, request: Request, state: State) -> Response:
     body.check_streamable()
     engine, limits, tokenizer = ready_parts(state)
+    await compile_constraint(state, body.parameters, ignore_eos=body.parameters.ignore_eos)
     try:
         spec = await tokenized(request, state, body.to_spec, tokenizer, limits)
     except ClientDisconnected:

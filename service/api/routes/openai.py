@@ -45,6 +45,7 @@ from service.api.routes.common import (
     until_disconnected,
 )
 from service.api.routes.generate import collect_all, start_all, summed_logprob
+from service.api.routes.structured import compile_constraint
 from service.engine.core import GenerationStream
 from service.errors import ModelNotFound, ServiceError, ValidationFailed, error_body
 from service.jobs import FinishEvent, TokenEvent
@@ -87,6 +88,7 @@ async def completions(body: CompletionRequest, request: Request, state: State) -
     started = time.perf_counter()
     engine, limits, tokenizer = ready_parts(state)
     check_model(body.model, state)  # before any prompt is tokenized: a request for another model costs nothing
+    await compile_constraint(state, body, ignore_eos=body.ignore_eos)
     try:
         per_prompt = await tokenized(request, state, body.to_specs, tokenizer, limits)
     except ClientDisconnected:

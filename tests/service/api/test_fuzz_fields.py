@@ -36,6 +36,16 @@ PLACES: dict[str, tuple[str, dict[str, Any], tuple[str | int, ...]]] = {
         {"type": "text", "text": "Hi"}]}]}, ("messages", 0, "content", 0)),
     "TokenizeBody": ("/tokenize", {"prompt": "Hi"}, ()),
     "DetokenizeRequest": ("/detokenize", {"tokens": [5]}, ()),
+    # structured output's (service/api/protocol/structured.py)
+    "ResponseFormat": ("/v1/completions", {"prompt": "Hi", "max_tokens": 1, "response_format": {
+        "type": "json_object"}}, ("response_format",)),
+    "JsonSchemaFormat": ("/v1/completions", {"prompt": "Hi", "max_tokens": 1, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}},
+        ("response_format", "json_schema")),
+    "StructuredOutputs": ("/v1/completions", {"prompt": "Hi", "max_tokens": 1, "structured_outputs": {}},
+                          ("structured_outputs",)),
+    "TGIGrammar": ("/generate", {"inputs": "Hi", "parameters": {"max_new_tokens": 1, "grammar": {
+        "type": "regex", "value": "a"}}}, ("parameters", "grammar")),
 }
 FIELDS = [(model, field) for model, rows in PARAMETERS.items() for field in rows]
 
