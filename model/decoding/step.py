@@ -115,6 +115,13 @@ class Decoder:
             state.length += 1
         return torch.cat(out) if len(out) > 1 else out[0]
 
+    def extend(self, state: DecodeState, tokens: Sequence[int]) -> Tensor:
+        """Append `tokens` to the one request `state` in one call; returns the logits (vocab,) after the last,
+        leaving the cache as one `step` per token leaves it, bit for bit (model/decoding/extend.py)."""
+        from .extend import extend  # extend.py builds on this module (row_facts)
+
+        return extend(self, state, tokens)
+
 
 def row_facts(lm: ReformerLM, cache: DecodeCache, states: Sequence[DecodeState]
                ) -> tuple[list[list[int]], list[int | list[int] | None]]:

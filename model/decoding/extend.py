@@ -1,0 +1,126 @@
+"""Extend: S new tokens of one request against its decode cache in one call, leaving exactly what S decode steps
+(`Decoder.step`, one token each) leave: the same logits after the last token and the same bits in every cached
+tensor (keys, values, key factors, local rings, each LSH index's orders and counts). One causal semantics for
+a request's tokens however they arrive: a position's window is a pure function of the positions before it,
+as a decode step's is, not the one-piece prefill's (model/decoding/prefill/, which sorts a whole prompt, so a
+position's keys there depend on later tokens).
+
+Where it runs:
+- the C path (model/decoding/steps/fused_extend.py, model/kernels/csrc/extend_layers.c), where the decoder has
+  the one-call C step (a float32 CPU cache with the kernels loaded) and every LSH layer has a fixed bucket
+  count: the S rows' layer norms, products, hashes and tails batched layer by layer (each row computed alone,
+  so its bits are one row's), each row's cache writes and attention in order, through the step's kernels;
+- elsewhere, the reference path: one `Decoder.step` per token (on the PyTorch step, a row's bits depend on
+  its batch, so batching its products would not be exact; automatic bucket counts rebuild indexes between
+  steps, which the C call does not do). Exact by construction; no faster than the steps.
+
+tests/model/decoding/test_extend.py checks the C path against the reference path with `torch.equal`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from ..attention import LSHSelfAttention
+from .cache import flat_buckets
+from .cache_state import DecodeState
+from .plan import layer_plan
+from .step import row_facts
+from .steps.fused_extend import extend_rows
+
+if TYPE_CHECKING:
+    from .step import Decoder
+
+# The most rows one C call takes: its buffers hold about (4 * hidden + 8 * heads * head size + feed-forward)
+# floats a row (7 KB on the shipped model), and a longer extend is cut into calls of this many rows, which
+# leaves the same bits (each call leaves the cache a step would).
+EXTEND_ROWS = 4096
+
+
+def open_indexes(decoder: Decoder, state: DecodeState) -> None:
+    """Give a request that holds no position yet (allocated, never prefilled) its empty LSH indexes where the
+    model has a fixed bucket count: what a prefill's index build does for an empty prompt, so that decode
+    steps (and extend) from position 0 keep its index. Automatic counts build theirs when the request first
+    hashes (model/decoding/index_upkeep.py). Does nothing once the request holds positions."""
+    if state.length:
+        return
+    cache = decoder.cache
+    for li, p in enumerate(layer_plan(decoder.lm)):
+        att, index = p.attention, cache.indexes[li]
+        if not isinstance(att, LSHSelfAttention) or index is None or state.num_buckets[li] is not None:
+            continue
+        nb = att.config.num_buckets
+        if nb is None:
+            continue
+        index.grow_buckets(flat_buckets(nb))
+        index.main_counts[state.slot] = 0
+        index.recent_counts[state.slot] = 0
+        state.num_buckets[li], state.index_len[li] = nb, 0
+
+
+def c_path(decoder: Decoder) -> bool:
+    """Whether `extend` runs in C for this decoder: the one-call step and its window functions are there and
+    every LSH layer hashes with a fixed bucket count."""
+    backends = decoder.backends
+    fixed = all(not isinstance(p.attention, LSHSelfAttention) or p.attention.config.num_buckets is not None
+                for p in layer_plan(decoder.lm))
+    return fixed and backends.fused is not None and backends.window is not None
+
+
+@torch.no_grad()
+def extend(decoder: Decoder, state: DecodeState, tokens: Sequence[int]) -> Tensor:
+    """Append `tokens` (host ints, at least one) to the request `state`; returns the logits (vocab,) for the
+    position after the last, as `Decoder.step` fed them one at a time returns them."""
+    lm, cache = decoder.lm, decoder.cache
+    ids = [int(t) for t in tokens]
+    if not ids:
+        raise ValueError("extend needs at least one token")
+    if state.slot < 0:
+        raise ValueError("extending a request whose cache was freed")
+    end = state.length + len(ids)
+    if end > lm.config.max_position_embeddings:
+        raise ValueError(f"extending past max_position_embeddings {lm.config.max_position_embeddings}")
+    if end > state.capacity * cache.block_size:
+        raise ValueError(f"extending past the {state.capacity * cache.block_size} positions reserved")
+    open_indexes(decoder, state)
+    logits: Tensor | None = None
+    if c_path(decoder):
+        count = lm.config.num_buckets
+        window, fused = decoder.backends.window, decoder.backends.fused
+        assert fused is not None and count is not None
+        for start in range(0, len(ids), EXTEND_ROWS):
+            part = ids[start : start + EXTEND_ROWS]
+            out = extend_rows(fused, lm, cache, window, part, _facts(decoder, state, len(part)), count,
+                              state.index_len)
+            if out is None:  # the one-call path does not apply to this model: the steps take the rest
+                ids = ids[start:]
+                break
+            state.length += len(part)
+            logits = out
+        else:
+            assert logits is not None
+            return logits
+    for token in ids:
+        logits = decoder.step([token], [state])[0]
+    assert logits is not None
+    return logits
+
+
+def _facts(decoder: Decoder, state: DecodeState, rows: int) -> list[list[int]]:
+    """The facts (abi.Meta columns) of the decode steps at positions state.length .. + rows - 1: the first
+    row's as `row_facts` builds them, the position-dependent columns worked out for each position."""
+    cfg = decoder.lm.config
+    lsh_c, local_c = cfg.lsh_attn_chunk_length, cfg.local_attn_chunk_length
+    first = row_facts(decoder.lm, decoder.cache, [state])[0][0]
+    out = []
+    for t in range(state.length, state.length + rows):
+        padded = cfg.padded_length(t + 1)
+        out.append([first[0], t, int(padded > lsh_c), max(padded // lsh_c, 1), int(padded <= local_c), *first[5:]])
+    return out
+
+
+__all__ = ["EXTEND_ROWS", "c_path", "extend", "open_indexes"]
