@@ -10,10 +10,13 @@
  *  - the cache's writes and the attention cannot be batched as they are: a decode step at position p sees the
  *    index and the local ring as positions < p left them. So, per layer, the rows are taken in order: row b's
  *    merge (when its index's recent order is full, as maintain_indexes merges before a step), key/value write,
- *    insert into the recent order, then its attention through the step's own kernels (lsh_attend_items,
- *    window_attend_items) split by heads between the threads. Row b's attention therefore reads exactly the
- *    cache a step at its position reads. A local layer writes its ring row by row for the same reason (a later
- *    row's write would overwrite a ring row an earlier row's window still reads).
+ *    insert into the recent order, then its attention, each through the step's own kernels (decode_write,
+ *    lsh_append, lsh_merge_columns, lsh_attend_items, window_attend_items). Row b's attention therefore reads
+ *    exactly the cache a step at its position reads. A local layer writes its ring row by row for the same
+ *    reason (a later row's write would overwrite a ring row an earlier row's window still reads).
+ *    Heads are independent (a head's attention reads only its own keys, values, index columns and counts), so
+ *    the threads split the heads and each takes all the rows for its own heads: no thread waits for another
+ *    between rows, only once a layer.
  *  - the last layer writes and inserts every row but attends, and runs its tail, the final layer norm and the
  *    LM head, for the last row only: no later layer reads the other rows' outputs.
  * What this saves over S steps is the per-step overhead and the weights read once per row (a product over S
@@ -34,76 +37,90 @@
 
 #include "step_kernels.h"
 
-/* Merges layer L's recent order of `slot` into its main order when it is full at position t (as
- * model/decoding/index_upkeep.py maintain_indexes does before a step): the items through lsh_merge_blocks, then
- * the counts (main += recent; recent = 0, LSHIndex._merge_counts). */
-static int merge_if_full(const StepLayer *L, int64_t slot, int64_t t, int64_t *index_len, const int64_t *table,
-                         int64_t table_width, int64_t block_size) {
-    const int64_t recent_len = t - *index_len;
+/* Merges columns [c0, c1) of layer L's index of `slot` (the heads a thread owns) when its recent order is full at
+ * position t (as model/decoding/index_upkeep.py maintain_indexes merges before a step): the items through
+ * lsh_merge_columns, then those columns' counts (main += recent; recent = 0, LSHIndex._merge_counts). `len`:
+ * the main order's length (each thread keeps its own copy: every thread merges at the same rows). */
+static int merge_if_full(const StepLayer *L, int64_t slot, int64_t t, int64_t c0, int64_t c1, int64_t *len,
+                         const int64_t *table, int64_t table_width, int64_t block_size) {
+    const int64_t recent_len = t - *len;
     if (recent_len < L->recent_size) return 0;
     const int64_t columns = L->heads * L->rounds, per_slot = columns * L->buckets;
     int32_t *mc = (int32_t *)(intptr_t)L->main_counts + slot * per_slot; /* the index's own tensor */
     int16_t *rc = L->recent_counts + slot * per_slot;
     const void *recent = (const char *)L->items + (L->recent_offset + slot * columns * L->recent_size) * L->item_bytes;
-    const int st = lsh_merge_blocks(columns, L->buckets, *index_len, recent_len, L->recent_size, L->items,
-                                    L->item_bytes, L->recent_offset / columns, table + slot * table_width,
-                                    block_size, mc, rc, recent);
+    const int st = lsh_merge_columns(columns, c0, c1, L->buckets, *len, recent_len, L->recent_size, L->items,
+                                     L->item_bytes, L->recent_offset / columns, table + slot * table_width,
+                                     block_size, mc, rc, recent);
     if (st) return st;
-    for (int64_t j = 0; j < per_slot; j++) {
+    for (int64_t j = c0 * L->buckets; j < c1 * L->buckets; j++) {
         mc[j] += rc[j];
         rc[j] = 0;
     }
-    *index_len = t;
+    *len = t;
     return 0;
 }
 
-/* Row b's cache work in layer L, what a decode step at its position does before attending: LSH, the merge
- * when due, the key/value write (successor values into the row before) and the insert into the recent order;
- * local, the ring write and the row's window (flat, absent). */
-static int row_cache_work(const StepLayer *L, int64_t b, const int64_t *meta, const float *key, const float *value,
-                          const int64_t *new_rows, const int64_t *prev_rows, const int64_t *bucket_of,
-                          int64_t *index_len, const int64_t *table, int64_t table_width, int64_t block_size,
-                          int64_t *flat, uint8_t *absent) {
-    const int64_t *m = meta + b * META_COLUMNS, att = L->heads * L->dim;
+/* Heads [h0, h1) of layer L through rows 0 .. m-1 in order, each row as a decode step at its position does
+ * them: LSH, the merge when due, the key/value write (successor values into the row before), the insert into
+ * the recent order, then the attention (rows from `first` on: the last layer's others are not needed); local,
+ * the ring write, then the attention over the row's window. A head's work reads and writes only that head's
+ * pool rows, key factors, index columns and counts, so threads owning disjoint heads run without waiting for
+ * each other; each call below is the decode step's own function on one head (heads = 1, its rows addressed as
+ * (position * heads + head)), so its bits are the step's. q: LSH the query-keys, local the queries (m, att);
+ * flat and absent: this thread's scratch for a local window. */
+static int heads_work(const StepLayer *L, const float *fl, int64_t m, int64_t first, int64_t h0, int64_t h1,
+                      const int64_t *meta, const float *q, const float *key, const float *value,
+                      const int64_t *new_rows, const int64_t *prev_rows, const int64_t *bucket_of, int64_t *len,
+                      const int64_t *table, int64_t table_width, int64_t block_size, int64_t scratch_slot,
+                      int64_t *flat, uint8_t *absent, float *out) {
+    const int64_t H = L->heads, R = L->rounds, att = H * L->dim, w = (L->before + 1) * L->chunk;
     const float scale = sqrtf((float)L->dim);
-    if (!L->lsh) {
-        const int64_t ring = ring_row(L, m[META_SLOT], m[META_POSITION]);
-        const int st = decode_write(1, L->heads, L->dim, L->kind, L->pool_rows, L->stride, &ring, key + b * att,
-                                    value + b * att, L->keys, L->values, NULL, KEY_NORM_EPS, scale, 0, NULL);
-        return st ? st : step_local_window(L, 1, m, flat, absent);
+    int st = 0;
+    for (int64_t b = 0; b < m && !st; b++) {
+        const int64_t *mb = meta + b * META_COLUMNS;
+        if (!L->lsh) {
+            const int64_t ring = ring_row(L, mb[META_SLOT], mb[META_POSITION]);
+            for (int64_t h = h0; h < h1 && !st; h++) {
+                const int64_t at = ring * H + h;
+                st = decode_write(1, 1, L->dim, L->kind, L->pool_rows * H, L->stride, &at, key + b * att + h * L->dim,
+                                  value + b * att + h * L->dim, L->keys, L->values, NULL, KEY_NORM_EPS, scale, 0, NULL);
+            }
+            if (st || b < first) continue;
+            st = step_local_window(L, 1, mb, flat, absent);
+            if (!st)
+                st = window_attend_items(H, 1, w, L->dim, L->kind, q + b * att, L->keys, NULL, L->values,
+                                         L->pool_rows * H, L->stride, flat, absent, w, H > 1 ? 0 : w, NULL, NULL, NULL,
+                                         0.0f, fl[3], out + b * att, h0, h1);
+            continue;
+        }
+        st = merge_if_full(L, mb[META_SLOT], mb[META_POSITION], h0 * R, h1 * R, len, table, table_width, block_size);
+        for (int64_t h = h0; h < h1 && !st; h++) {
+            const int64_t at = new_rows[b] * H + h, before = prev_rows[b] * H + h;
+            st = decode_write(1, 1, L->dim, L->kind, L->pool_rows * H, L->stride, &at, key + b * att + h * L->dim,
+                              value + b * att + h * L->dim, L->keys, L->values, L->norms, KEY_NORM_EPS, scale,
+                              h < L->successor, &before);
+            /* the head's index columns as a one-head index: its (slot, head) pair as the slot */
+            int64_t one[META_COLUMNS];
+            memcpy(one, mb, sizeof one);
+            one[META_INDEX_SLOT] = mb[META_INDEX_SLOT] * H + h;
+            if (!st)
+                st = lsh_append(1, 1, R, L->buckets, L->recent_size, one, bucket_of + (b * H + h) * R,
+                                L->recent_counts, L->items, L->item_bytes, L->shift, L->recent_offset);
+        }
+        if (!st && b >= first)
+            st = lsh_attend_items(H, R, L->buckets, L->chunk, L->before, L->after, L->dim, L->recent_size, L->kind, q,
+                                  L->keys, L->norms, L->values, L->pool_rows, L->stride, meta, bucket_of,
+                                  L->main_counts, L->recent_counts, L->items, L->items_len, L->item_bytes, L->shift,
+                                  L->recent_offset, table, table_width, block_size, scratch_slot, fl[2], fl[3],
+                                  L->successor, out, b * H + h0, b * H + h1);
     }
-    int st = merge_if_full(L, m[META_SLOT], m[META_POSITION], index_len, table, table_width, block_size);
-    if (!st)
-        st = decode_write(1, L->heads, L->dim, L->kind, L->pool_rows, L->stride, new_rows + b, key + b * att,
-                          value + b * att, L->keys, L->values, L->norms, KEY_NORM_EPS, scale, L->successor,
-                          prev_rows + b);
-    if (!st)
-        st = lsh_append(1, L->heads, L->rounds, L->buckets, L->recent_size, m, bucket_of + b * L->heads * L->rounds,
-                        L->recent_counts, L->items, L->item_bytes, L->shift, L->recent_offset);
     return st;
-}
-
-/* This thread's heads of row b's attention in layer L (q: LSH the query-keys, local the queries, (m, att)). */
-static int row_attend(const StepLayer *L, const float *fl, int64_t b, const float *q, const int64_t *meta,
-                      const int64_t *bucket_of, const int64_t *table, int64_t table_width, int64_t block_size,
-                      int64_t scratch_slot, const int64_t *flat, const uint8_t *absent, float *out) {
-    int64_t h0, h1;
-    step_share(L->heads, &h0, &h1);
-    if (L->lsh)
-        return lsh_attend_items(L->heads, L->rounds, L->buckets, L->chunk, L->before, L->after, L->dim,
-                                L->recent_size, L->kind, q, L->keys, L->norms, L->values, L->pool_rows, L->stride,
-                                meta, bucket_of, L->main_counts, L->recent_counts, L->items, L->items_len,
-                                L->item_bytes, L->shift, L->recent_offset, table, table_width, block_size,
-                                scratch_slot, fl[2], fl[3], L->successor, out, b * L->heads + h0, b * L->heads + h1);
-    const int64_t w = (L->before + 1) * L->chunk, att = L->heads * L->dim;
-    return window_attend_items(L->heads, 1, w, L->dim, L->kind, q + b * att, L->keys, NULL, L->values,
-                               L->pool_rows * L->heads, L->stride, flat, absent, w, L->heads > 1 ? 0 : w, NULL, NULL,
-                               NULL, 0.0f, fl[3], out + b * att, h0, h1);
 }
 
 /* This thread's share of layer i's hashes of the m rows' query-keys, in blocks of HASH_ROWS rows (lsh_hash
  * hashes each row alone: the bits do not depend on the blocks). */
-#define HASH_ROWS 16
+#define HASH_ROWS 64
 static int hash_share(const StepLayer *L, int64_t i, int64_t m, const int64_t *hashes, const float *key,
                       int64_t *bucket_of) {
     const int64_t *hp = hashes + i * 4, att = L->heads * L->dim;
@@ -117,6 +134,15 @@ static int hash_share(const StepLayer *L, int64_t i, int64_t m, const int64_t *h
         if (st) return NO_MEMORY;
     }
     return 0;
+}
+
+/* this thread's number in the parallel region (0 outside one) */
+static inline int64_t step_thread(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
 }
 
 #define FAIL(st)                                                                                                  \
@@ -151,8 +177,10 @@ int extend_layers(int64_t m, int64_t hidden, int64_t nlayers, const StepLayer *l
         if (L->lsh && L->heads * L->rounds > most_rounds) most_rounds = L->heads * L->rounds;
     }
     float *fbuf = malloc((size_t)(m * (2 * hidden + most_proj + 4 * most_att + most_ff) + 2 * hidden) * sizeof(float));
-    int64_t *ibuf = malloc((size_t)(m * (2 + most_rounds) + most_flat) * sizeof(int64_t));
-    uint8_t *absent = malloc((size_t)most_window);
+    if (threads < 1) threads = 1;
+    /* flat and absent: a local window's scratch, one per thread */
+    int64_t *ibuf = malloc((size_t)(m * (2 + most_rounds) + threads * most_flat) * sizeof(int64_t));
+    uint8_t *absent = malloc((size_t)(threads * most_window));
     if (!fbuf || !ibuf || !absent) {
         free(fbuf);
         free(ibuf);
@@ -183,7 +211,6 @@ int extend_layers(int64_t m, int64_t hidden, int64_t nlayers, const StepLayer *l
         new_rows[b] = table_row(table, table_width, table_rows, block_size, slot, t, INT64_MAX);
         prev_rows[b] = table_row(table, table_width, table_rows, block_size, slot, t < 1 ? 0 : t - 1, INT64_MAX);
     }
-    if (threads < 1) threads = 1;
     if (status) goto done; /* nothing written */
 #pragma omp parallel num_threads((int)threads) if (threads > 1)
     {
@@ -212,24 +239,15 @@ int extend_layers(int64_t m, int64_t hidden, int64_t nlayers, const StepLayer *l
                 FAIL(hash_share(L, i, m, hashes, key, bucket_of));
 #pragma omp barrier
             }
-            /* the rows whose attention is not needed: their cache work, in order, in one piece */
-#pragma omp single
-            for (int64_t b = 0; b < first && !status; b++)
-                status |= row_cache_work(L, b, meta, key, value, new_rows, prev_rows, bucket_of, index_len + i, table,
-                                         table_width, block_size, flat, absent);
-            for (int64_t b = first; b < m; b++) {
-#pragma omp single
-                if (!status)
-                    status |= row_cache_work(L, b, meta, key, value, new_rows, prev_rows, bucket_of, index_len + i,
-                                             table, table_width, block_size, flat, absent);
-                int failed;
-#pragma omp atomic read
-                failed = status;
-                if (!failed)
-                    FAIL(row_attend(L, fl, b, q, meta, bucket_of, table, table_width, block_size, scratch_slot, flat,
-                                    absent, out));
+            int64_t h0, h1, len = index_len[i];
+            step_share(L->heads, &h0, &h1);
+            if (h0 < h1)
+                FAIL(heads_work(L, fl, m, first, h0, h1, meta, q, key, value, new_rows, prev_rows, bucket_of, &len,
+                                table, table_width, block_size, scratch_slot, flat + step_thread() * most_flat,
+                                absent + step_thread() * most_window, out));
 #pragma omp barrier
-            }
+            /* after every thread has read it: every thread merged at the same rows */
+            if (h0 == 0 && h1 > 0) index_len[i] = len;
             step_layer_tail(wkind, m - first, hidden, att, L->ff, out + first * att, L->w_out, L->b_out,
                             x1 + first * hidden, x2 + first * hidden, L->ff_ln_w, L->ff_ln_b, fl[1], L->w_dense,
                             L->b_dense, L->act, L->w_ff, L->b_ff, y, h, u);

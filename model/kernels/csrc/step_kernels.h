@@ -161,8 +161,8 @@ void step_layer_tail(int64_t wkind, int64_t m, int64_t hidden, int64_t att_dim, 
                      const void *w_out, const float *b_out, float *x1, float *x2, const float *ln_w,
                      const float *ln_b, float eps, const void *w_dense, const float *b_dense, int64_t act,
                      const void *w_ff, const float *b_ff, float *y, float *h, float *u);
-int lsh_merge_blocks(int64_t columns, int64_t buckets, int64_t main_len, int64_t recent_len, int64_t recent_size,
-                     void *items, int64_t item_bytes, int64_t pool_rows, const int64_t *table, int64_t block_size,
-                     const int32_t *main_counts, const int16_t *recent_counts, const void *recent);
+int lsh_merge_columns(int64_t columns, int64_t c0, int64_t c1, int64_t buckets, int64_t main_len, int64_t recent_len,
+                      int64_t recent_size, void *items, int64_t item_bytes, int64_t pool_rows, const int64_t *table,
+                      int64_t block_size, const int32_t *main_counts, const int16_t *recent_counts, const void *recent);
 
 #endif
