@@ -19,6 +19,7 @@ tests/model/decoding/test_extend.py checks the C path against the reference path
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -26,6 +27,7 @@ import torch
 from torch import Tensor
 
 from ..attention import LSHSelfAttention
+from ..kernels.abi import Meta
 from .cache import flat_buckets
 from .cache_state import DecodeState
 from .plan import layer_plan
@@ -94,8 +96,8 @@ def extend(decoder: Decoder, state: DecodeState, tokens: Sequence[int]) -> Tenso
         assert fused is not None and count is not None
         for start in range(0, len(ids), EXTEND_ROWS):
             part = ids[start : start + EXTEND_ROWS]
-            out = extend_rows(fused, lm, cache, window, part, _facts(decoder, state, len(part)), count,
-                              state.index_len)
+            out = extend_rows(fused, lm, cache, window, torch.tensor(part, dtype=torch.int64),
+                              _facts(decoder, state, len(part)), count, state.index_len)
             if out is None:  # the one-call path does not apply to this model: the steps take the rest
                 ids = ids[start:]
                 break
@@ -110,17 +112,22 @@ def extend(decoder: Decoder, state: DecodeState, tokens: Sequence[int]) -> Tenso
     return logits
 
 
-def _facts(decoder: Decoder, state: DecodeState, rows: int) -> list[list[int]]:
-    """The facts (abi.Meta columns) of the decode steps at positions state.length .. + rows - 1: the first
-    row's as `row_facts` builds them, the position-dependent columns worked out for each position."""
+def _facts(decoder: Decoder, state: DecodeState, rows: int) -> Tensor:
+    """The facts (rows, abi.Meta columns) int64 of the decode steps at positions state.length .. + rows - 1: the
+    first row's as `row_facts` builds them, the position-dependent columns (hashed, LSH chunks, local dense)
+    worked out for each position as `row_facts` does, from the padded length (config.padded_length) of t + 1."""
     cfg = decoder.lm.config
     lsh_c, local_c = cfg.lsh_attn_chunk_length, cfg.local_attn_chunk_length
-    first = row_facts(decoder.lm, decoder.cache, [state])[0][0]
-    out = []
-    for t in range(state.length, state.length + rows):
-        padded = cfg.padded_length(t + 1)
-        out.append([first[0], t, int(padded > lsh_c), max(padded // lsh_c, 1), int(padded <= local_c), *first[5:]])
-    return out
+    lengths = cfg.chunk_lengths()
+    lcm = math.lcm(*lengths)
+    n = torch.arange(state.length + 1, state.length + rows + 1)  # t + 1
+    padded = torch.where((n % lcm == 0) | (n <= min(lengths)), n, n + lcm - n % lcm)
+    meta = torch.tensor(row_facts(decoder.lm, decoder.cache, [state])[0][0], dtype=torch.int64).repeat(rows, 1)
+    meta[:, Meta.POSITION] = n - 1
+    meta[:, Meta.HASHED] = (padded > lsh_c).long()
+    meta[:, Meta.LSH_CHUNKS] = (padded // lsh_c).clamp(min=1)
+    meta[:, Meta.LOCAL_DENSE] = (padded <= local_c).long()
+    return meta
 
 
 __all__ = ["EXTEND_ROWS", "c_path", "extend", "open_indexes"]
