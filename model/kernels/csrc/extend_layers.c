@@ -21,7 +21,8 @@
  *    LM head, for the last row only: no later layer reads the other rows' outputs.
  * What this saves over S steps is the per-step overhead and the weights read once per row (a product over S
  * rows reads each packed panel once per 8 rows); each row's attention costs what a step's does (the windows
- * are not shared between rows: design notes /work/shared/notes/causal-extend.md, refinement B).
+ * are not shared between rows, which is what would bring its speed near the one-piece prefill's: rows taken in
+ * rank order, each key and value row read once for every row whose window holds it; not done).
  *
  * Fixed bucket counts only (every row hashes with hashes[i * 4 ..] of layer i); index_len (nlayers) holds each
  * layer's main-order length and is updated by the merges. Returns decode_layers' statuses.
