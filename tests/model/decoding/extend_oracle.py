@@ -11,14 +11,15 @@ from torch import Tensor
 from model import ReformerLM
 from model.decoding import DecodeCache, Decoder, DecodeState, prefill
 from model.decoding.extend import open_indexes
+from model.kernels.weights import WeightKind
 
 
-def start(lm: ReformerLM, tokens: int, prompt: Sequence[int], recent: int, slots: int = 1
-          ) -> tuple[DecodeCache, Decoder, DecodeState, Tensor | None]:
-    """A decode cache for `tokens` positions a request, its decoder, and a request holding `prompt` (prefilled;
-    none: an empty request, its indexes opened) with the prefill's logits."""
+def start(lm: ReformerLM, tokens: int, prompt: Sequence[int], recent: int, slots: int = 1,
+          weights: WeightKind = "float32") -> tuple[DecodeCache, Decoder, DecodeState, Tensor | None]:
+    """A decode cache for `tokens` positions a request, its decoder (its C products' `weights`), and a request
+    holding `prompt` (prefilled; none: an empty request, its indexes opened) with the prefill's logits."""
     cache = DecodeCache.for_tokens(lm, tokens, slots=slots, recent=recent)
-    decoder = Decoder(lm, cache)
+    decoder = Decoder(lm, cache, weights)
     if prompt:
         first, states = prefill(lm, cache, [torch.tensor(list(prompt))], [tokens])
         return cache, decoder, states[0], first[0]

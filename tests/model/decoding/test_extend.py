@@ -16,6 +16,7 @@ from export.artifact import load_artifact
 from model import ReformerLM
 from model.decoding import extend as extend_module
 from model.decoding.extend import c_path
+from model.kernels.weights import WeightKind
 
 from ..helpers import tiny_config
 from .extend_oracle import differences, held, same_bits, start, step_each
@@ -49,13 +50,14 @@ def _ids(n: int, seed: int) -> list[int]:
     return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _check(lm: ReformerLM, prompt: list[int], tokens: list[int], recent: int, pieces: list[int] | None = None
-           ) -> None:
-    """Extend (in `pieces` of these lengths, one extend each; default one piece) against one step per token."""
+def _check(lm: ReformerLM, prompt: list[int], tokens: list[int], recent: int, pieces: list[int] | None = None,
+           weights: WeightKind = "float32") -> None:
+    """Extend (in `pieces` of these lengths, one extend each; default one piece) against one step per token,
+    the C products reading `weights`."""
     room = len(prompt) + len(tokens) + 1
-    ref_cache, ref_decoder, ref_state, _ = start(lm, room, prompt, recent)
-    cache, decoder, state, _ = start(lm, room, prompt, recent)
-    assert c_path(decoder)
+    ref_cache, ref_decoder, ref_state, _ = start(lm, room, prompt, recent, weights=weights)
+    cache, decoder, state, _ = start(lm, room, prompt, recent, weights=weights)
+    assert c_path(decoder) and decoder.describe()["decode_weights"] == weights
     want = step_each(ref_decoder, ref_state, tokens)
     at = 0
     for n in pieces or [len(tokens)]:
@@ -79,6 +81,12 @@ def test_shipped_extend_equals_steps(shipped: ReformerLM, prompt_len: int, size:
     if size == 4096 and prompt_len != 200:
         pytest.skip("one 4096-token case is enough (its steps take about a second)")
     _check(shipped, _ids(prompt_len, 3), _ids(size, 4), recent=64)
+
+
+@pytest.mark.parametrize("weights", ["bfloat16", "int8"])
+def test_extend_equals_steps_on_reduced_weights(shipped: ReformerLM, weights: WeightKind) -> None:
+    """The C products on bfloat16 or int8 weights (REFORMER_DECODE_WEIGHTS) are row-independent too."""
+    _check(shipped, _ids(70, 24), _ids(300, 25), recent=64, weights=weights)
 
 
 def test_two_extends_equal_one(tiny: ReformerLM) -> None:
