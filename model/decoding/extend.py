@@ -91,9 +91,10 @@ def extend(decoder: Decoder, state: DecodeState, tokens: Sequence[int]) -> Tenso
     open_indexes(decoder, state)
     logits: Tensor | None = None
     if c_path(decoder):
-        count = lm.config.num_buckets
+        # the fixed bucket count (c_path), or none to hash with: a model without LSH layers
+        count = lm.config.num_buckets if lm.config.num_buckets is not None else 0
         window, fused = decoder.backends.window, decoder.backends.fused
-        assert fused is not None and count is not None
+        assert fused is not None
         for start in range(0, len(ids), EXTEND_ROWS):
             part = ids[start : start + EXTEND_ROWS]
             out = extend_rows(fused, lm, cache, window, torch.tensor(part, dtype=torch.int64),

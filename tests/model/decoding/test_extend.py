@@ -89,6 +89,15 @@ def test_extend_equals_steps_on_reduced_weights(shipped: ReformerLM, weights: We
     _check(shipped, _ids(70, 24), _ids(300, 25), recent=64, weights=weights)
 
 
+@pytest.mark.parametrize("layers", [["local", "local"], ["lsh", "lsh"]])
+def test_models_of_one_kind_of_layer(layers: list[str]) -> None:
+    """No LSH layer (no bucket count at all), or no local layer."""
+    torch.manual_seed(0)
+    lm = ReformerLM(tiny_config(vocab_size=VOCAB, attn_layers=layers,
+                                num_buckets=None if "lsh" not in layers else 8)).eval()
+    _check(lm, _ids(11, 26), _ids(90, 27), recent=8)
+
+
 def test_two_extends_equal_one(tiny: ReformerLM) -> None:
     """extend(A + B) = extend(A) then extend(B), both = the steps."""
     tokens = _ids(150, 5)
