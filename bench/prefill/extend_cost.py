@@ -3,19 +3,21 @@ request, leaving what one decode step per token leaves) against today's one-piec
 prefill/, the anchor), in one process, calls alternating.
 
     python bench/prefill/extend_cost.py --book BOOK.txt [--lengths 4096,16384,65536] [--reps 3] [--threads 2]
-                                        [--out PATH]
+                                        [--steps-up-to 4096] [--out PATH]
 
 Each length L: L bytes of the book (a held-out one, from the test set: never trained on; the shipped model's
 tokenizer is byte-level, so L tokens) at a different offset each rep, through `prefill` on a fresh request and
-through `Decoder.extend` on a fresh empty request of the same cache, in turns (which goes first alternates).
-The table gives each one's median tokens/s and their ratio (extend over prefill: above 1, extend is faster),
-and the machine's 1-minute load before and after; compare ratios, not absolute times across runs (the
-machine's speed moves between runs). Writes bench/results/extend_cost_<date>_<commit>.json by default.
+through `Decoder.extend` on a fresh empty request of the same cache, in turns (which goes first alternates);
+up to --steps-up-to tokens also through one decode step per token (what a prompt's tokens after a declared
+prefix cost today, and what extend replaces with the same results). The table gives each one's median
+tokens/s and the ratios (extend over the other: above 1, extend is faster), and the machine's 1-minute load
+before and after; compare ratios, not absolute times across runs (the machine's speed moves between runs).
+Writes bench/results/extend_cost_<date>_<commit>.json by default.
 
 What extend costs and why (extend_layers.c): its dense work is batched over the rows, but every row attends
 its own decode window (2 x 64 keys per round and head in an LSH layer, gathered from the cache), where the
-one-piece prefill shares one window between a chunk's 64 queries; and a second thread meets the others at
-two barriers per row and layer, so on cores shared with other work it can lose more than it gains.
+one-piece prefill shares one window between a chunk's 64 queries. On two threads each takes half the heads
+of every row; the products, hashes and tails are split by columns or rows, with a few barriers per layer.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from export import load_artifact  # noqa: E402
 from model.decoding import DecodeCache, Decoder, prefill  # noqa: E402
-from model.decoding.extend import c_path  # noqa: E402
+from model.decoding.extend import c_path, open_indexes  # noqa: E402
 from model.decoding.runtime import tune_cpu_runtime  # noqa: E402
 
 
@@ -45,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lengths", default="4096,16384", help="prompt lengths in tokens, comma-separated")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--steps-up-to", type=int, default=4096,
+                   help="also time one decode step per token (what extend replaces) up to this length")
     p.add_argument("--book", type=Path, required=True, help="a UTF-8 text of at least twice the longest length")
     p.add_argument("--out", type=Path, default=None,
                    help="default: bench/results/extend_cost_<date>_<commit>.json")
@@ -69,22 +73,30 @@ def main(argv: list[str] | None = None) -> int:
     load_before = [round(v, 2) for v in os.getloadavg()]
     rows = []
     for length in lengths:
-        times: dict[str, list[float]] = {"prefill": [], "extend": []}
+        ways = ["prefill", "extend"] + (["steps"] if length <= args.steps_up_to else [])
+        times: dict[str, list[float]] = {name: [] for name in ways}
         for rep in range(args.reps):
             start = (rep * 7919 * 13) % max(len(text) - 2 * length, 1)
             ids = tok.encode(text[start : start + 2 * length])[:length]
             assert len(ids) == length, f"the book is too short for {length} tokens"
-            for name in (["prefill", "extend"] if rep % 2 == 0 else ["extend", "prefill"]):
+            for name in (ways if rep % 2 == 0 else ways[::-1]):
                 with torch.inference_mode():
                     if name == "prefill":
                         t0 = time.perf_counter()
                         _, states = prefill(lm, cache, [torch.tensor(ids)], [length])
                         times[name].append(time.perf_counter() - t0)
                         state = states[0]
-                    else:
+                    elif name == "extend":
                         state = cache.allocate(length)
                         t0 = time.perf_counter()
                         decoder.extend(state, ids)
+                        times[name].append(time.perf_counter() - t0)
+                    else:
+                        state = cache.allocate(length)
+                        t0 = time.perf_counter()
+                        open_indexes(decoder, state)
+                        for token in ids:
+                            decoder.step([token], [state])
                         times[name].append(time.perf_counter() - t0)
                 cache.free(state)
         prefill_s, extend_s = statistics.median(times["prefill"]), statistics.median(times["extend"])
@@ -92,6 +104,10 @@ def main(argv: list[str] | None = None) -> int:
                      "extend_s": [round(t, 4) for t in times["extend"]],
                      "prefill_tokens_per_s": round(length / prefill_s), "extend_tokens_per_s": round(length / extend_s),
                      "extend_over_prefill": round(prefill_s / extend_s, 3)})
+        if "steps" in times:
+            steps_s = statistics.median(times["steps"])
+            rows[-1].update(steps_s=[round(t, 4) for t in times["steps"]], steps_tokens_per_s=round(length / steps_s),
+                            extend_over_steps=round(steps_s / extend_s, 3))
     out = {"benchmark": "extend_cost", "commit": commit, "artifact": "export/default_artifact",
            "book": args.book.name, "threads": args.threads, "rows": rows,
            "recent_size": next((index.recent_size for index in cache.indexes if index is not None), None),
@@ -101,10 +117,12 @@ def main(argv: list[str] | None = None) -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2) + "\n")
     print(f"cold prefill of the shipped model, median tokens/s, {args.threads} thread(s), {args.reps} reps")
-    print(f"{'tokens':>8}{'one-piece':>12}{'extend':>10}{'extend/one-piece':>18}")
+    print(f"{'tokens':>8}{'one-piece':>12}{'extend':>10}{'extend/one-piece':>18}{'steps':>8}{'extend/steps':>14}")
     for r in rows:
+        steps = (f"{r['steps_tokens_per_s']:>8}{r['extend_over_steps']:>14.3f}" if "steps_s" in r
+                 else f"{'-':>8}{'-':>14}")
         print(f"{r['tokens']:>8}{r['prefill_tokens_per_s']:>12}{r['extend_tokens_per_s']:>10}"
-              f"{r['extend_over_prefill']:>18.3f}")
+              f"{r['extend_over_prefill']:>18.3f}{steps}")
     print(f"1-minute load before {load_before[0]}, after {out['load_after'][0]}; wrote {path}")
     return 0
 

@@ -14,7 +14,7 @@ def test_a_tiny_run_times_the_one_piece_prefill_and_the_extend(tmp_path: Path) -
     book, out = tmp_path / "book.txt", tmp_path / "extend_cost.json"
     book.write_text("It was the best of times, it was the worst of times. " * 40)
     assert extend_cost.main(["--book", str(book), "--lengths", "100,70", "--reps", "2", "--threads", "1",
-                             "--out", str(out)]) == 0
+                             "--steps-up-to", "80", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["threads"] == 1 and len(result["load_before"]) == 3 and result["recent_size"] >= 64
     assert [(r["tokens"], r["reps"], len(r["prefill_s"]), len(r["extend_s"])) for r in result["rows"]] == [
@@ -24,3 +24,6 @@ def test_a_tiny_run_times_the_one_piece_prefill_and_the_extend(tmp_path: Path) -
         # the ratio is of the medians' times: their tokens/s, rounded to integers, give it within rounding
         ratio = row["extend_tokens_per_s"] / row["prefill_tokens_per_s"]
         assert row["extend_over_prefill"] == pytest.approx(ratio, rel=0.02)
+    # one decode step per token only up to --steps-up-to
+    assert "steps_s" not in result["rows"][0] and len(result["rows"][1]["steps_s"]) == 2
+    assert result["rows"][1]["steps_tokens_per_s"] > 0
