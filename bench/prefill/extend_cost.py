@@ -9,7 +9,8 @@ Each length L: L bytes of the book (a held-out one, from the test set: never tra
 tokenizer is byte-level, so L tokens) at a different offset each rep, through `prefill` on a fresh request and
 through `Decoder.extend` on a fresh empty request of the same cache, in turns (which goes first alternates);
 up to --steps-up-to tokens also through one decode step per token (what a prompt's tokens after a declared
-prefix cost today, and what extend replaces with the same results). The table gives each one's median
+prefix cost today, and what extend replaces with the same results), on one thread as the service runs a
+one-row step. The table gives each one's median
 tokens/s and the ratios (extend over the other: above 1, extend is faster), and the machine's 1-minute load
 before and after; compare ratios, not absolute times across runs (the machine's speed moves between runs).
 Writes bench/results/extend_cost_<date>_<commit>.json by default.
@@ -37,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from export import load_artifact  # noqa: E402
-from model.decoding import DecodeCache, Decoder, prefill  # noqa: E402
+from model.decoding import DecodeCache, Decoder, prefill, step_threads  # noqa: E402
 from model.decoding.extend import c_path, open_indexes  # noqa: E402
 from model.decoding.runtime import tune_cpu_runtime  # noqa: E402
 
@@ -95,8 +96,9 @@ def main(argv: list[str] | None = None) -> int:
                         state = cache.allocate(length)
                         t0 = time.perf_counter()
                         open_indexes(decoder, state)
-                        for token in ids:
-                            decoder.step([token], [state])
+                        with step_threads(1):  # as the service runs a one-row step (model/decoding/threads.py)
+                            for token in ids:
+                                decoder.step([token], [state])
                         times[name].append(time.perf_counter() - t0)
                 cache.free(state)
         prefill_s, extend_s = statistics.median(times["prefill"]), statistics.median(times["extend"])
