@@ -19,23 +19,34 @@ tests/model/decoding/test_extend.py checks the C path against the reference path
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import Tensor
 
 from ..attention import LSHSelfAttention
-from ..kernels.abi import Meta
 from .cache import flat_buckets
 from .cache_state import DecodeState
+from .facts import position_facts
 from .plan import layer_plan
-from .step import row_facts
 from .steps.fused_extend import extend_rows
 
 if TYPE_CHECKING:
-    from .step import Decoder
+    from ..reformer import ReformerLM
+    from .cache import DecodeCache
+    from .steps.backends import StepBackends
+
+
+class DecoderLike(Protocol):
+    """What extend uses of a decoder (model/decoding/step.py `Decoder`, which imports this module): its model,
+    cache and backends, and its step for the reference path."""
+
+    lm: ReformerLM
+    cache: DecodeCache
+    backends: StepBackends
+
+    def step(self, tokens: Tensor | Sequence[int], states: Sequence[DecodeState]) -> Tensor: ...
 
 # The most rows one C call takes: its buffers hold about (4 * hidden + 8 * heads * head size + feed-forward)
 # floats a row (7 KB on the shipped model), and a longer extend is cut into calls of this many rows, which
@@ -43,7 +54,7 @@ if TYPE_CHECKING:
 EXTEND_ROWS = 4096
 
 
-def open_indexes(decoder: Decoder, state: DecodeState) -> None:
+def open_indexes(decoder: DecoderLike, state: DecodeState) -> None:
     """Give a request that holds no position yet (allocated, never prefilled) its empty LSH indexes where the
     model has a fixed bucket count: what a prefill's index build does for an empty prompt, so that decode
     steps (and extend) from position 0 keep its index. Automatic counts build theirs when the request first
@@ -64,7 +75,7 @@ def open_indexes(decoder: Decoder, state: DecodeState) -> None:
         state.num_buckets[li], state.index_len[li] = nb, 0
 
 
-def c_path(decoder: Decoder) -> bool:
+def c_path(decoder: DecoderLike) -> bool:
     """Whether `extend` runs in C for this decoder: the one-call step and its window functions are there and
     every LSH layer hashes with a fixed bucket count."""
     backends = decoder.backends
@@ -74,7 +85,7 @@ def c_path(decoder: Decoder) -> bool:
 
 
 @torch.no_grad()
-def extend(decoder: Decoder, state: DecodeState, tokens: Sequence[int]) -> Tensor:
+def extend(decoder: DecoderLike, state: DecodeState, tokens: Sequence[int]) -> Tensor:
     """Append `tokens` (host ints, at least one) to the request `state`; returns the logits (vocab,) for the
     position after the last, as `Decoder.step` fed them one at a time returns them."""
     lm, cache = decoder.lm, decoder.cache
@@ -98,7 +109,7 @@ def extend(decoder: Decoder, state: DecodeState, tokens: Sequence[int]) -> Tenso
         for start in range(0, len(ids), EXTEND_ROWS):
             part = ids[start : start + EXTEND_ROWS]
             out = extend_rows(fused, lm, cache, window, torch.tensor(part, dtype=torch.int64),
-                              _facts(decoder, state, len(part)), count, state.index_len)
+                              position_facts(lm, cache, state, len(part)), count, state.index_len)
             if out is None:  # the one-call path does not apply to this model: the steps take the rest
                 ids = ids[start:]
                 break
@@ -111,24 +122,6 @@ def extend(decoder: Decoder, state: DecodeState, tokens: Sequence[int]) -> Tenso
         logits = decoder.step([token], [state])[0]
     assert logits is not None
     return logits
-
-
-def _facts(decoder: Decoder, state: DecodeState, rows: int) -> Tensor:
-    """The facts (rows, abi.Meta columns) int64 of the decode steps at positions state.length .. + rows - 1: the
-    first row's as `row_facts` builds them, the position-dependent columns (hashed, LSH chunks, local dense)
-    worked out for each position as `row_facts` does, from the padded length (config.padded_length) of t + 1."""
-    cfg = decoder.lm.config
-    lsh_c, local_c = cfg.lsh_attn_chunk_length, cfg.local_attn_chunk_length
-    lengths = cfg.chunk_lengths()
-    lcm = math.lcm(*lengths)
-    n = torch.arange(state.length + 1, state.length + rows + 1)  # t + 1
-    padded = torch.where((n % lcm == 0) | (n <= min(lengths)), n, n + lcm - n % lcm)
-    meta = torch.tensor(row_facts(decoder.lm, decoder.cache, [state])[0][0], dtype=torch.int64).repeat(rows, 1)
-    meta[:, Meta.POSITION] = n - 1
-    meta[:, Meta.HASHED] = (padded > lsh_c).long()
-    meta[:, Meta.LSH_CHUNKS] = (padded // lsh_c).clamp(min=1)
-    meta[:, Meta.LOCAL_DENSE] = (padded <= local_c).long()
-    return meta
 
 
 __all__ = ["EXTEND_ROWS", "c_path", "extend", "open_indexes"]

@@ -112,7 +112,7 @@ class FusedStep:
 
     def run(self, lm: ReformerLM, cache: DecodeCache, window: CpuKernels | None, tokens: Sequence[int],
             meta: Sequence[Sequence[int]], groups: list[tuple[int | list[int], list[int] | None]]) -> Tensor | None:
-        """tokens (B ints) the step's tokens, meta (B rows of 7 ints) its rows' facts (model/decoding/step.py
+        """tokens (B ints) the step's tokens, meta (B rows of 7 ints) its rows' facts (model/decoding/facts.py
         `row_facts`); `groups` the rows by bucket count (`bucket_groups`); `window`: the step's C window
         functions (None: the windows are PyTorch's, and so is this step). Host inputs: the C side reads them
         from ctypes arrays, with no tensor made for them. Returns the logits (B, vocab) float32, the cache

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 def extend_rows(fused: FusedStep, lm: ReformerLM, cache: DecodeCache, window: CpuKernels | None, tokens: Tensor,
                 meta: Tensor, bucket_count: int | list[int], index_len: list[int]) -> Tensor | None:
     """tokens (S,) int64 of one request at consecutive positions, meta (S, abi.META_COLUMNS) int64 their facts
-    (model/decoding/step.py `row_facts`'s columns), both contiguous on the CPU, every row hashing with the fixed
+    (model/decoding/facts.py `row_facts`'s columns), both contiguous on the CPU, every row hashing with the fixed
     `bucket_count`; index_len the request's main-order length per layer, updated in place by the merges the call
     makes. Returns the last row's logits (vocab,) float32, or None where the one-call path does not apply
     (nothing done)."""

@@ -154,7 +154,7 @@ static inline int64_t step_thread(void) {
         }                                                                                                         \
     } while (0)
 
-/* m rows (consecutive positions of one slot, meta (m, META_COLUMNS) as model/decoding/step.py row_facts builds
+/* m rows (consecutive positions of one slot, meta (m, META_COLUMNS) as model/decoding/facts.py row_facts builds
  * them) through every layer; logits (vocab,) of the last row. x1, x2 (m, hidden) scratch. The other arguments
  * are decode_layers' (one bucket-count group: hashes[i * 4 ..] is layer i's). index_len (nlayers): each LSH
  * layer's main-order length, updated by the merges. */

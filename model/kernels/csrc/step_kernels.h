@@ -49,7 +49,7 @@
 
 /* The pool row of `position` of `slot` through a block table (width blocks a slot, block_size positions a
  * block), or -1 outside the table or the pools' pool_rows rows. The slot itself is the caller's to check. */
-/* a decode step's facts of one row, META_COLUMNS int64 each (abi.Meta; model/decoding/step.py row_facts) */
+/* a decode step's facts of one row, META_COLUMNS int64 each (abi.Meta; model/decoding/facts.py row_facts) */
 #define META_SLOT 0        /* the row's request slot */
 #define META_POSITION 1    /* the new position */
 #define META_HASHED 2      /* its LSH layers hash (padded length past one chunk) */

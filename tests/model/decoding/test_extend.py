@@ -197,12 +197,11 @@ def test_refusals(tiny: ReformerLM) -> None:
 def test_the_rows_facts_are_the_steps(model: str, request: pytest.FixtureRequest) -> None:
     """The facts extend hands the C call for positions 0 .. 299 (worked out together) = `row_facts` of a step at
     each position."""
-    from model.decoding.extend import _facts
-    from model.decoding.step import row_facts
+    from model.decoding.facts import position_facts, row_facts
 
     lm = request.getfixturevalue(model)
     _, decoder, state, _ = start(lm, 400, [], recent=64)
-    facts = _facts(decoder, state, 300)
+    facts = position_facts(lm, decoder.cache, state, 300)
     for t in range(300):
         state.length = t
         assert facts[t].tolist() == row_facts(lm, decoder.cache, [state])[0][0], t
