@@ -15,10 +15,12 @@ from model.kernels.weights import WeightKind
 
 
 def start(lm: ReformerLM, tokens: int, prompt: Sequence[int], recent: int, slots: int = 1,
-          weights: WeightKind = "float32") -> tuple[DecodeCache, Decoder, DecodeState, Tensor | None]:
-    """A decode cache for `tokens` positions a request, its decoder (its C products' `weights`), and a request
-    holding `prompt` (prefilled; none: an empty request, its indexes opened) with the prefill's logits."""
-    cache = DecodeCache.for_tokens(lm, tokens, slots=slots, recent=recent)
+          weights: WeightKind = "float32", cpu_kernel: bool = True
+          ) -> tuple[DecodeCache, Decoder, DecodeState, Tensor | None]:
+    """A decode cache for `tokens` positions a request (`cpu_kernel` False: no C kernels, as on a GPU), its
+    decoder (its C products' `weights`), and a request holding `prompt` (prefilled; none: an empty request,
+    its indexes opened) with the prefill's logits."""
+    cache = DecodeCache.for_tokens(lm, tokens, slots=slots, recent=recent, cpu_kernel=cpu_kernel)
     decoder = Decoder(lm, cache, weights)
     if prompt:
         first, states = prefill(lm, cache, [torch.tensor(list(prompt))], [tokens])

@@ -157,14 +157,17 @@ def test_long_extends_are_split_into_calls(tiny: ReformerLM, monkeypatch: pytest
     _check(tiny, _ids(3, 17), _ids(230, 18), recent=8)
 
 
-def test_the_reference_path_runs_where_the_c_call_does_not(tiny: ReformerLM) -> None:
-    """Automatic bucket counts (indexes rebuilt as the length grows): extend takes the steps, same bits."""
+@pytest.mark.parametrize("where", ["automatic-bucket-counts", "pytorch-step"])
+def test_the_reference_path_runs_where_the_c_call_does_not(where: str) -> None:
+    """Automatic bucket counts (indexes rebuilt as the length grows) or no C kernels (the PyTorch step, as on a
+    GPU): extend takes the steps, same bits."""
     torch.manual_seed(0)
-    lm = ReformerLM(tiny_config(vocab_size=VOCAB, num_buckets=None)).eval()
+    automatic = where == "automatic-bucket-counts"
+    lm = ReformerLM(tiny_config(vocab_size=VOCAB, num_buckets=None if automatic else 8)).eval()
     prompt, tokens = _ids(6, 19), _ids(80, 20)
-    cache, decoder, state, _ = start(lm, 100, prompt, recent=8)
+    cache, decoder, state, _ = start(lm, 100, prompt, recent=8, cpu_kernel=automatic)
     assert not c_path(decoder)
-    ref_cache, ref_decoder, ref, _ = start(lm, 100, prompt, recent=8)
+    ref_cache, ref_decoder, ref, _ = start(lm, 100, prompt, recent=8, cpu_kernel=automatic)
     assert same_bits(decoder.extend(state, tokens), step_each(ref_decoder, ref, tokens))
     assert differences(held(cache, state), held(ref_cache, ref)) == []
 
