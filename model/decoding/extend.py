@@ -48,9 +48,10 @@ class DecoderLike(Protocol):
 
     def step(self, tokens: Tensor | Sequence[int], states: Sequence[DecodeState]) -> Tensor: ...
 
-# The most rows one C call takes: its buffers hold about (4 * hidden + 8 * heads * head size + feed-forward)
-# floats a row (7 KB on the shipped model), and a longer extend is cut into calls of this many rows, which
-# leaves the same bits (each call leaves the cache a step would).
+
+# The most rows one C call takes: its buffers hold about (4 * hidden + 7 * heads * head size + feed-forward)
+# floats a row (7.5 KB on the shipped model: 30 MB for 4,096 rows), and a longer extend is cut into calls of
+# this many rows, which leaves the same bits (each call leaves the cache a step would).
 EXTEND_ROWS = 4096
 
 
