@@ -242,7 +242,10 @@ int extend_layers(int64_t m, int64_t hidden, int64_t nlayers, const StepLayer *l
             }
             int64_t h0, h1, len = index_len[i];
             step_share(L->heads, &h0, &h1);
-            if (h0 < h1)
+            int failed; /* a failed hash (or an earlier layer's failure): nothing more is written */
+#pragma omp atomic read
+            failed = status;
+            if (h0 < h1 && !failed)
                 FAIL(heads_work(L, fl, m, first, h0, h1, meta, q, key, value, new_rows, prev_rows, bucket_of, &len,
                                 table, table_width, block_size, scratch_slot, flat + step_thread() * most_flat,
                                 absent + step_thread() * most_window, out));
