@@ -1,7 +1,8 @@
 """Cached decoding: a paged key/value cache with each LSH layer's bucket-sorted index (cache.py, lsh_index.py),
 batched prefill in slices a scheduler can interleave with decode steps (prefill/), and a decoder that runs one
 batched decode step for every running request (step.py) on backends it chooses once (steps/: the fused C step,
-the PyTorch step with C pieces, CUDA graphs). `generate` strings them together for tools and tests."""
+the PyTorch step with C pieces, CUDA graphs), and an extend: one request's new tokens in one call, leaving what
+one step per token leaves (extend.py). `generate` strings them together for tools and tests."""
 
 from .cache import DecodeCache
 from .cache_state import CacheFull, DecodeState

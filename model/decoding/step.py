@@ -2,7 +2,8 @@
 batched: padded to a batch bucket, or in fixed blocks of INVARIANT_ROWS where a row's bits would otherwise
 depend on its batch. The cache stores; the decoder chooses once what computes its steps (model/decoding/steps/:
 the fused C step, CUDA graphs of the PyTorch step, or the PyTorch step itself, with C products and windows
-where they run) and holds it."""
+where they run) and holds it. `Decoder.extend` feeds one request several tokens in one call, with the bits one
+step per token gives (model/decoding/extend.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from torch import Tensor
 from ..kernels.weights import WeightKind
 from .cache import DecodeCache
 from .cache_state import DecodeState
+from .extend import extend as extend_request
+from .facts import row_facts
 from .index_upkeep import maintain_indexes
 from .plan import first_lsh_layer
 from .steps.backends import StepBackends
@@ -115,22 +118,10 @@ class Decoder:
             state.length += 1
         return torch.cat(out) if len(out) > 1 else out[0]
 
-
-def row_facts(lm: ReformerLM, cache: DecodeCache, states: Sequence[DecodeState]
-               ) -> tuple[list[list[int]], list[int | list[int] | None]]:
-    """Each row's host-known facts (every LSH layer shares its chunk and bucket-count rule, every local layer its
-    chunk): slot, position, LSH hashed, LSH chunks, local dense, the slot whose LSH index the row appends to
-    (the scratch slot when it keeps none) and whether it keeps one; and each row's bucket count (None: none)."""
-    cfg = lm.config
-    lsh_c, local_c = cfg.lsh_attn_chunk_length, cfg.local_attn_chunk_length
-    first_lsh = first_lsh_layer(cfg)
-    nbs = [None if first_lsh is None else s.num_buckets[first_lsh] for s in states]
-    rows_meta = []
-    for s, nb in zip(states, nbs, strict=True):
-        p = cfg.padded_length(s.length + 1)
-        rows_meta.append([s.slot, s.length, int(p > lsh_c), max(p // lsh_c, 1), int(p <= local_c),
-                          s.slot if nb is not None else cache.scratch_slot, int(nb is not None)])
-    return rows_meta, nbs
+    def extend(self, state: DecodeState, tokens: Sequence[int]) -> Tensor:
+        """Append `tokens` to the one request `state` in one call; returns the logits (vocab,) after the last,
+        leaving the cache as one `step` per token leaves it, bit for bit (model/decoding/extend.py)."""
+        return extend_request(self, state, tokens)
 
 
 def _step_rows(lm: ReformerLM, cache: DecodeCache, backends: StepBackends, tokens: Tensor,

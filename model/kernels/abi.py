@@ -12,7 +12,7 @@ from typing import Any
 
 class Meta(IntEnum):
     """A decode step's facts of one row, one int64 each: meta (B, META_COLUMNS), built by
-    model/decoding/step.py `row_facts`, read by the PyTorch step and by the C kernels (META_* in the header)."""
+    model/decoding/facts.py `row_facts`, read by the PyTorch step and by the C kernels (META_* in the header)."""
 
     SLOT = 0  # the row's request slot
     POSITION = 1  # the new position
@@ -82,6 +82,7 @@ PROTOTYPES: dict[str, tuple[str, str]] = {
     "lsh_order": ("int", "IIIPP"),
     "step_tail": ("int", "IIIIPPPPPPPFPPIPPI"),
     "decode_layers": ("int", "IIIPPIPPPPPPPPIIIIPPFPPIPII"),
+    "extend_layers": ("int", "IIIPPPPPPPPPPIIIIPPFPPIPII"),
     "layer_norm_rows": ("void", "IIPPPFP"),
     "step_layer_words": ("int64_t", ""),
     "step_embedding_words": ("int64_t", ""),

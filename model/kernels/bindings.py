@@ -1,10 +1,11 @@
 """The C kernels through ctypes (csrc/: window_attend.c, lsh_attend.c, decode_cache.c, step_linear.c,
-step_linear_q.c, step_layers.c, chunk_attend.c): a
+step_linear_q.c, step_layers.c, extend_layers.c, chunk_attend.c): a
 decode step's cache writes, each LSH layer's insert into its recent order, its window positions and attention
 (`lsh_attend`), local layers' attention (`attend`), the merge of an LSH index's recent order into its main
 order, a step's linear layers (`linear`, over weights packed by `pack`) and LSH hashes (`lsh_hash`), a layer's
-tail (`tail_raw`), a layer norm (`norm_raw`), a whole step's layers in one call (`layers_raw`) and a forward's
-chunked window attention (`chunk_attend`).
+tail (`tail_raw`), a layer norm (`norm_raw`), a whole step's layers in one call (`layers_raw`), one request's
+new tokens through every layer in one call (`extend_raw`) and a forward's chunked window attention
+(`chunk_attend`).
 
 Every method takes plain tensors and ints (an LSH index as `IndexArrays`) and checks what it hands the C side
 (dtypes, contiguity, shapes); the C side checks every index against the pools. The prototypes come from
@@ -99,6 +100,7 @@ class CpuKernels:
         self.linear_raw, self.tail_raw = fns["step_linear"], fns["step_tail"]
         self.linear_w_raw = fns["step_linear_w"]  # weights packed as abi.WEIGHTS says (model/kernels/weights.py)
         self.layers_raw, self.norm_raw = fns["decode_layers"], fns["layer_norm_rows"]
+        self.extend_raw = fns["extend_layers"]  # one request's new tokens in one call (extend_layers.c)
         self.layer_words = int(fns["step_layer_words"]())
         self.embedding_words = int(fns["step_embedding_words"]())
         if (self.layer_words, self.embedding_words) != (ctypes.sizeof(abi.StepLayer) // 8,

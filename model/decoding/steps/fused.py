@@ -112,21 +112,14 @@ class FusedStep:
 
     def run(self, lm: ReformerLM, cache: DecodeCache, window: CpuKernels | None, tokens: Sequence[int],
             meta: Sequence[Sequence[int]], groups: list[tuple[int | list[int], list[int] | None]]) -> Tensor | None:
-        """tokens (B ints) the step's tokens, meta (B rows of 7 ints) its rows' facts (model/decoding/step.py
+        """tokens (B ints) the step's tokens, meta (B rows of 7 ints) its rows' facts (model/decoding/facts.py
         `row_facts`); `groups` the rows by bucket count (`bucket_groups`); `window`: the step's C window
         functions (None: the windows are PyTorch's, and so is this step). Host inputs: the C side reads them
         from ctypes arrays, with no tensor made for them. Returns the logits (B, vocab) float32, the cache
         updated as the per-layer path updates it, or None (nothing done)."""
         kernel = self.linears.kernel
-        if kernel is None or window is None or cache.device.type != "cpu" or cache.dtype != torch.float32:
-            return None
-        counts = tuple(str(nb) for nb, _ in groups)
-        held = self._described
-        modules = held.modules if held is not None and held.model is lm else [m for m in lm.modules() if m._parameters]
-        stamp = _stamp(lm, modules, cache, counts)
-        if held is None or held.stamp != stamp:
-            held = self._described = self._describe(lm, cache, [nb for nb, _ in groups], stamp, modules)
-        if held.layers is None:
+        held = self.described(lm, cache, window, groups)
+        if held is None or kernel is None:
             return None
         rows, hidden = len(tokens), held.hidden
         if len(meta) != rows or any(len(m) != abi.META_COLUMNS for m in meta):
@@ -148,6 +141,21 @@ class FusedStep:
                                    logits.data_ptr(), torch.get_num_threads(), self.linears.weights_code)
         check_status(status, "decode step kernel")
         return logits
+
+    def described(self, lm: ReformerLM, cache: DecodeCache, window: CpuKernels | None,
+                  groups: list[tuple[int | list[int], list[int] | None]]) -> _Described | None:
+        """What the C side reads for this model, cache and bucket counts (made again when `_stamp` changes), or
+        None where the one-call path does not apply (model/decoding/steps/fused_extend.py reads it too)."""
+        kernel = self.linears.kernel
+        if kernel is None or window is None or cache.device.type != "cpu" or cache.dtype != torch.float32:
+            return None
+        counts = tuple(str(nb) for nb, _ in groups)
+        held = self._described
+        modules = held.modules if held is not None and held.model is lm else [m for m in lm.modules() if m._parameters]
+        stamp = _stamp(lm, modules, cache, counts)
+        if held is None or held.stamp != stamp:
+            held = self._described = self._describe(lm, cache, [nb for nb, _ in groups], stamp, modules)
+        return None if held.layers is None else held
 
     def _scratch(self, rows: int, hidden: int) -> tuple[ctypes.Array[ctypes.c_float], ctypes.Array[ctypes.c_float]]:
         """The two hidden-state buffers of a step of `rows` rows, made once per size and reused."""

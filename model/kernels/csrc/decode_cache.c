@@ -60,21 +60,21 @@ static void move_run(void *items, int64_t item_bytes, const RowMap *map, int64_t
     }
 }
 
-/* For each of `columns` (head, round) columns of one slot: the main order (sorted index j at items[row j
- * * columns + c], j < main_len, row j as `map` gives it) and the recent order (recent[c * recent_size + k],
- * k < recent_len), both sorted by (bucket, position) with bucket counts main_counts and recent_counts
+/* For columns c0 .. c1-1 of the `columns` (head, round) columns of one slot: the main order (sorted index j
+ * at items[row j * columns + c], j < main_len, row j as `map` gives it) and the recent order (recent[c *
+ * recent_size + k], k < recent_len), both sorted by (bucket, position) with bucket counts main_counts and recent_counts
  * (columns, buckets), become one main order of main_len + recent_len items: bucket by bucket, the bucket's
  * main items then its recent ones (every recent position is later than every main one). In place, from the
  * last bucket down: an item only ever moves to a later sorted index, so none is overwritten before it is
  * read. The main items between two buckets that receive recent items move up by the same count, as one run.
  * Returns 0, or BAD_INDEX when a row is outside the pool or the counts do not add up to the lengths (the
  * order is then undefined). */
-static int merge_orders(int64_t columns, int64_t buckets, int64_t main_len, int64_t recent_len, int64_t recent_size,
-                        void *items, int64_t item_bytes, int64_t pool_rows, const RowMap *map,
-                        const int32_t *main_counts, const int16_t *recent_counts, const void *recent) {
+static int merge_orders(int64_t columns, int64_t c0, int64_t c1, int64_t buckets, int64_t main_len,
+                        int64_t recent_len, int64_t recent_size, void *items, int64_t item_bytes, int64_t pool_rows,
+                        const RowMap *map, const int32_t *main_counts, const int16_t *recent_counts, const void *recent) {
     const int64_t n = main_len + recent_len;
     if (recent_len > recent_size || !rows_ok(map, n, pool_rows)) return BAD_INDEX;
-    for (int64_t c = 0; c < columns; c++) {
+    for (int64_t c = c0; c < c1; c++) {
         const int32_t *mc = main_counts + c * buckets;
         const int16_t *rc = recent_counts + c * buckets;
         int64_t total_main = 0, total_recent = 0;
@@ -104,19 +104,28 @@ static int merge_orders(int64_t columns, int64_t buckets, int64_t main_len, int6
     return 0;
 }
 
-/* merge_orders with the slot's pool rows read from its block table row `table` (blocks of block_size
- * positions). */
-int lsh_merge_blocks(int64_t columns, int64_t buckets, int64_t main_len, int64_t recent_len, int64_t recent_size,
-                     void *items, int64_t item_bytes, int64_t pool_rows, const int64_t *table, int64_t block_size,
-                     const int32_t *main_counts, const int16_t *recent_counts, const void *recent) {
-    if (block_size < 1) return BAD_INDEX;
+/* merge_orders of columns c0 .. c1-1 (of `columns`) with the slot's pool rows read from its block table row
+ * `table` (blocks of block_size positions): each column's merge reads and writes that column only, so threads
+ * may merge disjoint column ranges at once (extend_layers.c, one range per thread's heads). */
+int lsh_merge_columns(int64_t columns, int64_t c0, int64_t c1, int64_t buckets, int64_t main_len, int64_t recent_len,
+                      int64_t recent_size, void *items, int64_t item_bytes, int64_t pool_rows, const int64_t *table,
+                      int64_t block_size, const int32_t *main_counts, const int16_t *recent_counts, const void *recent) {
+    if (block_size < 1 || c0 < 0 || c1 > columns) return BAD_INDEX;
     int64_t shift = -1;
     if (!(block_size & (block_size - 1)))
         for (shift = 0; (INT64_C(1) << shift) < block_size; shift++) {
         }
     const RowMap map = {table, block_size, shift};
-    return merge_orders(columns, buckets, main_len, recent_len, recent_size, items, item_bytes, pool_rows, &map,
-                        main_counts, recent_counts, recent);
+    return merge_orders(columns, c0, c1, buckets, main_len, recent_len, recent_size, items, item_bytes, pool_rows,
+                        &map, main_counts, recent_counts, recent);
+}
+
+/* lsh_merge_columns over every column */
+int lsh_merge_blocks(int64_t columns, int64_t buckets, int64_t main_len, int64_t recent_len, int64_t recent_size,
+                     void *items, int64_t item_bytes, int64_t pool_rows, const int64_t *table, int64_t block_size,
+                     const int32_t *main_counts, const int16_t *recent_counts, const void *recent) {
+    return lsh_merge_columns(columns, 0, columns, buckets, main_len, recent_len, recent_size, items, item_bytes,
+                             pool_rows, table, block_size, main_counts, recent_counts, recent);
 }
 
 /* ---- a decode step's writes: the new keys and values, and each LSH index's recent order --------------- */

@@ -49,7 +49,7 @@
 
 /* The pool row of `position` of `slot` through a block table (width blocks a slot, block_size positions a
  * block), or -1 outside the table or the pools' pool_rows rows. The slot itself is the caller's to check. */
-/* a decode step's facts of one row, META_COLUMNS int64 each (abi.Meta; model/decoding/step.py row_facts) */
+/* a decode step's facts of one row, META_COLUMNS int64 each (abi.Meta; model/decoding/facts.py row_facts) */
 #define META_SLOT 0        /* the row's request slot */
 #define META_POSITION 1    /* the new position */
 #define META_HASHED 2      /* its LSH layers hash (padded length past one chunk) */
@@ -107,6 +107,20 @@ static inline int64_t block_pool_row(const int64_t *table, int64_t width, int64_
     return row >= 0 && row < pool_rows ? row : -1;
 }
 
+/* pool row of `position` of `slot`, or -1 outside the block table (its rows too) or the pools */
+static inline int64_t table_row(const int64_t *table, int64_t width, int64_t table_rows, int64_t block_size,
+                                int64_t slot, int64_t position, int64_t pool_rows) {
+    if (slot < 0 || slot >= table_rows) return -1;
+    return block_pool_row(table, width, block_size, slot, position, pool_rows);
+}
+
+/* pool row of `position` (>= 0) of `slot` in a local layer's rings (model/decoding/local_ring.py), or -1 outside
+ * its pools (a slot out of range, or a layer without rings) */
+static inline int64_t ring_row(const StepLayer *L, int64_t slot, int64_t position) {
+    if (L->ring <= 0 || slot < 0 || position < 0 || slot >= L->pool_rows / L->ring) return -1;
+    return slot * L->ring + position % L->ring;
+}
+
 void step_linear_panels(int64_t m, int64_t n, int64_t k, const float *x, int64_t x_stride, const float *packed,
                         const float *bias, float *y, int64_t p0, int64_t p1);
 void step_linear_panels_w(int64_t wkind, int64_t m, int64_t n, int64_t k, const float *x, int64_t x_stride,
@@ -133,5 +147,22 @@ int window_attend_items(int64_t heads, int64_t rounds, int64_t width, int64_t di
                         const int64_t *flat, const uint8_t *absent, int64_t absent_row_stride,
                         int64_t absent_head_stride, const int64_t *pos, const int64_t *t, const uint8_t *dead,
                         float self_mask, float mask, float *out, int64_t begin, int64_t end);
+
+/* step_layers.c's pieces of a step that extend_layers.c runs too: the embeddings, a local layer's window, a
+ * thread's share of n pieces, a product split by panels and a layer's tail (the last two inside a parallel
+ * region: they meet its barriers) */
+int step_embed(const StepEmbedding *E, int64_t m, int64_t hidden, const int64_t *tokens, const int64_t *meta,
+               float *x);
+int step_local_window(const StepLayer *L, int64_t m, const int64_t *meta, int64_t *flat, uint8_t *absent);
+void step_share(int64_t n, int64_t *begin, int64_t *end);
+void step_product(int64_t wkind, int64_t m, int64_t n, int64_t k, const float *x, const void *w, const float *b,
+                  float *y);
+void step_layer_tail(int64_t wkind, int64_t m, int64_t hidden, int64_t att_dim, int64_t ff, const float *att,
+                     const void *w_out, const float *b_out, float *x1, float *x2, const float *ln_w,
+                     const float *ln_b, float eps, const void *w_dense, const float *b_dense, int64_t act,
+                     const void *w_ff, const float *b_ff, float *y, float *h, float *u);
+int lsh_merge_columns(int64_t columns, int64_t c0, int64_t c1, int64_t buckets, int64_t main_len, int64_t recent_len,
+                      int64_t recent_size, void *items, int64_t item_bytes, int64_t pool_rows, const int64_t *table,
+                      int64_t block_size, const int32_t *main_counts, const int16_t *recent_counts, const void *recent);
 
 #endif

@@ -40,7 +40,7 @@ int64_t step_embedding_words(void) { return (int64_t)(sizeof(StepEmbedding) / si
 
 /* x (m, hidden) = each row's token and position embeddings, one float32 sum per element, as the PyTorch
  * step adds them. Returns 0, or BAD_INDEX for a token or position outside the tables. */
-static int embed(const StepEmbedding *E, int64_t m, int64_t hidden, const int64_t *tokens, const int64_t *meta,
+int step_embed(const StepEmbedding *E, int64_t m, int64_t hidden, const int64_t *tokens, const int64_t *meta,
                  float *x) {
     for (int64_t b = 0; b < m; b++) {
         const int64_t tok = tokens[b], t = meta[b * META_COLUMNS + META_POSITION];
@@ -57,23 +57,9 @@ static int embed(const StepEmbedding *E, int64_t m, int64_t hidden, const int64_
     return 0;
 }
 
-/* pool row of `position` of `slot`, or -1 outside the block table (its rows too) or the pools */
-static inline int64_t table_row(const int64_t *table, int64_t width, int64_t table_rows, int64_t block_size,
-                                int64_t slot, int64_t position, int64_t pool_rows) {
-    if (slot < 0 || slot >= table_rows) return -1;
-    return block_pool_row(table, width, block_size, slot, position, pool_rows);
-}
-
-/* pool row of `position` (>= 0) of `slot` in a local layer's rings (model/decoding/local_ring.py), or -1 outside
- * its pools (a slot out of range, or a layer without rings) */
-static inline int64_t ring_row(const StepLayer *L, int64_t slot, int64_t position) {
-    if (L->ring <= 0 || slot < 0 || position < 0 || slot >= L->pool_rows / L->ring) return -1;
-    return slot * L->ring + position % L->ring;
-}
-
 /* A local layer's window as model/decoding/steps/torch_step.py's _local_window builds it: flat (m, heads, w) pool indices
  * into its rings and absent (m, w), w = (before + 1) * chunk. Returns 0 or BAD_INDEX. */
-static int local_window(const StepLayer *L, int64_t m, const int64_t *meta, int64_t *flat, uint8_t *absent) {
+int step_local_window(const StepLayer *L, int64_t m, const int64_t *meta, int64_t *flat, uint8_t *absent) {
     const int64_t c = L->chunk, w = (L->before + 1) * c;
     for (int64_t b = 0; b < m; b++) {
         const int64_t slot = meta[b * META_COLUMNS + META_SLOT], t = meta[b * META_COLUMNS + META_POSITION], dense = meta[b * META_COLUMNS + META_LOCAL_DENSE];
@@ -92,7 +78,7 @@ static int local_window(const StepLayer *L, int64_t m, const int64_t *meta, int6
 }
 
 /* This thread's share [*begin, *end) of n pieces (the whole of them outside a parallel region) */
-static void share(int64_t n, int64_t *begin, int64_t *end) {
+void step_share(int64_t n, int64_t *begin, int64_t *end) {
 #ifdef _OPENMP
     const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
 #else
@@ -105,10 +91,10 @@ static void share(int64_t n, int64_t *begin, int64_t *end) {
 
 /* y = x W^T + b split by panels between the region's threads, then a barrier: every element is computed
  * as step_linear computes it, whichever thread computes it. */
-static void product(int64_t wkind, int64_t m, int64_t n, int64_t k, const float *x, const void *w, const float *b,
+void step_product(int64_t wkind, int64_t m, int64_t n, int64_t k, const float *x, const void *w, const float *b,
                     float *y) {
     int64_t p0, p1;
-    share((n + PANEL - 1) / PANEL, &p0, &p1);
+    step_share((n + PANEL - 1) / PANEL, &p0, &p1);
     step_linear_panels_w(wkind, m, n, k, x, k, w, b, y, p0, p1);
 #pragma omp barrier
 }
@@ -126,7 +112,7 @@ static void lsh_hash_share(const StepLayer *L, int64_t i, int64_t m, int64_t gro
     if (failed) return;
     const int64_t att = L->heads * L->dim, per_row = L->heads * L->rounds;
     int64_t begin, end;
-    share(m * L->heads, &begin, &end);
+    step_share(m * L->heads, &begin, &end);
     int st = 0;
     for (int64_t item = begin; item < end && !st; item++) {
         const int64_t b = item / L->heads, h = item % L->heads, g = group_of[b];
@@ -151,22 +137,22 @@ static void lsh_hash_share(const StepLayer *L, int64_t i, int64_t m, int64_t gro
  * the weights packed as step_linear reads them (NULL biases: none), y and h (m, hidden) and u (m, ff) as
  * scratch. Inside a parallel region its products and activation are split between the threads; outside
  * one it runs on the caller's. */
-static void layer_tail(int64_t wkind, int64_t m, int64_t hidden, int64_t att_dim, int64_t ff, const float *att,
+void step_layer_tail(int64_t wkind, int64_t m, int64_t hidden, int64_t att_dim, int64_t ff, const float *att,
                        const void *w_out, const float *b_out, float *x1, float *x2, const float *ln_w,
                        const float *ln_b, float eps, const void *w_dense, const float *b_dense, int64_t act,
                        const void *w_ff, const float *b_ff, float *y, float *h, float *u) {
-    product(wkind, m, hidden, att_dim, att, w_out, b_out, y);
+    step_product(wkind, m, hidden, att_dim, att, w_out, b_out, y);
 #pragma omp single
     {
         for (int64_t j = 0; j < m * hidden; j++) x1[j] += y[j];
         layer_norm_rows(m, hidden, x1, ln_w, ln_b, eps, h);
     }
-    product(wkind, m, ff, hidden, h, w_dense, b_dense, u);
+    step_product(wkind, m, ff, hidden, h, w_dense, b_dense, u);
     int64_t begin, end;
-    share(m * ff, &begin, &end);
+    step_share(m * ff, &begin, &end);
     step_activate(u + begin, end - begin, act);
 #pragma omp barrier
-    product(wkind, m, hidden, ff, u, w_ff, b_ff, y);
+    step_product(wkind, m, hidden, ff, u, w_ff, b_ff, y);
 #pragma omp single
     for (int64_t j = 0; j < m * hidden; j++) x2[j] += y[j];
 }
@@ -181,7 +167,7 @@ int step_tail(int64_t m, int64_t hidden, int64_t att_dim, int64_t ff, const floa
     if (wkind != WEIGHTS_F32 && wkind != WEIGHTS_BF16 && wkind != WEIGHTS_INT8) return BAD_KIND;
     float *buf = malloc((size_t)(m * (2 * hidden + ff)) * sizeof(float));
     if (!buf) return NO_MEMORY;
-    layer_tail(wkind, m, hidden, att_dim, ff, att, w_out, b_out, x1, x2, ln_w, ln_b, eps, w_dense, b_dense, act, w_ff,
+    step_layer_tail(wkind, m, hidden, att_dim, ff, att, w_out, b_out, x1, x2, ln_w, ln_b, eps, w_dense, b_dense, act, w_ff,
                b_ff, buf, buf + m * hidden, buf + 2 * m * hidden);
     free(buf);
     return 0;
@@ -233,7 +219,7 @@ int decode_layers(int64_t m, int64_t hidden, int64_t nlayers, const StepLayer *l
      * rings */
     int64_t *new_rows = ibuf, *prev_rows = ibuf + m, *ring_rows = ibuf + 2 * m, *bucket_of = ibuf + 3 * m;
     int64_t *flat = bucket_of + m * most_rounds;
-    status = embed(embedding, m, hidden, tokens, meta, x1);
+    status = step_embed(embedding, m, hidden, tokens, meta, x1);
     memcpy(x2, x1, (size_t)(m * hidden) * sizeof(float));
     /* every row's rows in every layer's pools checked before anything is written */
     for (int64_t i = 0; i < nlayers; i++) {
@@ -265,7 +251,7 @@ int decode_layers(int64_t m, int64_t hidden, int64_t nlayers, const StepLayer *l
             const int64_t att = L->heads * L->dim, parts = L->lsh ? 2 : 3, proj = parts * att;
 #pragma omp single
             layer_norm_rows(m, hidden, x2, L->ln_w, L->ln_b, fl[0], h);
-            product(wkind, m, proj, hidden, h, L->proj_w, L->proj_b, qkv);
+            step_product(wkind, m, proj, hidden, h, L->proj_w, L->proj_b, qkv);
 #pragma omp single
             {
                 /* LSH: the query-key is the query and the key; local: query, key / sqrt(D), value */
@@ -286,7 +272,7 @@ int decode_layers(int64_t m, int64_t hidden, int64_t nlayers, const StepLayer *l
                                                L->lsh ? L->norms : NULL, KEY_NORM_EPS, scale, L->lsh ? L->successor : 0,
                                                prev_rows);
                 if (!L->lsh) {
-                    if (!st) st = local_window(L, m, meta, flat, absent);
+                    if (!st) st = step_local_window(L, m, meta, flat, absent);
                     /* the query, contiguous, where the value was (written to the pools already) */
                     for (int64_t b = 0; b < m; b++) memcpy(value + b * att, qkv + b * proj, (size_t)att * sizeof(float));
                 }
@@ -301,7 +287,7 @@ int decode_layers(int64_t m, int64_t hidden, int64_t nlayers, const StepLayer *l
                                          L->recent_counts, L->items, L->item_bytes, L->shift, L->recent_offset);
             }
             int64_t begin, end;
-            share(m * L->heads, &begin, &end);
+            step_share(m * L->heads, &begin, &end);
             int st = 0;
             if (L->lsh)
                 st = lsh_attend_items(L->heads, L->rounds, L->buckets, L->chunk, L->before, L->after, L->dim,
@@ -320,7 +306,7 @@ int decode_layers(int64_t m, int64_t hidden, int64_t nlayers, const StepLayer *l
                 status |= st;
             }
 #pragma omp barrier
-            layer_tail(wkind, m, hidden, att, L->ff, out, L->w_out, L->b_out, x1, x2, L->ff_ln_w, L->ff_ln_b, fl[1],
+            step_layer_tail(wkind, m, hidden, att, L->ff, out, L->w_out, L->b_out, x1, x2, L->ff_ln_w, L->ff_ln_b, fl[1],
                        L->w_dense, L->b_dense, L->act, L->w_ff, L->b_ff, y, h, u);
         }
 #pragma omp single
@@ -331,7 +317,7 @@ int decode_layers(int64_t m, int64_t hidden, int64_t nlayers, const StepLayer *l
             }
             layer_norm_rows(m, 2 * hidden, joined, final_w, final_b, final_eps, joined);
         }
-        product(wkind, m, vocab, 2 * hidden, joined, head_w, head_b, logits);
+        step_product(wkind, m, vocab, 2 * hidden, joined, head_w, head_b, logits);
     }
 done:
     free(fbuf);

@@ -155,37 +155,6 @@ static void extremes(const float *x, int64_t n, float *hi, int64_t *hi_at, float
     }
 }
 
-/* buckets (m, heads, rounds) int64 of queries q (m, heads, dim): per head, q times `packed` (heads copies of
- * a packed (rounds * half, dim) weight: the head's rotations (dim, rounds, half) transposed), then per round
- * the bucket of factors[0..nfactors) (their halves sum to half) combined as sum of b_i * prod f_<i. Returns
- * 0, or 1 when its buffer could not be allocated. */
-int lsh_hash(int64_t m, int64_t heads, int64_t rounds, int64_t dim, int64_t half, int64_t nfactors,
-             const int64_t *factors, const float *q, const float *packed, int64_t *buckets) {
-    const int64_t n = rounds * half, panels = (n + PANEL - 1) / PANEL;
-    float *rotated = malloc((size_t)(m * n) * sizeof(float));
-    if (!rotated) return 1;
-    for (int64_t h = 0; h < heads; h++) {
-        step_linear(m, n, dim, q + h * dim, heads * dim, packed + h * panels * dim * PANEL, NULL, rotated);
-        for (int64_t b = 0; b < m; b++)
-            for (int64_t r = 0; r < rounds; r++) {
-                const float *x = rotated + b * n + r * half;
-                int64_t bucket = 0, scale = 1, start = 0;
-                for (int64_t i = 0; i < nfactors; i++) {
-                    const int64_t f = factors[i];
-                    float hi, lo;
-                    int64_t hi_at, lo_at;
-                    extremes(x + start, f / 2, &hi, &hi_at, &lo, &lo_at);
-                    bucket += scale * (hi >= -lo ? hi_at : lo_at + f / 2);
-                    start += f / 2;
-                    scale *= f;
-                }
-                buckets[(b * heads + h) * rounds + r] = bucket;
-            }
-    }
-    free(rotated);
-    return 0;
-}
-
 #ifdef __AVX512F__
 /* extremes() of n (a multiple of 16) values without NaNs, 16 lanes at a time: the largest and smallest values
  * and the first index of each (an equality test finds it, so -0 and +0 give the index scalar code gives);
@@ -213,6 +182,41 @@ static int extremes16(const float *x, int64_t n, float *hi, int64_t *hi_at, floa
     return 1;
 }
 #endif
+
+/* buckets (m, heads, rounds) int64 of queries q (m, heads, dim): per head, q times `packed` (heads copies of
+ * a packed (rounds * half, dim) weight: the head's rotations (dim, rounds, half) transposed), then per round
+ * the bucket of factors[0..nfactors) (their halves sum to half) combined as sum of b_i * prod f_<i. Returns
+ * 0, or 1 when its buffer could not be allocated. */
+int lsh_hash(int64_t m, int64_t heads, int64_t rounds, int64_t dim, int64_t half, int64_t nfactors,
+             const int64_t *factors, const float *q, const float *packed, int64_t *buckets) {
+    const int64_t n = rounds * half, panels = (n + PANEL - 1) / PANEL;
+    float *rotated = malloc((size_t)(m * n) * sizeof(float));
+    if (!rotated) return 1;
+    for (int64_t h = 0; h < heads; h++) {
+        step_linear(m, n, dim, q + h * dim, heads * dim, packed + h * panels * dim * PANEL, NULL, rotated);
+        for (int64_t b = 0; b < m; b++)
+            for (int64_t r = 0; r < rounds; r++) {
+                const float *x = rotated + b * n + r * half;
+                int64_t bucket = 0, scale = 1, start = 0;
+                for (int64_t i = 0; i < nfactors; i++) {
+                    const int64_t f = factors[i];
+                    float hi, lo;
+                    int64_t hi_at, lo_at;
+#ifdef __AVX512F__
+                    if (!((f / 2) % 16 == 0 && extremes16(x + start, f / 2, &hi, &hi_at, &lo, &lo_at)))
+#endif
+                        extremes(x + start, f / 2, &hi, &hi_at, &lo, &lo_at);
+                    bucket += scale * (hi >= -lo ? hi_at : lo_at + f / 2);
+                    start += f / 2;
+                    scale *= f;
+                }
+                buckets[(b * heads + h) * rounds + r] = bucket;
+            }
+    }
+    free(rotated);
+    return 0;
+}
+
 
 /* buckets (m, rounds) int64 of rotated rows (m, rounds, half) float32, as lsh_hash's second half: a forward's
  * hash (model/attention.py) after its rotation matmul. PyTorch's max and min over the factors' short slices,

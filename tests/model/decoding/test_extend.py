@@ -1,0 +1,210 @@
+"""Extend (model/decoding/extend.py) leaves exactly what one decode step per token leaves: the same logits after
+the last token and the same bits in every cached tensor the request holds (extend_oracle.held), whatever the
+segmentation, the other requests in the cache and the thread count; on the C path (one C call) and on the
+reference path (the steps)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from export.artifact import load_artifact
+from model import ReformerLM
+from model.decoding import extend as extend_module
+from model.decoding.extend import c_path
+from model.kernels.weights import WeightKind
+
+from ..helpers import tiny_config
+from .extend_oracle import differences, held, same_bits, start, step_each
+
+VOCAB = 258
+
+
+@pytest.fixture(scope="module")
+def shipped() -> ReformerLM:
+    return load_artifact(check_hashes=False).model
+
+
+@pytest.fixture(scope="module")
+def tiny() -> ReformerLM:
+    """Chunks of 8 (prompts cross chunks within a few tokens), a successor-value head, 2 hash rounds."""
+    torch.manual_seed(0)
+    return ReformerLM(tiny_config(vocab_size=VOCAB, lsh_successor_heads=1)).eval()
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """One intra-op thread unless a test sets more (test_one_thread_equals_two): on two cores shared with other
+    work, a second thread waits at the C call's per-row barriers for a busy core."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _check(lm: ReformerLM, prompt: list[int], tokens: list[int], recent: int, pieces: list[int] | None = None,
+           weights: WeightKind = "float32") -> None:
+    """Extend (in `pieces` of these lengths, one extend each; default one piece) against one step per token,
+    the C products reading `weights`."""
+    room = len(prompt) + len(tokens) + 1
+    ref_cache, ref_decoder, ref_state, _ = start(lm, room, prompt, recent, weights=weights)
+    cache, decoder, state, _ = start(lm, room, prompt, recent, weights=weights)
+    assert c_path(decoder) and decoder.describe()["decode_weights"] == weights
+    want = step_each(ref_decoder, ref_state, tokens)
+    at = 0
+    for n in pieces or [len(tokens)]:
+        got = decoder.extend(state, tokens[at : at + n])
+        at += n
+    assert at == len(tokens)
+    assert same_bits(got, want)
+    assert differences(held(cache, state), held(ref_cache, ref_state)) == []
+
+
+@pytest.mark.parametrize("prompt_len", [0, 5, 40], ids=["empty", "shorter-than-a-chunk", "prefilled"])
+@pytest.mark.parametrize("size", [1, 7, 8, 9, 63, 64, 65, 300])
+def test_tiny_extend_equals_steps_across_merges(tiny: ReformerLM, prompt_len: int, size: int) -> None:
+    """Recent orders of 8 items: a 300-token extend merges each LSH index 37 times on the way."""
+    _check(tiny, _ids(prompt_len, 1), _ids(size, 2), recent=8)
+
+
+@pytest.mark.parametrize("prompt_len", [0, 10, 200], ids=["empty", "shorter-than-a-chunk", "prefilled"])
+@pytest.mark.parametrize("size", [1, 63, 64, 65, 300, 1024, 4096])
+def test_shipped_extend_equals_steps(shipped: ReformerLM, prompt_len: int, size: int) -> None:
+    if size == 4096 and prompt_len != 200:
+        pytest.skip("one 4096-token case is enough (its steps take about a second)")
+    _check(shipped, _ids(prompt_len, 3), _ids(size, 4), recent=64)
+
+
+@pytest.mark.parametrize("weights", ["bfloat16", "int8"])
+def test_extend_equals_steps_on_reduced_weights(shipped: ReformerLM, weights: WeightKind) -> None:
+    """The C products on bfloat16 or int8 weights (REFORMER_DECODE_WEIGHTS) are row-independent too."""
+    _check(shipped, _ids(70, 24), _ids(300, 25), recent=64, weights=weights)
+
+
+@pytest.mark.parametrize("layers", [["local", "local"], ["lsh", "lsh"]])
+def test_models_of_one_kind_of_layer(layers: list[str]) -> None:
+    """No LSH layer (no bucket count at all), or no local layer."""
+    torch.manual_seed(0)
+    lm = ReformerLM(tiny_config(vocab_size=VOCAB, attn_layers=layers,
+                                num_buckets=None if "lsh" not in layers else 8)).eval()
+    _check(lm, _ids(11, 26), _ids(90, 27), recent=8)
+
+
+def test_two_extends_equal_one(tiny: ReformerLM) -> None:
+    """extend(A + B) = extend(A) then extend(B), both = the steps."""
+    tokens = _ids(150, 5)
+    _check(tiny, _ids(12, 6), tokens, recent=8, pieces=[61, 89])
+    _check(tiny, _ids(12, 6), tokens, recent=8, pieces=[150])
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_any_segmentation_equals_steps(tiny: ReformerLM, data: st.DataObject) -> None:
+    prompt_len = data.draw(st.integers(0, 20), label="prompt")
+    pieces = data.draw(st.lists(st.integers(1, 40), min_size=1, max_size=6), label="pieces")
+    _check(tiny, _ids(prompt_len, 7), _ids(sum(pieces), 8), recent=data.draw(st.sampled_from([3, 8, 64])),
+           pieces=pieces)
+
+
+def test_other_requests_change_nothing(tiny: ReformerLM) -> None:
+    """A request extended alone = the same request extended while two other slots hold requests that step and
+    extend between its extends."""
+    prompt, tokens = _ids(9, 10), _ids(120, 11)
+    alone_cache, alone_decoder, alone, _ = start(tiny, 200, [], recent=8)
+    for part in (prompt, tokens[:50], tokens[50:]):
+        alone_logits = alone_decoder.extend(alone, part)
+    busy_cache, busy_decoder, first, _ = start(tiny, 200, _ids(30, 12), recent=8, slots=3)
+    second = busy_cache.allocate(200)
+    busy_decoder.extend(second, _ids(17, 13))
+    target = busy_cache.allocate(200)
+    busy_decoder.extend(target, prompt)
+    busy_decoder.extend(target, tokens[:50])
+    busy_decoder.step([5, 6], [first, second])
+    busy_decoder.extend(first, _ids(33, 14))
+    busy_logits = busy_decoder.extend(target, tokens[50:])
+    assert target.slot != alone.slot  # the rows it reads and writes are other rows
+    assert same_bits(busy_logits, alone_logits)
+    assert differences(held(busy_cache, target), held(alone_cache, alone)) == []
+
+
+@pytest.mark.parametrize("model", ["shipped", "tiny"])
+def test_one_thread_equals_two(model: str, request: pytest.FixtureRequest) -> None:
+    """Two threads split the heads (each merges, writes, inserts and attends its own): the same bits as one.
+    The tiny model with recent orders of 3 merges every 3 rows."""
+    lm = request.getfixturevalue(model)
+    prompt, tokens = _ids(100, 15), _ids(700, 16)
+    recent = 64 if model == "shipped" else 3
+    out = []
+    for n in (1, 2):
+        torch.set_num_threads(1)  # the prefill on one thread both times: its PyTorch ops' bits may depend on it
+        cache, decoder, state, _ = start(lm, 1000, prompt, recent=recent)
+        torch.set_num_threads(n)
+        out.append((decoder.extend(state, tokens), held(cache, state)))
+    assert same_bits(out[0][0], out[1][0])
+    assert differences(out[0][1], out[1][1]) == []
+
+
+def test_long_extends_are_split_into_calls(tiny: ReformerLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(extend_module, "EXTEND_ROWS", 50)
+    _check(tiny, _ids(3, 17), _ids(230, 18), recent=8)
+
+
+@pytest.mark.parametrize("where", ["automatic-bucket-counts", "pytorch-step"])
+def test_the_reference_path_runs_where_the_c_call_does_not(where: str) -> None:
+    """Automatic bucket counts (indexes rebuilt as the length grows) or no C kernels (the PyTorch step, as on a
+    GPU): extend takes the steps, same bits."""
+    torch.manual_seed(0)
+    automatic = where == "automatic-bucket-counts"
+    lm = ReformerLM(tiny_config(vocab_size=VOCAB, num_buckets=None if automatic else 8)).eval()
+    prompt, tokens = _ids(6, 19), _ids(80, 20)
+    cache, decoder, state, _ = start(lm, 100, prompt, recent=8, cpu_kernel=automatic)
+    assert not c_path(decoder)
+    ref_cache, ref_decoder, ref, _ = start(lm, 100, prompt, recent=8, cpu_kernel=automatic)
+    assert same_bits(decoder.extend(state, tokens), step_each(ref_decoder, ref, tokens))
+    assert differences(held(cache, state), held(ref_cache, ref)) == []
+
+
+def test_extend_is_not_the_one_piece_prefill(shipped: ReformerLM) -> None:
+    """The comparison can tell semantics apart: a 300-token prompt prefilled in one piece (its windows see
+    masked later tokens) leaves other logits and keys than the same prompt extended."""
+    tokens = _ids(300, 21)
+    cache, decoder, state, _ = start(shipped, 400, [], recent=64)
+    extended = decoder.extend(state, tokens)
+    one_cache, _, one_state, prefilled = start(shipped, 400, tokens, recent=64)
+    assert prefilled is not None and not same_bits(extended, prefilled)
+    diff = differences(held(cache, state), held(one_cache, one_state))
+    assert "1.keys" in diff  # the second layer (LSH) reads the first layer's outputs
+
+
+def test_refusals(tiny: ReformerLM) -> None:
+    cache, decoder, state, _ = start(tiny, 20, _ids(4, 22), recent=8)
+    with pytest.raises(ValueError, match="at least one token"):
+        decoder.extend(state, [])
+    with pytest.raises(ValueError, match="positions reserved"):
+        decoder.extend(state, _ids(cache.block_size * state.capacity, 23))
+    assert state.length == 4  # nothing done
+    cache.free(state)
+    with pytest.raises(ValueError, match="freed"):
+        decoder.extend(state, [5])
+
+
+@pytest.mark.parametrize("model", ["shipped", "tiny"])
+def test_the_rows_facts_are_the_steps(model: str, request: pytest.FixtureRequest) -> None:
+    """The facts extend hands the C call for positions 0 .. 299 (worked out together) = `row_facts` of a step at
+    each position."""
+    from model.decoding.facts import position_facts, row_facts
+
+    lm = request.getfixturevalue(model)
+    _, decoder, state, _ = start(lm, 400, [], recent=64)
+    facts = position_facts(lm, decoder.cache, state, 300)
+    for t in range(300):
+        state.length = t
+        assert facts[t].tolist() == row_facts(lm, decoder.cache, [state])[0][0], t
