@@ -21,6 +21,7 @@ from model.decoding import (
     sampling_threads,
     step_threads,
 )
+from model.decoding.extend import c_path as extend_in_c
 from model.decoding.prefill import PromptScores, prefill_scored_steps
 from model.decoding.steps.cuda_graphs import StepGraphs
 from model.kernels.weights import WeightKind
@@ -33,8 +34,9 @@ log = logging.getLogger("service.engine")
 # more than max_batch_size requests of max_position_embeddings positions could use.
 CUDA_CACHE_FRACTION = 0.5
 CPU_CACHE_FRACTION = 0.25
-# Tokens a causal prefill reads per slice (between two chances for the engine to run decode steps)
-EXTEND_SLICE_TOKENS = 64
+# Tokens a causal prefill reads per slice (between two chances for the engine to run decode steps): about 35 ms
+# of the shipped model's extend on two cores (bench/results/extend_cost_2026-12-07_25a38c4_quiet.json)
+EXTEND_SLICE_TOKENS = 1024
 
 
 def default_cache_bytes(device: torch.device) -> int:
@@ -166,33 +168,35 @@ class ModelRunner:
     def extend_slices(self, prompt: Sequence[int], reserve: int, state: DecodeState | None = None,
                       stops: Sequence[int] = (), slice_tokens: int = EXTEND_SLICE_TOKENS
                       ) -> Generator[tuple[int, torch.Tensor, DecodeState], None, tuple[torch.Tensor, DecodeState]]:
-        """The causal prefill (REFORMER_PREFILL=causal): `prompt`'s tokens from `state.length` on read one at a
-        time as a decode step reads a generated token, so each position's state is a function of the positions
-        before it only. `state` None: a new state with room for `reserve` positions, its first token read by a
-        one-token forward (what a decode step from nothing would compute: the token attends to itself). Each
-        next() reads at most `slice_tokens` tokens, stopping also at each length in `stops`, and yields (length,
-        logits after that length's last token, state) so the caller can copy the state there; the generator
-        returns (logits after the prompt's last token, state). Closing it frees a state it made (a given one stays
-        its owner's).
-        Every token is its own one-row step on one intra-op thread, so the bits never depend on what else
-        runs."""
+        """The causal prefill (REFORMER_PREFILL=causal): `prompt`'s tokens from `state.length` on read by the
+        extend (model/decoding/extend.py), which leaves exactly what one decode step per token leaves, so each
+        position's state is a function of the positions before it only. `state` None: a new state with room
+        for `reserve` positions, read from position 0. Each next() reads at most `slice_tokens` tokens,
+        stopping also at each length in `stops`, and yields (length, logits after that length's last token,
+        state) so the caller can copy the state there; the generator returns (logits after the prompt's last
+        token, state). Closing it frees a state it made (a given one stays its owner's). A row's arithmetic
+        never depends on the slice, the thread count or what else runs (tests/model/decoding/test_extend.py), so
+        neither do the bits."""
         ids = list(prompt)
         owned = state is None
+        if state is None:
+            if not ids:
+                raise ValueError("a causal prefill of an empty prompt")
+            state = self.allocate(reserve)
+        elif state.length >= len(ids):
+            raise ValueError("a causal prefill from a state that already holds the whole prompt")
+        logits = torch.empty(0)
         try:
-            if state is None:
-                if not ids:
-                    raise ValueError("a causal prefill of an empty prompt")
-                logits, states = self.prefill([ids[:1]], [reserve])
-                state, logits = states[0], logits[0]
-            elif state.length >= len(ids):
-                raise ValueError("a causal prefill from a state that already holds the whole prompt")
-            else:
-                logits = torch.empty(0)
             marks = sorted(n for n in set(stops) if state.length < n <= len(ids))
             while state.length < len(ids):
                 end = min(len(ids), state.length + slice_tokens, *(n for n in marks if n > state.length))
-                while state.length < end:
-                    logits = self.decode([ids[state.length]], [state])[0]
+                # the C extend gives the same bits on any thread count; its step-per-token fallback (no kernels,
+                # GPU, automatic bucket counts) stays on one thread, as a decode step of one row does
+                threads = prefill_threads(end - state.length, self.device) if extend_in_c(self.decoder) else \
+                    step_threads(1, self.device)
+                with threads, torch.inference_mode():
+                    out = self.decoder.extend(state, ids[state.length:end])
+                logits = out if out.dtype == torch.float32 and out.device.type == "cpu" else out.float().cpu()
                 yield state.length, logits, state
             return logits, state
         except BaseException:
