@@ -63,12 +63,24 @@ _SHRINKAGE_HELP = ("covariance shrinkage of the whitening matrix, in [0, 1]; def
                    "each document's held out, nearest-neighbour document accuracy; export/embedding_stats.py)")
 
 
-def whole_input_lines(parity: dict[str, Any]) -> list[str]:
-    """One line per verification case held to the whole-input criterion (LSH near-ties: onnx_export)."""
-    return [f"  ONNX at {case['length']} tokens ({case['why']}): mean log-likelihood {case['nll_relative_diff']:.2g} "
-            f"and pooled hidden state {case['pooled_relative_diff']:.2g} relative to torch; "
-            f"{case['share_within_tolerance']:.2%} of positions within {parity['tolerance']} "
-            f"(largest {case['max_abs_diff_logits']:.3g})" for case in parity.get("whole_input_cases", [])]
+def hashing_lines(parity: dict[str, Any]) -> list[str]:
+    """The tie-aware check's findings (export/onnx_ties.py): a summary of the cases that hash, then one line
+    per near-tie flip, with what the flip did to that case's output."""
+    cases = parity.get("hashing_cases", [])
+    if not cases:
+        return []
+    fed = max(c["fed_max_abs_diff_logits"] for c in cases)
+    lines = [f"  ONNX hash decisions: {sum(c['decisions'] for c in cases):,} in {len(cases)} cases that hash, "
+             f"{parity['near_tie_flips']} near-tie flips (margin <= {parity['tie_margin']}); with torch's buckets "
+             f"fed, logits within {fed:.3g}"]
+    for case in cases:
+        whole = case["whole_input"]
+        for flip in case["near_tie_flips"]:
+            lines.append(f"  near-tie flip at {case['length']} tokens: layer {flip['layer']} round {flip['round']} "
+                         f"head {flip['head']} row {flip['row']} position {flip['position']}, margin "
+                         f"{flip['margin']:.2g}; the graph's own output: mean log-likelihood "
+                         f"{whole['nll_relative_diff']:.2g} relative, largest logit {whole['max_abs_diff_logits']:.3g}")
+    return lines
 
 
 def _summary(path: Path, manifest: dict[str, Any]) -> str:
@@ -77,7 +89,7 @@ def _summary(path: Path, manifest: dict[str, Any]) -> str:
     if onnx:
         parity = onnx.get("parity", {})
         lines.append(f"  ONNX (opset {onnx['opset']}): max abs diff vs torch {onnx['max_abs_diff']:.3g}")
-        lines += whole_input_lines(parity)
+        lines += hashing_lines(parity)
         verification = onnx.get("verification", {})
         if verification.get("scope") == "reduced":
             lines.append(f"  ONNX verification reduced: {verification['why']}")
@@ -277,7 +289,7 @@ def verify_main(argv: list[str]) -> int:
         return _fail(p.prog, e)
     print(f"{art.onnx_path.name}: opset {info['opset']}, no random operators, dynamic batch and length; "
           f"max abs diff vs torch {parity['max_abs_diff_logits']:.3g} (tolerance {parity['tolerance']})")
-    for line in whole_input_lines(parity):
+    for line in hashing_lines(parity):
         print(line.strip())
     if art.onnx_int8_path is not None:
         # int8 is approximate by design: checked for structure and that it runs; its quality cost is the
