@@ -1,5 +1,5 @@
-"""`reformer export`, `reformer export-stats`, `reformer import-hf` and `reformer verify`: each takes argv and
-returns an exit code."""
+"""`reformer export`, `reformer export-stats`, `reformer export-onnx`, `reformer import-hf` and `reformer verify`:
+each takes argv and returns an exit code."""
 
 from __future__ import annotations
 
@@ -202,6 +202,33 @@ def export_stats_main(argv: list[str]) -> int:
     print(f"{STATS_FILE} rewritten in {args.artifact} ({entry['size']} bytes, sha256 {entry['sha256'][:16]}); "
           "manifest updated, artifact checks out")
     print(_stats_line(record))
+    return 0
+
+
+def export_onnx_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="reformer export-onnx", description=(
+        "Add a verified ONNX graph (and with --quantize int8 its int8 graph) to an existing artifact, made from "
+        "the artifact's own model; weights, tokenizer and statistics are kept byte for byte, the manifest "
+        "gains the graphs' hashes and export records."))
+    p.add_argument("artifact", type=Path, help="artifact directory to update in place")
+    p.add_argument("--quantize", choices=["int8"], help="also write a dynamically quantised model.int8.onnx")
+    p.add_argument("--eval-data", type=Path, nargs="+", action="extend",
+                   help="text files or directories of *.txt whose tails are held out, for the int8 bits-per-byte "
+                        "check (default: a small built-in text); several may be given")
+    p.add_argument("--eval-bytes", type=int, default=32768, help="bytes taken from the end of each eval file")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from .onnx_add import add_onnx_graphs
+    from .quantize import read_eval_data
+
+    try:
+        eval_text = None if args.eval_data is None else \
+            b"\n\n".join(read_eval_data(d, args.eval_bytes) for d in args.eval_data)
+        manifest = add_onnx_graphs(args.artifact, args.quantize == "int8", eval_text,
+                                   _command("reformer export-onnx", argv))
+    except (ArtifactError, ExportError, FileNotFoundError, ValueError) as e:
+        return _fail(p.prog, e)
+    print(_summary(args.artifact, manifest))
     return 0
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import onnx
 from onnx import TensorProto, helper
 
-from .onnx_export import ExportError
+from .onnx_run import ExportError
 
 SORT_OP = "TopK"
 HASH_OPS = {"ArgMax", "ArgMin"}  # the argmax over [x, -x] runs as max(x) against -min(x)

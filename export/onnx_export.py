@@ -30,27 +30,25 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
 from model import ReformerLM
-from model.batch import check_attention_mask
-from model.pooling import pool_hidden
 
+from . import onnx_ties as ties
 from .onnx_graph import static_forward
+from .onnx_run import INPUT_NAMES, OUTPUT_NAMES, PARITY_TOLERANCE, ExportError, ort_session, run_ort, whole_input_parity
+
+# the run and comparison helpers live in onnx_run.py (the tie-aware check needs them too); callers of this
+# module keep finding them here
+__all__ = ["INPUT_NAMES", "OUTPUT_NAMES", "PARITY_TOLERANCE", "ExportError", "OnnxForward", "check_graph",
+           "export_and_verify", "export_onnx", "max_export_length", "ort_session", "run_ort", "verification_cases",
+           "verify_onnx", "whole_input_parity"]
 
 OPSET = 20
-PARITY_TOLERANCE = 1e-4
 RANDOM_OPS = {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli"}
-INPUT_NAMES = ["input_ids", "attention_mask"]
-OUTPUT_NAMES = ["logits", "hidden_states"]
 
 log = logging.getLogger(__name__)
-
-
-class ExportError(Exception):
-    """The model cannot be exported, or its graph does not reproduce torch."""
 
 
 class OnnxForward(nn.Module):
@@ -155,22 +153,6 @@ def check_graph(path: Path) -> dict[str, Any]:
     return {"opset": opset, "ops": sorted(ops), "nodes": len(graph_model.graph.node)}
 
 
-def ort_session(path: Path, threads: int = 0) -> Any:
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.log_severity_level = 3
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-
-
-def run_ort(session: Any, ids: Tensor, mask: Tensor) -> tuple[np.ndarray, np.ndarray]:
-    """Run the graph; a mask with a hole is refused (ValueError naming the row), as torch refuses it."""
-    check_attention_mask(mask)
-    logits, hidden = session.run(OUTPUT_NAMES, {"input_ids": ids.numpy(), "attention_mask": mask.numpy()})
-    return logits, hidden
-
-
 LONG_LENGTH = 4096  # always verified (capped at the graph's maximum)
 LONGER_LENGTH = 16384  # verified with long=True
 
@@ -215,27 +197,6 @@ def verification_cases(model: ReformerLM, seed: int = 0, long: bool = False) -> 
     return cases
 
 
-def whole_input_parity(ids: Tensor, mask: Tensor, ref_logits: np.ndarray, ref_hidden: np.ndarray,
-                       logits: np.ndarray, hidden: np.ndarray) -> dict[str, Any]:
-    """What a case's outputs say about the input as a whole, all rows (recorded for hashing cases, not gated):
-    relative differences of the mean next-token negative log-likelihood of the real tokens and of each row's
-    mean-pooled hidden state (model/pooling.py pool_hidden, as the service pools; the worst row), the
-    largest logit difference and the share of real positions within PARITY_TOLERANCE."""
-    real = mask.bool().numpy()
-    gap = np.abs(logits - ref_logits).max(axis=-1)[real]  # (real positions,)
-    nll = []
-    for out in (ref_logits, logits):
-        logp = torch.log_softmax(torch.from_numpy(out[:, :-1]).double(), dim=-1)  # (B, L-1, vocab)
-        target = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)  # (B, L-1)
-        scored = torch.from_numpy(real[:, 1:] & real[:, :-1])
-        nll.append(float(-target[scored].mean()))
-    a, b = (pool_hidden(torch.from_numpy(h).double(), mask, "mean") for h in (ref_hidden, hidden))  # (B, 2*hidden)
-    pooled = (a - b).norm(dim=-1) / a.norm(dim=-1).clamp_min(1e-30)  # (B,)
-    return {"length": int(ids.shape[1]), "nll_relative_diff": abs(nll[1] - nll[0]) / max(abs(nll[0]), 1e-30),
-            "pooled_relative_diff": float(pooled.max()), "max_abs_diff_logits": float(gap.max()),
-            "share_within_tolerance": float((gap <= PARITY_TOLERANCE).mean())}
-
-
 def verify_onnx(model: ReformerLM, path: Path, seed: int = 0, long: bool = False,
                 cases: list[tuple[Tensor, Tensor]] | None = None) -> dict[str, Any]:
     """Torch (the eager model) against onnxruntime over the verification cases (module docstring): a case that
@@ -244,8 +205,6 @@ def verify_onnx(model: ReformerLM, path: Path, seed: int = 0, long: bool = False
     torch's buckets fed (export/onnx_ties.py), its near-tie flips and whole-input figures recorded in
     `hashing_cases`. Raises ExportError naming the first failure. `cases` replaces verification_cases (a
     large model's affordable subset: export/onnx_budget.py)."""
-    from . import onnx_ties as ties
-
     check = ties.TieCheck(model, path)
     worst = {"logits": 0.0, "hidden_states": 0.0}
     shapes, hashing = [], []

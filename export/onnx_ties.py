@@ -20,9 +20,9 @@ hash input), and the run gives two checks:
    position within FED_ATOL + FED_RTOL x s, s the largest |torch| value of that position's logits (or
    hidden state): a matrix product's rounding scales with its whole output vector, not with one entry.
 
-The whole-input figures of the shipped graph's run (onnx_export.whole_input_parity) are recorded beside them,
+The whole-input figures of the shipped graph's run (onnx_run.whole_input_parity) are recorded beside them,
 not gated. A case that does not hash (the eager model attends densely: no row longer than one LSH chunk)
-is held to onnx_export.PARITY_TOLERANCE on the shipped graph's outputs."""
+is held to onnx_run.PARITY_TOLERANCE on the shipped graph's outputs."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ from model.lsh.hashing import bucket_factors, hash_rotations, padding_bucket, ro
 from model.reversible import ReformerLayer
 
 from .onnx_buckets import FED_INPUT, HASH_OUTPUT, find_bucket_sites, session_for, with_buckets_fed
-from .onnx_export import OUTPUT_NAMES, PARITY_TOLERANCE, ExportError, ort_session, run_ort, whole_input_parity
+from .onnx_run import OUTPUT_NAMES, PARITY_TOLERANCE, ExportError, ort_session, run_ort, whole_input_parity
 
 TIE_MARGIN = 1e-5  # relative gap of torch's two best rotated values under which a flipped decision is a near-tie
 # with torch's buckets fed: |onnx - torch| <= FED_ATOL + FED_RTOL * (largest |torch| of the position's vector)
@@ -156,10 +156,18 @@ class TieCheck:
     def check(self, ids: Tensor, mask: Tensor) -> dict[str, Any]:
         """One case: raises ExportError naming what failed; returns its record ("hashes": whether the
         decisions were compared and torch's buckets fed; the gaps that were gated)."""
+        return self.check_outputs(ids, mask)[0]
+
+    def check_outputs(self, ids: Tensor, mask: Tensor) -> tuple[dict[str, Any], np.ndarray, np.ndarray]:
+        """`check`'s record, with torch's logits and the shipped graph's (B, L, vocab) beside it."""
         with torch.no_grad(), capture_hashes(self.model) as hashes:
             ref = self.model(ids, mask)
         logits, hidden = run_ort(self.shipped, ids, mask)  # refuses a mask with a hole, as torch does
         ref_logits, ref_hidden = ref.logits.numpy(), ref.hidden_states.numpy()
+        return self._judge(ids, mask, hashes, ref_logits, ref_hidden, logits, hidden), ref_logits, logits
+
+    def _judge(self, ids: Tensor, mask: Tensor, hashes: list[TorchHash], ref_logits: np.ndarray,
+               ref_hidden: np.ndarray, logits: np.ndarray, hidden: np.ndarray) -> dict[str, Any]:
         real = mask.bool().numpy()
         length = int(ids.shape[1])
         if not hashes or any(h.buckets is None for h in hashes):
