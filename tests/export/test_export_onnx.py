@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import importlib
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from export import load_artifact, save_artifact
+from export import onnx_budget as ob
 from export import onnx_export as ox
 from export.artifact import file_sha256
 from export.cli import export_onnx_main
@@ -30,7 +32,8 @@ def bare_artifact(tmp_path: Path) -> Path:
     return out
 
 
-def test_graphs_are_added_and_everything_else_kept(bare_artifact: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_graphs_are_added_and_everything_else_kept(bare_artifact: Path, capsys: pytest.CaptureFixture[str],
+                                                   monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     before = _manifest(bare_artifact)
     hashes = {p.name: file_sha256(p) for p in bare_artifact.iterdir()}
     assert export_onnx_main([str(bare_artifact), "--quantize", "int8"]) == 0
@@ -47,7 +50,15 @@ def test_graphs_are_added_and_everything_else_kept(bare_artifact: Path, capsys: 
     assert "bits_per_byte_int8" in after["evaluation"]["int8"]
     art = load_artifact(bare_artifact)
     assert art.onnx_path is not None and art.onnx_int8_path is not None
-    # again without --quantize: the int8 graph of the earlier graph goes with its records
+    # again without --quantize: the int8 graph of the earlier graph goes with its records (the export itself is
+    # not what this checks: the first run's graph stands in for it)
+    shutil.copy(bare_artifact / "model.onnx", tmp_path / "graph.onnx")
+
+    def same_graph(model: object, path: Path) -> dict[str, Any]:
+        shutil.copy(tmp_path / "graph.onnx", path)
+        return dict(onnx)
+
+    monkeypatch.setattr(ob, "export_sized", same_graph)
     assert export_onnx_main([str(bare_artifact)]) == 0
     again = _manifest(bare_artifact)
     assert "model.int8.onnx" not in again["files"] and not (bare_artifact / "model.int8.onnx").exists()
