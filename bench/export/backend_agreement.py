@@ -43,7 +43,7 @@ if str(ROOT) not in sys.path:
 
 from bench.unseen_books import add_test_books_arg, describe, whole_books  # noqa: E402
 from export import load_artifact  # noqa: E402
-from export.onnx_export import ExportError, ort_session, run_ort  # noqa: E402
+from export.onnx_export import ExportError, max_export_length, ort_session, run_ort  # noqa: E402
 from export.onnx_ties import TieCheck  # noqa: E402
 
 
@@ -62,12 +62,14 @@ def windows(books: list[tuple[str, np.ndarray]], window: int, per_book: int) -> 
     return out
 
 
-def random_inputs(books: list[tuple[str, np.ndarray]], count: int, seed: int) -> list[tuple[str, np.ndarray]]:
+def random_inputs(books: list[tuple[str, np.ndarray]], count: int, seed: int, longest: int
+                  ) -> list[tuple[str, np.ndarray]]:
+    """`count` inputs of log-uniform lengths 65..`longest` from random places of random books."""
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(count):
         name, ids = books[int(rng.integers(len(books)))]
-        n = int(np.exp(rng.uniform(np.log(65), np.log(4096))))
+        n = int(np.exp(rng.uniform(np.log(65), np.log(longest))))
         start = int(rng.integers(0, len(ids) - n))
         out.append((name, ids[start : start + n]))
     return out
@@ -186,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     quality_inputs = windows(books, args.window, args.windows_per_book)
     try:
         result_quality, records = quality(check, int8, quality_inputs)
-        for name, row in random_inputs(books, args.flip_inputs, args.seed):
+        for name, row in random_inputs(books, args.flip_inputs, args.seed, min(4096, max_export_length(art.model))):
             ids = torch.from_numpy(row).view(1, -1)
             record, ref, out = check.check_outputs(ids, torch.ones_like(ids))
             records.append((name, len(row), record, ref[0], out[0]))
