@@ -16,6 +16,8 @@ What it measures, on the artifact's model (default: the shipped one) and its mod
   margin, and the graph fed torch's buckets held to the export's tolerance. Reported: inputs with a flip,
   flips, the largest margin of a flip, and what the flips did to the graph's own output (largest logit
   difference, greedy disagreements, mean log-likelihood change) against inputs without one.
+- **torch's own variants** (on the first `--variant-inputs` of those random inputs): torch's hash decisions
+  with the C kernels off and in bfloat16 against torch float32 with them on, per LSH layer.
 - **Determinism** (on the first `--determinism-inputs` windows): the same input twice, alone and as the first
   row of a right-padded batch with a shorter row, and on 1 thread against `--threads`: bit for bit or not,
   for torch eager and onnxruntime fp32.
@@ -26,6 +28,7 @@ minutes on 2 cores."""
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import os
@@ -44,7 +47,9 @@ if str(ROOT) not in sys.path:
 from bench.unseen_books import add_test_books_arg, describe, whole_books  # noqa: E402
 from export import load_artifact  # noqa: E402
 from export.onnx_export import ExportError, max_export_length, ort_session, run_ort  # noqa: E402
-from export.onnx_ties import TieCheck  # noqa: E402
+from export.onnx_ties import TieCheck, capture_hashes, decision_margins  # noqa: E402
+from model.fused_attention import use_c_kernels  # noqa: E402
+from model.lsh.hashing import bucket_factors, hash_rotations, rotation_size  # noqa: E402
 
 
 def bits(logits: np.ndarray, ids: np.ndarray) -> float:
@@ -126,6 +131,45 @@ def flip_summary(records: list) -> dict[str, Any]:
     return summary
 
 
+def torch_variants(model: Any, inputs: list[tuple[str, np.ndarray]]) -> dict[str, Any]:
+    """Hash decisions of torch itself with the C kernels off, and in bfloat16, against torch float32 with the
+    kernels on (what export checks against): per LSH layer, the inputs where some decision differs, how many
+    differ, and the largest of their top-two margins (torch float32's, as the export check computes them).
+    A later layer's differing decisions may follow from an earlier layer's, so their margins can be large."""
+    nb = model.config.num_buckets
+    rotations = hash_rotations(model.config.hash_seed, model.config.num_attention_heads,
+                               model.config.attention_head_size, model.config.num_hashes, rotation_size(nb))
+    off = copy.deepcopy(model)
+    use_c_kernels(off, False)
+    variants = {"C kernels off": off, "bfloat16": copy.deepcopy(model).to(torch.bfloat16)}
+    found: dict[str, dict[str, Any]] = {}
+    for _, row in inputs:
+        ids = torch.from_numpy(row).view(1, -1)
+        with torch.no_grad(), capture_hashes(model) as ref:
+            model(ids)
+        for name, variant in variants.items():
+            with torch.no_grad(), capture_hashes(variant) as other:
+                variant(ids)
+            entry = found.setdefault(name, {"inputs": 0, "inputs_with_differences": 0, "layers": {}})
+            entry["inputs"] += 1
+            differs = False
+            for a, b in zip(ref, other):
+                if a.buckets is None or b.buckets is None:
+                    continue
+                where = np.argwhere((a.buckets != b.buckets).numpy())  # (N, 4): row, head, round, position
+                layer = entry["layers"].setdefault(str(a.layer), {"inputs_with_differences": 0, "decisions": 0,
+                                                                  "largest_margin": None})
+                if len(where):
+                    differs = True
+                    ours, theirs = (t.numpy()[tuple(where.T)] for t in (b.buckets, a.buckets))
+                    margins = decision_margins(a.qk, rotations, bucket_factors(nb), where, ours, theirs)
+                    layer["inputs_with_differences"] += 1
+                    layer["decisions"] += len(where)
+                    layer["largest_margin"] = max(float(margins.max()), layer["largest_margin"] or 0.0)
+            entry["inputs_with_differences"] += int(differs)
+    return found
+
+
 def determinism(model: Any, onnx_path: Path, inputs: list[tuple[str, np.ndarray]], threads: int) -> dict[str, Any]:
     """Bit-for-bit checks: again, batched (first row of a right-padded batch), and on 1 thread."""
     def torch_run(ids: torch.Tensor, mask: torch.Tensor) -> np.ndarray:
@@ -168,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--windows-per-book", type=int, default=8)
     p.add_argument("--flip-inputs", type=int, default=40)
     p.add_argument("--determinism-inputs", type=int, default=2)
+    p.add_argument("--variant-inputs", type=int, default=20, help="flip inputs also run through torch's variants")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "backend_agreement.json")
@@ -186,9 +231,10 @@ def main(argv: list[str] | None = None) -> int:
     check = TieCheck(art.model, art.onnx_path)
     int8 = ort_session(art.onnx_int8_path, args.threads)
     quality_inputs = windows(books, args.window, args.windows_per_book)
+    flip_inputs = random_inputs(books, args.flip_inputs, args.seed, min(4096, max_export_length(art.model)))
     try:
         result_quality, records = quality(check, int8, quality_inputs)
-        for name, row in random_inputs(books, args.flip_inputs, args.seed, min(4096, max_export_length(art.model))):
+        for name, row in flip_inputs:
             ids = torch.from_numpy(row).view(1, -1)
             record, ref, out = check.check_outputs(ids, torch.ones_like(ids))
             records.append((name, len(row), record, ref[0], out[0]))
@@ -201,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         "artifact": str(art.path.relative_to(ROOT) if art.path.is_relative_to(ROOT) else art.path),
         "sha256": art.sha256, "test_books": describe(args.test_books), "window": args.window,
         "quality": result_quality, "near_tie_flips": flip_summary(records),
+        "torch_variants": torch_variants(art.model, flip_inputs[: args.variant_inputs]),
         "determinism": determinism(art.model, art.onnx_path, quality_inputs[: args.determinism_inputs], args.threads),
         "environment": {"cpus": os.cpu_count(), "torch": torch.__version__, "threads": args.threads,
                         "onnxruntime": __import__("onnxruntime").__version__, "load_before": load_before,
