@@ -20,7 +20,7 @@ What it measures, on the artifact's model (default: the shipped one) and its mod
   with the C kernels off and in bfloat16 against torch float32 with them on, per LSH layer.
 - **Determinism** (on the first `--determinism-inputs` windows): the same input twice, alone and as the first
   row of a right-padded batch with a shorter row, and on 1 thread against `--threads`: bit for bit or not,
-  for torch eager and onnxruntime fp32.
+  for torch eager and onnxruntime fp32 and int8.
 
 Writes the JSON to `--out`; load averages before and after are in it. Quick on the shipped model: a few
 minutes on 2 cores."""
@@ -170,13 +170,14 @@ def torch_variants(model: Any, inputs: list[tuple[str, np.ndarray]]) -> dict[str
     return found
 
 
-def determinism(model: Any, onnx_path: Path, inputs: list[tuple[str, np.ndarray]], threads: int) -> dict[str, Any]:
+def determinism(model: Any, graphs: dict[str, Path], inputs: list[tuple[str, np.ndarray]], threads: int
+                ) -> dict[str, Any]:
     """Bit-for-bit checks: again, batched (first row of a right-padded batch), and on 1 thread."""
     def torch_run(ids: torch.Tensor, mask: torch.Tensor) -> np.ndarray:
         with torch.no_grad():
             return model(ids, mask).logits.numpy()
 
-    sessions = {n: ort_session(onnx_path, n) for n in (1, threads)}
+    sessions = {(name, n): ort_session(path, n) for name, path in graphs.items() for n in (1, threads)}
     found: dict[str, dict[str, Any]] = {}
     for _, row in inputs:
         ids = torch.from_numpy(row).view(1, -1)
@@ -191,9 +192,10 @@ def determinism(model: Any, onnx_path: Path, inputs: list[tuple[str, np.ndarray]
         one = torch_run(ids, mask)
         torch.set_num_threads(threads)
         runs["torch"] += (one,)
-        s, s1 = sessions[threads], sessions[1]
-        runs["onnxruntime fp32"] = (run_ort(s, ids, mask)[0], run_ort(s, ids, mask)[0], run_ort(s, batch, bmask)[0][:1],
-                                    run_ort(s1, ids, mask)[0])
+        for name in graphs:
+            s, s1 = sessions[(name, threads)], sessions[(name, 1)]
+            runs[name] = (run_ort(s, ids, mask)[0], run_ort(s, ids, mask)[0], run_ort(s, batch, bmask)[0][:1],
+                          run_ort(s1, ids, mask)[0])
         for name, (first, again, batched, single) in runs.items():
             entry = found.setdefault(name, {"again": 0.0, "batched": 0.0, "one_thread": 0.0, "inputs": 0})
             entry["inputs"] += 1
@@ -225,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{art.path} lacks model.onnx or model.int8.onnx: `reformer export-onnx ARTIFACT --quantize int8`",
               file=sys.stderr)
         return 1
+    graphs = {"onnxruntime fp32": art.onnx_path, "onnxruntime int8": art.onnx_int8_path}
     load_before = [round(v, 2) for v in os.getloadavg()]
     start = time.perf_counter()
     books = whole_books(args.test_books, art.tokenizer)
@@ -248,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         "sha256": art.sha256, "test_books": describe(args.test_books), "window": args.window,
         "quality": result_quality, "near_tie_flips": flip_summary(records),
         "torch_variants": torch_variants(art.model, flip_inputs[: args.variant_inputs]),
-        "determinism": determinism(art.model, art.onnx_path, quality_inputs[: args.determinism_inputs], args.threads),
+        "determinism": determinism(art.model, graphs, quality_inputs[: args.determinism_inputs], args.threads),
         "environment": {"cpus": os.cpu_count(), "torch": torch.__version__, "threads": args.threads,
                         "onnxruntime": __import__("onnxruntime").__version__, "load_before": load_before,
                         "load_after": [round(v, 2) for v in os.getloadavg()]},
