@@ -169,7 +169,8 @@ def test_the_manifest_record_of_a_graph_that_passes(graph: Path) -> None:
         assert set(case["whole_input"]) == {"length", "nll_relative_diff", "pooled_relative_diff",
                                             "max_abs_diff_logits", "share_within_tolerance"}
     assert found["near_tie_flips"] == 0 and found["tie_margin"] == ties.TIE_MARGIN
-    assert found["max_abs_diff_logits"] <= ox.PARITY_TOLERANCE
+    assert found["max_abs_diff_logits"] <= ox.PARITY_TOLERANCE  # the cases that do not hash
+    assert 0.0 < found["fed_max_abs_diff_logits"] == max(c["fed_max_abs_diff_logits"] for c in found["hashing_cases"])
 
 
 def test_decision_margins_take_the_factor_whose_digit_differs() -> None:
