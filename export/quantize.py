@@ -14,7 +14,8 @@ import torch
 from model import ByteTokenizer, ReformerLM
 from model.tokenizer import Tokenizer
 
-from .onnx_export import max_export_length, ort_session
+from .onnx_export import max_export_length
+from .onnx_run import ort_session
 
 log = logging.getLogger(__name__)
 

@@ -14,6 +14,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "data": ("train.corpus_fetch", "main", "write the training corpus into corpus/ (download or --from DIR)"),
     "export": ("export.cli", "export_main", "turn a training checkpoint into a served artifact"),
     "export-stats": ("export.cli", "export_stats_main", "recompute an artifact's embedding statistics in place"),
+    "export-onnx": ("export.cli", "export_onnx_main", "add a verified ONNX graph to an artifact in place"),
     "import-hf": ("export.cli", "import_hf_main", "convert a transformers Reformer checkpoint"),
     "verify": ("export.cli", "verify_main", "check an artifact's manifest, hashes and ONNX parity"),
     "loadtest": ("loadtest.cli", "main", "load-test a running server with long documents"),

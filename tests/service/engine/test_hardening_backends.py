@@ -8,26 +8,15 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from export import load_artifact, save_artifact
-from model import ByteTokenizer
+from export import load_artifact
 from service.api.app import create_app
 from service.settings import Settings
-from tests.conftest import tiny_model
 from tests.service.helpers import running_app, wait_load_error
 
 
-@pytest.fixture(scope="module")
-def onnx_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny artifact with a verified model.onnx (the shipped default has none: docs/MODEL_CARD.md)."""
-    out = tmp_path_factory.mktemp("onnx_backend") / "artifact"
-    save_artifact(tiny_model(), out, tokenizer=ByteTokenizer(), provenance={"note": "random weights for tests"},
-                  onnx=True)
-    return out
-
-
 @pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
-def test_info_reports_the_backend_of_each_stage(backend: str, onnx_artifact: Path) -> None:
-    artifact = load_artifact(onnx_artifact)
+def test_info_reports_the_backend_of_each_stage(backend: str) -> None:
+    artifact = load_artifact()  # the shipped default artifact carries model.onnx
     assert artifact.onnx_path is not None
     with running_app(artifact, backend=backend, log_level="warning") as client:
         info = client.get("/info").json()
@@ -41,7 +30,7 @@ def test_info_reports_the_backend_of_each_stage(backend: str, onnx_artifact: Pat
 
 
 def test_onnxruntime_is_refused_at_start_up_for_an_artifact_without_a_graph(tiny_artifact: Path) -> None:
-    artifact = load_artifact(tiny_artifact)  # saved with onnx=False, as the shipped default is
+    artifact = load_artifact(tiny_artifact)  # saved with onnx=False
     assert artifact.onnx_path is None
     app = create_app(Settings(backend="onnxruntime", log_level="warning"), artifact)
     with TestClient(app, raise_server_exceptions=False) as client:

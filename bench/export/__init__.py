@@ -1,0 +1,1 @@
+"""Benchmarks of the exported graphs (bench/README.md)."""
