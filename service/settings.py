@@ -78,14 +78,13 @@ class Settings(BaseSettings, PrefixCacheTrustSettings):
         "one-piece",
         description="How a generation's prompt is read. one-piece: one forward over the whole prompt (sorted "
         "into LSH chunks together, so a position's attention depends on the tokens after it), sliced between "
-        "decode steps when long. causal: each prompt token read as a decode step reads a generated token (its "
-        "window a function of the tokens before it), one token per step, alone, in slices between the running "
-        "generations' steps; the prefix cache then keeps the state at each prompt's last 256-token block "
-        "boundary and any later prompt that starts with those tokens continues from it, with no "
-        "cache_prefix_chars declaration (declarations are ignored). Its answers are exact: a prompt gives "
-        "the same bits whatever the cache holds. It reads a cold prompt at decode-step speed, many times "
-        "slower than one-piece (bench/prefill/causal_prefill.py); prompts scored with logprobs "
-        "(echo, decoder_input_details) still take the one-piece forward.",
+        "decode steps when long. causal: the prompt read by the exact extend, which leaves what one decode "
+        "step per token leaves (each position's window a function of the tokens before it), in slices between "
+        "the running generations' steps; the prefix cache then keeps the state at each prompt's last 256-token "
+        "block boundary and any later prompt that shares a block boundary with a kept state continues from it, "
+        "with no cache_prefix_chars declaration (declarations are ignored). Answers are the same bits whatever "
+        "the cache holds. A cold prompt takes about 1.6x the one-piece time (bench/prefill/causal_prefill.py); "
+        "prompts scored with logprobs (echo, decoder_input_details) still take the one-piece forward.",
     )
     cache_bytes: int | None = Field(
         None, ge=0,

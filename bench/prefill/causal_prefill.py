@@ -1,7 +1,9 @@
 """REFORMER_PREFILL=causal against one-piece, through the service in-process, on the shipped model: the time to
-first token of a cold prompt (a document of `--chars` characters of a held-out book and a question), of a second
+first token of a cold prompt (a document of `--chars` characters of a test-set book and a question), of a second
 question about the same document (no declaration: the causal server finds the document's blocks by content;
-the one-piece server prefills again), and of a repeat of the first prompt. Ratios are taken in one run.
+the one-piece server prefills again), of a repeat of the first prompt, of a 1,000-character question about the
+document, and of a conversation's next turn (the first prompt, its answer and a new message). Ratios are taken
+in one run, against the one-piece server's cold first prompt.
 
     python bench/prefill/causal_prefill.py [ARTIFACT] --test-books DIR [--chars 8000] [--out FILE]
 
@@ -29,6 +31,8 @@ from export import load_artifact  # noqa: E402
 from tests.service.helpers import running_app  # noqa: E402
 
 QUESTIONS = [" Who speaks first in this passage, and to whom?", " What is the weather like?"]
+LONG_QUESTION = " Read the passage again and answer in detail: " + "who said what to whom, and why, in order? " * 22
+NEXT_TURN = "\nUser: And what happens after that?\nAssistant:"
 
 
 def _ask(client: Any, prompt: str) -> tuple[float, str, int]:
@@ -41,13 +45,15 @@ def _ask(client: Any, prompt: str) -> tuple[float, str, int]:
 
 
 def run(artifact: Any, doc: str, prefill: str) -> dict[str, Any]:
-    settings = dict(prefill=prefill, max_input_tokens=len(doc) + 1024, warmup=True)
+    settings = dict(prefill=prefill, max_input_tokens=len(doc.encode()) + 4096, warmup=True)
     with running_app(artifact, **settings) as client:
         first = _ask(client, doc + QUESTIONS[0])
         second = _ask(client, doc + QUESTIONS[1])
         repeat = _ask(client, doc + QUESTIONS[0])
-    return {name: {"seconds": t, "text": text, "cached_tokens": cached}
-            for name, (t, text, cached) in (("first", first), ("second", second), ("repeat", repeat))}
+        long = _ask(client, doc + LONG_QUESTION)
+        turn = _ask(client, doc + QUESTIONS[0] + first[1] + NEXT_TURN)
+    asked = (("first", first), ("second", second), ("repeat", repeat), ("long_question", long), ("next_turn", turn))
+    return {name: {"seconds": t, "text": text, "cached_tokens": cached} for name, (t, text, cached) in asked}
 
 
 def main() -> None:
@@ -75,10 +81,10 @@ def main() -> None:
     path = args.out or REPO / "bench" / "results" / f"causal_prefill_{datetime.date.today()}.json"
     path.write_text(json.dumps(out, indent=1) + "\n")
     print(f"load before {load_before:.2f}, after {load_after:.2f}; {len(doc)} characters of {name}")
-    print(f"{'prefill':<10} {'request':<8} {'TTFT s':>8} {'x one-piece cold':>17} {'cached':>7}")
+    print(f"{'prefill':<10} {'request':<14} {'TTFT s':>8} {'x one-piece cold':>17} {'cached':>7}")
     for mode, rs in results.items():
         for name, r in rs.items():
-            print(f"{mode:<10} {name:<8} {r['seconds']:>8.3f} {r['seconds'] / cold:>17.3f} {r['cached_tokens']:>7}")
+            print(f"{mode:<10} {name:<14} {r['seconds']:>8.3f} {r['seconds'] / cold:>17.3f} {r['cached_tokens']:>7}")
     print(f"wrote {path}")
 
 
