@@ -1,7 +1,7 @@
 """What the causal semantics (REFORMER_PREFILL=causal) costs in quality: bits per byte over every position of
 windows of the test set, read by the one-piece forward and read causally, as the service's causal prefill reads
-a prompt (its first token by a one-token forward, every later one by a decode step: service/engine/runner.py
-`extend_slices`).
+a prompt (service/engine/runner.py `extend_slices`: the extend from position 0, which leaves what one decode
+step per token leaves; the per-position logits here come from those steps).
 
     python bench/decode/causal_quality.py --test-books DIR [--artifact DIR] [--lengths 4096,16384] [--out FILE]
 
@@ -27,7 +27,8 @@ sys.path.insert(0, str(REPO))
 
 from bench.unseen_books import add_test_books_arg, whole_books  # noqa: E402
 from export import load_artifact  # noqa: E402
-from model.decoding import DecodeCache, Decoder, prefill  # noqa: E402
+from model.decoding import DecodeCache, Decoder  # noqa: E402
+from model.decoding.extend import open_indexes  # noqa: E402
 
 
 @torch.inference_mode()
@@ -38,10 +39,9 @@ def both_ways(lm: torch.nn.Module, ids: list[int]) -> tuple[float, float, float]
     full = lm(x[None, :-1]).logits[0].float()  # (L-1, vocab): position i predicts ids[i+1]
     cache = DecodeCache.for_tokens(lm, len(ids))
     decoder = Decoder(lm, cache)
-    first, states = prefill(lm, cache, [x[:1]], [len(ids)])
-    causal = [first[0].float()]
-    for token in ids[1:-1]:
-        causal.append(decoder.step([token], states)[0].float())
+    state = cache.allocate(len(ids))
+    open_indexes(decoder, state)  # read from position 0, as the service's causal prefill reads a prompt
+    causal = [decoder.step([token], [state])[0].float() for token in ids[:-1]]
     stacked = torch.stack(causal)  # (L-1, vocab)
     bits_full = torch.nn.functional.cross_entropy(full, targets).item() / math.log(2)
     bits_causal = torch.nn.functional.cross_entropy(stacked, targets).item() / math.log(2)
