@@ -2,7 +2,7 @@
 tokens while it is prefilled, and its prefill time against its time alone.
 
     python bench/prefill/prefill_gap.py [MODEL] [--data corpus/data] [--long-bytes 60000] [--streams 8]
-                                [--stream-bytes 256] [--threads 2] [--prefill-budget-ms 100]
+                                [--stream-bytes 256] [--threads 2] [--prefill-budget-ms 100] [--prefill causal]
                                 [--out bench/results/prefill_gap.json]
 
 MODEL is an artifact directory (default: the shipped export/default_artifact). Everything runs in this
@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--prefill-budget-ms", type=float, default=EngineConfig.prefill_budget_ms,
                    help="the engine's budget for prefill slices between decode steps (REFORMER_PREFILL_BUDGET_MS)")
+    p.add_argument("--prefill", choices=["one-piece", "causal"], default="one-piece",
+                   help="how the engine reads prompts (REFORMER_PREFILL); causal: the exact extend, in slices")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "prefill_gap.json")
     return p
 
@@ -184,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
                              .decode("utf-8", "ignore")) for i in range(args.streams)]
     engine = Engine(artifact.model, tok, backend=None,  # type: ignore[arg-type]  # no embedding requests here
                     device=torch.device("cpu"), metrics=ServiceMetrics(),
-                    config=EngineConfig(warmup=False, prefill_budget_ms=args.prefill_budget_ms))
+                    config=EngineConfig(warmup=False, prefill_budget_ms=args.prefill_budget_ms,
+                                        causal_prefill=args.prefill == "causal"))
     load_before = [round(v, 2) for v in os.getloadavg()]
     t0 = time.perf_counter()
     engine.start()
@@ -199,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     out = {"benchmark": "prefill_gap", "model": str(args.model or "export/default_artifact"),
            "long_prompt_tokens": len(long_ids), "streams": args.streams,
            "stream_prompt_tokens": [len(s) for s in stream_ids], "threads": args.threads,
-           "prefill_budget_ms": args.prefill_budget_ms,
+           "prefill_budget_ms": args.prefill_budget_ms, "prefill": args.prefill,
            "process_settings": {**process, "switch_interval_s": sys.getswitchinterval()}, **result,
            "prefill_ratio_vs_alone": round(ws["prefill_s"] / alone, 2),
            "seconds": round(time.perf_counter() - t0, 1), "load_before": load_before,
