@@ -200,7 +200,8 @@ class Engine:
         cache = self.prefix_cache
         if cache is not None and cache.disk is not None and job.spec.prompt_logprobs is None and \
                 self.config.causal_prefill:  # the longest boundary of the prompt on disk (prompt_reuse.py)
-            keys = cache.causal_read_ahead(job.prefill_ids[:-1], job.spec.cache_salt)
+            job.links = cache.links(job.prefill_ids, job.spec.cache_salt)  # reused on the worker (prompt_reuse.py)
+            keys = cache.causal_read_ahead([(n, k) for n, k in job.links if n < len(job.prefill_ids)])
             if keys:
                 job.read_ahead_pending = True
                 cache.read_ahead(keys, self.runner.cache, lambda snap: self._read_ahead_done(job, snap))

@@ -124,8 +124,10 @@ class GenerationJob(Job):
         self.suffix: list[int] = list(spec.prompt_ids[cut:])
         self.fed = 0  # suffix tokens fed so far (the pending one included)
         self.prefix_key: str | None = None  # the segment's key in the prefix cache
-        # a causal prompt's block tails (model/decoding/prefix_restore.py BlockTails) until its state is kept
+        # a causal prompt's block tails (model/decoding/prefix_restore.py BlockTails) until its state is kept,
+        # and its key chain, (length, key) after every block (service/engine/prompt_reuse.py), hashed once
         self.tails: Any = None
+        self.links: list[tuple[int, str]] | None = None
         # the disk tier's read of the segment's state, done off the worker's thread before the job starts
         # (Engine.generate): pending while it runs (the job waits in the queue), then the state or None
         self.read_ahead_pending = False

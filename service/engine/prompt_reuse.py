@@ -121,7 +121,8 @@ class PromptReuse:
             return
         # the prompt's last token is always read (its logits are the first token's), so a state of the whole
         # prompt is never what it continues from
-        found = self.cache.lookup_longest(job.prefill_ids[:-1], job.spec.cache_salt, read_ahead)
+        short = [(n, key) for n, key in self._links(job) if n < len(job.prefill_ids)]
+        found = self.cache.lookup_longest(short, len(job.prefill_ids) - 1, read_ahead)
         if found is None:
             return
         length, snap, tier = found
@@ -134,14 +135,14 @@ class PromptReuse:
                     restore_prefix(self.runner.cache, self.runner.model.config, snap, state, length)
         except Exception:  # the entry is unusable: forget it (memory and disk), and compute what it held
             log.exception("restoring a kept state failed; prefilling instead", extra={"request_id": job.request_id})
-            at = self.cache.key(job.prefill_ids[:length], job.spec.cache_salt)
+            at = dict(self._links(job))[length]
             self.cache.forget(self.cache.boundaries.pop(at, at))  # the entry itself, kept at a later boundary
             self.runner.free(state)
             return
         self.cache.hit(tier, length)
         if snap.length == length and snap.tails:  # e.g. read from disk after a restart, or from a replica: found
-            salt = job.spec.cache_salt                # by every boundary it kept a tail at from now on (idempotent)
-            self.cache.register(self.cache.key(job.prefill_ids[:length], salt), snap, job.prefill_ids[:length], salt)
+            upto = [(n, key) for n, key in self._links(job) if n <= length]  # by its boundaries from now on
+            self.cache.register(upto[-1][1], snap, upto)
         job.cache = state
         job.tails = BlockTails.of_snapshot(snap, length)
         job.timings.cached_tokens = length if self.report else 0
@@ -152,7 +153,7 @@ class PromptReuse:
         lies past the state the prompt started from; else None."""
         if self.cache is None or job.spec.prompt_logprobs is not None:
             return None
-        ends = [n for n, _ in self.cache.links(job.prefill_ids, job.spec.cache_salt) if n < len(job.prefill_ids)]
+        ends = [n for n, _ in self._links(job) if self.cache.config.min_tokens <= n < len(job.prefill_ids)]
         start = job.cache.length if job.cache is not None else 0
         if not ends or ends[-1] <= start:
             return None
@@ -176,15 +177,25 @@ class PromptReuse:
             job.tails.attach(snap)
             job.tails = None
         try:
-            salt = job.spec.cache_salt
-            key = self.cache.key(job.prefill_ids[:length], salt)
+            upto = [(n, key) for n, key in self._links(job) if n <= length]
+            key = upto[-1][1]
             if self.cache.offer(key, snap):
-                self.cache.register(key, snap, job.prefill_ids[:length], salt)
+                self.cache.register(key, snap, upto)
         except Exception:  # the cache is an optimisation: the request goes on without it
             log.exception("could not keep a state in the prefix cache", extra={"request_id": job.request_id})
 
+    def _links(self, job: GenerationJob) -> list[tuple[int, str]]:
+        """The causal prompt's key chain, (length, key) after every block: hashed once per job (by the engine
+        when it asked the disk tier ahead, else here)."""
+        assert self.cache is not None
+        if job.links is None:
+            job.links = self.cache.links(job.prefill_ids, job.spec.cache_salt)
+        return job.links
+
     def _key(self, job: GenerationJob) -> str:
         salt = job.spec.cache_salt
+        if self.cache is not None and self.causal and job.prefill_ids:
+            return self._links(job)[-1][1]  # the whole prompt's key: the chain's last link
         if self.cache is not None:
             return self.cache.key(job.prefill_ids, salt)
         # no cache: forks still share one prefill, and a key need only tell apart the prompts in flight (and

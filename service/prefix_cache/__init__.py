@@ -134,31 +134,32 @@ class PrefixCache:
             except Exception:
                 log.exception("handing a prefix cache file's state to its request failed")
 
-    def causal_read_ahead(self, tokens: Sequence[int], salt: str | None) -> list[str]:
+    def causal_read_ahead(self, links: Sequence[tuple[int, str]]) -> list[str]:
         """The boundary keys, longest first, a causal prompt's state is looked for on disk under before it
-        starts (`read_ahead`): none when there is no disk tier or memory holds one of them already."""
+        starts (`read_ahead`), of `links` (a prompt's `links` short of its end): none when there is no disk tier
+        or memory holds one of them already."""
         if self.disk is None:
             return []
-        links = self.links(tokens, salt)
-        if any(key in self.store or key in self.boundaries for _, key in links):
+        kept = self._kept(links)
+        if any(key in self.store or key in self.boundaries for _, key in kept):
             return []
-        return [key for _, key in reversed(links)]
+        return [key for _, key in reversed(kept)]
 
-    def lookup_longest(self, tokens: Sequence[int], salt: str | None, read_ahead: StateSnapshot | None = None
+    def lookup_longest(self, links: Sequence[tuple[int, str]], tokens: int, read_ahead: StateSnapshot | None = None
                        ) -> tuple[int, StateSnapshot, str] | None:
-        """The longest kept state of a prefix of `tokens` that ends at a block boundary (a multiple of
-        KEY_BLOCK_TOKENS, or the whole of `tokens`), with that length and its tier: a state kept at that very
-        boundary, or a longer one that kept a tail there (`register`): `read_ahead` (the disk tier's longest, read
-        off the worker's thread when memory held none), else memory's, or None. What the causal prefill keeps and finds
-        (REFORMER_PREFILL=causal): a state there is a function of its own tokens only, so any prompt that starts
-        with them continues from it. Queries are counted here, hits by `hit` once the state is restored."""
-        if len(tokens) < self.config.min_tokens:
+        """The longest kept state among `links` (a prompt's `links` short of its end, `tokens` tokens), with
+        its length and its tier: a state kept at that very boundary, or a longer one that kept a tail there
+        (`register`): `read_ahead` (the disk tier's longest, read off the worker's thread when memory held
+        none), else memory's, or None. What the causal prefill keeps and finds (REFORMER_PREFILL=causal): a state
+        there is a function of its own tokens only, so any prompt that starts with them continues from it.
+        Queries are counted here, hits by `hit` once the state is restored."""
+        if tokens < self.config.min_tokens:
             return None
         if self.metrics is not None:
-            self.metrics.queries.inc(len(tokens))
+            self.metrics.queries.inc(tokens)
         if read_ahead is not None:  # asked for because memory held none of these boundaries when it was queued
             return read_ahead.length, read_ahead, "disk"
-        for length, key in reversed(self.links(tokens, salt)):
+        for length, key in reversed(self._kept(links)):
             snap = self.store.get(key)
             if snap is None and key in self.boundaries:  # a longer kept state that passed this boundary
                 snap = self.store.get(self.boundaries[key])
@@ -168,20 +169,25 @@ class PrefixCache:
                 return length, snap, "memory"
         return None
 
-    def register(self, key: str, snapshot: StateSnapshot, tokens: Sequence[int], salt: str | None) -> None:
-        """Make the kept state under `key` (the state of `tokens`) found by the key of every block boundary it
-        kept a tail at (model/decoding/prefix_restore.py): a prompt that shares only the first b of its tokens
-        continues from it truncated to b. Memory tier only; entries whose state is gone are dropped on the way."""
+    def register(self, key: str, snapshot: StateSnapshot, links: Sequence[tuple[int, str]]) -> None:
+        """Make the kept state under `key` found by the key of every block boundary among `links` (its prompt's)
+        it kept a tail at (model/decoding/prefix_restore.py): a prompt that shares only the first b of its
+        tokens continues from it truncated to b. Memory tier only; entries whose state is gone are dropped on
+        the way."""
         if len(self.boundaries) > MAX_BOUNDARIES:
             self.boundaries = {k: e for k, e in self.boundaries.items() if e in self.store}
-        for length, link in chain_links(self.digest, tokens, salt):
+        for length, link in links:
             if length in snapshot.tails and link != key:
                 self.boundaries[link] = key
 
     def links(self, tokens: Sequence[int], salt: str | None) -> list[tuple[int, str]]:
-        """(length, key) of each of the prompt's prefixes the causal prefill may keep: those at block
-        boundaries of at least min_tokens tokens, and the whole prompt."""
-        return [(n, key) for n, key in chain_links(self.digest, tokens, salt) if n >= self.config.min_tokens]
+        """(length, key) after every block of the prompt's key chain (keys.py `chain_links`): computed once per
+        causal prompt and handed to the methods above."""
+        return chain_links(self.digest, tokens, salt)
+
+    def _kept(self, links: Sequence[tuple[int, str]]) -> list[tuple[int, str]]:
+        """The links a causal prompt's state may be kept at: those of at least min_tokens tokens."""
+        return [(n, key) for n, key in links if n >= self.config.min_tokens]
 
     def hit(self, tier: str, tokens: int) -> None:
         """A looked-up state was restored: `tokens` tokens were not prefilled (counted in tokens, as vLLM)."""
