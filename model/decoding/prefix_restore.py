@@ -43,17 +43,12 @@ from torch import Tensor
 from .cache import DecodeCache, flat_buckets
 from .cache_state import DecodeState
 from .lsh_index import LSHIndex
-from .snapshot import PREFIX_BLOCK, StateSnapshot, TailFacts, check_fits
+from .snapshot import PREFIX_BLOCK, StateSnapshot, TailFacts, check_fits, ring_rows
 
 if TYPE_CHECKING:
     from ..config import ReformerConfig
 
 __all__ = ["PREFIX_BLOCK", "BlockTails", "position_buckets", "restore_prefix"]
-
-
-def _ring_rows(cache: DecodeCache, slot: int) -> slice:
-    width = cache.ring.width
-    return slice(slot * width, (slot + 1) * width)
 
 
 class BlockTails:
@@ -80,7 +75,7 @@ class BlockTails:
             return  # refused at restore anyway: its rings would be bytes kept for nothing
         for li, index in enumerate(cache.indexes):
             if index is None:
-                self.tensors[f"tail.{b}.ring.{li}"] = cache.kv[li][_ring_rows(cache, state.slot)].clone()
+                self.tensors[f"tail.{b}.ring.{li}"] = cache.kv[li][ring_rows(cache, state.slot)].clone()
         if logits is not None:
             self.tensors[f"tail.{b}.logits"] = logits.detach().to("cpu", torch.float32).clone()
 
@@ -121,7 +116,7 @@ def _check_prefix(cache: DecodeCache, snap: StateSnapshot, state: DecodeState, l
                          f"({facts.num_buckets} -> {snap.num_buckets})")
     for li, index in enumerate(cache.indexes):
         ring = snap.tensors.get(f"tail.{length}.ring.{li}")
-        want = cache.kv[li][_ring_rows(cache, 0)]
+        want = cache.kv[li][ring_rows(cache, 0)]
         if index is None and (ring is None or ring.shape != want.shape or ring.dtype != want.dtype):
             raise ValueError(f"the snapshot's tail at {length} holds no ring of layer {li} that fits this cache")
     return facts
@@ -171,7 +166,7 @@ def restore_prefix(cache: DecodeCache, config: ReformerConfig, snap: StateSnapsh
     rows = cache.slot_rows(state, 0, length)  # (length,)
     for li, index in enumerate(cache.indexes):
         if index is None:
-            cache.kv[li][_ring_rows(cache, state.slot)] = snap.tensors[f"tail.{length}.ring.{li}"].to(cache.device)
+            cache.kv[li][ring_rows(cache, state.slot)] = snap.tensors[f"tail.{length}.ring.{li}"].to(cache.device)
             continue
         norms = cache.norms[li]
         assert norms is not None

@@ -92,7 +92,8 @@ def _held_rows(cache: DecodeCache, state: DecodeState) -> Tensor:
     return cache.slot_rows(state, 0, state.length)
 
 
-def _ring_rows(cache: DecodeCache, slot: int) -> slice:
+def ring_rows(cache: DecodeCache, slot: int) -> slice:
+    """The local layers' ring rows of `slot` (model/decoding/local_ring.py): what a snapshot copies whole."""
     width = cache.ring.width
     return slice(slot * width, (slot + 1) * width)
 
@@ -105,7 +106,7 @@ def take_snapshot(cache: DecodeCache, state: DecodeState, logits: Tensor) -> Sta
     out: dict[str, Tensor] = {"logits": logits.detach().to("cpu", torch.float32).clone()}
     for li, index in enumerate(cache.indexes):
         if index is None:
-            out[f"ring.{li}"] = cache.kv[li][_ring_rows(cache, state.slot)].clone()
+            out[f"ring.{li}"] = cache.kv[li][ring_rows(cache, state.slot)].clone()
             continue
         norms = cache.norms[li]
         assert norms is not None
@@ -136,7 +137,7 @@ def check_fits(cache: DecodeCache, snap: StateSnapshot) -> None:
     for li, index in enumerate(cache.indexes):
         if index is None:
             ring = snap.tensors.get(f"ring.{li}")
-            want = cache.kv[li][_ring_rows(cache, 0)]
+            want = cache.kv[li][ring_rows(cache, 0)]
             if ring is None or ring.shape != want.shape or ring.dtype != want.dtype:
                 raise ValueError(f"layer {li}'s ring does not match this cache's")
             continue
@@ -161,7 +162,7 @@ def restore_snapshot(cache: DecodeCache, snap: StateSnapshot, state: DecodeState
     rows = _held_rows(cache, state)
     for li, index in enumerate(cache.indexes):
         if index is None:
-            cache.kv[li][_ring_rows(cache, state.slot)] = snap.tensors[f"ring.{li}"].to(cache.device)
+            cache.kv[li][ring_rows(cache, state.slot)] = snap.tensors[f"ring.{li}"].to(cache.device)
             continue
         norms = cache.norms[li]
         assert norms is not None
