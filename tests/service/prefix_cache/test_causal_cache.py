@@ -133,10 +133,15 @@ def test_choices_share_one_read_and_a_short_prompt_reads_alone(artifact: Any) ->
 
 
 def test_a_scored_prompt_still_takes_the_one_piece_forward(artifact: Any) -> None:
+    body = {"prompt": DOC, "echo": True, "logprobs": 1, "max_tokens": 0}
     with running_app(artifact, **SETTINGS) as on:
-        r = on.post("/v1/completions", json={"prompt": DOC, "echo": True, "logprobs": 1, "max_tokens": 0})
+        r = on.post("/v1/completions", json=body)
+    with running_app(artifact, **{**SETTINGS, "prefill": "one-piece"}) as one_piece:
+        want = one_piece.post("/v1/completions", json=body)
     assert r.status_code == 200, r.text
-    assert len(r.json()["choices"][0]["logprobs"]["token_logprobs"]) == len(DOC)
+    scores = r.json()["choices"][0]["logprobs"]["token_logprobs"]
+    assert len(scores) == len(DOC)
+    assert scores == want.json()["choices"][0]["logprobs"]["token_logprobs"]  # the one-piece forward's scores
 
 
 @pytest.fixture(scope="module")
