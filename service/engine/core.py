@@ -48,6 +48,7 @@ from service.observability.metrics import ServiceMetrics
 from service.observability.tracing import note_job
 from service.prefix_cache import CacheIdentity, PrefixCache, PrefixCacheConfig
 from service.prefix_cache.fingerprint import runtime_fingerprint
+from service.settings_prefix_cache import PREFIX_CACHE_SHARE
 
 log = logging.getLogger("service.engine")
 
@@ -93,8 +94,6 @@ class EngineConfig:
     causal_prefill: bool = False
 
 
-# The prefix cache's memory tier when its capacity is not set: this share of the decode cache's capacity.
-PREFIX_CACHE_SHARE = 0.5
 
 
 class Engine:
