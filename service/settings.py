@@ -261,7 +261,9 @@ class Settings(BaseSettings, PrefixCacheTrustSettings):
         None, ge=0,
         description="The prefix cache's memory, in bytes, apart from the decode cache's (states are copied in "
         "and out, so a full prefix cache never delays a request: least recently used entries are evicted). "
-        "Default: half the decode cache's capacity.",
+        "Host memory on every device: on CUDA each kept state is copied to page-locked host memory and back to "
+        "the GPU when restored. Default: half the decode cache's capacity; on CUDA at most a quarter of the "
+        "host's available memory (within a container's limit) too.",
     )
     prefix_cache_min_tokens: int = Field(
         128, ge=1, description="Shorter prompts (or declared parts) are neither kept in the prefix cache nor looked "

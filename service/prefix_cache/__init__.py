@@ -7,9 +7,9 @@ restores a copy of the very state that processing leaves (model/decoding/snapsho
 depends on what the cache held: a hit gives the same bits as the miss that stored it.
 
 Parts: keys.py (the hash chain, the identity and the cache salt it starts from), fingerprint.py (the code and
-machine in the identity), store.py (the memory tier, its own byte budget, LRU, a time to live), disk.py (the
-optional disk tier shared across restarts and replicas), entry_format.py and entry_key.py (its authenticated
-files and their key), metrics.py. This module
+machine in the identity), store.py (the memory tier, its own byte budget, LRU, a time to live), host.py (states
+kept in host memory on every device), disk.py (the optional disk tier shared across restarts and replicas),
+entry_format.py and entry_key.py (its authenticated files and their key), metrics.py. This module
 ties them for the engine's worker thread; disk reads (asked for when a request is queued: `read_ahead`) and
 disk writes each run on a thread of their own, so the worker never waits on the folder."""
 
@@ -23,12 +23,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from model.decoding import DecodeCache
 from model.decoding.snapshot import StateSnapshot
 from model.decoding.snapshot_layout import check_layout
 from service.prefix_cache.disk import DiskTier
 from service.prefix_cache.entry_format import EntryFault
 from service.prefix_cache.entry_key import EntryKey, resolve_key
+from service.prefix_cache.host import pin_host_memory, to_host
 from service.prefix_cache.keys import CacheIdentity, chain_key, chain_links
 from service.prefix_cache.metrics import PrefixCacheMetrics
 from service.prefix_cache.store import PrefixStore
@@ -55,8 +58,12 @@ class PrefixCacheConfig:
 
 class PrefixCache:
     def __init__(self, identity: CacheIdentity, config: PrefixCacheConfig, metrics: PrefixCacheMetrics | None,
-                 vocab_size: int) -> None:
+                 vocab_size: int, device: torch.device | None = None, pin: bool | None = None) -> None:
+        """`device`: the decode cache's; on any but the CPU kept states are copied to host memory (host.py),
+        page-locked when `pin` (None: where CUDA is available)."""
         self.identity = identity
+        self.device = device if device is not None else torch.device("cpu")
+        self.pin = pin_host_memory() if pin is None else pin
         self.digest = identity.digest()
         self.config = config
         self.metrics = metrics
@@ -212,6 +219,7 @@ class PrefixCache:
             return None
         if self.metrics is not None:
             self.metrics.disk_reads.inc()
+        snap = to_host(snap, self.device, self.pin)  # read into plain host memory: page-locked on CUDA
         self.store.put(key, snap)
         return snap
 
@@ -240,6 +248,7 @@ class PrefixCache:
         memory until written, unless the queue already holds write_queue_bytes."""
         if snapshot.length < self.config.min_tokens:
             return False
+        snapshot = to_host(snapshot, self.device, self.pin)  # in host memory, under the budget (host.py)
         write = False
         if self.disk is not None:
             with self._queued_lock:
