@@ -15,6 +15,7 @@ disk writes each run on a thread of their own, so the worker never waits on the 
 
 from __future__ import annotations
 
+import errno
 import logging
 import queue
 import threading
@@ -54,6 +55,17 @@ class PrefixCacheConfig:
     ttl_s: float | None = None  # memory tier: a kept state is dropped this long after it was stored
     disk_ttl_s: float | None = 86400.0  # disk tier: a file is refused and deleted this long after it was written
     write_queue_bytes: int = 2 * 2**30  # states waiting for the disk writer; past it a state is not written
+
+
+# a failed write's reason label by errno (the rest: write_failed): the folder full, or not writable
+WRITE_FAULTS = {errno.ENOSPC: "disk_full", errno.EDQUOT: "disk_full",
+                errno.EROFS: "read_only", errno.EACCES: "read_only", errno.EPERM: "read_only"}
+
+
+def write_fault(exc: BaseException) -> str:
+    """The reason label of a disk write that raised `exc` (metrics.py REFUSALS)."""
+    code = exc.errno if isinstance(exc, OSError) else None
+    return WRITE_FAULTS.get(code, "write_failed") if code is not None else "write_failed"
 
 
 class PrefixCache:
@@ -269,9 +281,10 @@ class PrefixCache:
             try:
                 if self.disk.write(key, snapshot) and self.metrics is not None:
                     self.metrics.disk_writes.inc()
-            except Exception:
-                log.warning("could not write a prefix cache file", exc_info=True)
-                self._refused("write_failed")
+            except Exception as exc:
+                reason = write_fault(exc)
+                log.warning("could not write a prefix cache file (%s)", reason, exc_info=True)
+                self._refused(reason)
             finally:
                 with self._queued_lock:
                     self.queued_bytes -= snapshot.nbytes
