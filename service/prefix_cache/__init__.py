@@ -19,6 +19,7 @@ import errno
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,8 @@ from service.prefix_cache.store import PrefixStore
 
 log = logging.getLogger("service.prefix_cache")
 
+# the longest shutdown waits for queued disk writes (`close`)
+CLOSE_WRITES_S = 30.0
 # boundary keys kept before those of evicted states are swept out (`register`): about 100 bytes each
 MAX_BOUNDARIES = 1 << 18
 
@@ -295,17 +298,31 @@ class PrefixCache:
                         pass
                 self._writes.task_done()
 
-    def flush(self) -> None:
-        """Wait until every queued disk write is done (tests, shutdown)."""
-        if self._writer is not None:
-            self._writes.join()
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until every queued disk write is done (tests, shutdown), at most `timeout_s` (None: however
+        long it takes); whether they all are."""
+        if self._writer is None:
+            return True
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._writes.all_tasks_done:
+            while self._writes.unfinished_tasks:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._writes.all_tasks_done.wait(left)
+        return True
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = CLOSE_WRITES_S) -> None:
+        """Stop the reader and the writer; queued disk writes finish first, for at most `timeout_s` (a hung
+        folder must not hang shutdown: what is still queued then is not written, and said in the log)."""
         if self._reader is not None:
             self._reads.put(None)
             self._reader.join(timeout=5)
         if self._writer is not None:
-            self.flush()
+            if not self.flush(timeout_s):
+                log.warning("shutting down with %d prefix cache writes (%d bytes) not done after %.0f s: they are "
+                            "not written", self._writes.unfinished_tasks, self.queued_bytes, timeout_s)
+                return  # the writer is a daemon thread: it goes with the process
             self._writes.put(None)
             self._writer.join(timeout=5)
 
