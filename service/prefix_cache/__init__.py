@@ -332,6 +332,8 @@ class PrefixCache:
             "enabled": True,
             "capacity_bytes": self.store.capacity_bytes,
             "used_bytes": self.store.referenced_bytes + self.store.evictable_bytes,
+            # where kept states live (host.py): host memory always; copied there, page-locked, off a GPU
+            "memory": "host" if self.device.type == "cpu" else ("host-pinned" if self.pin else "host-copy"),
             "entries": len(self.store),
             "min_tokens": self.config.min_tokens,
             "disk_dir": str(self.config.disk_dir) if self.config.disk_dir else None,

@@ -55,6 +55,8 @@ def test_on_the_cpu_a_snapshot_is_kept_as_it_is() -> None:
     cache, _ = _cache(CPU)
     assert cache.offer("a" * 64, snap)
     assert cache.store.get("a" * 64) is snap  # no copy
+    assert cache.describe()["memory"] == "host"
+    assert _cache(CUDA)[0].describe()["memory"] == "host-copy"  # pin=False: no CUDA driver to page-lock with
 
 
 def test_from_another_device_every_tensor_is_a_host_copy() -> None:
