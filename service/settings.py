@@ -17,7 +17,7 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from service.memory import container_memory_limit
-from service.settings_prefix_cache import PrefixCacheTrustSettings
+from service.settings_prefix_cache import PREFIX_CACHE_SHARE, PrefixCacheTrustSettings
 
 BackendName = Literal["auto", "torch", "onnxruntime"]
 DeviceName = Literal["auto", "cpu", "cuda"]
@@ -261,7 +261,9 @@ class Settings(BaseSettings, PrefixCacheTrustSettings):
         None, ge=0,
         description="The prefix cache's memory, in bytes, apart from the decode cache's (states are copied in "
         "and out, so a full prefix cache never delays a request: least recently used entries are evicted). "
-        "Default: half the decode cache's capacity.",
+        "Host memory on every device: on CUDA each kept state is copied to page-locked host memory and back to "
+        "the GPU when restored. Default: half the decode cache's capacity; on CUDA at most a quarter of the "
+        "host's available memory (within a container's limit) too.",
     )
     prefix_cache_min_tokens: int = Field(
         128, ge=1, description="Shorter prompts (or declared parts) are neither kept in the prefix cache nor looked "
@@ -326,13 +328,55 @@ class Settings(BaseSettings, PrefixCacheTrustSettings):
         # A decode cache the container's memory limit cannot hold is refused at start-up: its pools are mapped
         # whole but only resident where written, so it would otherwise start and be OOM-killed under load.
         limit = container_memory_limit()
-        if self.cache_bytes is not None and limit is not None and self.cache_bytes >= limit:
+        if limit is None:
+            return self
+        if self.cache_bytes is not None and self.cache_bytes >= limit:
             raise ValueError(
                 f"cache_bytes ({self.cache_bytes} bytes) does not fit the container's memory limit ({limit} bytes, "
                 "the cgroup's memory.max / memory.limit_in_bytes): the process would be OOM-killed once the decode "
                 "cache fills. Set REFORMER_CACHE_BYTES well below the limit (the model and the process need memory "
                 "too), or raise the limit (docker run --memory, the pod's resources.limits.memory)")
+        # The prefix cache's states live in host memory on every device (service/prefix_cache/host.py), in
+        # its memory tier and, with a disk tier, in the disk writer's queue: counted with a host decode cache.
+        tier, queue = self.prefix_cache_host_bytes()
+        decode = self.cache_bytes if self.cache_bytes is not None and self._decode_cache_on_host() else 0
+        if tier + queue and decode + tier + queue >= limit:
+            parts = [f"prefix_cache_bytes {tier} bytes" + ("" if self.prefix_cache_bytes is not None else
+                                                            f" (its default: {PREFIX_CACHE_SHARE} of cache_bytes)")]
+            if queue:
+                parts.append(f"prefix_cache_write_queue_bytes {queue} bytes (prefix_cache_dir is set)")
+            if decode:
+                parts.append(f"cache_bytes {decode} bytes")
+            raise ValueError(
+                f"the prefix cache's memory ({' + '.join(parts)}: {decode + tier + queue} bytes) does not fit the "
+                f"container's memory limit ({limit} bytes, the cgroup's memory.max / memory.limit_in_bytes): the "
+                "process would be OOM-killed once the prefix cache fills. Set REFORMER_PREFIX_CACHE_BYTES"
+                + (" and REFORMER_PREFIX_CACHE_WRITE_QUEUE_BYTES" if queue else "")
+                + " well below the limit, turn the prefix cache off (REFORMER_PREFIX_CACHE=false), or raise the limit")
         return self
+
+    def prefix_cache_host_bytes(self) -> tuple[int, int]:
+        """The most host memory the prefix cache holds, as the settings say: its memory tier's cap
+        (prefix_cache_bytes, or its default share of cache_bytes; 0 when both are unset: the tier is then sized
+        at start-up within what is free) and, with a disk tier, the write queue's bound (states too large for
+        the memory tier wait there for the writer). (0, 0) with the prefix cache off."""
+        if not self.prefix_cache:
+            return 0, 0
+        if self.prefix_cache_bytes is not None:
+            tier = self.prefix_cache_bytes
+        else:
+            tier = int(self.cache_bytes * PREFIX_CACHE_SHARE) if self.cache_bytes is not None else 0
+        queue = self.prefix_cache_write_queue_bytes if self.prefix_cache_dir is not None else 0
+        return tier, queue
+
+    def _decode_cache_on_host(self) -> bool:
+        if self.device == "cpu":
+            return True
+        if self.device == "cuda":
+            return False
+        import torch
+
+        return not torch.cuda.is_available()
 
     def public_dict(self) -> dict[str, Any]:
         """The settings as JSON-able values, the API key reduced to whether one is set."""

@@ -39,7 +39,7 @@ from service.engine.generation_steps import GenerationSteps
 from service.engine.jobs_runtime import EmbedJob, GenerationJob, GenerationStream, Job, JobState
 from service.engine.policy import QueuedGeneration, take_generations
 from service.engine.prompt_reuse import PromptReuse
-from service.engine.runner import ModelRunner
+from service.engine.runner import ModelRunner, default_prefix_cache_bytes
 from service.errors import InputTooLong, InternalError, Overloaded, ServiceError, Unavailable
 from service.jobs import EmbeddingResult, EmbeddingSpec, GenerationSpec
 from service.memory import HeapKeeper
@@ -84,7 +84,7 @@ class EngineConfig:
     # back to the system (service/memory.py HeapKeeper; None: only idle or over the budget)
     cache_keep_bytes: int | None = 64 * 2**20
     # the prefix cache (service/prefix_cache/): None turns it off (forks of identical prompts still share one
-    # prefill); its capacity None: PREFIX_CACHE_SHARE of the decode cache's
+    # prefill); its capacity None: service/engine/runner.py default_prefix_cache_bytes
     prefix_cache: PrefixCacheConfig | None = None
     report_cached_tokens: bool = True  # REFORMER_PREFIX_CACHE_REPORT: false, every cached_tokens says 0
     artifact_sha256: str = ""  # what the prefix cache's keys start from (with the settings that change bits)
@@ -93,8 +93,6 @@ class EngineConfig:
     causal_prefill: bool = False
 
 
-# The prefix cache's memory tier when its capacity is not set: this share of the decode cache's capacity.
-PREFIX_CACHE_SHARE = 0.5
 
 
 class Engine:
@@ -139,8 +137,9 @@ class Engine:
         if wanted is None:
             return None
         cache = self.runner.cache
-        if wanted.capacity_bytes < 0:  # unset: a share of the decode cache's
-            wanted = dataclasses.replace(wanted, capacity_bytes=int(cache.capacity_bytes * PREFIX_CACHE_SHARE))
+        if wanted.capacity_bytes < 0:  # unset: a share of the decode cache's, within the host's
+            wanted = dataclasses.replace(wanted, capacity_bytes=default_prefix_cache_bytes(cache.capacity_bytes,
+                                                                                           cache.device))
         identity = CacheIdentity(
             artifact_sha256=config.artifact_sha256, hash_seed=model.config.hash_seed,
             model_dtype=str(cache.dtype), kv_cache_dtype=str(cache.kv_dtype),
@@ -149,7 +148,8 @@ class Engine:
             batch_invariant=config.batch_invariant, config_digest=CacheIdentity.config_digest_of(model.config),
             runtime=json.dumps(runtime_fingerprint(cache.device, config.cpu_kernels), sort_keys=True),
             prefill="causal" if config.causal_prefill else "one-piece")
-        return PrefixCache(identity, wanted, metrics.prefix_cache, vocab_size=model.config.vocab_size)
+        return PrefixCache(identity, wanted, metrics.prefix_cache, vocab_size=model.config.vocab_size,
+                           device=cache.device)
 
     # ---- event-loop side -------------------------------------------------------------------------------
     def start(self) -> None:

@@ -26,6 +26,7 @@ from model.decoding.prefill import PromptScores, prefill_scored_steps
 from model.decoding.steps.cuda_graphs import StepGraphs
 from model.kernels.weights import WeightKind
 from service.memory import HUGE_PAGE, container_memory_available, release_pages
+from service.settings_prefix_cache import PREFIX_CACHE_SHARE
 
 log = logging.getLogger("service.engine")
 
@@ -48,6 +49,16 @@ def default_cache_bytes(device: torch.device) -> int:
     if in_container is not None:
         available = min(available, in_container)
     return int(available * CPU_CACHE_FRACTION)
+
+
+def default_prefix_cache_bytes(decode_cache_bytes: int, device: torch.device) -> int:
+    """The prefix cache's memory tier when REFORMER_PREFIX_CACHE_BYTES is unset: PREFIX_CACHE_SHARE of the
+    decode cache's capacity; on a GPU, whose states are kept in host memory (service/prefix_cache/host.py), at
+    most what `default_cache_bytes` gives a CPU decode cache of the host's available memory too."""
+    share = int(decode_cache_bytes * PREFIX_CACHE_SHARE)
+    if device.type == "cpu":
+        return share
+    return min(share, default_cache_bytes(torch.device("cpu")))
 
 
 def step_graphs_for(device: torch.device, enabled: bool) -> StepGraphs | None:

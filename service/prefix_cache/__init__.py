@@ -7,21 +7,25 @@ restores a copy of the very state that processing leaves (model/decoding/snapsho
 depends on what the cache held: a hit gives the same bits as the miss that stored it.
 
 Parts: keys.py (the hash chain, the identity and the cache salt it starts from), fingerprint.py (the code and
-machine in the identity), store.py (the memory tier, its own byte budget, LRU, a time to live), disk.py (the
-optional disk tier shared across restarts and replicas), entry_format.py and entry_key.py (its authenticated
-files and their key), metrics.py. This module
+machine in the identity), store.py (the memory tier, its own byte budget, LRU, a time to live), host.py (states
+kept in host memory on every device), disk.py (the optional disk tier shared across restarts and replicas),
+entry_format.py and entry_key.py (its authenticated files and their key), metrics.py. This module
 ties them for the engine's worker thread; disk reads (asked for when a request is queued: `read_ahead`) and
 disk writes each run on a thread of their own, so the worker never waits on the folder."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from model.decoding import DecodeCache
 from model.decoding.snapshot import StateSnapshot
@@ -29,12 +33,15 @@ from model.decoding.snapshot_layout import check_layout
 from service.prefix_cache.disk import DiskTier
 from service.prefix_cache.entry_format import EntryFault
 from service.prefix_cache.entry_key import EntryKey, resolve_key
+from service.prefix_cache.host import pin_host_memory, to_host
 from service.prefix_cache.keys import CacheIdentity, chain_key, chain_links
 from service.prefix_cache.metrics import PrefixCacheMetrics
 from service.prefix_cache.store import PrefixStore
 
 log = logging.getLogger("service.prefix_cache")
 
+# the longest shutdown waits for queued disk writes (`close`)
+CLOSE_WRITES_S = 30.0
 # boundary keys kept before those of evicted states are swept out (`register`): about 100 bytes each
 MAX_BOUNDARIES = 1 << 18
 
@@ -53,10 +60,25 @@ class PrefixCacheConfig:
     write_queue_bytes: int = 2 * 2**30  # states waiting for the disk writer; past it a state is not written
 
 
+# a failed write's reason label by errno (the rest: write_failed): the folder full, or not writable
+WRITE_FAULTS = {errno.ENOSPC: "disk_full", errno.EDQUOT: "disk_full",
+                errno.EROFS: "read_only", errno.EACCES: "read_only", errno.EPERM: "read_only"}
+
+
+def write_fault(exc: BaseException) -> str:
+    """The reason label of a disk write that raised `exc` (metrics.py REFUSALS)."""
+    code = exc.errno if isinstance(exc, OSError) else None
+    return WRITE_FAULTS.get(code, "write_failed") if code is not None else "write_failed"
+
+
 class PrefixCache:
     def __init__(self, identity: CacheIdentity, config: PrefixCacheConfig, metrics: PrefixCacheMetrics | None,
-                 vocab_size: int) -> None:
+                 vocab_size: int, device: torch.device | None = None, pin: bool | None = None) -> None:
+        """`device`: the decode cache's; on any but the CPU kept states are copied to host memory (host.py),
+        page-locked when `pin` (None: where CUDA is available)."""
         self.identity = identity
+        self.device = device if device is not None else torch.device("cpu")
+        self.pin = pin_host_memory() if pin is None else pin
         self.digest = identity.digest()
         self.config = config
         self.metrics = metrics
@@ -212,6 +234,7 @@ class PrefixCache:
             return None
         if self.metrics is not None:
             self.metrics.disk_reads.inc()
+        snap = to_host(snap, self.device, self.pin)  # read into plain host memory: page-locked on CUDA
         self.store.put(key, snap)
         return snap
 
@@ -240,6 +263,7 @@ class PrefixCache:
         memory until written, unless the queue already holds write_queue_bytes."""
         if snapshot.length < self.config.min_tokens:
             return False
+        snapshot = to_host(snapshot, self.device, self.pin)  # in host memory, under the budget (host.py)
         write = False
         if self.disk is not None:
             with self._queued_lock:
@@ -260,9 +284,10 @@ class PrefixCache:
             try:
                 if self.disk.write(key, snapshot) and self.metrics is not None:
                     self.metrics.disk_writes.inc()
-            except Exception:
-                log.warning("could not write a prefix cache file", exc_info=True)
-                self._refused("write_failed")
+            except Exception as exc:
+                reason = write_fault(exc)
+                log.warning("could not write a prefix cache file (%s)", reason, exc_info=True)
+                self._refused(reason)
             finally:
                 with self._queued_lock:
                     self.queued_bytes -= snapshot.nbytes
@@ -273,17 +298,31 @@ class PrefixCache:
                         pass
                 self._writes.task_done()
 
-    def flush(self) -> None:
-        """Wait until every queued disk write is done (tests, shutdown)."""
-        if self._writer is not None:
-            self._writes.join()
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until every queued disk write is done (tests, shutdown), at most `timeout_s` (None: however
+        long it takes); whether they all are."""
+        if self._writer is None:
+            return True
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._writes.all_tasks_done:
+            while self._writes.unfinished_tasks:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._writes.all_tasks_done.wait(left)
+        return True
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = CLOSE_WRITES_S) -> None:
+        """Stop the reader and the writer; queued disk writes finish first, for at most `timeout_s` (a hung
+        folder must not hang shutdown: what is still queued then is not written, and said in the log)."""
         if self._reader is not None:
             self._reads.put(None)
             self._reader.join(timeout=5)
         if self._writer is not None:
-            self.flush()
+            if not self.flush(timeout_s):
+                log.warning("shutting down with %d prefix cache writes (%d bytes) not done after %.0f s: they are "
+                            "not written", self._writes.unfinished_tasks, self.queued_bytes, timeout_s)
+                return  # the writer is a daemon thread: it goes with the process
             self._writes.put(None)
             self._writer.join(timeout=5)
 
@@ -293,6 +332,8 @@ class PrefixCache:
             "enabled": True,
             "capacity_bytes": self.store.capacity_bytes,
             "used_bytes": self.store.referenced_bytes + self.store.evictable_bytes,
+            # where kept states live (host.py): host memory always; copied there, page-locked, off a GPU
+            "memory": "host" if self.device.type == "cpu" else ("host-pinned" if self.pin else "host-copy"),
             "entries": len(self.store),
             "min_tokens": self.config.min_tokens,
             "disk_dir": str(self.config.disk_dir) if self.config.disk_dir else None,

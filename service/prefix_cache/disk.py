@@ -85,7 +85,10 @@ class DiskTier:
             Path(tmp).unlink(missing_ok=True)
             raise
         _fsync_folder(self.folder)
-        self.trim()
+        try:
+            self.trim()
+        except OSError as exc:  # the file is written; a folder that refuses a deletion is trimmed next time
+            log.warning("could not trim the prefix cache folder (%s)", exc)
         return size
 
     def read(self, key: str, check: Check) -> StateSnapshot | None:
@@ -106,7 +109,10 @@ class DiskTier:
             snapshot = self._snapshot(target.name, metadata, tensors)
         except EntryFault as fault:
             if fault.content:
-                target.unlink(missing_ok=True)
+                try:
+                    target.unlink(missing_ok=True)
+                except OSError as exc:  # a read-only folder: refused all the same, under its own reason
+                    log.warning("could not delete refused prefix cache file %s (%s)", target.name, exc)
             raise
         with contextlib.suppress(OSError):  # another replica may have trimmed it meanwhile
             os.utime(target)  # most recently used

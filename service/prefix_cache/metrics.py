@@ -21,9 +21,10 @@ class QueuedBytes(Protocol):
 
 HIT_TIERS = ("memory", "disk")
 # content faults (the file is deleted): corrupt, unauthenticated, foreign, expired, layout, logits, restore;
-# the rest keep the file: io (reading failed), write_failed, queue_full (the state was not queued for writing)
+# the rest keep the file: io (reading failed); a write that failed: disk_full (ENOSPC, EDQUOT), read_only (EROFS,
+# EACCES, EPERM), write_failed (any other error); queue_full (the state was not queued for writing)
 REFUSALS = ("corrupt", "unauthenticated", "foreign", "expired", "layout", "logits", "restore", "io",
-            "write_failed", "queue_full")
+            "disk_full", "read_only", "write_failed", "queue_full")
 
 
 class PrefixCacheMetrics(Collector):
@@ -44,8 +45,10 @@ class PrefixCacheMetrics(Collector):
                                      "malformed or the wrong size, unauthenticated: fails its HMAC, foreign: "
                                      "another artifact, setting or key, expired: past its time to live, layout: "
                                      "not this decode cache's tensors, logits: NaN logits, restore: a kept state "
-                                     "that failed to restore) or failed and kept (io: reading failed, write_failed, "
-                                     "queue_full: the write queue was full); the request prefilled instead.",
+                                     "that failed to restore) or failed and kept (io: reading failed; disk_full, "
+                                     "read_only, write_failed: a write that failed, the folder full, read-only, or "
+                                     "another error; queue_full: the write queue was full); the request prefilled "
+                                     "instead.",
                                      ("reason",))
         self.forks = counter("prefix_cache_forks", "Generations (n / best_of choices, identical prompts) that "
                              "started from an identical segment's prefill running with them instead of their own.")

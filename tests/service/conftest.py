@@ -33,11 +33,11 @@ def started() -> Iterator[list[Engine]]:
 
 
 class ServerProcess(BenchServerProcess):
-    """`python -m service ARTIFACT` on a loopback port with one torch thread, `settings` as REFORMER_*
-    variables, its log captured to a file."""
+    """`python -m service ARTIFACT` on a loopback port with `threads` torch threads (OMP_NUM_THREADS), `settings`
+    as REFORMER_* variables, its log captured to a file."""
 
-    def __init__(self, artifact_dir: Path, log_path: Path, **settings: Any):
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+    def __init__(self, artifact_dir: Path, log_path: Path, threads: int = 1, **settings: Any):
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1",
                **{f"REFORMER_{key.upper()}": str(value) for key, value in settings.items()}}
         super().__init__(service_argv(artifact_dir), log_path=log_path, env=env, cwd=REPO)
 

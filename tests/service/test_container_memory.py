@@ -78,3 +78,44 @@ def test_the_default_cache_is_sized_within_the_limit(tmp_path: Path, monkeypatch
     assert default_cache_bytes(cpu) == int((limit - used) * CPU_CACHE_FRACTION)
     monkeypatch.setattr(memory, "CGROUP", cgroup_v2(tmp_path / "nolimit", "max"))
     assert default_cache_bytes(cpu) > limit * CPU_CACHE_FRACTION
+
+
+def test_the_prefix_cache_counts_in_the_start_up_check(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The prefix cache's memory tier and the disk writer's queue are host memory: with the decode cache they
+    must fit the limit, and the refusal names the prefix cache's settings."""
+    monkeypatch.setattr(memory, "CGROUP", cgroup_v2(tmp_path, str(4 * GIB)))
+    # each fits alone; together they do not
+    with pytest.raises(ValidationError, match=r"the prefix cache's memory \(prefix_cache_bytes 3221225472 bytes "
+                       r"\+ cache_bytes 2147483648 bytes: 5368709120 bytes\) does not fit the container's memory "
+                       r"limit \(4294967296 bytes.*REFORMER_PREFIX_CACHE_BYTES"):
+        Settings(cache_bytes=2 * GIB, prefix_cache_bytes=3 * GIB, device="cpu")
+    # its default share of cache_bytes counts too: 3 GiB + 1.5 GiB
+    with pytest.raises(ValidationError, match=r"prefix_cache_bytes 1610612736 bytes \(its default: 0.5 of "
+                       "cache_bytes\\)"):
+        Settings(cache_bytes=3 * GIB, device="cpu")
+    assert Settings(cache_bytes=3 * GIB, device="cpu", prefix_cache=False).cache_bytes == 3 * GIB
+    # the disk writer's queue is counted only with a disk tier
+    with pytest.raises(ValidationError, match=r"prefix_cache_write_queue_bytes 3221225472 bytes \(prefix_cache_dir "
+                       r"is set\).*REFORMER_PREFIX_CACHE_WRITE_QUEUE_BYTES"):
+        Settings(prefix_cache_bytes=GIB, prefix_cache_dir=tmp_path / "pc", prefix_cache_write_queue_bytes=3 * GIB)
+    assert Settings(prefix_cache_bytes=GIB, prefix_cache_write_queue_bytes=3 * GIB).prefix_cache_bytes == GIB
+    fits = Settings(cache_bytes=GIB, prefix_cache_bytes=GIB, prefix_cache_dir=tmp_path / "pc",
+                    prefix_cache_write_queue_bytes=GIB, device="cpu")
+    assert fits.prefix_cache_host_bytes() == (GIB, GIB)
+    # on CUDA the decode cache is device memory: only the prefix cache's host bytes count
+    assert Settings(cache_bytes=3 * GIB, prefix_cache_bytes=2 * GIB, device="cuda").cache_bytes == 3 * GIB
+    with pytest.raises(ValidationError, match="the prefix cache's memory"):
+        Settings(cache_bytes=GIB, prefix_cache_bytes=4 * GIB, device="cuda")
+    monkeypatch.setattr(memory, "CGROUP", cgroup_v2(tmp_path / "nolimit", "max"))
+    assert Settings(cache_bytes=64 * GIB, prefix_cache_bytes=64 * GIB).prefix_cache_bytes == 64 * GIB
+
+
+def test_reformer_serve_refuses_a_prefix_cache_the_limit_cannot_hold(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(memory, "CGROUP", cgroup_v2(tmp_path, str(GIB)))
+    monkeypatch.setenv("REFORMER_PREFIX_CACHE_DIR", str(tmp_path / "pc"))
+    monkeypatch.setenv("REFORMER_PREFIX_CACHE_BYTES", str(GIB // 8))  # the default 2 GiB queue does not fit 1 GiB
+    assert server.main([]) == 2  # before any model is loaded
+    err = capsys.readouterr().err
+    assert "invalid settings" in err and "prefix_cache_write_queue_bytes 2147483648 bytes" in err
+    assert "REFORMER_PREFIX_CACHE_WRITE_QUEUE_BYTES" in err

@@ -5,6 +5,7 @@ files written, and no lookups below the minimum length."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -144,3 +145,37 @@ def test_a_prompt_below_the_minimum_is_not_looked_up(tmp_path: Path, monkeypatch
         assert metrics.queries._value.get() == 0
     finally:
         cache.close()
+
+
+def test_shutdown_waits_for_queued_writes_within_a_limit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """A hung folder (a write that does not return) once made shutdown wait for ever: close() waited on the
+    write queue with no limit. Now it waits at most its timeout, says what was not written, and goes."""
+    release = threading.Event()
+    real = DiskTier.write
+
+    def hung(self: DiskTier, key: str, snapshot: StateSnapshot) -> int:
+        release.wait(30)
+        return real(self, key, snapshot)
+
+    monkeypatch.setattr(DiskTier, "write", hung)
+    cache, _ = _cache(tmp_path)
+    try:
+        cache.offer(_key(1), _snapshot())
+        cache.offer(_key(2), _snapshot())
+        assert not cache.flush(0.05)
+        began = time.monotonic()
+        cache.close(timeout_s=0.3)
+        took = time.monotonic() - began
+        assert 0.3 <= took < 3
+        assert "prefix cache writes" in caplog.text and "not written" in caplog.text
+    finally:
+        release.set()
+    cache.flush(10)  # the writer, released, finishes what it held
+    assert cache.queued_bytes == 0 and cache.disk.has(_key(1))  # type: ignore[union-attr]
+    # with writes that finish, close() waits for them: every queued state is written
+    monkeypatch.setattr(DiskTier, "write", real)
+    other, _ = _cache(tmp_path / "b")
+    other.offer(_key(3), _snapshot())
+    other.close(timeout_s=10)
+    assert other.disk.has(_key(3))  # type: ignore[union-attr]

@@ -55,7 +55,7 @@ def test_a_full_folder_fails_writes_not_requests(artifact: Any, tmp_path: Path, 
         client.app.state.service.engine.prefix_cache.flush()  # type: ignore[attr-defined]
         metrics = client.get("/metrics").text
     assert [text for text, _ in got] == cold
-    assert metric_value(metrics, "reformer_prefix_cache_disk_refusals_total", {"reason": "write_failed"}) >= 1
+    assert metric_value(metrics, "reformer_prefix_cache_disk_refusals_total", {"reason": "disk_full"}) >= 1
     assert not list(tmp_path.iterdir())  # no file, and no temporary file left behind
 
 
