@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from service.api_keys import ApiKeys, ApiKeysError, load_api_keys
 from service.memory import container_memory_limit
 from service.settings_prefix_cache import PREFIX_CACHE_SHARE, PrefixCacheTrustSettings
 
@@ -187,6 +188,18 @@ class Settings(BaseSettings, PrefixCacheTrustSettings):
         description="If set, inference routes need `Authorization: Bearer <key>` (compared in constant time). "
         "An empty or blank value means no key.",
     )
+    api_keys_file: Path | None = Field(
+        None,
+        description="A file of `tenant:key` lines (a mounted Secret), one per caller: each key is accepted as "
+        "api_key is, and names its caller's tenant (api_key's tenant is `default`). A malformed line is refused "
+        "at start-up naming it (service/api_keys.py).",
+    )
+    cache_salt_per_key: bool = Field(
+        True,
+        description="With keys set (api_key, api_keys_file): a request's prefix-cache salt includes its caller's "
+        "tenant, so callers with different keys never share a kept state, an in-flight prefill or a "
+        "cached_tokens report, whatever cache_salt or X-Cache-Salt they send. false: only those decide.",
+    )
     api_key_on_probes: bool = Field(
         False, description="Whether /metrics, /health and /ready also need the API key (when one is set)."
     )
@@ -322,6 +335,19 @@ class Settings(BaseSettings, PrefixCacheTrustSettings):
         if isinstance(value, str) and not value.strip():
             return None
         return value
+
+    @model_validator(mode="after")
+    def _keys_file_is_usable(self) -> Settings:
+        self.api_keys()  # a malformed or unreadable file is refused here, at start-up, naming its line
+        return self
+
+    def api_keys(self) -> ApiKeys | None:
+        """The accepted keys and their tenants, or None: no key is needed."""
+        try:
+            return load_api_keys(self.api_key.get_secret_value() if self.api_key is not None else None,
+                                 self.api_keys_file)
+        except ApiKeysError as err:
+            raise ValueError(str(err)) from err
 
     @model_validator(mode="after")
     def _cache_fits_the_container(self) -> Settings:

@@ -99,9 +99,9 @@ def create_app(settings: Settings | None = None, artifact: Any = None, tracing: 
     app.add_middleware(AvailabilityMiddleware, state=state)  # reserves a queue place once the body is in
     app.add_middleware(PayloadLimitMiddleware, max_bytes=settings.max_payload_bytes,
                        timeout_s=settings.body_timeout_s)  # reads the body first, under its deadline
-    if settings.api_key is not None:
-        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key.get_secret_value(),
-                           protect_probes=settings.api_key_on_probes)
+    keys = settings.api_keys()
+    if keys is not None:
+        app.add_middleware(ApiKeyMiddleware, keys=keys.by_key, protect_probes=settings.api_key_on_probes)
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["GET", "POST"],
                            allow_headers=["authorization", "content-type", "x-request-id"])

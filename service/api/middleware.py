@@ -113,11 +113,13 @@ class RequestContextMiddleware:
 
 
 class ApiKeyMiddleware:
-    """`Authorization: Bearer <key>` on every route except the docs (and the probes unless configured)."""
+    """`Authorization: Bearer <key>` on every route except the docs (and the probes unless configured). `keys`
+    maps each accepted key to its caller's tenant (service/api_keys.py), which an accepted request carries in
+    `request.state.tenant`."""
 
-    def __init__(self, app: ASGIApp, api_key: str, protect_probes: bool):
+    def __init__(self, app: ASGIApp, keys: dict[str, str], protect_probes: bool):
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = [(f"Bearer {key}".encode(), tenant) for key, tenant in keys.items()]
         self.protect_probes = protect_probes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -126,11 +128,16 @@ class ApiKeyMiddleware:
             await self.app(scope, receive, send)
             return
         given = (_header(scope, b"authorization") or "").encode("latin-1")
-        if not hmac.compare_digest(given, self.expected):  # constant time: no timing oracle on the key
+        tenant = None
+        for expected, name in self.expected:  # every key compared in constant time: no timing oracle on a key
+            if hmac.compare_digest(given, expected):
+                tenant = name
+        if tenant is None:
             await _send_error(scope, receive, send, 401, "unauthorized",
                               "missing or wrong API key: send `Authorization: Bearer <key>`",
                               headers={"WWW-Authenticate": "Bearer"})
             return
+        scope.setdefault("state", {})["tenant"] = tenant
         await self.app(scope, receive, send)
 
 

@@ -38,20 +38,31 @@ def cache_salt_field() -> Any:
     return Field(None, min_length=1, max_length=MAX_SALT_CHARS, pattern=PATTERN, description=DESCRIPTION)
 
 
-def request_salt(headers: Mapping[str, str], field: str | None) -> str | None:
-    """The salt a request's prompts are keyed under: the header's and the field's together, either alone, or
-    None; ValidationFailed naming the header when it is malformed (the field is checked by its model)."""
+def request_salt(headers: Mapping[str, str], field: str | None, tenant: str | None = None) -> str | None:
+    """The salt a request's prompts are keyed under: its caller's tenant (`tenant`: set when the server holds
+    keys and cache_salt_per_key is on, service/api_keys.py), the header's and the field's, those given
+    together, or None; ValidationFailed naming the header when it is malformed (the field is checked by its
+    model)."""
     header = headers.get(HEADER)
     if header is not None and (not 1 <= len(header) <= MAX_SALT_CHARS or not _SALT.match(header)):
         raise ValidationFailed(f"the {HEADER} header must be 1 to {MAX_SALT_CHARS} characters of "
                                "[A-Za-z0-9._:/+=@-]", param=HEADER)
     if header is None and field is None:
-        return None
-    if field is None:
-        return f"h:{header}"
-    if header is None:
-        return f"f:{field}"
-    return "hf:" + json.dumps([header, field])
+        salt = None
+    elif field is None:
+        salt = f"h:{header}"
+    elif header is None:
+        salt = f"f:{field}"
+    else:
+        salt = "hf:" + json.dumps([header, field])
+    # the tenant is added by the server after authentication: no header or field can leave or name it
+    return salt if tenant is None else "t:" + json.dumps([tenant, salt])
+
+
+def tenant_salt(request: Any) -> str | None:
+    """The caller's tenant when its key names one (ApiKeyMiddleware) and cache_salt_per_key is on, else None."""
+    tenant = getattr(request.state, "tenant", None)
+    return tenant if tenant is not None and request.app.state.service.settings.cache_salt_per_key else None
 
 
 def salted(specs: list[GenerationSpec], salt: str | None) -> list[GenerationSpec]:

@@ -20,7 +20,7 @@ from service.api.protocol import (
     StreamEvent,
     Token,
 )
-from service.api.protocol.cache_salt import request_salt, salted
+from service.api.protocol.cache_salt import request_salt, salted, tenant_salt
 from service.api.protocol.logprobs import tgi_prefill, tgi_token, tgi_top_tokens
 from service.api.protocol.native import BestOfSequence
 from service.api.routes.common import (
@@ -65,7 +65,7 @@ def start_all(engine: Engine, specs: list[GenerationSpec], request: Request, str
     """Queue every spec (one request's sequences) under the request's cache salt (`salt`: the body's field, and
     the X-Cache-Salt header); if one is refused, the ones queued already are dropped."""
     streams: list[GenerationStream] = []
-    specs = salted(specs, request_salt(request.headers, salt))
+    specs = salted(specs, request_salt(request.headers, salt, tenant_salt(request)))
     try:
         for spec in specs:
             streams.append(engine.generate(spec, reservation=reservation_of(request), stream=stream))
@@ -183,7 +183,7 @@ async def _generate_stream(body: GenerateRequest, request: Request, state: State
         spec = await tokenized(request, state, body.to_spec, tokenizer, limits)
     except ClientDisconnected:
         return disconnected_response()
-    (spec,) = salted([spec], request_salt(request.headers, body.parameters.cache_salt))
+    (spec,) = salted([spec], request_salt(request.headers, body.parameters.cache_salt, tenant_salt(request)))
     stream = engine.generate(spec, reservation=reservation_of(request))
     try:
         first = await until_disconnected(request, stream.next_event())  # errors before the stream: real statuses
