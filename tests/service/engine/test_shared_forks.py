@@ -108,3 +108,25 @@ def test_admission_reserves_a_forks_own_part(artifact: Any, share: bool) -> None
     answers, _, forks = _served(artifact, 4, max_batch_size=4, cache_bytes=cache_bytes, shared_blocks=share)
     assert len(answers) == 4 and all(len(a) == NEW for a in answers)
     assert forks == (3 if share else 2)
+
+
+def test_identical_prompts_that_hit_together_restore_one_copy(artifact: Any) -> None:
+    """Two choices of a prompt the prefix cache holds: the first restores the kept state, the second forks it (one
+    copy in the decode cache), and both answer what a cache-off server answers."""
+    from tests.service.helpers import metric_value, running_app
+
+    prompt = "The lighthouse keeper climbed the stairs at dusk and lit the great lamp once more. " * 3
+    body = {"prompt": prompt, "max_tokens": 6, "temperature": 1.0, "seed": 9, "n": 2}
+    limits: dict[str, Any] = dict(max_new_tokens=16, max_input_tokens=600, prefix_cache_min_tokens=16)
+    with running_app(artifact, **limits, prefix_cache=False) as off:
+        want = off.post("/v1/completions", json=body).json()
+    with running_app(artifact, **limits) as on:
+        on.post("/v1/completions", json={**body, "n": 1}).raise_for_status()  # kept
+        before = metric_value(on.get("/metrics").text, "reformer_prefix_cache_forks_total")
+        got = on.post("/v1/completions", json=body).json()
+        metrics = on.get("/metrics").text
+        engine = on.app.state.service.engine  # type: ignore[attr-defined]
+        assert engine.runner.stats()["cache_bytes"] == 0
+    assert [c["text"] for c in got["choices"]] == [c["text"] for c in want["choices"]]
+    assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prompt)
+    assert metric_value(metrics, "reformer_prefix_cache_forks_total") == before + 1
