@@ -6,8 +6,8 @@ the path before), on one engine, the arms interleaved repeat by repeat. Ratios a
     python bench/serving/fork_memory.py [ARTIFACT] [--prompt-tokens 16384] [--new 16] [--repeats 5]
                                         [--test-books DIR] [--out FILE]
 
-The prompt is the first --prompt-tokens tokens of the first whole book of --test-books (default
-/work/shared/testbooks when it exists; else seeded random tokens). Each choice samples with its own seed
+The prompt is the first --prompt-tokens tokens of the first whole book of --test-books (bench/unseen_books.py;
+without it, or when that book is shorter, seeded random tokens). Each choice samples with its own seed
 (choice i: seed i), so n=4's choices differ; the bench checks that the two n=4 arms give the same tokens. The
 cache is measured after every allocation and fork (its peak): `cache_bytes` is DecodeCache.allocated_bytes
 (a shared block counted once; each request's slot included), `prompt_bytes` the blocks alone (keys, values, key
@@ -33,20 +33,17 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from bench.results_io import write_json  # noqa: E402
+from bench.unseen_books import add_test_books_arg, whole_books  # noqa: E402
 from export import load_artifact  # noqa: E402
 from model.sampling import SamplingParams  # noqa: E402
 from service.engine.core import Engine, EngineConfig  # noqa: E402
 from service.jobs import GenerationSpec  # noqa: E402
 from service.observability.metrics import ServiceMetrics  # noqa: E402
 
-BOOKS = Path("/work/shared/testbooks")
-
 
 def prompt_ids(artifact: Any, tokens: int, books: Path | None) -> tuple[list[int], str]:
     """The first `tokens` tokens of the first whole test book, or seeded random tokens without books."""
-    if books is not None and books.is_dir():
-        from bench.unseen_books import whole_books
-
+    if books is not None:
         name, ids = whole_books(books, artifact.tokenizer)[0]
         if len(ids) >= tokens:
             return [int(i) for i in ids[:tokens]], name
@@ -141,7 +138,7 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=16384)
     ap.add_argument("--new", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--test-books", type=Path, default=BOOKS if BOOKS.is_dir() else None)
+    add_test_books_arg(ap)
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "fork_memory.json")
     args = ap.parse_args()
     artifact = load_artifact(Path(args.artifact))

@@ -16,8 +16,9 @@ plain tensors that belong to no slot and no block:
 
 `restore_snapshot` writes a snapshot into a state `DecodeCache.allocate` gave: the restored request then
 steps exactly as the request the snapshot was taken from would have (same bits: only copies, no
-arithmetic; tests/model/decoding/test_snapshot.py). The forks of `n` / `best_of` are restores of one snapshot
-of their leader's state, the one the prefix cache keeps.
+arithmetic; tests/model/decoding/test_snapshot.py). The forks of `n` / `best_of` share their leader's blocks
+instead (model/decoding/cache.py `DecodeCache.fork`); a snapshot remains what the prefix cache keeps (and what
+forks restore with the engine's `shared_blocks` off).
 
 A successor-value head's slot of the last position is written one step late, by the step after it
 (model/lsh/successor.py): a snapshot taken right after a prefill holds 0 there, and each restored copy

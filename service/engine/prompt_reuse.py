@@ -11,8 +11,8 @@ Two identical prompts that both hit the prefix cache in one turn restore one cop
 
 How a generation's prompt is processed never depends on what is cached (service/prefix_cache/__init__.py):
 its segment (the whole prompt, or the part the request declared with `cache_prefix_chars`) is prefilled in one
-forward, and the tokens after it are fed as decode steps (`GenerationJob.suffix`). A hit or a fork copies the
-state of exactly that prefill (model/decoding/snapshot.py), so its tokens are the leader's bits. A prompt
+forward, and the tokens after it are fed as decode steps (`GenerationJob.suffix`). A hit copies the state of
+exactly that prefill (model/decoding/snapshot.py) and a fork shares it, so its tokens are the leader's bits. A prompt
 that asks to be scored (prompt logprobs) always prefills, alone of the cache.
 
 With the causal prefill (REFORMER_PREFILL=causal) the segment is always the whole prompt, read as decode steps
