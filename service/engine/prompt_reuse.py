@@ -70,7 +70,9 @@ class PromptReuse:
 
     def shared_blocks(self, jobs: list[GenerationJob]) -> list[int]:
         """For admission, per job in queue order: how many blocks it will share with its leader if they start
-        together now (`sort` makes it a fork: a prompt being prefilled or restored has its key), else 0."""
+        together now (`sort` makes it a fork: a prompt being prefilled or restored has its key), else 0. A leader
+        whose client leaves between admission and `sort` makes its first follower a leader that needs all its
+        blocks, which the cache may then lack (its prefill fails with CacheFull)."""
         out: list[int] = []
         seen: set[str] = set()
         for job in jobs:
@@ -80,7 +82,8 @@ class PromptReuse:
             key = self._job_key(job)
             out.append(self.runner.cache.shared_blocks(len(job.prefill_ids))
                        if key in seen or key in self.waiting else 0)
-            seen.add(key)
+            if not job.cancel_requested:  # one leaving now leads nothing (`prefill_all` drops it before `sort`)
+                seen.add(key)
         return out
 
     def sort(self, jobs: list[GenerationJob]) -> Sorted:
