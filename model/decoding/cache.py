@@ -341,11 +341,14 @@ class DecodeCache:
         return self._refs[block]
 
     def check_writable(self, state: DecodeState, position: int) -> None:
-        """AssertionError when writing `state`'s `position` would touch a block it shares (`fork`): a step
-        writes its new position and, for successor-value heads, the one before."""
-        if position < state.shared * self.block_size:
-            raise AssertionError(f"slot {state.slot}: position {position} lies in a block shared with another "
-                                 f"request (the first {state.shared} blocks are read-only)")
+        """AssertionError when a step of `state` would write a block it shares with another request (`fork`: a
+        fork's first `shared` blocks, or a parent's blocks a fork holds too). A step writes position
+        `state.length` and, for successor-value heads, the one before: call with `position` = length - 1
+        (the positions after are in later blocks, never shared)."""
+        for p in (position, position + 1):
+            i = p // self.block_size
+            if p >= 0 and i < len(state.blocks) and (i < state.shared or self._refs[state.blocks[i]] > 1):
+                raise AssertionError(f"slot {state.slot}: position {p} lies in a block shared with another request")
 
     def fork(self, parent: DecodeState, child: DecodeState) -> None:
         """Fill `child` (from `allocate(tokens, shared)`, length 0, `shared` at most `shared_blocks(parent.length)`)

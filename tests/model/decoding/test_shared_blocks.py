@@ -128,6 +128,10 @@ def test_no_step_writes_a_shared_block() -> None:
         decoder.step(torch.tensor([5]), [fork])
     with pytest.raises(ValueError):
         restore_snapshot(cache, take_snapshot(cache, parent, torch.zeros(1)), fork)
+    # nor the parent, where it holds blocks with the fork
+    parent.length = fork.shared * cache.block_size - 1
+    with pytest.raises(AssertionError, match="shared"), torch.no_grad():
+        decoder.step(torch.tensor([5]), [parent])
 
 
 def test_forks_of_a_long_prompt_hold_it_once() -> None:
@@ -147,3 +151,52 @@ def test_forks_of_a_long_prompt_hold_it_once() -> None:
     four_blocks = cache.blocks - 1 - cache.free_blocks
     assert four_blocks <= 1.1 * one_blocks
     assert cache.allocated_bytes == one_bytes + 3 * cache.bytes_for(prompt_len + new, shared)
+
+
+def test_any_order_of_forks_and_frees_returns_every_block() -> None:
+    """Random prefills, forks (of parents and of forks) and frees: each block's holder count is the number of live
+    states listing it, a block is free exactly when none does, and once all are freed every block, spare order
+    block and slot is back."""
+    lm = _model(["local", "lsh"])
+    cache = DecodeCache.for_tokens(lm, 120, slots=8, recent=3)
+    decoder = Decoder(lm, cache)
+    rng = torch.Generator().manual_seed(3)
+    live: list = []  # type: ignore[type-arg]
+    forks = of_forks = 0
+
+    def check() -> None:
+        held: dict[int, int] = {}
+        for s in live:
+            for b in s.blocks:
+                held[b] = held.get(b, 0) + 1
+        for b in range(1, cache.blocks):
+            assert cache.refs(b) == held.get(b, 0) and cache._is_free[b] == (b not in held)
+        assert cache.free_blocks == cache.blocks - 1 - len(held)
+        spare = [b for s in live for b in s.order_blocks]
+        assert len(spare) == len(set(spare)) and cache.free_spare_orders == cache.blocks - 1 - len(spare)
+
+    with torch.no_grad():
+        for _ in range(60):
+            op = int(torch.randint(0, 3, (1,), generator=rng))
+            if op == 0 and cache.free_slots and cache.fits_now(120):
+                n = int(torch.randint(9, 60, (1,), generator=rng))
+                _, (state,) = prefill(lm, cache, [torch.randint(3, 258, (n,), generator=rng)], [120])
+                live.append(state)
+            elif op == 1 and live and cache.free_slots:
+                parent = live[int(torch.randint(0, len(live), (1,), generator=rng))]
+                shared = cache.shared_blocks(parent.length)
+                if parent.length < 119 and cache.fits_now(120, shared):
+                    child = cache.allocate(120, shared=shared)
+                    cache.fork(parent, child)
+                    decoder.step(torch.tensor([7]), [child])
+                    live.append(child)
+                    forks += 1
+                    of_forks += parent.shared > 0
+            elif live:
+                cache.free(live.pop(int(torch.randint(0, len(live), (1,), generator=rng))))
+            check()
+        while live:
+            cache.free(live.pop())
+            check()
+    assert cache.allocated_bytes == 0 and cache.free_slots == 8
+    assert forks >= 5 and of_forks >= 1
