@@ -200,3 +200,24 @@ def test_any_order_of_forks_and_frees_returns_every_block() -> None:
             check()
     assert cache.allocated_bytes == 0 and cache.free_slots == 8
     assert forks >= 5 and of_forks >= 1
+
+
+@pytest.mark.parametrize("path", ["c", "torch"])
+def test_a_fork_that_shares_nothing_copies_everything(path: str) -> None:
+    """With no spare order blocks to give (the engine's fallback), a fork of `shared=0` holds a copy of every
+    block and steps as a restored copy."""
+    lm = _model(["local", "lsh"], successor=1)
+    cache = DecodeCache.for_tokens(lm, 70, slots=3, recent=3, cpu_kernel=path == "c")
+    decoder = Decoder(lm, cache)
+    first, (parent,) = prefill(lm, cache, [torch.randint(3, 258, (50,), generator=torch.Generator().manual_seed(4))],
+                               [70])
+    fork = cache.allocate(70)
+    cache.fork(parent, fork)
+    copy = cache.allocate(70)
+    restore_snapshot(cache, take_snapshot(cache, parent, first[0]), copy)
+    assert not set(fork.blocks) & set(parent.blocks) and all(cache.refs(b) == 1 for b in parent.blocks)
+    with torch.no_grad():
+        for token in range(5, 15):
+            assert torch.equal(decoder.step(torch.tensor([token]), [fork])[0],
+                               decoder.step(torch.tensor([token]), [copy])[0])
+            _same_state(cache, fork, copy)
