@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -361,14 +361,21 @@ class Engine:
         ready = next((i for i, j in enumerate(self._gen_queue) if j.read_ahead_pending), len(self._gen_queue))
         heads = list(itertools.islice(self._gen_queue, ready))
         # a fork reserves only what it does not share with its leader: its own blocks and a spare order block for
-        # each shared one (prompt_reuse.py `shared_blocks`)
+        # each shared one (prompt_reuse.py `shared_blocks`); where the spare order blocks lack, forks copy their
+        # leader's whole state (prompt_reuse.py `_own_state`), so the jobs also fit when their full sizes do
         shared = self.generations.reuse.shared_blocks(heads)
         block = self.runner.cache.block_size
-        queued = [QueuedGeneration(len(j.spec.prompt_ids), len(j.spec.prompt_ids) + j.spec.max_new_tokens - k * block)
-                  for j, k in zip(heads, shared, strict=True)]
+        full = [len(j.spec.prompt_ids) + j.spec.max_new_tokens for j in heads]
+        queued = [QueuedGeneration(len(j.spec.prompt_ids), n - k * block)
+                  for j, n, k in zip(heads, full, shared, strict=True)]
+
+        def fits(counts: Sequence[int]) -> bool:
+            taken = len(counts)
+            return (self.runner.fits_together(counts, sum(shared[:taken]))
+                    or self.runner.fits_together(full[:taken]))
+
         n = take_generations(queued, self.generations.rows, self.config.max_batch_size,
-                             self.config.max_batch_tokens,
-                             lambda counts: self.runner.fits_together(counts, sum(shared[: len(counts)])))
+                             self.config.max_batch_tokens, fits)
         taken = [self._gen_queue.popleft() for _ in range(n)]
         for job in taken:
             self._start(job)
