@@ -23,6 +23,7 @@ typedef struct {
     int64_t items_len, item_bytes, shift, recent_offset;
     const int64_t *block_table;
     const int64_t *order_table; /* where each slot's main order lives (model/decoding/cache.py order_table) */
+    int64_t order_rows;         /* the main order's rows: recent_offset / (heads * rounds) */
     int64_t table_width, block_size;
     int64_t block_shift; /* log2(block_size) when a power of two, else -1 */
     int64_t skip_slot; /* rows on this slot (the scratch slot: padding) are not computed */
@@ -53,13 +54,13 @@ static inline int64_t pool_row(const LshJob *job, int64_t slot, int64_t position
 }
 
 /* the items row of sorted index j of a slot's main order (through its order table row, which has the block
- * table's width and block size), or -1 outside the table or the order's rows (recent_offset / (heads * rounds)) */
+ * table's width and block size), or -1 outside the table or the order's rows */
 static inline int64_t order_row(const LshJob *job, int64_t slot, int64_t j) {
     const int64_t at = table_at(job, slot, j);
     if (at < 0) return -1;
     const int64_t offset = job->block_shift >= 0 ? j & (job->block_size - 1) : j % job->block_size;
     const int64_t row = job->order_table[at] * job->block_size + offset;
-    return row >= 0 && row < job->recent_offset / (job->heads * job->rounds) ? row : -1;
+    return row >= 0 && row < job->order_rows ? row : -1;
 }
 
 /* the position stored at `at` in the index's items, or -1 outside them */
@@ -250,8 +251,9 @@ static LshJob lsh_job(int64_t heads, int64_t rounds, int64_t buckets, int64_t ch
         }
     return (LshJob){heads, rounds, buckets, chunk, before, after, dim, recent_size, (int)kind, q, norms, keys, values,
                     pool_rows, stride, meta, bucket_of, main_counts, recent_counts, items, items_len, item_bytes,
-                    shift, recent_offset, block_table, order_table, table_width, block_size, block_shift, skip_slot, self_mask,
-                    mask, successor, out, begin, end, 1};
+                    shift, recent_offset, block_table, order_table,
+                    heads * rounds > 0 ? recent_offset / (heads * rounds) : 0, table_width, block_size, block_shift,
+                    skip_slot, self_mask, mask, successor, out, begin, end, 1};
 }
 
 int lsh_attend(int64_t rows, int64_t heads, int64_t rounds, int64_t buckets, int64_t chunk, int64_t before,
