@@ -243,10 +243,11 @@ class DecodeCache:
 
     @property
     def allocated_bytes(self) -> int:
-        """Bytes held by requests: each block in use once (`bytes_per_block`, its spare order block included),
-        however many requests share it, the spare order blocks forks use (counted again: they may outnumber
-        the blocks in use), and the slots. At most 1.03x of `capacity_bytes` on the shipped model, in theory,
-        when forks use more spare order blocks than there are blocks in use."""
+        """Bytes held by requests: each block in use once (`bytes_per_block`, a spare order block's share
+        included), however many requests share it, each spare order block forks use (counted again, as forks may
+        use more of them than there are blocks in use), and the slots. So it can exceed `capacity_bytes` by up
+        to the spare order blocks' share of the blocks (1.03x on the shipped model) when every spare order block
+        is in use."""
         used_blocks = self.blocks - 1 - len(self._free_blocks)
         used_orders = self.blocks - 1 - len(self._free_orders)
         return (used_blocks * self.bytes_per_block + used_orders * self.order_bytes_per_block
