@@ -1,5 +1,5 @@
 """Prompts read once: on the worker thread, before prefills run, each generation is sorted into one that
-restores a cached state (a prefix-cache hit), one that copies the state of an identical prompt being prefilled
+restores a cached state (a prefix-cache hit), one that shares the state of an identical prompt being prefilled
 now (a fork: `n` / `best_of` choices, identical requests), or one that prefills (a leader, whose state is then
 offered to the prefix cache and shared with the forks waiting on it).
 
