@@ -134,7 +134,10 @@ class DecodeCache:
         # per block position: LSH layers' keys and values, key factors and main bucket order (lsh_index.py)
         self.bytes_per_token = (len(lsh) * (kv_bytes + self.heads * elt)
                                 + sum(LSHIndex.token_bytes(h, r, positions) for h, r, _, _ in lsh))
-        self.bytes_per_block = self.bytes_per_token * block_size
+        # and, per block, a spare block of main order for forks (`fork`): the spare blocks are as many as the
+        # blocks, so a block's bytes count one (the main order's share, 3% on the shipped model)
+        self.order_bytes_per_block = sum(LSHIndex.token_bytes(h, r, positions) for h, r, _, _ in lsh) * block_size
+        self.bytes_per_block = self.bytes_per_token * block_size + self.order_bytes_per_block
         # per slot: each local layer's ring of its window (local_ring.py), LSH indexes' fixed part at its largest
         self.ring = LocalRing(local_window_width(lm))
         self.ring_bytes_per_slot = (len(specs) - len(lsh)) * self.ring.width * kv_bytes
@@ -149,9 +152,14 @@ class DecodeCache:
         self.scratch_slot = max_slots
         # the widest bucket counts each LSH layer can reach (0 for local layers): what bounds a restored state's
         self.bucket_limits = [spec[3] if spec is not None else 0 for spec in specs]
+        # each LSH index's main order has the rows of 2 * blocks - 1 blocks: rows of blocks 0..blocks-1 hold the
+        # main order of the requests owning those blocks (order table row = block table row), rows of blocks
+        # blocks..2*blocks-2 (the spare order blocks, one per block but the scratch one) hold a fork's own copy
+        # of the order of the positions it shares (`fork`). Mapped as the pools are (huge_pages.py pool_empty):
+        # a spare page is touched only when a fork writes it
         self.indexes: list[LSHIndex | None] = [
-            None if spec is None else LSHIndex(max_slots + 1, spec[0], spec[1], spec[2], rows, self.device, positions,
-                                               recent)
+            None if spec is None else LSHIndex(max_slots + 1, spec[0], spec[1], spec[2], 2 * rows - block_size,
+                                               self.device, positions, recent)
             for spec in specs]
         # empty, not zeros: pages are touched only when written (only the scratch block is cleared); a read
         # never reaches a position that was not written (windows point masked slots at position 0).
@@ -183,6 +191,14 @@ class DecodeCache:
         # when that is not a multiple of the chunks' common length
         self.max_blocks = -(-cfg.padded_length(cfg.max_position_embeddings) // block_size)
         self.block_table = torch.zeros(max_slots + 1, self.max_blocks, dtype=torch.long, device=self.device)
+        # where each slot's main bucket order lives, block by block as the block table (sorted index j of a slot's
+        # main order at the order row of its position j through this table): the block table's own blocks for
+        # every request, spare order blocks for the positions a fork shares with its parent (`fork`)
+        self.order_table = torch.zeros_like(self.block_table)
+        # how many requests hold each block (a fork's shared blocks are held by its parent too): a block is free
+        # when none does
+        self._refs = [0] * self.blocks
+        self._free_orders = list(range(self.blocks, 2 * self.blocks - 1))  # spare order blocks (a heap)
         self._free_blocks = list(range(1, self.blocks))  # a heap: the lowest free block is handed out first
         self._is_free = [False, *([True] * (self.blocks - 1))]
         self._written: set[int] = set()  # free blocks written since their pages were last given back
@@ -227,59 +243,163 @@ class DecodeCache:
 
     @property
     def allocated_bytes(self) -> int:
+        """Bytes held by requests: each block in use once (`bytes_per_block`, a spare order block's share
+        included), however many requests share it, each spare order block forks use (counted again, as forks may
+        use more of them than there are blocks in use), and the slots. So it can exceed `capacity_bytes` by up
+        to the spare order blocks' share of the blocks (1.03x on the shipped model) when every spare order block
+        is in use."""
         used_blocks = self.blocks - 1 - len(self._free_blocks)
-        return used_blocks * self.bytes_per_block + (self.max_slots - len(self._free_slots)) * self.bytes_per_slot
+        used_orders = self.blocks - 1 - len(self._free_orders)
+        return (used_blocks * self.bytes_per_block + used_orders * self.order_bytes_per_block
+                + (self.max_slots - len(self._free_slots)) * self.bytes_per_slot)
 
     @property
     def free_blocks(self) -> int:
         return len(self._free_blocks)
 
     @property
+    def free_spare_orders(self) -> int:
+        """Spare order blocks free: a fork takes one per block it shares (`fork`)."""
+        return len(self._free_orders)
+
+    @property
     def free_slots(self) -> int:
         return len(self._free_slots)
 
-    def bytes_for(self, tokens: int) -> int:
-        return -(-tokens // self.block_size) * self.bytes_per_block + self.reserved_bytes_per_slot
+    def bytes_for(self, tokens: int, shared: int = 0) -> int:
+        """What a request of `tokens` positions takes from the cache; a fork sharing its first `shared` blocks
+        with its parent (`fork`) takes only its own blocks and a spare order block per shared one."""
+        return ((-(-tokens // self.block_size) - shared) * self.bytes_per_block + shared * self.order_bytes_per_block
+                + self.reserved_bytes_per_slot)
+
+    def shared_blocks(self, length: int) -> int:
+        """How many leading blocks a fork of a state of `length` positions shares with it: the full blocks before
+        the one holding its last position (that one is written again: a successor-value head's slot of the
+        last position gets the value of the next)."""
+        return max(length - 1, 0) // self.block_size
 
     def fits_ever(self, tokens: int) -> bool:
         return (-(-tokens // self.block_size) <= self.blocks - 1 and self.max_slots > 0
                 and tokens <= self.max_tokens)
 
-    def fits_now(self, tokens: int) -> bool:
-        return -(-tokens // self.block_size) <= len(self._free_blocks) and bool(self._free_slots)
+    def fits_now(self, tokens: int, shared: int = 0) -> bool:
+        return (-(-tokens // self.block_size) - shared <= len(self._free_blocks) and shared <= len(self._free_orders)
+                and bool(self._free_slots))
 
     # ---- allocation --------------------------------------------------------------------------------------
-    def allocate(self, tokens: int) -> DecodeState:
-        """A slot and the blocks for `tokens` positions (prompt plus new tokens), or CacheFull."""
+    def allocate(self, tokens: int, shared: int = 0) -> DecodeState:
+        """A slot and the blocks for `tokens` positions (prompt plus new tokens), or CacheFull. `shared`: the
+        state is a fork's, to be filled by `fork`: its first `shared` blocks will be its parent's, so only the
+        others are taken now, with a spare order block for each shared one."""
         need = -(-tokens // self.block_size)
+        if not 0 <= shared < max(need, 1):
+            raise ValueError(f"a state of {need} blocks cannot share {shared}")
         if not self.fits_ever(tokens):
             if tokens > self.max_tokens:
                 raise CacheFull(f"{tokens} tokens are more than the {self.max_tokens} this decode cache was built "
                                 "for", never=True)
             raise CacheFull(f"{tokens} tokens need {self.bytes_for(tokens)} bytes of decode cache; its capacity "
                             f"is {self.capacity_bytes} bytes", never=True)
-        if not self.fits_now(tokens):
+        if not self.fits_now(tokens, shared):
             raise CacheFull(f"decode cache full: {tokens} tokens do not fit now")
-        blocks = [heapq.heappop(self._free_blocks) for _ in range(need)]
+        blocks = [heapq.heappop(self._free_blocks) for _ in range(need - shared)]
         for block in blocks:
             self._is_free[block] = False
+            self._refs[block] = 1
         self._written.difference_update(blocks)
+        orders = [heapq.heappop(self._free_orders) for _ in range(shared)]
         slot = self._free_slots.pop()
-        self.block_table[slot, :need] = torch.tensor(blocks, dtype=torch.long).to(self.device)
-        return DecodeState(slot=slot, blocks=blocks, num_buckets=[None] * len(self.indexes),
-                           index_len=[0] * len(self.indexes))
+        self.block_table[slot, shared:need] = torch.tensor(blocks, dtype=torch.long).to(self.device)
+        self.block_table[slot, :shared] = 0  # the scratch block until `fork` gives the parent's
+        self.order_table[slot, :need] = torch.tensor(orders + blocks, dtype=torch.long).to(self.device)
+        return DecodeState(slot=slot, blocks=[-1] * shared + blocks, num_buckets=[None] * len(self.indexes),
+                           index_len=[0] * len(self.indexes), shared=shared, order_blocks=orders)
 
     def free(self, state: DecodeState) -> None:
+        """Give back a state's slot, its spare order blocks and its hold on its blocks: a block shared with a fork
+        or parent still running stays theirs, the others are free again."""
         if state.slot < 0:
             return
+        freed = []
         for block in state.blocks:
-            heapq.heappush(self._free_blocks, block)
-            self._is_free[block] = True
-        self._written.update(state.blocks)
+            if block < 0:  # a fork's shared block not filled yet
+                continue
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                heapq.heappush(self._free_blocks, block)
+                self._is_free[block] = True
+                freed.append(block)
+        for block in state.order_blocks:
+            heapq.heappush(self._free_orders, block)
+        self._written.update(freed)
         self._last_take = None
         self.hashed_ahead.pop(state.slot, None)
         self._free_slots.append(state.slot)
-        state.blocks, state.slot = [], -1
+        state.blocks, state.slot, state.order_blocks, state.shared = [], -1, [], 0
+
+    def refs(self, block: int) -> int:
+        """How many requests hold `block` now."""
+        return self._refs[block]
+
+    def check_writable(self, state: DecodeState, position: int) -> None:
+        """AssertionError when a step of `state` would write a block it shares with another request (`fork`: a
+        fork's first `shared` blocks, or a parent's blocks a fork holds too). A step writes position
+        `state.length` and, for successor-value heads, the one before: call with `position` = length - 1
+        (the positions after are in later blocks, never shared)."""
+        for p in (position, position + 1):
+            i = p // self.block_size
+            if p >= 0 and i < len(state.blocks) and (i < state.shared or self._refs[state.blocks[i]] > 1):
+                raise AssertionError(f"slot {state.slot}: position {p} lies in a block shared with another request")
+
+    def fork(self, parent: DecodeState, child: DecodeState) -> None:
+        """Fill `child` (from `allocate(tokens, shared)`, length 0, `shared` at most `shared_blocks(parent.length)`)
+        with `parent`'s state, as `restore_snapshot(take_snapshot(parent))` would, but sharing instead of copying
+        the parent's first `child.shared` blocks of keys, values and key factors (each block's holders counted:
+        `free`). The child gets copies of the rest: the block holding the parent's last position and any after
+        it, its main orders (into the child's own order rows: merges rewrite them), its bucket counts and
+        recent orders, its local rings, its buckets hashed ahead and its lengths. The child then steps exactly as the
+        parent would (same bits: only copies), and writing never touches a shared block (`check_writable`)."""
+        k, bs = child.shared, self.block_size
+        if parent.slot < 0 or child.slot < 0 or child.length != 0:
+            raise ValueError("a fork goes from a live state into a fresh one")
+        if k > self.shared_blocks(parent.length) or child.capacity * bs < parent.length:
+            raise ValueError(f"a fork of a state of {parent.length} positions shares at most "
+                             f"{self.shared_blocks(parent.length)} blocks and needs room for them all; this one "
+                             f"shares {k} of {child.capacity}")
+        child.blocks[:k] = parent.blocks[:k]
+        for block in child.blocks[:k]:
+            self._refs[block] += 1
+        self.block_table[child.slot, :k] = self.block_table[parent.slot, :k]
+        own = torch.arange(k * bs, parent.length, device=self.device)  # positions in the child's own blocks
+        slots = torch.tensor([parent.slot, child.slot], device=self.device)
+        rows = self.rows(slots, own.view(1, -1).expand(2, -1))  # (2, n)
+        ring_width = self.ring.width
+        for li, index in enumerate(self.indexes):
+            if index is None:
+                kv = self.kv[li]
+                kv[child.slot * ring_width : (child.slot + 1) * ring_width] = \
+                    kv[parent.slot * ring_width : (parent.slot + 1) * ring_width]
+                continue
+            norms = self.norms[li]
+            assert norms is not None
+            self.kv[li].index_copy_(0, rows[1], self.kv[li].index_select(0, rows[0]))
+            norms.index_copy_(0, rows[1], norms.index_select(0, rows[0]))
+            n = parent.index_len[li]
+            if n:
+                at = torch.arange(n, device=self.device).view(1, -1).expand(2, -1)
+                order_rows = BlockLookup(self.order_table, slots, bs).rows(at)  # (2, n)
+                index.order.index_copy_(0, order_rows[1], index.order.index_select(0, order_rows[0]))
+            index.main_counts[child.slot] = index.main_counts[parent.slot]
+            index.recent_counts[child.slot] = index.recent_counts[parent.slot]
+            index.recent[child.slot] = index.recent[parent.slot]
+        plan = self.hashed_ahead.get(parent.slot)
+        self.hashed_ahead.pop(child.slot, None)
+        if plan is not None:  # the lists are the child's own (a bucket-count change pops them); tensors never change
+            self.hashed_ahead[child.slot] = HashedAhead(plan.num_buckets,
+                                                        {li: list(parts) for li, parts in plan.slices.items()})
+        child.length = parent.length
+        child.num_buckets = list(parent.num_buckets)
+        child.index_len = list(parent.index_len)
 
     # ---- resident pages ----------------------------------------------------------------------------------
     @property
@@ -340,6 +460,13 @@ class DecodeCache:
         """Pool rows (stop - start,) of a request's positions start..stop-1 in the block pools."""
         slot = torch.tensor([state.slot], device=self.device)
         return self.rows(slot, torch.arange(start, stop, device=self.device).view(1, -1)).view(-1)
+
+    def order_rows(self, state: DecodeState, start: int, stop: int) -> Tensor:
+        """Rows (stop - start,) of each LSH index's `order` that hold a request's main-order sorted indices
+        start..stop-1 (through its order table row)."""
+        slot = torch.tensor([state.slot], device=self.device)
+        lookup = BlockLookup(self.order_table, slot, self.block_size)
+        return lookup.rows(torch.arange(start, stop, device=self.device).view(1, -1)).view(-1)
 
     def write(self, layer: int, rows: Tensor, key: Tensor, value: Tensor) -> None:
         """rows (B,), key/value (B, H, D)."""

@@ -31,6 +31,7 @@ def row_facts(lm: ReformerLM, cache: DecodeCache, states: Sequence[DecodeState]
     nbs = [None if first_lsh is None else s.num_buckets[first_lsh] for s in states]
     rows_meta = []
     for s, nb in zip(states, nbs, strict=True):
+        cache.check_writable(s, s.length - 1)  # shared blocks are read-only (DecodeCache.fork)
         p = cfg.padded_length(s.length + 1)
         rows_meta.append([s.slot, s.length, int(p > lsh_c), max(p // lsh_c, 1), int(p <= local_c),
                           s.slot if nb is not None else cache.scratch_slot, int(nb is not None)])

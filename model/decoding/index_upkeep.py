@@ -61,7 +61,7 @@ def build_index_steps(cache: DecodeCache, layer: int, att: LSHSelfAttention, sta
         assert keys is not None
         buckets = att.hash(keys.unsqueeze(0), nb, None)[0]  # (H, R, L)
     length = buckets.shape[-1]
-    rows = _slot_rows(cache, state, length)
+    rows = cache.order_rows(state, 0, length)  # where its main order's sorted indices 0..length-1 live
     yield
     heads = buckets.shape[0]
     group = heads if heads * length <= INDEX_BUILD_ITEMS else 1
@@ -111,8 +111,9 @@ def maintain_indexes(lm: ReformerLM, cache: DecodeCache, states: Sequence[Decode
                 keys = None if hashed is not None else cache.keys[li].index_select(0, rows).transpose(0, 1)
                 build_index(cache, li, att, state, keys, nb, hashed)  # keys (H, L, D) or buckets (H, R, L)
             else:
-                # the rows from the request's blocks: none listed (at 500K positions a list is a 4 MB gather)
-                index.merge_in_blocks(state.slot, cache.block_table[state.slot], cache.block_size,
+                # the rows from the request's order table row: none listed (at 500K positions a list is a 4 MB
+                # gather)
+                index.merge_in_blocks(state.slot, cache.order_table[state.slot], cache.block_size,
                                       state.index_len[li], state.length - state.index_len[li], cache.kernel)
                 state.index_len[li] = state.length
         if rebuilt:

@@ -235,11 +235,11 @@ class LSHIndex:
         return StepCounts(main.view(shape), recent.view(shape), main.cumsum(-1).view(shape), recent_end.view(shape))
 
     def window(self, base: Tensor, counts: StepCounts, buckets: Tensor, geo: WindowGeometry,
-               blocks: BlockLookup) -> tuple[Tensor, Tensor]:
+               orders: BlockLookup) -> tuple[Tensor, Tensor]:
         """Positions (B, H, R, W) in the chunk window of the newest position of every round, W =
         (before+1+after)*chunk, wrapping through the rounds in the row's own layout (`geo`), from the counts
-        `append` returned and the rows' blocks; and whether each slot is padding (past the row's length:
-        its position reads 0)."""
+        `append` returned and the rows' order table rows `orders` (where their main orders live); and whether
+        each slot is padding (past the row's length: its position reads 0)."""
         main, recent, main_end, recent_end = counts
         b, h, r, nb = main.shape
         size = self.recent_size
@@ -265,7 +265,7 @@ class LSHIndex:
         from_main = j < slot_main_end
         k = (slot_pos - slot_main_end).clamp_(0, size - 1)  # sorted index in the recent order
         column = self._head_columns + r2.unsqueeze(-1)  # (B, H, R, Wc, 1): the (head, round) column
-        main_at = blocks.rows(j.view(b, -1)).view(slot_pos.shape) * (h * r) + column
+        main_at = orders.rows(j.view(b, -1)).view(slot_pos.shape) * (h * r) + column
         # base[..., 0] is (slot, head, round 0)
         recent_at = ((base[:, :, :1, None] + r2) * size + self.recent_offset).unsqueeze(-1) + k
         at = torch.where(from_main, main_at, recent_at)  # into the buffer holding both orders

@@ -104,7 +104,7 @@ def _check_prefix(cache: DecodeCache, snap: StateSnapshot, state: DecodeState, l
     if length <= 0 or length % PREFIX_BLOCK or length > snap.length:
         raise ValueError(f"a snapshot of {snap.length} positions is truncated to a positive multiple of "
                          f"{PREFIX_BLOCK} up to its length; got {length}")
-    if state.length != 0 or state.capacity * cache.block_size < length:
+    if state.length != 0 or state.shared or state.capacity * cache.block_size < length:
         raise ValueError("a truncated snapshot is restored into a new state with room for its positions")
     facts = snap.tails.get(length)
     if facts is None:
@@ -182,7 +182,7 @@ def restore_prefix(cache: DecodeCache, config: ReformerConfig, snap: StateSnapsh
             index.recent_counts[state.slot] = 0
             continue
         index.grow_buckets(max(flat_buckets(nb), snap.tensors[f"main_counts.{li}"].shape[-1]))
-        index.build(state.slot, rows, buckets[li], kernel=cache.kernel)
+        index.build(state.slot, cache.order_rows(state, 0, length), buckets[li], kernel=cache.kernel)
     state.length = length
     state.num_buckets = list(facts.num_buckets)
     state.index_len = [0 if ix is None or nb is None else length

@@ -16,8 +16,9 @@ plain tensors that belong to no slot and no block:
 
 `restore_snapshot` writes a snapshot into a state `DecodeCache.allocate` gave: the restored request then
 steps exactly as the request the snapshot was taken from would have (same bits: only copies, no
-arithmetic; tests/model/decoding/test_snapshot.py). The forks of `n` / `best_of` are restores of one snapshot
-of their leader's state, the one the prefix cache keeps.
+arithmetic; tests/model/decoding/test_snapshot.py). The forks of `n` / `best_of` share their leader's blocks
+instead (model/decoding/cache.py `DecodeCache.fork`); a snapshot remains what the prefix cache keeps (and what
+forks restore with the engine's `shared_blocks` off).
 
 A successor-value head's slot of the last position is written one step late, by the step after it
 (model/lsh/successor.py): a snapshot taken right after a prefill holds 0 there, and each restored copy
@@ -112,8 +113,9 @@ def take_snapshot(cache: DecodeCache, state: DecodeState, logits: Tensor) -> Sta
         assert norms is not None
         out[f"kv.{li}"] = cache.kv[li].index_select(0, rows)  # (L, H, 2, D): keys and values side by side
         out[f"norms.{li}"] = norms.index_select(0, rows)  # (L, H)
-        # the main order's sorted indices 0..index_len-1 live at the rows of positions 0..index_len-1
-        out[f"order.{li}"] = index.order.index_select(0, rows[: state.index_len[li]])  # (n, H*R)
+        # the main order's sorted indices 0..index_len-1 live at the order rows its order table gives
+        order_rows = cache.order_rows(state, 0, state.index_len[li])
+        out[f"order.{li}"] = index.order.index_select(0, order_rows)  # (n, H*R)
         out[f"main_counts.{li}"] = index.main_counts[state.slot].clone()  # (H, R, NB)
         out[f"recent_counts.{li}"] = index.recent_counts[state.slot].clone()
         out[f"recent.{li}"] = index.recent[state.slot].clone()  # (H, R, RECENT)
@@ -156,8 +158,8 @@ def check_fits(cache: DecodeCache, snap: StateSnapshot) -> None:
 
 def restore_snapshot(cache: DecodeCache, snap: StateSnapshot, state: DecodeState) -> None:
     """Write `snap` into `state`, freshly allocated (length 0) with room for at least `snap.length` positions."""
-    if state.length != 0 or state.capacity * cache.block_size < snap.length:
-        raise ValueError("a snapshot is restored into a new state with room for its positions")
+    if state.length != 0 or state.shared or state.capacity * cache.block_size < snap.length:
+        raise ValueError("a snapshot is restored into a new state of its own blocks with room for its positions")
     state.length = snap.length
     rows = _held_rows(cache, state)
     for li, index in enumerate(cache.indexes):
@@ -169,7 +171,7 @@ def restore_snapshot(cache: DecodeCache, snap: StateSnapshot, state: DecodeState
         cache.kv[li].index_copy_(0, rows, snap.tensors[f"kv.{li}"].to(cache.device))
         norms.index_copy_(0, rows, snap.tensors[f"norms.{li}"].to(cache.device))
         order = snap.tensors[f"order.{li}"].to(cache.device)
-        index.order.index_copy_(0, rows[: order.shape[0]], order)
+        index.order.index_copy_(0, cache.order_rows(state, 0, order.shape[0]), order)
         main, recent = snap.tensors[f"main_counts.{li}"], snap.tensors[f"recent_counts.{li}"]
         index.grow_buckets(main.shape[-1])
         index.main_counts[state.slot] = _fit_buckets(main.to(cache.device), index.buckets)

@@ -55,7 +55,7 @@ class StepLayer(ctypes.Structure):
         ("recent_counts", _PTR), ("items", _PTR), ("chunk", _I64), ("before", _I64), ("after", _I64),
         ("successor", _I64), ("ff", _I64),
         ("act", _I64), ("w_out", _PTR), ("b_out", _PTR), ("ff_ln_w", _PTR), ("ff_ln_b", _PTR), ("w_dense", _PTR),
-        ("b_dense", _PTR), ("w_ff", _PTR), ("b_ff", _PTR),
+        ("b_dense", _PTR), ("w_ff", _PTR), ("b_ff", _PTR), ("order_table", _PTR),
     ]
 
 
@@ -70,7 +70,7 @@ class StepEmbedding(ctypes.Structure):
 # each exported function: its C return type and its parameters, one letter each: I int64_t, F float, P pointer
 PROTOTYPES: dict[str, tuple[str, str]] = {
     "window_attend": ("int", "IIIIIIPPPPIIPPIIPPPFFPI"),
-    "lsh_attend": ("int", "IIIIIIIIIIPPPPIIPPPPPIIIIPIIIFFIPI"),
+    "lsh_attend": ("int", "IIIIIIIIIIPPPPIIPPPPPIIIIPPIIIFFIPI"),
     "chunk_attend": ("int", "IIIIIIPPPPPPPPPPPPIFPPPPI"),
     "lsh_merge_blocks": ("int", "IIIIIPIIPIPPP"),
     "decode_write": ("int", "IIIIIIPPPPPPFFIP"),

@@ -158,11 +158,13 @@ class CpuKernels:
 
     def lsh_attend(self, q: Tensor, keys: Tensor, norms: Tensor, values: Tensor, meta: Tensor, buckets: Tensor,
                    index: IndexArrays, block_table: Tensor, block_size: int, scratch_slot: int, chunk: int, before: int,
-                   after: int, self_mask: float, mask: float, successor: int = 0) -> Tensor:
+                   after: int, self_mask: float, mask: float, successor: int = 0,
+                   order_table: Tensor | None = None) -> Tensor:
         """One LSH layer's decode attention: q (B, H, D) float32, the layer's key, factor (float32) and value pools, the
         step's row facts meta (B, META_COLUMNS) int64 (model/decoding/step.py), the new position's buckets
         (B, H, R) int64,
-        the layer's index after the step's insert and the cache's block table. Returns (B, H, D) float32;
+        the layer's index after the step's insert, the cache's block table and its order table (where each slot's
+        main order lives, model/decoding/cache.py; None: the block table). Returns (B, H, D) float32;
         rows on `scratch_slot` (padding) get zeros. Heads 0..successor-1 (successor-value heads) never attend
         the row's own position and give exactly 0 where nothing else is there."""
         b, h, d = q.shape
@@ -173,8 +175,13 @@ class CpuKernels:
         main, recent, items = index.main_counts, index.recent_counts, index.items
         kind = self._kind("lsh kernel", keys, values)
         stride = pool_stride("lsh kernel", keys, values)
+        orders = block_table if order_table is None else order_table
+        if orders.shape != block_table.shape:
+            raise ValueError(f"lsh kernel: an order table {tuple(orders.shape)} beside a block table "
+                             f"{tuple(block_table.shape)}")
         _require("lsh kernel", (q, torch.float32), (norms, torch.float32), (meta, torch.int64), (buckets, torch.int64),
                  (main, torch.int32), (recent, torch.int16), (block_table, torch.int64),
+                 (orders, torch.int64),
                  (items, (torch.int16, torch.int32)))
         if keys.shape != values.shape or keys.shape[0] % h or norms.shape != keys.shape[:1]:
             raise ValueError(f"lsh kernel: pools {tuple(keys.shape)}, {tuple(values.shape)}, {tuple(norms.shape)}")
@@ -184,7 +191,8 @@ class CpuKernels:
                            meta.data_ptr(),
                            buckets.data_ptr(), main.data_ptr(), recent.data_ptr(), items.data_ptr(), items.numel(),
                            items.element_size(), index.shift,
-                           index.recent_offset, block_table.data_ptr(), block_table.shape[1], block_size, scratch_slot,
+                           index.recent_offset, block_table.data_ptr(), orders.data_ptr(), block_table.shape[1],
+                           block_size, scratch_slot,
                            self_mask,
                            mask, successor, out.data_ptr(), torch.get_num_threads())
         check_status(status, "lsh kernel")

@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,6 +91,9 @@ class EngineConfig:
     # REFORMER_PREFILL=causal: every prompt read as decode steps read tokens (service/engine/runner.py
     # extend_slices), its state kept and found at block boundaries with no declaration (prompt_reuse.py)
     causal_prefill: bool = False
+    # forks (`n` / `best_of` choices, identical prompts) share their leader's prompt blocks (DecodeCache.fork) and
+    # admission reserves only their own part; False: each fork holds a copy (a snapshot restored)
+    shared_blocks: bool = True
 
 
 
@@ -122,7 +125,8 @@ class Engine:
                                            prefill_budget_s=config.prefill_budget_ms / 1000.0,
                                            reuse=PromptReuse(self.runner, self.prefix_cache, metrics.prefix_cache,
                                                              report=config.report_cached_tokens,
-                                                             causal=config.causal_prefill),
+                                                             causal=config.causal_prefill,
+                                                             share_blocks=config.shared_blocks),
                                            causal=config.causal_prefill)
         self.memory = HeapKeeper(config.idle_trim_s, config.memory_budget_bytes,
                                  release=self.runner.release_free_pages, keep_bytes=config.cache_keep_bytes,
@@ -355,10 +359,23 @@ class Engine:
         """Under the lock: the generations that start now (service/engine/policy.py decides)."""
         # a job whose disk read is still running waits, and so does everything behind it (FIFO)
         ready = next((i for i, j in enumerate(self._gen_queue) if j.read_ahead_pending), len(self._gen_queue))
-        queued = [QueuedGeneration(len(j.spec.prompt_ids), len(j.spec.prompt_ids) + j.spec.max_new_tokens)
-                  for j in itertools.islice(self._gen_queue, ready)]
+        heads = list(itertools.islice(self._gen_queue, ready))
+        # a fork reserves only what it does not share with its leader: its own blocks and a spare order block for
+        # each shared one (prompt_reuse.py `shared_blocks`); where the spare order blocks lack, forks copy their
+        # leader's whole state (prompt_reuse.py `_own_state`), so the jobs also fit when their full sizes do
+        shared = self.generations.reuse.shared_blocks(heads)
+        block = self.runner.cache.block_size
+        full = [len(j.spec.prompt_ids) + j.spec.max_new_tokens for j in heads]
+        queued = [QueuedGeneration(len(j.spec.prompt_ids), n - k * block)
+                  for j, n, k in zip(heads, full, shared, strict=True)]
+
+        def fits(counts: Sequence[int]) -> bool:
+            taken = len(counts)
+            return (self.runner.fits_together(counts, sum(shared[:taken]))
+                    or self.runner.fits_together(full[:taken]))
+
         n = take_generations(queued, self.generations.rows, self.config.max_batch_size,
-                             self.config.max_batch_tokens, self.runner.fits_together)
+                             self.config.max_batch_tokens, fits)
         taken = [self._gen_queue.popleft() for _ in range(n)]
         for job in taken:
             self._start(job)

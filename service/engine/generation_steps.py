@@ -283,9 +283,9 @@ class GenerationSteps:
         self.metrics.batch_tokens.labels("prefill").observe(max(len(j.prefill_ids) for j in jobs) * len(jobs))
         for i, job in enumerate(jobs):
             job.prompt_scores = scores[i] if scores is not None else None
-        # the forks that waited on these prompts start with their leader's logits; the copies of the leaders'
-        # states (into the forks, and out to the prefix cache) are made once every first token has gone out, so
-        # they delay no first token, and before the next decode step changes a state
+        # the forks that waited on these prompts start with their leader's logits; the leaders' states are
+        # shared with the forks (and copied out to the prefix cache) once every first token has gone out, so
+        # that delays no first token, and before the next decode step changes a state
         leaders = [(i, job, group) for i, job in enumerate(jobs) if (group := self.reuse.take_forks(job)) is not None]
         forks = [(fork, i) for i, _, group in leaders for fork in group]
         if forks:
@@ -302,7 +302,8 @@ class GenerationSteps:
             try:
                 self.reuse.share(leader, states[i], logits[i], live)
             except Exception:
-                log.exception("copying a prefilled state to its forks failed", extra={"request_id": leader.request_id})
+                log.exception("sharing a prefilled state with its forks failed",
+                              extra={"request_id": leader.request_id})
                 self.fail(live)
         deferred, self._deferred = self._deferred, []
         for state in deferred:

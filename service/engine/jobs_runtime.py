@@ -124,6 +124,7 @@ class GenerationJob(Job):
         self.suffix: list[int] = list(spec.prompt_ids[cut:])
         self.fed = 0  # suffix tokens fed so far (the pending one included)
         self.prefix_key: str | None = None  # the segment's key in the prefix cache
+        self.reuse_key: str | None = None  # the same key, worked out once (service/engine/prompt_reuse.py `_key`)
         # a causal prompt's block tails (model/decoding/prefix_restore.py BlockTails) until its state is kept,
         # and its key chain, (length, key) after every block (service/engine/prompt_reuse.py), hashed once
         self.tails: Any = None

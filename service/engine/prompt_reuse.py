@@ -1,12 +1,18 @@
 """Prompts read once: on the worker thread, before prefills run, each generation is sorted into one that
-restores a cached state (a prefix-cache hit), one that copies the state of an identical prompt being prefilled
+restores a cached state (a prefix-cache hit), one that shares the state of an identical prompt being prefilled
 now (a fork: `n` / `best_of` choices, identical requests), or one that prefills (a leader, whose state is then
-offered to the prefix cache and copied to the forks waiting on it).
+offered to the prefix cache and shared with the forks waiting on it).
+
+A fork shares its leader's prompt blocks (model/decoding/cache.py `DecodeCache.fork`): it holds its own copy of
+the block holding the prompt's last position, of the bucket orders and of the per-slot parts, and reads the
+other blocks where the leader wrote them, so `n` choices hold the prompt once; admission reserves only a
+fork's own part (`shared_blocks`). Its tokens are the leader's bits (the fork copies what a snapshot would).
+Two identical prompts that both hit the prefix cache in one turn restore one copy: the second forks the first.
 
 How a generation's prompt is processed never depends on what is cached (service/prefix_cache/__init__.py):
 its segment (the whole prompt, or the part the request declared with `cache_prefix_chars`) is prefilled in one
-forward, and the tokens after it are fed as decode steps (`GenerationJob.suffix`). A hit or a fork copies the
-state of exactly that prefill (model/decoding/snapshot.py), so its tokens are the leader's bits. A prompt
+forward, and the tokens after it are fed as decode steps (`GenerationJob.suffix`). A hit copies the state of
+exactly that prefill (model/decoding/snapshot.py) and a fork shares it, so its tokens are the leader's bits. A prompt
 that asks to be scored (prompt logprobs) always prefills, alone of the cache.
 
 With the causal prefill (REFORMER_PREFILL=causal) the segment is always the whole prompt, read as decode steps
@@ -47,8 +53,10 @@ class Sorted(NamedTuple):
 
 class PromptReuse:
     def __init__(self, runner: ModelRunner, cache: PrefixCache | None, metrics: PrefixCacheMetrics | None,
-                 report: bool = True, causal: bool = False) -> None:
+                 report: bool = True, causal: bool = False, share_blocks: bool = True) -> None:
         self.runner = runner
+        # forks share their leader's blocks (False: each restores a copy of its leader's snapshot)
+        self.share_blocks = share_blocks
         self.causal = causal  # REFORMER_PREFILL=causal: prompts continue from kept block boundaries
         # whether a job's cached_tokens says what it reused (REFORMER_PREFIX_CACHE_REPORT); false: always 0
         self.report = report
@@ -57,12 +65,33 @@ class PromptReuse:
         # the segment key of every leader being prefilled now -> the forks waiting for its state (their own
         # states allocated when they started, so the blocks admission counted for them are theirs)
         self.waiting: dict[str, list[GenerationJob]] = {}
+        # the prefix-cache hits restored in the current `sort`, by key: an identical prompt after one forks it
+        self._hits: dict[str, GenerationJob] = {}
+
+    def shared_blocks(self, jobs: list[GenerationJob]) -> list[int]:
+        """For admission, per job in queue order: how many blocks it will share with its leader if they start
+        together now (`sort` makes it a fork: a prompt being prefilled or restored has its key), else 0. A leader
+        whose client leaves between admission and `sort` makes its first follower a leader that needs all its
+        blocks, which the cache may then lack (its prefill fails with CacheFull)."""
+        out: list[int] = []
+        seen: set[str] = set()
+        for job in jobs:
+            if not self.share_blocks or job.spec.prompt_logprobs is not None:
+                out.append(0)
+                continue
+            key = self._job_key(job)
+            out.append(self.runner.cache.shared_blocks(len(job.prefill_ids))
+                       if key in seen or key in self.waiting else 0)
+            if not job.cancel_requested:  # one leaving now leads nothing (`prefill_all` drops it before `sort`)
+                seen.add(key)
+        return out
 
     def sort(self, jobs: list[GenerationJob]) -> Sorted:
         """The jobs that must prefill (leaders, and prompts that are scored), the hits with their logits (their
         states restored, ready to run), and the jobs that failed here (the caller fails them); forks wait in
         `waiting` for their leader."""
         out = Sorted([], [], [])
+        self._hits = {}
         for job in jobs:
             try:
                 self._sort_one(job, out)
@@ -78,10 +107,20 @@ class PromptReuse:
         if job.spec.prompt_logprobs is not None:
             out.prefill.append(job)
             return
-        key = job.prefix_key = self._key(job)
+        key = job.prefix_key = self._job_key(job)
         if key in self.waiting:
-            self._own_state(job)
+            self._own_state(job, fork=True)
             self.waiting[key].append(job)
+            return
+        hit = self._hits.get(key)
+        if hit is not None and hit.cache is not None and self.share_blocks:  # restored just now: fork it
+            self._own_state(job, fork=True)
+            with torch.inference_mode():
+                self.runner.cache.fork(hit.cache, job.cache)
+            if self.metrics is not None:
+                self.metrics.forks.inc()
+            job.timings.cached_tokens = hit.timings.cached_tokens
+            out.ready.append((job, next(logits for j, logits in out.ready if j is hit)))
             return
         if self.causal:
             self._continue_causal(job)
@@ -108,6 +147,7 @@ class PromptReuse:
                 self.cache.hit(tier, len(job.prefill_ids))  # type: ignore[union-attr]
                 job.timings.cached_tokens = snap.length if self.report else 0
                 out.ready.append((job, snap.logits))
+                self._hits[key] = job
                 return
         self.waiting[key] = []
         out.prefill.append(job)
@@ -192,6 +232,12 @@ class PromptReuse:
             job.links = self.cache.links(job.prefill_ids, job.spec.cache_salt)
         return job.links
 
+    def _job_key(self, job: GenerationJob) -> str:
+        """`_key`, worked out once per job."""
+        if job.reuse_key is None:
+            job.reuse_key = self._key(job)
+        return job.reuse_key
+
     def _key(self, job: GenerationJob) -> str:
         salt = job.spec.cache_salt
         if self.cache is not None and self.causal and job.prefill_ids:
@@ -202,12 +248,18 @@ class PromptReuse:
         # their salts: a caller never shares another tenant's prefill, nor learns of it from cached_tokens)
         return chain_key(NO_IDENTITY, job.prefill_ids, salt)
 
-    def _own_state(self, job: GenerationJob) -> None:
-        """The job starts (its sampler) and gets its own blocks for its prompt plus max_new_tokens, for a kept or
-        shared state to be copied into."""
+    def _own_state(self, job: GenerationJob, fork: bool = False) -> None:
+        """The job starts (its sampler) and gets its own state for its prompt plus max_new_tokens, for a kept
+        state to be copied into, or, for a `fork`, a leader's state to be shared (`share`): its own blocks but
+        for those it will share with the leader, when the cache has the spare order blocks they need (else
+        blocks of its own for every position: `DecodeCache.fork` then copies them all)."""
         job.begin()
-        job.cache = self.runner.allocate(min(len(job.spec.prompt_ids) + job.spec.max_new_tokens,
-                                             self.runner.max_positions))
+        tokens = min(len(job.spec.prompt_ids) + job.spec.max_new_tokens, self.runner.max_positions)
+        cache = self.runner.cache
+        shared = cache.shared_blocks(len(job.prefill_ids)) if fork and self.share_blocks else 0
+        if shared and not cache.fits_now(tokens, shared) and cache.fits_now(tokens):
+            shared = 0
+        job.cache = self.runner.allocate(tokens, shared)
 
     def take_forks(self, job: GenerationJob) -> list[GenerationJob] | None:
         """A leader's prefill is done: the forks that waited on it (they run with its logits; `share` fills
@@ -223,8 +275,8 @@ class PromptReuse:
 
     def share(self, job: GenerationJob, state: object, logits: torch.Tensor, forks: list[GenerationJob]) -> None:
         """After the leader's and its forks' first tokens went out, before the next decode step: offer the
-        leader's `state` (and the logits after its segment) to the prefix cache, and copy it into each fork
-        still running."""
+        leader's `state` (and the logits after its segment) to the prefix cache, and fork it into each fork
+        still running (`DecodeCache.fork`; with `share_blocks` off, a copy of its snapshot)."""
         key = job.prefix_key
         assert key is not None
         length = len(job.prefill_ids)
@@ -234,9 +286,13 @@ class PromptReuse:
         if not keep and not forks:
             return
         with torch.inference_mode():
-            # one copy out of the cache serves the prefix cache and every fork
+            for fork in forks if self.share_blocks else []:
+                self.runner.cache.fork(state, fork.cache)  # type: ignore[arg-type]
+            if not keep and self.share_blocks:
+                return
+            # one copy out of the cache serves the prefix cache (and, with share_blocks off, every fork)
             snap = take_snapshot(self.runner.cache, state, logits)  # type: ignore[arg-type]
-            for fork in forks:
+            for fork in forks if not self.share_blocks else []:
                 restore_snapshot(self.runner.cache, snap, fork.cache)
         if keep:
             assert self.cache is not None

@@ -100,10 +100,12 @@ class ModelRunner:
     def fits_ever(self, tokens: int) -> bool:
         return self.cache.fits_ever(min(tokens, self.max_positions))
 
-    def fits_together(self, token_counts: Sequence[int]) -> bool:
-        """Whether requests of these sizes can all start now (on top of the running ones)."""
+    def fits_together(self, token_counts: Sequence[int], spare_orders: int = 0) -> bool:
+        """Whether requests of these sizes can all start now (on top of the running ones), forks among them
+        holding `spare_orders` spare order blocks (model/decoding/cache.py `fork`) between them."""
         blocks = sum(-(-min(n, self.max_positions) // self.cache.block_size) for n in token_counts)
-        return blocks <= self.cache.free_blocks and len(token_counts) <= self.cache.free_slots
+        return (blocks <= self.cache.free_blocks and len(token_counts) <= self.cache.free_slots
+                and spare_orders <= self.cache.free_spare_orders)
 
     def limit_message(self, tokens: int) -> str:
         if min(tokens, self.max_positions) > self.cache.max_tokens:
@@ -234,9 +236,10 @@ class ModelRunner:
         """Where the engine samples from a call's logits: one intra-op thread (model.decoding.sampling_threads)."""
         return sampling_threads(self.device)
 
-    def allocate(self, tokens: int) -> DecodeState:
-        """A new request's state with room for `tokens` positions (a prefix-cache hit or a fork fills it)."""
-        return self.cache.allocate(min(tokens, self.max_positions))
+    def allocate(self, tokens: int, shared: int = 0) -> DecodeState:
+        """A new request's state with room for `tokens` positions (a prefix-cache hit or a fork fills it); a
+        fork's shares its first `shared` blocks with its leader (model/decoding/cache.py `fork`)."""
+        return self.cache.allocate(min(tokens, self.max_positions), shared)
 
     def can_step(self, state: DecodeState) -> bool:
         return 0 <= state.slot and state.length < min(state.capacity * self.cache.block_size, self.max_positions)

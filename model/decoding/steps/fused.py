@@ -192,7 +192,8 @@ class FusedStep:
                     or dense.k != hidden or down.k != dense.n or down.n != hidden):
                 raise ValueError(f"fused step: layer {li}'s weights do not fit hidden size {hidden}")
             f: dict[str, int] = {}
-            f.update(heads=att.heads, dim=att.head_size, kind=KIND[keys.dtype], pool_rows=keys.shape[0],
+            f.update(order_table=cache.order_table.data_ptr(), heads=att.heads, dim=att.head_size,
+                     kind=KIND[keys.dtype], pool_rows=keys.shape[0],
                      stride=pool_stride("fused step", keys, values),
                      ln_w=norm[0], ln_b=norm[1], proj_w=proj.weight_ptr, proj_b=proj.bias_ptr, keys=keys.data_ptr(),
                      values=values.data_ptr(), chunk=att.chunk, before=att.before, ff=dense.n, act=act,

@@ -37,6 +37,7 @@ def step_compute(lm: ReformerLM, cache: DecodeCache, backends: StepBackends, tok
     rows = tokens.shape[0]
     slots, t = meta[:, Meta.SLOT], meta[:, Meta.POSITION]
     step = StepInputs(t=t, blocks=BlockLookup(cache.block_table, slots, cache.block_size),
+                      orders=BlockLookup(cache.order_table, slots, cache.block_size),
                       groups=[(nb, None if sel is None else torch.tensor(sel).to(device))
                               for nb, sel in groups], meta=meta, backends=backends)
     if first_lsh is not None and backends.window is None:  # the C kernel works the windows out itself
@@ -120,6 +121,7 @@ def _local_attend(cache: DecodeCache, backends: StepBackends, li: int, q: Tensor
 class StepInputs:
     t: Tensor  # (B,) the new position of each row
     blocks: BlockLookup  # the pool rows of each row's positions
+    orders: BlockLookup  # the items rows of each row's main-order indices (the cache's order table)
     groups: list[tuple[int | list[int], Tensor | None]]  # bucket count -> rows (None: every row)
     backends: StepBackends  # the C window functions and products where they run
     # LSH layers on the PyTorch path (built once per step by _lsh_geometry; the C kernel needs none of them)
@@ -179,10 +181,11 @@ def _lsh_attend(cache: DecodeCache, li: int, att: LSHSelfAttention, qk: Tensor, 
         return kernel.lsh_attend(
             qk.contiguous(), cache.keys[li].view(-1, d), norms_pool.view(-1), cache.values[li].view(-1, d),
             step.meta, buckets, arrays, cache.block_table, cache.block_size, cache.scratch_slot, att.chunk,
-            att.before, att.after, self_mask_value(torch.float32), mask_value(torch.float32), att.successor_heads)
+            att.before, att.after, self_mask_value(torch.float32), mask_value(torch.float32), att.successor_heads,
+            order_table=cache.order_table)
     assert step.geo is not None and step.base is not None and step.value is not None and step.weight is not None
     counts = index.append(step.base, buckets, step.value, step.weight)
-    pos, absent = index.window(step.base, counts, buckets, step.geo, step.blocks)  # (B, H, R, W)
+    pos, absent = index.window(step.base, counts, buckets, step.geo, step.orders)  # (B, H, R, W)
     w = pos.shape[-1]
     if step.dense is not None:
         hashed, dense_pos, dense_absent, _ = step.dense

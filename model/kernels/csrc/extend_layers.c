@@ -51,7 +51,7 @@ static int merge_if_full(const StepLayer *L, int64_t slot, int64_t t, int64_t c0
     int16_t *rc = L->recent_counts + slot * per_slot;
     const void *recent = (const char *)L->items + (L->recent_offset + slot * columns * L->recent_size) * L->item_bytes;
     const int st = lsh_merge_columns(columns, c0, c1, L->buckets, *len, recent_len, L->recent_size, L->items,
-                                     L->item_bytes, L->recent_offset / columns, table + slot * table_width,
+                                     L->item_bytes, L->recent_offset / columns, L->order_table + slot * table_width,
                                      block_size, mc, rc, recent);
     if (st) return st;
     for (int64_t j = c0 * L->buckets; j < c1 * L->buckets; j++) {
@@ -113,7 +113,7 @@ static int heads_work(const StepLayer *L, const float *fl, int64_t m, int64_t fi
             st = lsh_attend_items(H, R, L->buckets, L->chunk, L->before, L->after, L->dim, L->recent_size, L->kind, q,
                                   L->keys, L->norms, L->values, L->pool_rows, L->stride, meta, bucket_of,
                                   L->main_counts, L->recent_counts, L->items, L->items_len, L->item_bytes, L->shift,
-                                  L->recent_offset, table, table_width, block_size, scratch_slot, fl[2], fl[3],
+                                  L->recent_offset, table, L->order_table, table_width, block_size, scratch_slot, fl[2], fl[3],
                                   L->successor, out, b * H + h0, b * H + h1);
     }
     return st;

@@ -1,5 +1,5 @@
 /* Cached decoding on the CPU, LSH layers: an LSH layer's decode window for every (row, head), its positions
- * worked out from the layer's bucket index (the main order in the pool rows of the row's blocks, the recent
+ * worked out from the layer's bucket index (the main order in the rows its order table gives, the recent
  * order per slot), then attended by window_attend.c's attend_slots. model/kernels/bindings.py and
  * step_layers.c call lsh_attend and lsh_attend_items. */
 #include <stdlib.h>
@@ -22,6 +22,8 @@ typedef struct {
     const void *items;
     int64_t items_len, item_bytes, shift, recent_offset;
     const int64_t *block_table;
+    const int64_t *order_table; /* where each slot's main order lives (model/decoding/cache.py order_table) */
+    int64_t order_rows;         /* the main order's rows: recent_offset / (heads * rounds) */
     int64_t table_width, block_size;
     int64_t block_shift; /* log2(block_size) when a power of two, else -1 */
     int64_t skip_slot; /* rows on this slot (the scratch slot: padding) are not computed */
@@ -49,6 +51,16 @@ static inline int64_t pool_row(const LshJob *job, int64_t slot, int64_t position
     const int64_t offset = job->block_shift >= 0 ? position & (job->block_size - 1) : position % job->block_size;
     const int64_t row = job->block_table[at] * job->block_size + offset;
     return row >= 0 && row < job->pool_rows ? row : -1;
+}
+
+/* the items row of sorted index j of a slot's main order (through its order table row, which has the block
+ * table's width and block size), or -1 outside the table or the order's rows */
+static inline int64_t order_row(const LshJob *job, int64_t slot, int64_t j) {
+    const int64_t at = table_at(job, slot, j);
+    if (at < 0) return -1;
+    const int64_t offset = job->block_shift >= 0 ? j & (job->block_size - 1) : j % job->block_size;
+    const int64_t row = job->order_table[at] * job->block_size + offset;
+    return row >= 0 && row < job->order_rows ? row : -1;
 }
 
 /* the position stored at `at` in the index's items, or -1 outside them */
@@ -142,7 +154,7 @@ static int lsh_slots(const LshJob *job, int64_t b, int64_t h, int64_t *flat, int
                 const int64_t j = p - c.pr, mend = c.pm + mc[c.bb];
                 int64_t at;
                 if (j < mend) {
-                    const int64_t row = pool_row(job, slot, j);
+                    const int64_t row = order_row(job, slot, j);
                     if (row < 0) return BAD_INDEX;
                     at = row * (H * R) + h * R + r2;
                 } else {
@@ -223,23 +235,25 @@ static void *run_lsh_job(void *arg) {
 }
 
 /* One LSH layer's decode attention for every (row, head): the windows' positions from the index (the
- * main order in the pool rows of the row's blocks, the recent order per slot, the counts after the step's
+ * main order in the items rows of the row's order table row, the recent order per slot, the counts after the step's
  * insert), then attend_slots. Returns as window_attend does. */
 static LshJob lsh_job(int64_t heads, int64_t rounds, int64_t buckets, int64_t chunk, int64_t before,
                       int64_t after, int64_t dim, int64_t recent_size, int64_t kind, const float *q, const void *keys,
                       const float *norms, const void *values, int64_t pool_rows, int64_t stride, const int64_t *meta,
                       const int64_t *bucket_of, const int32_t *main_counts, const int16_t *recent_counts,
                       const void *items, int64_t items_len, int64_t item_bytes, int64_t shift, int64_t recent_offset,
-                      const int64_t *block_table, int64_t table_width, int64_t block_size, int64_t skip_slot,
-                      float self_mask, float mask, int64_t successor, float *out, int64_t begin, int64_t end) {
+                      const int64_t *block_table, const int64_t *order_table, int64_t table_width,
+                      int64_t block_size, int64_t skip_slot, float self_mask, float mask, int64_t successor, float *out,
+                      int64_t begin, int64_t end) {
     int64_t block_shift = -1;
     if (block_size > 0 && !(block_size & (block_size - 1)))
         for (block_shift = 0; (INT64_C(1) << block_shift) < block_size; block_shift++) {
         }
     return (LshJob){heads, rounds, buckets, chunk, before, after, dim, recent_size, (int)kind, q, norms, keys, values,
                     pool_rows, stride, meta, bucket_of, main_counts, recent_counts, items, items_len, item_bytes,
-                    shift, recent_offset, block_table, table_width, block_size, block_shift, skip_slot, self_mask,
-                    mask, successor, out, begin, end, 1};
+                    shift, recent_offset, block_table, order_table,
+                    heads * rounds > 0 ? recent_offset / (heads * rounds) : 0, table_width, block_size, block_shift,
+                    skip_slot, self_mask, mask, successor, out, begin, end, 1};
 }
 
 int lsh_attend(int64_t rows, int64_t heads, int64_t rounds, int64_t buckets, int64_t chunk, int64_t before,
@@ -247,8 +261,8 @@ int lsh_attend(int64_t rows, int64_t heads, int64_t rounds, int64_t buckets, int
                const float *norms, const void *values, int64_t pool_rows, int64_t stride, const int64_t *meta,
                const int64_t *bucket_of, const int32_t *main_counts, const int16_t *recent_counts,
                const void *items, int64_t items_len, int64_t item_bytes,
-               int64_t shift, int64_t recent_offset, const int64_t *block_table, int64_t table_width,
-               int64_t block_size, int64_t skip_slot, float self_mask, float mask, int64_t successor, float *out,
+               int64_t shift, int64_t recent_offset, const int64_t *block_table, const int64_t *order_table,
+               int64_t table_width, int64_t block_size, int64_t skip_slot, float self_mask, float mask, int64_t successor, float *out,
                int64_t threads) {
     if (!kind_ok(kind)) return BAD_KIND;
     const int64_t items_n = rows * heads;
@@ -257,7 +271,7 @@ int lsh_attend(int64_t rows, int64_t heads, int64_t rounds, int64_t buckets, int
     for (int64_t k = 0; k < threads; k++)
         jobs[k] = lsh_job(heads, rounds, buckets, chunk, before, after, dim, recent_size, kind, q, keys, norms, values,
                           pool_rows, stride, meta, bucket_of, main_counts, recent_counts, items, items_len,
-                          item_bytes, shift, recent_offset, block_table, table_width, block_size, skip_slot,
+                          item_bytes, shift, recent_offset, block_table, order_table, table_width, block_size, skip_slot,
                           self_mask, mask, successor, out, items_n * k / threads, items_n * (k + 1) / threads);
     run_parallel(run_lsh_job, (char *)jobs, sizeof(LshJob), threads);
     int status = 0;
@@ -271,13 +285,14 @@ int lsh_attend_items(int64_t heads, int64_t rounds, int64_t buckets, int64_t chu
                      const float *norms, const void *values, int64_t pool_rows, int64_t stride, const int64_t *meta,
                      const int64_t *bucket_of, const int32_t *main_counts, const int16_t *recent_counts,
                      const void *items, int64_t items_len, int64_t item_bytes, int64_t shift, int64_t recent_offset,
-                     const int64_t *block_table, int64_t table_width, int64_t block_size, int64_t skip_slot,
-                     float self_mask, float mask, int64_t successor, float *out, int64_t begin, int64_t end) {
+                     const int64_t *block_table, const int64_t *order_table, int64_t table_width,
+                     int64_t block_size, int64_t skip_slot, float self_mask, float mask, int64_t successor, float *out,
+                     int64_t begin, int64_t end) {
     if (!kind_ok(kind)) return BAD_KIND;
     if (begin >= end) return 0;
     LshJob job = lsh_job(heads, rounds, buckets, chunk, before, after, dim, recent_size, kind, q, keys, norms, values,
                          pool_rows, stride, meta, bucket_of, main_counts, recent_counts, items, items_len,
-                         item_bytes, shift, recent_offset, block_table, table_width, block_size, skip_slot,
+                         item_bytes, shift, recent_offset, block_table, order_table, table_width, block_size, skip_slot,
                          self_mask, mask, successor, out, begin, end);
     run_lsh_job(&job);
     return job.status;

@@ -86,6 +86,9 @@ typedef struct {
     const float *b_dense;
     const void *w_ff;
     const float *b_ff;
+    /* LSH layers: the order table ((slots, table_width), as the block table): where each slot's main bucket order
+     * lives (sorted index j at the items row of position j through it; model/decoding/cache.py order_table) */
+    const int64_t *order_table;
 } StepLayer;
 
 /* The token and position embeddings (model/embeddings.py), read as 8 int64 words as StepLayer is: a token's
@@ -140,8 +143,9 @@ int lsh_attend_items(int64_t heads, int64_t rounds, int64_t buckets, int64_t chu
                      const float *norms, const void *values, int64_t pool_rows, int64_t stride, const int64_t *meta,
                      const int64_t *bucket_of, const int32_t *main_counts, const int16_t *recent_counts,
                      const void *items, int64_t items_len, int64_t item_bytes, int64_t shift, int64_t recent_offset,
-                     const int64_t *block_table, int64_t table_width, int64_t block_size, int64_t skip_slot,
-                     float self_mask, float mask, int64_t successor, float *out, int64_t begin, int64_t end);
+                     const int64_t *block_table, const int64_t *order_table, int64_t table_width, int64_t block_size,
+                     int64_t skip_slot, float self_mask, float mask, int64_t successor, float *out, int64_t begin,
+                     int64_t end);
 int window_attend_items(int64_t heads, int64_t rounds, int64_t width, int64_t dim, int64_t kind, const float *q,
                         const void *keys, const float *norms, const void *values, int64_t pool_len, int64_t stride,
                         const int64_t *flat, const uint8_t *absent, int64_t absent_row_stride,

@@ -293,8 +293,8 @@ int decode_layers(int64_t m, int64_t hidden, int64_t nlayers, const StepLayer *l
                 st = lsh_attend_items(L->heads, L->rounds, L->buckets, L->chunk, L->before, L->after, L->dim,
                                       L->recent_size, L->kind, key, L->keys, L->norms, L->values, L->pool_rows,
                                       L->stride, meta, bucket_of, L->main_counts, L->recent_counts, L->items,
-                                      L->items_len, L->item_bytes, L->shift, L->recent_offset, table, table_width,
-                                      block_size, scratch_slot, fl[2], fl[3], L->successor, out, begin, end);
+                                      L->items_len, L->item_bytes, L->shift, L->recent_offset, table, L->order_table,
+                                      table_width, block_size, scratch_slot, fl[2], fl[3], L->successor, out, begin, end);
             else {
                 const int64_t w = (L->before + 1) * L->chunk;
                 st = window_attend_items(L->heads, 1, w, L->dim, L->kind, value, L->keys, NULL, L->values,
