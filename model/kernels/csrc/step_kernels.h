@@ -165,4 +165,13 @@ int lsh_merge_columns(int64_t columns, int64_t c0, int64_t c1, int64_t buckets, 
                       int64_t recent_size, void *items, int64_t item_bytes, int64_t pool_rows, const int64_t *table,
                       int64_t block_size, const int32_t *main_counts, const int16_t *recent_counts, const void *recent);
 
+/* extend_windows.c: an extend's LSH attention with windows shared between its rows (extend_layers.c) */
+__attribute__((visibility("hidden"))) int32_t *extend_lsh_base(const StepLayer *L, int64_t slot, int64_t t0,
+                                                               int64_t h0, int64_t h1, int64_t skip_slot);
+__attribute__((visibility("hidden"))) int extend_lsh_heads(const StepLayer *L, const float *fl, int64_t m, int64_t h0,
+                                                           int64_t h1, const int64_t *meta, const float *q,
+                                                           const int64_t *bucket_of, const int32_t *base,
+                                                           const int64_t *table, int64_t table_width,
+                                                           int64_t block_size, float *out);
+
 #endif

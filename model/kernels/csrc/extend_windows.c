@@ -1,0 +1,367 @@
+/* An extend's LSH attention with the windows shared between its rows (extend_layers.c calls it for every LSH
+ * layer but the last, once every row's key, value and index insert is stored): the bits lsh_attend_items
+ * gives each row, one row at a time, right after its own insert.
+ *
+ * Windows. A decode step at position t sees, in each (head, round) order, the items of positions <= t: per
+ * bucket, the first f_t(bucket) items of (the bucket's main items ++ its recent items) as the final state
+ * holds them (every item of a bucket is in position order, main before recent, and the main/recent split
+ * never changes a window). f_t = the counts before the extend's first row (`base`) plus the rows up to t.
+ * So, per (head, round), a Fenwick tree over the buckets starts from `base`; the rows are added in order, and
+ * a row's rank and the bucket holding any rank are found in O(log buckets); an item is read through prefix
+ * sums of the final counts. Every rule of lsh_attend.c's lsh_slots is kept: a row shorter than a chunk
+ * attends every position in round 0, the other rounds dead; chunks counted along all rounds end to end,
+ * wrapping mod rounds * chunks (chunk 0 of round r reads round r-1's last, possibly partial, chunk); ranks
+ * past the position absent.
+ *
+ * Attention, in blocks of SHARE_ROWS rows of one head, attend_slots' arithmetic in three passes: the scores
+ * (per round, rows in the order of their window's first rank, so neighbours read the same key rows while
+ * they are in cache; a slot's score is dots16's or dot_row's, as attend_slots computes it, then the masks);
+ * per row the rounds' weights (round_weights, attend_slots' own code); the values (per round, rows in that
+ * order again, each row's sum held in `out` and updated by the multiply-adds attend_slots runs, its slots in
+ * order, zero-probability slots skipped: every row's sum sees the same operations in the same order as
+ * attend_slots' registers). A successor-value head's own slot reads a zero row, as the step reads it (its
+ * next position's value is written later). */
+#include <stdlib.h>
+
+#include "window_rows.h"
+
+#define SHARE_ROWS 1024 /* rows a block (scratch of about 13 bytes per window slot each) */
+#define SLOT_ABSENT 1
+#define SLOT_SELF 2
+
+typedef struct {
+    const StepLayer *L;
+    int64_t h, H, R, NB, C, W, n, slot, top;
+    const int64_t *table;
+    int64_t table_width, block_size, block_shift;
+    int32_t *fen, *cnt;    /* round r's counts as of the current row: a Fenwick tree (NB + 1) and plain (NB) */
+    int64_t *pm, *pr;      /* round r's final prefix sums of main and recent counts, NB + 1 each */
+    const int32_t *mc;     /* the final main counts of column (slot, h, round 0) */
+} Walk;
+
+/* the pool row of the slot's position, or -1 (lsh_attend.c's pool_row) */
+static inline int64_t walk_row(const Walk *w, int64_t position) {
+    if (position < 0 || position >= w->table_width * w->block_size) return -1;
+    const int64_t block = w->block_shift >= 0 ? position >> w->block_shift : position / w->block_size;
+    const int64_t off = w->block_shift >= 0 ? position & (w->block_size - 1) : position % w->block_size;
+    const int64_t row = w->table[w->slot * w->table_width + block] * w->block_size + off;
+    return row >= 0 && row < w->L->pool_rows ? row : -1;
+}
+
+static inline int64_t fen_prefix(const int32_t *f, int64_t k) {
+    int64_t s = 0;
+    for (; k > 0; k -= k & -k) s += f[k];
+    return s;
+}
+
+/* the bucket holding rank p (the last bucket starting at or before p, as seek finds it) and its first rank */
+static inline int64_t fen_find(const int32_t *f, int64_t nb, int64_t top, int64_t p, int64_t *start) {
+    int64_t at = 0, rem = p;
+    for (int64_t step = top; step; step >>= 1)
+        if (at + step <= nb && f[at + step] <= rem) {
+            at += step;
+            rem -= f[at];
+        }
+    *start = p - rem;
+    return at;
+}
+
+/* Row mb's windows in every round for head w->h (lsh_slots' rules), the counts already holding the row:
+ * flat (pool indices), flag (SLOT_*) and dead per round; first[r]: round r's window's first (round, rank). */
+static int row_window(const Walk *w, const int64_t *mb, const int64_t *bk_of, int64_t *flat, uint8_t *flag,
+                      uint8_t *dead, int64_t *first) {
+    const StepLayer *L = w->L;
+    const int64_t H = w->H, R = w->R, NB = w->NB, C = w->C, W = w->W, h = w->h, n = w->n;
+    const int64_t t = mb[META_POSITION], nch = mb[META_LSH_CHUNKS], wc = L->before + 1 + L->after;
+    if (!mb[META_HASHED]) { /* shorter than a chunk: every position so far, in round 0 */
+        for (int64_t r = 0; r < R; r++) {
+            dead[r] = r != 0;
+            first[r] = 0;
+            for (int64_t k = 0; k < W; k++) {
+                const int64_t i = r * W + k;
+                const int live = r == 0 && k <= t;
+                const int64_t row = live ? walk_row(w, k) : 0;
+                if (row < 0) return BAD_INDEX;
+                flag[i] = !live ? SLOT_ABSENT : k == t ? SLOT_SELF : 0;
+                flat[i] = row * H + h;
+            }
+        }
+        return 0;
+    }
+    const int64_t total = nch * R;
+    for (int64_t r = 0; r < R; r++) {
+        dead[r] = 0;
+        const int64_t s = fen_prefix(w->fen + r * (NB + 1), bk_of[r] + 1) - 1;
+        const int64_t s_chunk = s >= 0 ? s / C : -((-s + C - 1) / C);
+        for (int64_t o = 0; o < wc; o++) {
+            int64_t g = (r * nch + s_chunk + o - L->before) % total;
+            if (g < 0) g += total;
+            const int64_t r2 = g / nch, rank0 = (g - r2 * nch) * C;
+            if (o == 0) first[r] = (r2 << 40) | rank0;
+            const int32_t *fen = w->fen + r2 * (NB + 1), *cnt = w->cnt + r2 * NB, *mc = w->mc + r2 * NB;
+            const int64_t *pm = w->pm + r2 * (NB + 1), *pr = w->pr + r2 * (NB + 1);
+            const int64_t column = (w->slot * H + h) * R + r2;
+            int64_t bb = -1, start = 0;
+            for (int64_t k = 0; k < C; k++) {
+                const int64_t p = rank0 + k, i = r * W + o * C + k;
+                if (p > t) {
+                    flag[i] = SLOT_ABSENT;
+                    flat[i] = 0;
+                    continue;
+                }
+                if (bb < 0) bb = fen_find(fen, NB, w->top, p, &start);
+                while (p >= start + cnt[bb]) start += cnt[bb++];
+                const int64_t in = p - start;
+                int64_t at;
+                if (in < mc[bb]) {
+                    const int64_t row = walk_row(w, pm[bb] + in);
+                    if (row < 0) return BAD_INDEX;
+                    at = row * (H * R) + h * R + r2;
+                } else {
+                    at = L->recent_offset + column * L->recent_size + pr[bb] + in - mc[bb];
+                }
+                if (at < 0 || at >= L->items_len) return BAD_INDEX;
+                __builtin_prefetch((const char *)L->items + at * L->item_bytes, 0, LOCALITY);
+                flag[i] = 0;
+                flat[i] = at; /* the item's place for now, as in lsh_slots */
+            }
+        }
+    }
+    /* positions, then pool rows, in stages (lsh_slots' prefetching) */
+    for (int64_t i = 0; i < n; i++) {
+        if (flag[i]) continue;
+        const int64_t v = L->item_bytes == 2 ? ((const int16_t *)L->items)[flat[i]]
+                                             : ((const int32_t *)L->items)[flat[i]];
+        flat[i] = v - L->shift;
+        if (flat[i] == t) flag[i] = SLOT_SELF;
+        if (flat[i] >= 0 && flat[i] < w->table_width * w->block_size)
+            __builtin_prefetch(w->table + w->slot * w->table_width
+                                   + (w->block_shift >= 0 ? flat[i] >> w->block_shift : flat[i] / w->block_size),
+                               0, LOCALITY);
+    }
+    for (int64_t i = 0; i < n; i++) {
+        if (flag[i] & SLOT_ABSENT) continue;
+        const int64_t row = walk_row(w, flat[i]);
+        if (row < 0) return BAD_INDEX;
+        flat[i] = row * H + h;
+    }
+    return 0;
+}
+
+static int by_key(const void *a, const void *b) {
+    const int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* out += p * (value row `at`, or the zero row), with the operations attend_slots sums a slot with */
+static inline void add_slot(float *out, float p, const void *values, int kind, int64_t at, int64_t stride, int64_t D,
+                            const float *zero, float *buf) {
+#ifdef __AVX512F__
+    if (kind == KIND_F32 && D % 16 == 0 && D <= 16 * OUT_REGS) {
+        const float *v = zero ? zero : (const float *)values + at * stride;
+        const __m512 pp = _mm512_set1_ps(p);
+        for (int64_t c = 0; c < D / 16; c++)
+            _mm512_storeu_ps(out + 16 * c, _mm512_fmadd_ps(pp, _mm512_loadu_ps(v + 16 * c), _mm512_loadu_ps(out + 16 * c)));
+        return;
+    }
+#elif defined(AVX2_PATH)
+    if (D % 8 == 0 && D <= 64) {
+        const __m256 pp = _mm256_set1_ps(p);
+        if (kind == KIND_F32) {
+            const float *v = zero ? zero : (const float *)values + at * stride;
+            for (int64_t c = 0; c < D / 8; c++)
+                _mm256_storeu_ps(out + 8 * c, _mm256_fmadd_ps(pp, _mm256_loadu_ps(v + 8 * c), _mm256_loadu_ps(out + 8 * c)));
+        } else {
+            const uint16_t *hv = zero ? (const uint16_t *)zero : (const uint16_t *)values + at * stride;
+            for (int64_t c = 0; c < D / 8; c++)
+                _mm256_storeu_ps(out + 8 * c, _mm256_fmadd_ps(pp, widen8(hv + 8 * c, kind), _mm256_loadu_ps(out + 8 * c)));
+        }
+        return;
+    }
+#endif
+    if (zero) add_row(out, p, zero, kind, 0, stride, D, buf);
+    else add_row(out, p, values, kind, at, stride, D, buf);
+}
+
+/* Scratch of one thread's call (sizes in extend_lsh_heads). */
+typedef struct {
+    int64_t *flat, *order, *first;
+    uint8_t *flag, *dead, *quiet;
+    float *score, *lse, *row, *zero;
+} Scratch;
+
+/* One head's rows 0 .. m-1 in blocks (see the top of the file). q, out (m, heads * dim). */
+static int head_rows(Walk *w, int64_t m, const int64_t *meta, const float *q, const int64_t *bucket_of,
+                     const float *fl, float *out, Scratch *s) {
+    const StepLayer *L = w->L;
+    const int64_t H = w->H, R = w->R, NB = w->NB, W = w->W, n = w->n, D = L->dim, att = H * D, h = w->h;
+    const int kind = (int)L->kind, successor = h < L->successor;
+    const float mask = fl[3], self_mask = successor ? fl[3] : fl[2];
+    const int64_t row_bytes = D * kind_bytes(kind), stride_bytes = L->stride * kind_bytes(kind);
+    for (int64_t b0 = 0; b0 < m; b0 += SHARE_ROWS) {
+        const int64_t rows = m - b0 < SHARE_ROWS ? m - b0 : SHARE_ROWS;
+        for (int64_t lr = 0; lr < rows; lr++) {
+            const int64_t b = b0 + lr, *bk = bucket_of + (b * H + h) * R;
+            for (int64_t r = 0; r < R; r++) {
+                if (bk[r] < 0 || bk[r] >= NB) return BAD_INDEX;
+                w->cnt[r * NB + bk[r]]++;
+                for (int64_t x = bk[r] + 1; x <= NB; x += x & -x) w->fen[r * (NB + 1) + x]++;
+            }
+            const int st = row_window(w, meta + b * META_COLUMNS, bk, s->flat + lr * n, s->flag + lr * n,
+                                      s->dead + lr * R, s->first + lr * R);
+            if (st) return st;
+        }
+        for (int64_t r = 0; r < R; r++) { /* rows by their window's first rank: (rank << 16) | row */
+            int64_t *order = s->order + r * rows;
+            for (int64_t lr = 0; lr < rows; lr++) order[lr] = (s->first[lr * R + r] << 16) | lr;
+            qsort(order, (size_t)rows, sizeof(int64_t), by_key);
+            for (int64_t k = 0; k < rows; k++) order[k] &= 0xffff;
+        }
+        for (int64_t r = 0; r < R; r++)
+            for (int64_t k = 0; k < rows; k++) {
+                const int64_t lr = s->order[r * rows + k], b = b0 + lr;
+                const float *qq = q + b * att + h * D;
+                const int64_t *flat = s->flat + lr * n + r * W;
+                const uint8_t *flag = s->flag + lr * n + r * W;
+                float *score = s->score + lr * n + r * W;
+                int64_t i = 0;
+#ifdef __AVX512F__
+                if (lanes_fit(kind, D) && W % 16 == 0)
+                    for (; i < W; i += 16) {
+                        int64_t at[16];
+                        float dots[16];
+                        for (int j = 0; j < 16; j++) at[j] = flag[i + j] & SLOT_ABSENT ? 0 : flat[i + j];
+                        dots16(qq, L->keys, kind, L->stride, D, at, dots);
+                        for (int j = 0; j < 16; j++) {
+                            const int64_t x = i + j;
+                            float v = dots[j];
+                            if (flag[x] & SLOT_ABSENT) v = mask;
+                            else if (flag[x] & SLOT_SELF) v = self_mask;
+                            else if (L->norms) v *= L->norms[flat[x]];
+                            score[x] = v;
+                        }
+                    }
+#endif
+                for (; i < W; i++) {
+                    float v;
+                    if (flag[i] & SLOT_ABSENT) {
+                        v = mask;
+                    } else if (flag[i] & SLOT_SELF) {
+                        v = self_mask;
+                    } else {
+                        v = dot_row(qq, L->keys, kind, flat[i], L->stride, D, s->row);
+                        if (L->norms) v *= L->norms[flat[i]];
+                    }
+                    score[i] = v;
+                }
+            }
+        for (int64_t lr = 0; lr < rows; lr++) {
+            round_weights(s->score + lr * n, R, W, s->dead + lr * R, s->lse);
+            /* a successor-value head with nothing but itself to attend: exactly 0 (lsh_attend.c) */
+            s->quiet[lr] = successor && !saw_key(s->lse, R, mask);
+            memset(out + (b0 + lr) * att + h * D, 0, (size_t)D * sizeof(float));
+        }
+        for (int64_t r = 0; r < R; r++)
+            for (int64_t k = 0; k < rows; k++) {
+                const int64_t lr = s->order[r * rows + k];
+                if (s->quiet[lr]) continue;
+                float *o = out + (b0 + lr) * att + h * D;
+                const int64_t *flat = s->flat + lr * n + r * W;
+                const uint8_t *flag = s->flag + lr * n + r * W;
+                const float *score = s->score + lr * n + r * W;
+                for (int64_t i = 0; i < W; i++) {
+                    if (i + AHEAD < W && score[i + AHEAD] != 0.0f)
+                        prefetch_row(L->values, row_bytes, stride_bytes, flat[i + AHEAD]);
+                    const float p = score[i];
+                    if (p == 0.0f) continue;
+                    add_slot(o, p, L->values, kind, flat[i], L->stride, D,
+                             successor && (flag[i] & SLOT_SELF) ? s->zero : NULL, s->row);
+                }
+            }
+    }
+    return 0;
+}
+
+/* The counts of heads [h0, h1) of layer L's index of `slot` before the extend's first row, at position t0:
+ * base[((h - h0) * R + r) * NB + bucket] = main + recent. Returns NULL (the caller attends row by row) where
+ * this file's windows do not apply: a column's items are not exactly positions 0 .. t0-1, a padding slot, too
+ * many rounds, or no memory. */
+int32_t *extend_lsh_base(const StepLayer *L, int64_t slot, int64_t t0, int64_t h0, int64_t h1, int64_t skip_slot) {
+    const int64_t R = L->rounds, NB = L->buckets;
+    if (slot == skip_slot || R > MAX_ROUNDS || NB < 1 || !kind_ok(L->kind)) return NULL;
+    int32_t *base = malloc((size_t)((h1 - h0) * R * NB) * sizeof(int32_t));
+    if (!base) return NULL;
+    for (int64_t h = h0; h < h1; h++)
+        for (int64_t r = 0; r < R; r++) {
+            const int64_t column = (slot * L->heads + h) * R + r;
+            int32_t *to = base + ((h - h0) * R + r) * NB;
+            int64_t total = 0;
+            for (int64_t bb = 0; bb < NB; bb++) {
+                to[bb] = L->main_counts[column * NB + bb] + L->recent_counts[column * NB + bb];
+                total += to[bb];
+            }
+            if (total != t0) {
+                free(base);
+                return NULL;
+            }
+        }
+    return base;
+}
+
+/* Heads [h0, h1) of LSH layer L for the m rows (one slot, consecutive positions), every row's key, value and
+ * insert already stored; base from extend_lsh_base. Returns 0, NO_MEMORY or BAD_INDEX. */
+int extend_lsh_heads(const StepLayer *L, const float *fl, int64_t m, int64_t h0, int64_t h1, const int64_t *meta,
+                     const float *q, const int64_t *bucket_of, const int32_t *base, const int64_t *table,
+                     int64_t table_width, int64_t block_size, float *out) {
+    const int64_t R = L->rounds, NB = L->buckets, W = (L->before + 1 + L->after) * L->chunk, n = R * W;
+    const int64_t rows = m < SHARE_ROWS ? m : SHARE_ROWS, D = L->dim;
+    int64_t shift = -1, top = 1;
+    if (block_size > 0 && !(block_size & (block_size - 1)))
+        for (shift = 0; (INT64_C(1) << shift) < block_size; shift++) {
+        }
+    while (top * 2 <= NB) top *= 2;
+    const size_t bytes = (size_t)(rows * n) * (sizeof(int64_t) + sizeof(float) + 1)
+                         + (size_t)(2 * rows * R) * sizeof(int64_t) + (size_t)(rows * R + rows)
+                         + (size_t)(2 * R + 2 * D + 16) * sizeof(float)
+                         + (size_t)(R * (2 * NB + 1)) * sizeof(int32_t) + (size_t)(2 * R * (NB + 1)) * sizeof(int64_t);
+    char *buf = calloc(1, bytes + 64);
+    if (!buf) return NO_MEMORY;
+    Scratch s;
+    s.flat = (int64_t *)buf;
+    s.order = s.flat + rows * n;
+    s.first = s.order + rows * R;
+    int64_t *pm = s.first + rows * R, *pr = pm + R * (NB + 1);
+    s.score = (float *)(pr + R * (NB + 1));
+    s.lse = s.score + rows * n;
+    s.row = s.lse + 2 * R;
+    s.zero = s.row + D; /* D zero floats (calloc): a zero row of any kind */
+    int32_t *fen = (int32_t *)(s.zero + D + 16), *cnt = fen + R * (NB + 1);
+    s.flag = (uint8_t *)(cnt + R * NB);
+    s.dead = s.flag + rows * n;
+    s.quiet = s.dead + rows * R;
+    const int64_t slot = meta[META_INDEX_SLOT];
+    int st = 0;
+    for (int64_t h = h0; h < h1 && !st; h++) {
+        const int64_t column0 = (slot * L->heads + h) * R;
+        for (int64_t r = 0; r < R; r++) {
+            const int32_t *mc = L->main_counts + (column0 + r) * NB;
+            const int16_t *rc = L->recent_counts + (column0 + r) * NB;
+            int64_t *pmr = pm + r * (NB + 1), *prr = pr + r * (NB + 1);
+            int32_t *f = fen + r * (NB + 1);
+            pmr[0] = prr[0] = 0;
+            f[0] = 0;
+            for (int64_t bb = 0; bb < NB; bb++) {
+                pmr[bb + 1] = pmr[bb] + mc[bb];
+                prr[bb + 1] = prr[bb] + rc[bb];
+                cnt[r * NB + bb] = f[bb + 1] = base[((h - h0) * R + r) * NB + bb];
+            }
+            for (int64_t x = 1; x <= NB; x++) /* a Fenwick tree in O(NB) */
+                if (x + (x & -x) <= NB) f[x + (x & -x)] += f[x];
+        }
+        Walk w = {L, h, L->heads, R, NB, L->chunk, W, n, slot, top, table, table_width, block_size, shift,
+                  fen, cnt, pm, pr, L->main_counts + column0 * NB};
+        st = head_rows(&w, m, meta, q, bucket_of, fl, out, &s);
+    }
+    free(buf);
+    return st;
+}
