@@ -31,12 +31,13 @@
 
 typedef struct {
     const StepLayer *L;
-    int64_t h, H, R, NB, C, W, n, slot, top;
+    int64_t h, H, R, NB, C, W, n, slot, top, own; /* own: the current row's own pool index */
     const int64_t *table;
     int64_t table_width, block_size, block_shift;
     int32_t *fen, *cnt;    /* round r's counts as of the current row: a Fenwick tree (NB + 1) and plain (NB) */
-    int64_t *pm, *pr;      /* round r's final prefix sums of main and recent counts, NB + 1 each */
-    const int32_t *mc;     /* the final main counts of column (slot, h, round 0) */
+    int64_t *fst;          /* round r's final order: bucket bb's items start at fst[r * (NB + 1) + bb] */
+    int64_t *fin;          /* round r's final order as pool indices (pool row * heads + h), `len` apart */
+    int64_t len;           /* the final item count (the last row's position + 1) */
 } Walk;
 
 /* the pool row of the slot's position, or -1 (lsh_attend.c's pool_row) */
@@ -68,10 +69,10 @@ static inline int64_t fen_find(const int32_t *f, int64_t nb, int64_t top, int64_
 
 /* Row mb's windows in every round for head w->h (lsh_slots' rules), the counts already holding the row:
  * flat (pool indices), flag (SLOT_*) and dead per round; first[r]: round r's window's first (round, rank). */
-static int row_window(const Walk *w, const int64_t *mb, const int64_t *bk_of, int64_t *flat, uint8_t *flag,
+static __attribute__((noinline)) int row_window(const Walk *w, const int64_t *mb, const int64_t *bk_of, int64_t *flat, uint8_t *flag,
                       uint8_t *dead, int64_t *first) {
     const StepLayer *L = w->L;
-    const int64_t H = w->H, R = w->R, NB = w->NB, C = w->C, W = w->W, h = w->h, n = w->n;
+    const int64_t H = w->H, R = w->R, NB = w->NB, C = w->C, W = w->W, h = w->h;
     const int64_t t = mb[META_POSITION], nch = mb[META_LSH_CHUNKS], wc = L->before + 1 + L->after;
     if (!mb[META_HASHED]) { /* shorter than a chunk: every position so far, in round 0 */
         for (int64_t r = 0; r < R; r++) {
@@ -88,7 +89,7 @@ static int row_window(const Walk *w, const int64_t *mb, const int64_t *bk_of, in
         }
         return 0;
     }
-    const int64_t total = nch * R;
+    const int64_t total = nch * R, own = w->own;
     for (int64_t r = 0; r < R; r++) {
         dead[r] = 0;
         const int64_t s = fen_prefix(w->fen + r * (NB + 1), bk_of[r] + 1) - 1;
@@ -98,9 +99,8 @@ static int row_window(const Walk *w, const int64_t *mb, const int64_t *bk_of, in
             if (g < 0) g += total;
             const int64_t r2 = g / nch, rank0 = (g - r2 * nch) * C;
             if (o == 0) first[r] = (r2 << 40) | rank0;
-            const int32_t *fen = w->fen + r2 * (NB + 1), *cnt = w->cnt + r2 * NB, *mc = w->mc + r2 * NB;
-            const int64_t *pm = w->pm + r2 * (NB + 1), *pr = w->pr + r2 * (NB + 1);
-            const int64_t column = (w->slot * H + h) * R + r2;
+            const int32_t *fen = w->fen + r2 * (NB + 1), *cnt = w->cnt + r2 * NB;
+            const int64_t *fst = w->fst + r2 * (NB + 1), *fin = w->fin + r2 * w->len;
             int64_t bb = -1, start = 0;
             for (int64_t k = 0; k < C; k++) {
                 const int64_t p = rank0 + k, i = r * W + o * C + k;
@@ -110,42 +110,47 @@ static int row_window(const Walk *w, const int64_t *mb, const int64_t *bk_of, in
                     continue;
                 }
                 if (bb < 0) bb = fen_find(fen, NB, w->top, p, &start);
-                while (p >= start + cnt[bb]) start += cnt[bb++];
-                const int64_t in = p - start;
-                int64_t at;
-                if (in < mc[bb]) {
-                    const int64_t row = walk_row(w, pm[bb] + in);
-                    if (row < 0) return BAD_INDEX;
-                    at = row * (H * R) + h * R + r2;
-                } else {
-                    at = L->recent_offset + column * L->recent_size + pr[bb] + in - mc[bb];
-                }
-                if (at < 0 || at >= L->items_len) return BAD_INDEX;
-                __builtin_prefetch((const char *)L->items + at * L->item_bytes, 0, LOCALITY);
-                flag[i] = 0;
-                flat[i] = at; /* the item's place for now, as in lsh_slots */
+                while (bb < NB && p >= start + cnt[bb]) start += cnt[bb++];
+                if (bb >= NB) return BAD_INDEX;
+                /* the bucket's first counts are the row's view of it: its items in the final order */
+                flat[i] = fin[fst[bb] + p - start];
+                flag[i] = flat[i] == own ? SLOT_SELF : 0;
             }
         }
     }
-    /* positions, then pool rows, in stages (lsh_slots' prefetching) */
-    for (int64_t i = 0; i < n; i++) {
-        if (flag[i]) continue;
-        const int64_t v = L->item_bytes == 2 ? ((const int16_t *)L->items)[flat[i]]
-                                             : ((const int32_t *)L->items)[flat[i]];
-        flat[i] = v - L->shift;
-        if (flat[i] == t) flag[i] = SLOT_SELF;
-        if (flat[i] >= 0 && flat[i] < w->table_width * w->block_size)
-            __builtin_prefetch(w->table + w->slot * w->table_width
-                                   + (w->block_shift >= 0 ? flat[i] >> w->block_shift : flat[i] / w->block_size),
-                               0, LOCALITY);
-    }
-    for (int64_t i = 0; i < n; i++) {
-        if (flag[i] & SLOT_ABSENT) continue;
-        const int64_t row = walk_row(w, flat[i]);
-        if (row < 0) return BAD_INDEX;
-        flat[i] = row * H + h;
-    }
     return 0;
+}
+
+/* Round r's final order of head w->h as pool indices, from the index's main and recent orders (lsh_slots'
+ * reads, once a layer): the main items of bucket bb, then its recent ones. */
+static int final_order(Walk *w, int64_t r) {
+    const StepLayer *L = w->L;
+    const int64_t H = w->H, R = w->R, NB = w->NB, h = w->h, column = (w->slot * H + h) * R + r;
+    const int32_t *mc = L->main_counts + column * NB;
+    const int16_t *rc = L->recent_counts + column * NB;
+    int64_t *fst = w->fst + r * (NB + 1), *fin = w->fin + r * w->len, jm = 0, jr = 0;
+    fst[0] = 0;
+    for (int64_t bb = 0; bb < NB; bb++) {
+        int64_t at = fst[bb];
+        fst[bb + 1] = at + mc[bb] + rc[bb];
+        if (fst[bb + 1] > w->len || mc[bb] < 0 || rc[bb] < 0) return BAD_INDEX;
+        for (int64_t k = 0; k < mc[bb] + rc[bb]; k++) {
+            int64_t item;
+            if (k < mc[bb]) {
+                const int64_t row = walk_row(w, jm++);
+                if (row < 0) return BAD_INDEX;
+                item = row * (H * R) + h * R + r;
+            } else {
+                item = L->recent_offset + column * L->recent_size + jr++;
+            }
+            if (item < 0 || item >= L->items_len) return BAD_INDEX;
+            const int64_t v = L->item_bytes == 2 ? ((const int16_t *)L->items)[item] : ((const int32_t *)L->items)[item];
+            const int64_t row = walk_row(w, v - L->shift);
+            if (row < 0) return BAD_INDEX;
+            fin[at++] = row * H + h;
+        }
+    }
+    return fst[NB] == w->len ? 0 : BAD_INDEX;
 }
 
 static int by_key(const void *a, const void *b) {
@@ -190,94 +195,176 @@ typedef struct {
     float *score, *lse, *row, *zero;
 } Scratch;
 
+/* The scores of a block's rows (b0 + lr for lr < rows) in round r, rows in s->order's order: attend_slots'
+ * dots16 blocks of 16 slots from the row's slot 0 (or dot_row), then the masks. */
+static __attribute__((noinline)) void block_scores(const Walk *w, int64_t b0, int64_t rows, int64_t r,
+                                                   const float *q, float self_mask, float mask, Scratch *s) {
+    const StepLayer *L = w->L;
+    const int64_t W = w->W, n = w->n, D = L->dim, att = w->H * D;
+    const int kind = (int)L->kind;
+    for (int64_t k = 0; k < rows; k++) {
+        const int64_t lr = s->order[r * rows + k];
+        const float *qq = q + (b0 + lr) * att + w->h * D;
+        const int64_t *flat = s->flat + lr * n + r * W;
+        const uint8_t *flag = s->flag + lr * n + r * W;
+        float *score = s->score + lr * n + r * W;
+        int64_t i = 0;
+#ifdef __AVX512F__
+        if (lanes_fit(kind, D) && W % 16 == 0)
+            for (; i < W; i += 16) {
+                int64_t at[16];
+                float dots[16];
+                for (int j = 0; j < 16; j++) at[j] = flag[i + j] & SLOT_ABSENT ? 0 : flat[i + j];
+                dots16(qq, L->keys, kind, L->stride, D, at, dots);
+                for (int j = 0; j < 16; j++) {
+                    const int64_t x = i + j;
+                    float v = dots[j];
+                    if (flag[x] & SLOT_ABSENT) v = mask;
+                    else if (flag[x] & SLOT_SELF) v = self_mask;
+                    else if (L->norms) v *= L->norms[flat[x]];
+                    score[x] = v;
+                }
+            }
+#endif
+        for (; i < W; i++) {
+            float v;
+            if (flag[i] & SLOT_ABSENT) {
+                v = mask;
+            } else if (flag[i] & SLOT_SELF) {
+                v = self_mask;
+            } else {
+                v = dot_row(qq, L->keys, kind, flat[i], L->stride, D, s->row);
+                if (L->norms) v *= L->norms[flat[i]];
+            }
+            score[i] = v;
+        }
+    }
+}
+
+#ifdef __AVX512F__
+#define GROUP 4 /* rows whose sums of 2 x 16 floats run side by side: 8 chains of multiply-adds */
+/* block_values for float32 rows of 32 elements, GROUP rows at a time: each row's sum in two registers, its
+ * slots in order, a slot of probability 0 left out (a masked multiply-add keeps the sum as it is). */
+static void values_f32_32(const Walk *w, int64_t b0, int64_t r, const int64_t *list, int64_t count, float *out,
+                          const Scratch *s) {
+    const StepLayer *L = w->L;
+    const int64_t W = w->W, n = w->n, att = w->H * 32, stride = L->stride;
+    const int successor = w->h < L->successor;
+    const float *values = (const float *)L->values;
+    for (int64_t k = 0; k < count; k += GROUP) {
+        const int64_t g_n = count - k < GROUP ? count - k : GROUP;
+        __m512 acc[GROUP][2];
+        const int64_t *flat[GROUP];
+        const uint8_t *flag[GROUP];
+        const float *score[GROUP];
+        float *o[GROUP];
+        for (int g = 0; g < GROUP; g++) {
+            const int64_t lr = list[k + (g < g_n ? g : 0)]; /* a short group repeats its first row, unstored */
+            flat[g] = s->flat + lr * n + r * W;
+            flag[g] = s->flag + lr * n + r * W;
+            score[g] = s->score + lr * n + r * W;
+            o[g] = out + (b0 + lr) * att + w->h * 32;
+            acc[g][0] = _mm512_loadu_ps(o[g]);
+            acc[g][1] = _mm512_loadu_ps(o[g] + 16);
+        }
+        for (int64_t i = 0; i < W; i++)
+            for (int g = 0; g < GROUP; g++) {
+                const float p = score[g][i];
+                const __mmask16 live = p != 0.0f ? (__mmask16)0xffff : (__mmask16)0;
+                const float *v = successor && (flag[g][i] & SLOT_SELF) ? s->zero : values + flat[g][i] * stride;
+                const __m512 pp = _mm512_set1_ps(p);
+                acc[g][0] = _mm512_mask3_fmadd_ps(pp, _mm512_loadu_ps(v), acc[g][0], live);
+                acc[g][1] = _mm512_mask3_fmadd_ps(pp, _mm512_loadu_ps(v + 16), acc[g][1], live);
+            }
+        for (int g = 0; g < g_n; g++) {
+            _mm512_storeu_ps(o[g], acc[g][0]);
+            _mm512_storeu_ps(o[g] + 16, acc[g][1]);
+        }
+    }
+}
+#endif
+
+/* The values of a block's rows in round r, rows in s->order's order, each row's sum in `out` */
+static __attribute__((noinline)) void block_values(const Walk *w, int64_t b0, int64_t rows, int64_t r, float *out,
+                                                   Scratch *s) {
+    const StepLayer *L = w->L;
+    const int64_t W = w->W, n = w->n, D = L->dim, att = w->H * D;
+    const int kind = (int)L->kind, successor = w->h < L->successor;
+    const int64_t row_bytes = D * kind_bytes(kind), stride_bytes = L->stride * kind_bytes(kind);
+#ifdef __AVX512F__
+    if (kind == KIND_F32 && D == 32) {
+        int64_t *list = s->first; /* the rows not quiet, in order (first is free once the order is made) */
+        int64_t count = 0;
+        for (int64_t k = 0; k < rows; k++)
+            if (!s->quiet[s->order[r * rows + k]]) list[count++] = s->order[r * rows + k];
+        values_f32_32(w, b0, r, list, count, out, s);
+        return;
+    }
+#endif
+    for (int64_t k = 0; k < rows; k++) {
+        const int64_t lr = s->order[r * rows + k];
+        if (s->quiet[lr]) continue;
+        float *o = out + (b0 + lr) * att + w->h * D;
+        const int64_t *flat = s->flat + lr * n + r * W;
+        const uint8_t *flag = s->flag + lr * n + r * W;
+        const float *score = s->score + lr * n + r * W;
+        for (int64_t i = 0; i < W; i++) {
+            if (i + AHEAD < W && score[i + AHEAD] != 0.0f)
+                prefetch_row(L->values, row_bytes, stride_bytes, flat[i + AHEAD]);
+            const float p = score[i];
+            if (p == 0.0f) continue;
+            add_slot(o, p, L->values, kind, flat[i], L->stride, D,
+                     successor && (flag[i] & SLOT_SELF) ? s->zero : NULL, s->row);
+        }
+    }
+}
+
+/* A block's windows: its rows added to the counts in order, each row's windows read after its own add */
+static __attribute__((noinline)) int block_windows(Walk *w, int64_t b0, int64_t rows, const int64_t *meta,
+                                                   const int64_t *bucket_of, Scratch *s) {
+    const int64_t H = w->H, R = w->R, NB = w->NB, n = w->n, h = w->h;
+    for (int64_t lr = 0; lr < rows; lr++) {
+        const int64_t b = b0 + lr, *bk = bucket_of + (b * H + h) * R;
+        for (int64_t r = 0; r < R; r++) {
+            if (bk[r] < 0 || bk[r] >= NB) return BAD_INDEX;
+            w->cnt[r * NB + bk[r]]++;
+            for (int64_t x = bk[r] + 1; x <= NB; x += x & -x) w->fen[r * (NB + 1) + x]++;
+        }
+        const int64_t own = walk_row(w, meta[b * META_COLUMNS + META_POSITION]);
+        if (own < 0) return BAD_INDEX;
+        w->own = own * H + h;
+        const int st = row_window(w, meta + b * META_COLUMNS, bk, s->flat + lr * n, s->flag + lr * n,
+                                  s->dead + lr * R, s->first + lr * R);
+        if (st) return st;
+    }
+    for (int64_t r = 0; r < R; r++) { /* rows by their window's first rank: (rank << 16) | row */
+        int64_t *order = s->order + r * rows;
+        for (int64_t lr = 0; lr < rows; lr++) order[lr] = (s->first[lr * R + r] << 16) | lr;
+        qsort(order, (size_t)rows, sizeof(int64_t), by_key);
+        for (int64_t k = 0; k < rows; k++) order[k] &= 0xffff;
+    }
+    return 0;
+}
+
 /* One head's rows 0 .. m-1 in blocks (see the top of the file). q, out (m, heads * dim). */
 static int head_rows(Walk *w, int64_t m, const int64_t *meta, const float *q, const int64_t *bucket_of,
                      const float *fl, float *out, Scratch *s) {
     const StepLayer *L = w->L;
-    const int64_t H = w->H, R = w->R, NB = w->NB, W = w->W, n = w->n, D = L->dim, att = H * D, h = w->h;
-    const int kind = (int)L->kind, successor = h < L->successor;
+    const int64_t R = w->R, n = w->n, D = L->dim, att = w->H * D;
+    const int successor = w->h < L->successor;
     const float mask = fl[3], self_mask = successor ? fl[3] : fl[2];
-    const int64_t row_bytes = D * kind_bytes(kind), stride_bytes = L->stride * kind_bytes(kind);
     for (int64_t b0 = 0; b0 < m; b0 += SHARE_ROWS) {
         const int64_t rows = m - b0 < SHARE_ROWS ? m - b0 : SHARE_ROWS;
+        const int st = block_windows(w, b0, rows, meta, bucket_of, s);
+        if (st) return st;
+        for (int64_t r = 0; r < R; r++) block_scores(w, b0, rows, r, q, self_mask, mask, s);
         for (int64_t lr = 0; lr < rows; lr++) {
-            const int64_t b = b0 + lr, *bk = bucket_of + (b * H + h) * R;
-            for (int64_t r = 0; r < R; r++) {
-                if (bk[r] < 0 || bk[r] >= NB) return BAD_INDEX;
-                w->cnt[r * NB + bk[r]]++;
-                for (int64_t x = bk[r] + 1; x <= NB; x += x & -x) w->fen[r * (NB + 1) + x]++;
-            }
-            const int st = row_window(w, meta + b * META_COLUMNS, bk, s->flat + lr * n, s->flag + lr * n,
-                                      s->dead + lr * R, s->first + lr * R);
-            if (st) return st;
-        }
-        for (int64_t r = 0; r < R; r++) { /* rows by their window's first rank: (rank << 16) | row */
-            int64_t *order = s->order + r * rows;
-            for (int64_t lr = 0; lr < rows; lr++) order[lr] = (s->first[lr * R + r] << 16) | lr;
-            qsort(order, (size_t)rows, sizeof(int64_t), by_key);
-            for (int64_t k = 0; k < rows; k++) order[k] &= 0xffff;
-        }
-        for (int64_t r = 0; r < R; r++)
-            for (int64_t k = 0; k < rows; k++) {
-                const int64_t lr = s->order[r * rows + k], b = b0 + lr;
-                const float *qq = q + b * att + h * D;
-                const int64_t *flat = s->flat + lr * n + r * W;
-                const uint8_t *flag = s->flag + lr * n + r * W;
-                float *score = s->score + lr * n + r * W;
-                int64_t i = 0;
-#ifdef __AVX512F__
-                if (lanes_fit(kind, D) && W % 16 == 0)
-                    for (; i < W; i += 16) {
-                        int64_t at[16];
-                        float dots[16];
-                        for (int j = 0; j < 16; j++) at[j] = flag[i + j] & SLOT_ABSENT ? 0 : flat[i + j];
-                        dots16(qq, L->keys, kind, L->stride, D, at, dots);
-                        for (int j = 0; j < 16; j++) {
-                            const int64_t x = i + j;
-                            float v = dots[j];
-                            if (flag[x] & SLOT_ABSENT) v = mask;
-                            else if (flag[x] & SLOT_SELF) v = self_mask;
-                            else if (L->norms) v *= L->norms[flat[x]];
-                            score[x] = v;
-                        }
-                    }
-#endif
-                for (; i < W; i++) {
-                    float v;
-                    if (flag[i] & SLOT_ABSENT) {
-                        v = mask;
-                    } else if (flag[i] & SLOT_SELF) {
-                        v = self_mask;
-                    } else {
-                        v = dot_row(qq, L->keys, kind, flat[i], L->stride, D, s->row);
-                        if (L->norms) v *= L->norms[flat[i]];
-                    }
-                    score[i] = v;
-                }
-            }
-        for (int64_t lr = 0; lr < rows; lr++) {
-            round_weights(s->score + lr * n, R, W, s->dead + lr * R, s->lse);
+            round_weights(s->score + lr * n, R, w->W, s->dead + lr * R, s->lse);
             /* a successor-value head with nothing but itself to attend: exactly 0 (lsh_attend.c) */
             s->quiet[lr] = successor && !saw_key(s->lse, R, mask);
-            memset(out + (b0 + lr) * att + h * D, 0, (size_t)D * sizeof(float));
+            memset(out + (b0 + lr) * att + w->h * D, 0, (size_t)D * sizeof(float));
         }
-        for (int64_t r = 0; r < R; r++)
-            for (int64_t k = 0; k < rows; k++) {
-                const int64_t lr = s->order[r * rows + k];
-                if (s->quiet[lr]) continue;
-                float *o = out + (b0 + lr) * att + h * D;
-                const int64_t *flat = s->flat + lr * n + r * W;
-                const uint8_t *flag = s->flag + lr * n + r * W;
-                const float *score = s->score + lr * n + r * W;
-                for (int64_t i = 0; i < W; i++) {
-                    if (i + AHEAD < W && score[i + AHEAD] != 0.0f)
-                        prefetch_row(L->values, row_bytes, stride_bytes, flat[i + AHEAD]);
-                    const float p = score[i];
-                    if (p == 0.0f) continue;
-                    add_slot(o, p, L->values, kind, flat[i], L->stride, D,
-                             successor && (flag[i] & SLOT_SELF) ? s->zero : NULL, s->row);
-                }
-            }
+        for (int64_t r = 0; r < R; r++) block_values(w, b0, rows, r, out, s);
     }
     return 0;
 }
@@ -315,6 +402,7 @@ int extend_lsh_heads(const StepLayer *L, const float *fl, int64_t m, int64_t h0,
                      int64_t table_width, int64_t block_size, float *out) {
     const int64_t R = L->rounds, NB = L->buckets, W = (L->before + 1 + L->after) * L->chunk, n = R * W;
     const int64_t rows = m < SHARE_ROWS ? m : SHARE_ROWS, D = L->dim;
+    const int64_t len = meta[(m - 1) * META_COLUMNS + META_POSITION] + 1;
     int64_t shift = -1, top = 1;
     if (block_size > 0 && !(block_size & (block_size - 1)))
         for (shift = 0; (INT64_C(1) << shift) < block_size; shift++) {
@@ -322,16 +410,16 @@ int extend_lsh_heads(const StepLayer *L, const float *fl, int64_t m, int64_t h0,
     while (top * 2 <= NB) top *= 2;
     const size_t bytes = (size_t)(rows * n) * (sizeof(int64_t) + sizeof(float) + 1)
                          + (size_t)(2 * rows * R) * sizeof(int64_t) + (size_t)(rows * R + rows)
-                         + (size_t)(2 * R + 2 * D + 16) * sizeof(float)
-                         + (size_t)(R * (2 * NB + 1)) * sizeof(int32_t) + (size_t)(2 * R * (NB + 1)) * sizeof(int64_t);
+                         + (size_t)(2 * R + 2 * D + 16) * sizeof(float) + (size_t)(R * (2 * NB + 1)) * sizeof(int32_t)
+                         + (size_t)(R * (NB + 1 + len)) * sizeof(int64_t);
     char *buf = calloc(1, bytes + 64);
     if (!buf) return NO_MEMORY;
     Scratch s;
     s.flat = (int64_t *)buf;
     s.order = s.flat + rows * n;
     s.first = s.order + rows * R;
-    int64_t *pm = s.first + rows * R, *pr = pm + R * (NB + 1);
-    s.score = (float *)(pr + R * (NB + 1));
+    int64_t *fst = s.first + rows * R, *fin = fst + R * (NB + 1);
+    s.score = (float *)(fin + R * len);
     s.lse = s.score + rows * n;
     s.row = s.lse + 2 * R;
     s.zero = s.row + D; /* D zero floats (calloc): a zero row of any kind */
@@ -342,25 +430,17 @@ int extend_lsh_heads(const StepLayer *L, const float *fl, int64_t m, int64_t h0,
     const int64_t slot = meta[META_INDEX_SLOT];
     int st = 0;
     for (int64_t h = h0; h < h1 && !st; h++) {
-        const int64_t column0 = (slot * L->heads + h) * R;
-        for (int64_t r = 0; r < R; r++) {
-            const int32_t *mc = L->main_counts + (column0 + r) * NB;
-            const int16_t *rc = L->recent_counts + (column0 + r) * NB;
-            int64_t *pmr = pm + r * (NB + 1), *prr = pr + r * (NB + 1);
+        Walk w = {L, h, L->heads, R, NB, L->chunk, W, n, slot, top, 0, table, table_width, block_size, shift,
+                  fen, cnt, fst, fin, len};
+        for (int64_t r = 0; r < R && !st; r++) {
             int32_t *f = fen + r * (NB + 1);
-            pmr[0] = prr[0] = 0;
             f[0] = 0;
-            for (int64_t bb = 0; bb < NB; bb++) {
-                pmr[bb + 1] = pmr[bb] + mc[bb];
-                prr[bb + 1] = prr[bb] + rc[bb];
-                cnt[r * NB + bb] = f[bb + 1] = base[((h - h0) * R + r) * NB + bb];
-            }
+            for (int64_t bb = 0; bb < NB; bb++) cnt[r * NB + bb] = f[bb + 1] = base[((h - h0) * R + r) * NB + bb];
             for (int64_t x = 1; x <= NB; x++) /* a Fenwick tree in O(NB) */
                 if (x + (x & -x) <= NB) f[x + (x & -x)] += f[x];
+            st = final_order(&w, r);
         }
-        Walk w = {L, h, L->heads, R, NB, L->chunk, W, n, slot, top, table, table_width, block_size, shift,
-                  fen, cnt, pm, pr, L->main_counts + column0 * NB};
-        st = head_rows(&w, m, meta, q, bucket_of, fl, out, &s);
+        if (!st) st = head_rows(&w, m, meta, q, bucket_of, fl, out, &s);
     }
     free(buf);
     return st;
