@@ -202,6 +202,8 @@ static __attribute__((noinline)) void block_scores(const Walk *w, int64_t b0, in
     const StepLayer *L = w->L;
     const int64_t W = w->W, n = w->n, D = L->dim, att = w->H * D;
     const int kind = (int)L->kind;
+    const int64_t row_bytes = D * kind_bytes(kind), stride_bytes = L->stride * kind_bytes(kind);
+    (void)row_bytes, (void)stride_bytes; /* the AVX-512 loop's prefetches */
     for (int64_t k = 0; k < rows; k++) {
         const int64_t lr = s->order[r * rows + k];
         const float *qq = q + (b0 + lr) * att + w->h * D;
@@ -210,21 +212,40 @@ static __attribute__((noinline)) void block_scores(const Walk *w, int64_t b0, in
         float *score = s->score + lr * n + r * W;
         int64_t i = 0;
 #ifdef __AVX512F__
-        if (lanes_fit(kind, D) && W % 16 == 0)
+        if (lanes_fit(kind, D) && W % 16 == 0) {
+            if (k + 1 < rows) /* the next row's first keys: most of its window is this row's, in cache */
+                for (int j = 0; j < AHEAD; j++) {
+                    const int64_t nx = s->order[r * rows + k + 1] * n + r * W + j;
+                    if (!(s->flag[nx] & SLOT_ABSENT)) prefetch_row(L->keys, row_bytes, stride_bytes, s->flat[nx]);
+                }
             for (; i < W; i += 16) {
                 int64_t at[16];
                 float dots[16];
-                for (int j = 0; j < 16; j++) at[j] = flag[i + j] & SLOT_ABSENT ? 0 : flat[i + j];
-                dots16(qq, L->keys, kind, L->stride, D, at, dots);
                 for (int j = 0; j < 16; j++) {
-                    const int64_t x = i + j;
-                    float v = dots[j];
-                    if (flag[x] & SLOT_ABSENT) v = mask;
-                    else if (flag[x] & SLOT_SELF) v = self_mask;
-                    else if (L->norms) v *= L->norms[flat[x]];
-                    score[x] = v;
+                    if (i + j + AHEAD < W && !(flag[i + j + AHEAD] & SLOT_ABSENT))
+                        prefetch_row(L->keys, row_bytes, stride_bytes, flat[i + j + AHEAD]);
+                    at[j] = flag[i + j] & SLOT_ABSENT ? 0 : flat[i + j];
                 }
+                if (kind == KIND_F32 && D == 32) /* the same function, its loops unrolled for 32 elements */
+                    dots16(qq, L->keys, KIND_F32, L->stride, 32, at, dots);
+                else
+                    dots16(qq, L->keys, kind, L->stride, D, at, dots);
+                /* the masks as the scalar loop below sets them (a padding slot wins over its own position), 16
+                 * at a time; dots * norms is the same rounded product lane by lane */
+                const __m512i fg = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(flag + i)));
+                const __mmask16 absent = _mm512_test_epi32_mask(fg, _mm512_set1_epi32(SLOT_ABSENT));
+                const __mmask16 self = _mm512_test_epi32_mask(fg, _mm512_set1_epi32(SLOT_SELF));
+                __m512 v = _mm512_loadu_ps(dots);
+                if (L->norms) {
+                    const __m256 n0 = _mm512_i64gather_ps(_mm512_loadu_si512((const void *)(flat + i)), L->norms, 4);
+                    const __m256 n1 = _mm512_i64gather_ps(_mm512_loadu_si512((const void *)(flat + i + 8)), L->norms, 4);
+                    v = _mm512_mul_ps(v, _mm512_insertf32x8(_mm512_castps256_ps512(n0), n1, 1));
+                }
+                v = _mm512_mask_mov_ps(v, self, _mm512_set1_ps(self_mask));
+                v = _mm512_mask_mov_ps(v, absent, _mm512_set1_ps(mask));
+                _mm512_storeu_ps(score + i, v);
             }
+        }
 #endif
         for (; i < W; i++) {
             float v;
