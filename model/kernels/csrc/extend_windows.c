@@ -290,6 +290,7 @@ static void values_f32_32(const Walk *w, int64_t b0, int64_t r, const int64_t *l
         }
         for (int64_t i = 0; i < W; i++)
             for (int g = 0; g < GROUP; g++) {
+                if (i + AHEAD < W) prefetch_row(values, 128, stride * 4, flat[g][i + AHEAD]);
                 const float p = score[g][i];
                 const __mmask16 live = p != 0.0f ? (__mmask16)0xffff : (__mmask16)0;
                 const float *v = successor && (flag[g][i] & SLOT_SELF) ? s->zero : values + flat[g][i] * stride;
