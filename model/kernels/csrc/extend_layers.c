@@ -38,55 +38,6 @@
 
 #include "step_kernels.h"
 
-/* Merges columns [c0, c1) of layer L's index of `slot` (the heads a thread owns) when its recent order is full at
- * position t (as model/decoding/index_upkeep.py maintain_indexes merges before a step): the items through
- * lsh_merge_columns, then those columns' counts (main += recent; recent = 0, LSHIndex._merge_counts). `len`:
- * the main order's length (each thread keeps its own copy: every thread merges at the same rows). */
-static int merge_if_full(const StepLayer *L, int64_t slot, int64_t t, int64_t c0, int64_t c1, int64_t *len,
-                         const int64_t *table, int64_t table_width, int64_t block_size) {
-    const int64_t recent_len = t - *len;
-    if (recent_len < L->recent_size) return 0;
-    const int64_t columns = L->heads * L->rounds, per_slot = columns * L->buckets;
-    int32_t *mc = (int32_t *)(intptr_t)L->main_counts + slot * per_slot; /* the index's own tensor */
-    int16_t *rc = L->recent_counts + slot * per_slot;
-    const void *recent = (const char *)L->items + (L->recent_offset + slot * columns * L->recent_size) * L->item_bytes;
-    const int st = lsh_merge_columns(columns, c0, c1, L->buckets, *len, recent_len, L->recent_size, L->items,
-                                     L->item_bytes, L->recent_offset / columns, table + slot * table_width,
-                                     block_size, mc, rc, recent);
-    if (st) return st;
-    for (int64_t j = c0 * L->buckets; j < c1 * L->buckets; j++) {
-        mc[j] += rc[j];
-        rc[j] = 0;
-    }
-    *len = t;
-    return 0;
-}
-
-/* Row b's cache writes in LSH layer L for heads [h0, h1), as a decode step at its position makes them: the merge
- * when due, the key/value write (successor values into the row before), the insert into the recent order. */
-static int lsh_store_row(const StepLayer *L, int64_t b, int64_t h0, int64_t h1, const int64_t *meta, const float *key,
-                         const float *value, const int64_t *new_rows, const int64_t *prev_rows,
-                         const int64_t *bucket_of, int64_t *len, const int64_t *table, int64_t table_width,
-                         int64_t block_size) {
-    const int64_t H = L->heads, R = L->rounds, att = H * L->dim, *mb = meta + b * META_COLUMNS;
-    const float scale = sqrtf((float)L->dim);
-    int st = merge_if_full(L, mb[META_SLOT], mb[META_POSITION], h0 * R, h1 * R, len, table, table_width, block_size);
-    for (int64_t h = h0; h < h1 && !st; h++) {
-        const int64_t at = new_rows[b] * H + h, before = prev_rows[b] * H + h;
-        st = decode_write(1, 1, L->dim, L->kind, L->pool_rows * H, L->stride, &at, key + b * att + h * L->dim,
-                          value + b * att + h * L->dim, L->keys, L->values, L->norms, KEY_NORM_EPS, scale,
-                          h < L->successor, &before);
-        /* the head's index columns as a one-head index: its (slot, head) pair as the slot */
-        int64_t one[META_COLUMNS];
-        memcpy(one, mb, sizeof one);
-        one[META_INDEX_SLOT] = mb[META_INDEX_SLOT] * H + h;
-        if (!st)
-            st = lsh_append(1, 1, R, L->buckets, L->recent_size, one, bucket_of + (b * H + h) * R, L->recent_counts,
-                            L->items, L->item_bytes, L->shift, L->recent_offset);
-    }
-    return st;
-}
-
 /* Heads [h0, h1) of layer L through rows 0 .. m-1 in order, each row as a decode step at its position does
  * them: LSH, the merge when due, the key/value write (successor values into the row before), the insert into
  * the recent order, then the attention (rows from `first` on: the last layer's others are not needed); local,
@@ -106,14 +57,24 @@ static int heads_work(const StepLayer *L, const float *fl, int64_t m, int64_t fi
     if (L->lsh && first == 0) { /* every row attends: windows shared (extend_windows.c), after every row's writes */
         int32_t *base = extend_lsh_base(L, meta[META_INDEX_SLOT], meta[META_POSITION], h0, h1, scratch_slot);
         if (base) {
-            for (int64_t b = 0; b < m && !st; b++)
-                st = lsh_store_row(L, b, h0, h1, meta, key, value, new_rows, prev_rows, bucket_of, len, table,
-                                   table_width, block_size);
+            st = lsh_store_rows(L, m, h0, h1, meta, key, value, new_rows, prev_rows, bucket_of, len, table,
+                                table_width, block_size);
             if (!st)
                 st = extend_lsh_heads(L, fl, m, h0, h1, meta, q, bucket_of, base, table, table_width, block_size, out);
             free(base);
             return st;
         }
+    }
+    if (L->lsh && m > 1 && first == m - 1) { /* the last layer: every row's writes, then the last row's attention */
+        st = lsh_store_rows(L, m, h0, h1, meta, key, value, new_rows, prev_rows, bucket_of, len, table, table_width,
+                            block_size);
+        if (!st)
+            st = lsh_attend_items(H, R, L->buckets, L->chunk, L->before, L->after, L->dim, L->recent_size, L->kind, q,
+                                  L->keys, L->norms, L->values, L->pool_rows, L->stride, meta, bucket_of,
+                                  L->main_counts, L->recent_counts, L->items, L->items_len, L->item_bytes, L->shift,
+                                  L->recent_offset, table, table_width, block_size, scratch_slot, fl[2], fl[3],
+                                  L->successor, out, first * H + h0, first * H + h1);
+        return st;
     }
     for (int64_t b = 0; b < m && !st; b++) {
         const int64_t *mb = meta + b * META_COLUMNS;
@@ -133,7 +94,7 @@ static int heads_work(const StepLayer *L, const float *fl, int64_t m, int64_t fi
             continue;
         }
         st = lsh_store_row(L, b, h0, h1, meta, key, value, new_rows, prev_rows, bucket_of, len, table, table_width,
-                           block_size);
+                           block_size, NULL);
         if (!st && b >= first)
             st = lsh_attend_items(H, R, L->buckets, L->chunk, L->before, L->after, L->dim, L->recent_size, L->kind, q,
                                   L->keys, L->norms, L->values, L->pool_rows, L->stride, meta, bucket_of,

@@ -173,5 +173,16 @@ __attribute__((visibility("hidden"))) int extend_lsh_heads(const StepLayer *L, c
                                                            const int64_t *bucket_of, const int32_t *base,
                                                            const int64_t *table, int64_t table_width,
                                                            int64_t block_size, float *out);
+/* extend_merge.c: an extend's writes into an LSH layer, row by row or with the merges put off to the end */
+__attribute__((visibility("hidden"))) int lsh_store_row(const StepLayer *L, int64_t b, int64_t h0, int64_t h1,
+                                                        const int64_t *meta, const float *key, const float *value,
+                                                        const int64_t *new_rows, const int64_t *prev_rows,
+                                                        const int64_t *bucket_of, int64_t *len, const int64_t *table,
+                                                        int64_t table_width, int64_t block_size, void *aside);
+__attribute__((visibility("hidden"))) int lsh_store_rows(const StepLayer *L, int64_t m, int64_t h0, int64_t h1,
+                                                         const int64_t *meta, const float *key, const float *value,
+                                                         const int64_t *new_rows, const int64_t *prev_rows,
+                                                         const int64_t *bucket_of, int64_t *len, const int64_t *table,
+                                                         int64_t table_width, int64_t block_size);
 
 #endif
