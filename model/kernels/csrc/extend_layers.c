@@ -50,7 +50,7 @@ static int heads_work(const StepLayer *L, const float *fl, int64_t m, int64_t fi
                       const int64_t *meta, const float *q, const float *key, const float *value,
                       const int64_t *new_rows, const int64_t *prev_rows, const int64_t *bucket_of, int64_t *len,
                       const int64_t *table, int64_t table_width, int64_t block_size, int64_t scratch_slot,
-                      int64_t *flat, uint8_t *absent, float *out) {
+                      int64_t *flat, uint8_t *absent, float *out, void **keep, size_t *kept) {
     const int64_t H = L->heads, R = L->rounds, att = H * L->dim, w = (L->before + 1) * L->chunk;
     const float scale = sqrtf((float)L->dim);
     int st = 0;
@@ -60,7 +60,8 @@ static int heads_work(const StepLayer *L, const float *fl, int64_t m, int64_t fi
             st = lsh_store_rows(L, m, h0, h1, meta, key, value, new_rows, prev_rows, bucket_of, len, table,
                                 table_width, block_size);
             if (!st)
-                st = extend_lsh_heads(L, fl, m, h0, h1, meta, q, bucket_of, base, table, table_width, block_size, out);
+                st = extend_lsh_heads(L, fl, m, h0, h1, meta, q, bucket_of, base, table, table_width, block_size, out,
+                                      keep, kept);
             free(base);
             return st;
         }
@@ -201,6 +202,8 @@ int extend_layers(int64_t m, int64_t hidden, int64_t nlayers, const StepLayer *l
     if (status) goto done; /* nothing written */
 #pragma omp parallel num_threads((int)threads) if (threads > 1)
     {
+        void *keep = NULL; /* this thread's scratch for extend_windows.c, kept from layer to layer */
+        size_t kept = 0;
         for (int64_t i = 0; i < nlayers; i++) {
             const StepLayer *L = layers + i;
             const float *fl = floats + 4 * i;
@@ -234,7 +237,7 @@ int extend_layers(int64_t m, int64_t hidden, int64_t nlayers, const StepLayer *l
             if (h0 < h1 && !failed)
                 FAIL(heads_work(L, fl, m, first, h0, h1, meta, q, key, value, new_rows, prev_rows, bucket_of, &len,
                                 table, table_width, block_size, scratch_slot, flat + step_thread() * most_flat,
-                                absent + step_thread() * most_window, out));
+                                absent + step_thread() * most_window, out, &keep, &kept));
 #pragma omp barrier
             /* after every thread has read it: every thread merged at the same rows */
             if (h0 == 0 && h1 > 0) index_len[i] = len;
@@ -249,6 +252,7 @@ int extend_layers(int64_t m, int64_t hidden, int64_t nlayers, const StepLayer *l
             layer_norm_rows(1, 2 * hidden, joined, final_w, final_b, final_eps, joined);
         }
         step_product(wkind, 1, vocab, 2 * hidden, joined, head_w, head_b, logits);
+        free(keep);
     }
 done:
     free(fbuf);

@@ -38,6 +38,7 @@ typedef struct {
     int64_t *fst;          /* round r's final order: bucket bb's items start at fst[r * (NB + 1) + bb] */
     int64_t *fin;          /* round r's final order as pool indices (pool row * heads + h), `len` apart */
     int64_t len;           /* the final item count (the last row's position + 1) */
+    int64_t chunks;        /* the most chunks a round has (the last row's) */
 } Walk;
 
 /* the pool row of the slot's position, or -1 (lsh_attend.c's pool_row) */
@@ -89,6 +90,7 @@ static __attribute__((noinline)) int row_window(const Walk *w, const int64_t *mb
         }
         return 0;
     }
+    if (nch < 1 || nch > w->chunks) return BAD_INDEX;
     const int64_t total = nch * R, own = w->own;
     for (int64_t r = 0; r < R; r++) {
         dead[r] = 0;
@@ -98,7 +100,7 @@ static __attribute__((noinline)) int row_window(const Walk *w, const int64_t *mb
             int64_t g = (r * nch + s_chunk + o - L->before) % total;
             if (g < 0) g += total;
             const int64_t r2 = g / nch, rank0 = (g - r2 * nch) * C;
-            if (o == 0) first[r] = (r2 << 40) | rank0;
+            if (o == 0) first[r] = r2 * w->chunks + rank0 / C; /* its first chunk, numbered as a sort key */
             const int32_t *fen = w->fen + r2 * (NB + 1), *cnt = w->cnt + r2 * NB;
             const int64_t *fst = w->fst + r2 * (NB + 1), *fin = w->fin + r2 * w->len;
             int64_t bb = -1, start = 0;
@@ -153,11 +155,6 @@ static int final_order(Walk *w, int64_t r) {
     return fst[NB] == w->len ? 0 : BAD_INDEX;
 }
 
-static int by_key(const void *a, const void *b) {
-    const int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
-    return (x > y) - (x < y);
-}
-
 /* out += p * (value row `at`, or the zero row), with the operations attend_slots sums a slot with */
 static inline void add_slot(float *out, float p, const void *values, int kind, int64_t at, int64_t stride, int64_t D,
                             const float *zero, float *buf) {
@@ -192,6 +189,7 @@ static inline void add_slot(float *out, float p, const void *values, int kind, i
 typedef struct {
     int64_t *flat, *order, *first;
     uint8_t *flag, *dead, *quiet;
+    int32_t *tally; /* the counting sort's counts: rounds * chunks + 1 */
     float *score, *lse, *row, *zero;
 } Scratch;
 
@@ -359,11 +357,13 @@ static __attribute__((noinline)) int block_windows(Walk *w, int64_t b0, int64_t 
                                   s->dead + lr * R, s->first + lr * R);
         if (st) return st;
     }
-    for (int64_t r = 0; r < R; r++) { /* rows by their window's first rank: (rank << 16) | row */
+    const int64_t keys = R * w->chunks;
+    for (int64_t r = 0; r < R; r++) { /* rows by their window's first chunk (a counting sort: stable) */
         int64_t *order = s->order + r * rows;
-        for (int64_t lr = 0; lr < rows; lr++) order[lr] = (s->first[lr * R + r] << 16) | lr;
-        qsort(order, (size_t)rows, sizeof(int64_t), by_key);
-        for (int64_t k = 0; k < rows; k++) order[k] &= 0xffff;
+        memset(s->tally, 0, (size_t)(keys + 1) * sizeof(int32_t));
+        for (int64_t lr = 0; lr < rows; lr++) s->tally[s->first[lr * R + r] + 1]++;
+        for (int64_t k = 0; k < keys; k++) s->tally[k + 1] += s->tally[k];
+        for (int64_t lr = 0; lr < rows; lr++) order[s->tally[s->first[lr * R + r]]++] = lr;
     }
     return 0;
 }
@@ -418,13 +418,16 @@ int32_t *extend_lsh_base(const StepLayer *L, int64_t slot, int64_t t0, int64_t h
 }
 
 /* Heads [h0, h1) of LSH layer L for the m rows (one slot, consecutive positions), every row's key, value and
- * insert already stored; base from extend_lsh_base. Returns 0, NO_MEMORY or BAD_INDEX. */
+ * insert already stored; base from extend_lsh_base; *keep: the thread's scratch of *kept bytes (NULL, 0 at
+ * first), grown as needed. Returns 0, NO_MEMORY or BAD_INDEX. */
 int extend_lsh_heads(const StepLayer *L, const float *fl, int64_t m, int64_t h0, int64_t h1, const int64_t *meta,
                      const float *q, const int64_t *bucket_of, const int32_t *base, const int64_t *table,
-                     int64_t table_width, int64_t block_size, float *out) {
+                     int64_t table_width, int64_t block_size, float *out, void **keep, size_t *kept) {
     const int64_t R = L->rounds, NB = L->buckets, W = (L->before + 1 + L->after) * L->chunk, n = R * W;
     const int64_t rows = m < SHARE_ROWS ? m : SHARE_ROWS, D = L->dim;
     const int64_t len = meta[(m - 1) * META_COLUMNS + META_POSITION] + 1;
+    /* the most chunks a row's rounds have: the last row's (nch grows with the position) */
+    const int64_t chunks = meta[(m - 1) * META_COLUMNS + META_LSH_CHUNKS] > 0 ? meta[(m - 1) * META_COLUMNS + META_LSH_CHUNKS] : 1;
     int64_t shift = -1, top = 1;
     if (block_size > 0 && !(block_size & (block_size - 1)))
         for (shift = 0; (INT64_C(1) << shift) < block_size; shift++) {
@@ -432,10 +435,15 @@ int extend_lsh_heads(const StepLayer *L, const float *fl, int64_t m, int64_t h0,
     while (top * 2 <= NB) top *= 2;
     const size_t bytes = (size_t)(rows * n) * (sizeof(int64_t) + sizeof(float) + 1)
                          + (size_t)(2 * rows * R) * sizeof(int64_t) + (size_t)(rows * R + rows)
-                         + (size_t)(2 * R + 2 * D + 16) * sizeof(float) + (size_t)(R * (2 * NB + 1)) * sizeof(int32_t)
+                         + (size_t)(2 * R + 2 * D + 16) * sizeof(float) + (size_t)(R * (2 * NB + 1 + chunks) + 1) * sizeof(int32_t)
                          + (size_t)(R * (NB + 1 + len)) * sizeof(int64_t);
-    char *buf = calloc(1, bytes + 64);
-    if (!buf) return NO_MEMORY;
+    if (*kept < bytes + 64) { /* the thread's scratch, kept from layer to layer (extend_layers frees it) */
+        free(*keep);
+        *kept = 0;
+        if (!(*keep = malloc(bytes + 64))) return NO_MEMORY;
+        *kept = bytes + 64;
+    }
+    char *buf = *keep;
     Scratch s;
     s.flat = (int64_t *)buf;
     s.order = s.flat + rows * n;
@@ -444,16 +452,18 @@ int extend_lsh_heads(const StepLayer *L, const float *fl, int64_t m, int64_t h0,
     s.score = (float *)(fin + R * len);
     s.lse = s.score + rows * n;
     s.row = s.lse + 2 * R;
-    s.zero = s.row + D; /* D zero floats (calloc): a zero row of any kind */
+    s.zero = s.row + D; /* D zero floats: a zero row of any kind */
+    memset(s.zero, 0, (size_t)D * sizeof(float));
     int32_t *fen = (int32_t *)(s.zero + D + 16), *cnt = fen + R * (NB + 1);
-    s.flag = (uint8_t *)(cnt + R * NB);
+    s.tally = cnt + R * NB;
+    s.flag = (uint8_t *)(s.tally + R * chunks + 1);
     s.dead = s.flag + rows * n;
     s.quiet = s.dead + rows * R;
     const int64_t slot = meta[META_INDEX_SLOT];
     int st = 0;
     for (int64_t h = h0; h < h1 && !st; h++) {
         Walk w = {L, h, L->heads, R, NB, L->chunk, W, n, slot, top, 0, table, table_width, block_size, shift,
-                  fen, cnt, fst, fin, len};
+                  fen, cnt, fst, fin, len, chunks};
         for (int64_t r = 0; r < R && !st; r++) {
             int32_t *f = fen + r * (NB + 1);
             f[0] = 0;
@@ -464,6 +474,5 @@ int extend_lsh_heads(const StepLayer *L, const float *fl, int64_t m, int64_t h0,
         }
         if (!st) st = head_rows(&w, m, meta, q, bucket_of, fl, out, &s);
     }
-    free(buf);
     return st;
 }

@@ -5,6 +5,7 @@
 #ifndef STEP_KERNELS_H
 #define STEP_KERNELS_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 /* the epsilon of an LSH key's length factor (model/attention.py KEY_NORM_EPS; abi.KEY_NORM_EPS) */
@@ -172,7 +173,8 @@ __attribute__((visibility("hidden"))) int extend_lsh_heads(const StepLayer *L, c
                                                            int64_t h1, const int64_t *meta, const float *q,
                                                            const int64_t *bucket_of, const int32_t *base,
                                                            const int64_t *table, int64_t table_width,
-                                                           int64_t block_size, float *out);
+                                                           int64_t block_size, float *out, void **keep,
+                                                           size_t *kept);
 /* extend_merge.c: an extend's writes into an LSH layer, row by row or with the merges put off to the end */
 __attribute__((visibility("hidden"))) int lsh_store_row(const StepLayer *L, int64_t b, int64_t h0, int64_t h1,
                                                         const int64_t *meta, const float *key, const float *value,
