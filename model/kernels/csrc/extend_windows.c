@@ -220,8 +220,6 @@ static __attribute__((noinline)) void block_scores(const Walk *w, int64_t b0, in
                 int64_t at[16];
                 float dots[16];
                 for (int j = 0; j < 16; j++) {
-                    if (i + j + AHEAD < W && !(flag[i + j + AHEAD] & SLOT_ABSENT))
-                        prefetch_row(L->keys, row_bytes, stride_bytes, flat[i + j + AHEAD]);
                     at[j] = flag[i + j] & SLOT_ABSENT ? 0 : flat[i + j];
                 }
                 if (kind == KIND_F32 && D == 32) /* the same function, its loops unrolled for 32 elements */
