@@ -210,13 +210,14 @@ int extend_layers(int64_t m, int64_t hidden, int64_t nlayers, const StepLayer *l
             const int64_t att = L->heads * L->dim, parts = L->lsh ? 2 : 3, proj = parts * att;
             /* the last layer's outputs matter at the last row only (no later layer reads the others) */
             const int64_t first = i == nlayers - 1 ? m - 1 : 0;
-#pragma omp single
-            layer_norm_rows(m, hidden, x2, L->ln_w, L->ln_b, fl[0], h);
+            int64_t r0, r1; /* this thread's rows of the row-by-row pieces: each row's bits are its own */
+            step_share(m, &r0, &r1);
+            layer_norm_rows(r1 - r0, hidden, x2 + r0 * hidden, L->ln_w, L->ln_b, fl[0], h + r0 * hidden);
+#pragma omp barrier
             step_product(wkind, m, proj, hidden, h, L->proj_w, L->proj_b, qkv);
-#pragma omp single
             {
                 const float scale = sqrtf((float)L->dim);
-                for (int64_t b = 0; b < m; b++) {
+                for (int64_t b = r0; b < r1; b++) {
                     const float *row = qkv + b * proj;
                     for (int64_t j = 0; j < att; j++) {
                         q[b * att + j] = row[j];
@@ -225,6 +226,7 @@ int extend_layers(int64_t m, int64_t hidden, int64_t nlayers, const StepLayer *l
                     }
                 }
             }
+#pragma omp barrier
             if (L->lsh) {
                 FAIL(hash_share(L, i, m, hashes, key, bucket_of));
 #pragma omp barrier
