@@ -36,7 +36,7 @@ typedef struct {
     int64_t table_width, block_size, block_shift;
     int32_t *fen, *cnt;    /* round r's counts as of the current row: a Fenwick tree (NB + 1) and plain (NB) */
     int64_t *fst;          /* round r's final order: bucket bb's items start at fst[r * (NB + 1) + bb] */
-    int64_t *fin;          /* round r's final order as pool indices (pool row * heads + h), `len` apart */
+    int32_t *fin;          /* round r's final order as pool indices (pool row * heads + h), `len` apart */
     int64_t len;           /* the final item count (the last row's position + 1) */
     int64_t chunks;        /* the most chunks a round has (the last row's) */
 } Walk;
@@ -70,7 +70,7 @@ static inline int64_t fen_find(const int32_t *f, int64_t nb, int64_t top, int64_
 
 /* Row mb's windows in every round for head w->h (lsh_slots' rules), the counts already holding the row:
  * flat (pool indices), flag (SLOT_*) and dead per round; first[r]: round r's window's first (round, rank). */
-static __attribute__((noinline)) int row_window(const Walk *w, const int64_t *mb, const int64_t *bk_of, int64_t *flat, uint8_t *flag,
+static __attribute__((noinline)) int row_window(const Walk *w, const int64_t *mb, const int64_t *bk_of, int32_t *flat, uint8_t *flag,
                       uint8_t *dead, int64_t *first) {
     const StepLayer *L = w->L;
     const int64_t H = w->H, R = w->R, NB = w->NB, C = w->C, W = w->W, h = w->h;
@@ -85,7 +85,7 @@ static __attribute__((noinline)) int row_window(const Walk *w, const int64_t *mb
                 const int64_t row = live ? walk_row(w, k) : 0;
                 if (row < 0) return BAD_INDEX;
                 flag[i] = !live ? SLOT_ABSENT : k == t ? SLOT_SELF : 0;
-                flat[i] = row * H + h;
+                flat[i] = (int32_t)(row * H + h);
             }
         }
         return 0;
@@ -102,7 +102,8 @@ static __attribute__((noinline)) int row_window(const Walk *w, const int64_t *mb
             const int64_t r2 = g / nch, rank0 = (g - r2 * nch) * C;
             if (o == 0) first[r] = r2 * w->chunks + rank0 / C; /* its first chunk, numbered as a sort key */
             const int32_t *fen = w->fen + r2 * (NB + 1), *cnt = w->cnt + r2 * NB;
-            const int64_t *fst = w->fst + r2 * (NB + 1), *fin = w->fin + r2 * w->len;
+            const int64_t *fst = w->fst + r2 * (NB + 1);
+            const int32_t *fin = w->fin + r2 * w->len;
             int64_t bb = -1, start = 0;
             for (int64_t k = 0; k < C; k++) {
                 const int64_t p = rank0 + k, i = r * W + o * C + k;
@@ -130,7 +131,8 @@ static int final_order(Walk *w, int64_t r) {
     const int64_t H = w->H, R = w->R, NB = w->NB, h = w->h, column = (w->slot * H + h) * R + r;
     const int32_t *mc = L->main_counts + column * NB;
     const int16_t *rc = L->recent_counts + column * NB;
-    int64_t *fst = w->fst + r * (NB + 1), *fin = w->fin + r * w->len, jm = 0, jr = 0;
+    int64_t *fst = w->fst + r * (NB + 1), jm = 0, jr = 0;
+    int32_t *fin = w->fin + r * w->len;
     fst[0] = 0;
     for (int64_t bb = 0; bb < NB; bb++) {
         int64_t at = fst[bb];
@@ -149,7 +151,7 @@ static int final_order(Walk *w, int64_t r) {
             const int64_t v = L->item_bytes == 2 ? ((const int16_t *)L->items)[item] : ((const int32_t *)L->items)[item];
             const int64_t row = walk_row(w, v - L->shift);
             if (row < 0) return BAD_INDEX;
-            fin[at++] = row * H + h;
+            fin[at++] = (int32_t)(row * H + h);
         }
     }
     return fst[NB] == w->len ? 0 : BAD_INDEX;
@@ -187,7 +189,8 @@ static inline void add_slot(float *out, float p, const void *values, int kind, i
 
 /* Scratch of one thread's call (sizes in extend_lsh_heads). */
 typedef struct {
-    int64_t *flat, *order, *first;
+    int64_t *order, *first;
+    int32_t *flat; /* pool indices (extend_lsh_base: they fit 31 bits) */
     uint8_t *flag, *dead, *quiet;
     int32_t *tally; /* the counting sort's counts: rounds * chunks + 1 */
     float *score, *lse, *row, *zero;
@@ -205,7 +208,7 @@ static __attribute__((noinline)) void block_scores(const Walk *w, int64_t b0, in
     for (int64_t k = 0; k < rows; k++) {
         const int64_t lr = s->order[r * rows + k];
         const float *qq = q + (b0 + lr) * att + w->h * D;
-        const int64_t *flat = s->flat + lr * n + r * W;
+        const int32_t *flat = s->flat + lr * n + r * W;
         const uint8_t *flag = s->flag + lr * n + r * W;
         float *score = s->score + lr * n + r * W;
         int64_t i = 0;
@@ -233,9 +236,7 @@ static __attribute__((noinline)) void block_scores(const Walk *w, int64_t b0, in
                 const __mmask16 self = _mm512_test_epi32_mask(fg, _mm512_set1_epi32(SLOT_SELF));
                 __m512 v = _mm512_loadu_ps(dots);
                 if (L->norms) {
-                    const __m256 n0 = _mm512_i64gather_ps(_mm512_loadu_si512((const void *)(flat + i)), L->norms, 4);
-                    const __m256 n1 = _mm512_i64gather_ps(_mm512_loadu_si512((const void *)(flat + i + 8)), L->norms, 4);
-                    v = _mm512_mul_ps(v, _mm512_insertf32x8(_mm512_castps256_ps512(n0), n1, 1));
+                    v = _mm512_mul_ps(v, _mm512_i32gather_ps(_mm512_loadu_si512((const void *)(flat + i)), L->norms, 4));
                 }
                 v = _mm512_mask_mov_ps(v, self, _mm512_set1_ps(self_mask));
                 v = _mm512_mask_mov_ps(v, absent, _mm512_set1_ps(mask));
@@ -271,7 +272,7 @@ static void values_f32_32(const Walk *w, int64_t b0, int64_t r, const int64_t *l
     for (int64_t k = 0; k < count; k += GROUP) {
         const int64_t g_n = count - k < GROUP ? count - k : GROUP;
         __m512 acc[GROUP][2];
-        const int64_t *flat[GROUP];
+        const int32_t *flat[GROUP];
         const uint8_t *flag[GROUP];
         const float *score[GROUP];
         float *o[GROUP];
@@ -323,7 +324,7 @@ static __attribute__((noinline)) void block_values(const Walk *w, int64_t b0, in
         const int64_t lr = s->order[r * rows + k];
         if (s->quiet[lr]) continue;
         float *o = out + (b0 + lr) * att + w->h * D;
-        const int64_t *flat = s->flat + lr * n + r * W;
+        const int32_t *flat = s->flat + lr * n + r * W;
         const uint8_t *flag = s->flag + lr * n + r * W;
         const float *score = s->score + lr * n + r * W;
         for (int64_t i = 0; i < W; i++) {
@@ -395,7 +396,8 @@ static int head_rows(Walk *w, int64_t m, const int64_t *meta, const float *q, co
  * many rounds, or no memory. */
 int32_t *extend_lsh_base(const StepLayer *L, int64_t slot, int64_t t0, int64_t h0, int64_t h1, int64_t skip_slot) {
     const int64_t R = L->rounds, NB = L->buckets;
-    if (slot == skip_slot || R > MAX_ROUNDS || NB < 1 || !kind_ok(L->kind)) return NULL;
+    if (slot == skip_slot || R > MAX_ROUNDS || NB < 1 || !kind_ok(L->kind) || L->pool_rows * L->heads > INT32_MAX)
+        return NULL;
     int32_t *base = malloc((size_t)((h1 - h0) * R * NB) * sizeof(int32_t));
     if (!base) return NULL;
     for (int64_t h = h0; h < h1; h++)
@@ -431,28 +433,27 @@ int extend_lsh_heads(const StepLayer *L, const float *fl, int64_t m, int64_t h0,
         for (shift = 0; (INT64_C(1) << shift) < block_size; shift++) {
         }
     while (top * 2 <= NB) top *= 2;
-    const size_t bytes = (size_t)(rows * n) * (sizeof(int64_t) + sizeof(float) + 1)
-                         + (size_t)(2 * rows * R) * sizeof(int64_t) + (size_t)(rows * R + rows)
-                         + (size_t)(2 * R + 2 * D + 16) * sizeof(float) + (size_t)(R * (2 * NB + 1 + chunks) + 1) * sizeof(int32_t)
-                         + (size_t)(R * (NB + 1 + len)) * sizeof(int64_t);
+    const size_t bytes = (size_t)(2 * rows * R + R * (NB + 1)) * sizeof(int64_t)
+                         + (size_t)(rows * n + 2 * R + 2 * D + 16) * sizeof(float)
+                         + (size_t)(rows * n + R * len + R * (2 * NB + 1 + chunks) + 1) * sizeof(int32_t)
+                         + (size_t)(rows * n + rows * R + rows);
     if (*kept < bytes + 64) { /* the thread's scratch, kept from layer to layer (extend_layers frees it) */
         free(*keep);
         *kept = 0;
         if (!(*keep = malloc(bytes + 64))) return NO_MEMORY;
         *kept = bytes + 64;
     }
-    char *buf = *keep;
     Scratch s;
-    s.flat = (int64_t *)buf;
-    s.order = s.flat + rows * n;
+    s.order = (int64_t *)*keep;
     s.first = s.order + rows * R;
-    int64_t *fst = s.first + rows * R, *fin = fst + R * (NB + 1);
-    s.score = (float *)(fin + R * len);
+    int64_t *fst = s.first + rows * R;
+    s.score = (float *)(fst + R * (NB + 1));
     s.lse = s.score + rows * n;
     s.row = s.lse + 2 * R;
     s.zero = s.row + D; /* D zero floats: a zero row of any kind */
     memset(s.zero, 0, (size_t)D * sizeof(float));
-    int32_t *fen = (int32_t *)(s.zero + D + 16), *cnt = fen + R * (NB + 1);
+    s.flat = (int32_t *)(s.zero + D + 16);
+    int32_t *fin = s.flat + rows * n, *fen = fin + R * len, *cnt = fen + R * (NB + 1);
     s.tally = cnt + R * NB;
     s.flag = (uint8_t *)(s.tally + R * chunks + 1);
     s.dead = s.flag + rows * n;
