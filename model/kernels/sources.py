@@ -8,7 +8,7 @@ No imports, and nothing but literals: setup.py loads this file by its path, befo
 # under csrc/ beside this file
 SOURCES: tuple[str, ...] = ("window_attend.c", "lsh_attend.c", "decode_cache.c", "step_linear.c", "step_linear_q.c",
                             "step_layers.c", "extend_layers.c", "extend_windows.c",
-                            "extend_merge.c",
+                            "extend_merge.c", "extend_local.c",
                             "chunk_attend.c")
 HEADERS: tuple[str, ...] = ("step_kernels.h", "window_rows.h")
 

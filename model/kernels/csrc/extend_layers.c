@@ -66,6 +66,11 @@ static int heads_work(const StepLayer *L, const float *fl, int64_t m, int64_t fi
             return st;
         }
     }
+    if (!L->lsh) { /* every row's window from one copy, then the ring writes (extend_local.c), where it applies */
+        st = extend_local_heads(L, fl, m, first, h0, h1, meta, q, key, value, out, keep, kept);
+        if (st >= 0) return st;
+        st = 0;
+    }
     if (L->lsh && m > 1 && first == m - 1) { /* the last layer: every row's writes, then the last row's attention */
         st = lsh_store_rows(L, m, h0, h1, meta, key, value, new_rows, prev_rows, bucket_of, len, table, table_width,
                             block_size);

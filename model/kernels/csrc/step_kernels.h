@@ -175,6 +175,12 @@ __attribute__((visibility("hidden"))) int extend_lsh_heads(const StepLayer *L, c
                                                            const int64_t *table, int64_t table_width,
                                                            int64_t block_size, float *out, void **keep,
                                                            size_t *kept);
+/* extend_local.c: an extend's local-layer attention from one copy of the windows (-1: not here) */
+__attribute__((visibility("hidden"))) int extend_local_heads(const StepLayer *L, const float *fl, int64_t m,
+                                                             int64_t first, int64_t h0, int64_t h1,
+                                                             const int64_t *meta, const float *q, const float *key,
+                                                             const float *value, float *out, void **keep,
+                                                             size_t *kept);
 /* extend_merge.c: an extend's writes into an LSH layer, row by row or with the merges put off to the end */
 __attribute__((visibility("hidden"))) int lsh_store_row(const StepLayer *L, int64_t b, int64_t h0, int64_t h1,
                                                         const int64_t *meta, const float *key, const float *value,
