@@ -7,22 +7,29 @@
  * slot) as its batch, and each piece computes a row alone:
  *  - the layer norms, products (one chain of multiply-adds per element, step_linear.c), the LSH hashes and the
  *    tails work row by row, so S rows give each row the bits one row gets;
- *  - the cache's writes and the attention cannot be batched as they are: a decode step at position p sees the
- *    index and the local ring as positions < p left them. So, per layer, the rows are taken in order: row b's
- *    merge (when its index's recent order is full, as maintain_indexes merges before a step), key/value write,
- *    insert into the recent order, then its attention, each through the step's own kernels (decode_write,
- *    lsh_append, lsh_merge_columns, lsh_attend_items, window_attend_items). Row b's attention therefore reads
- *    exactly the cache a step at its position reads. A local layer writes its ring row by row for the same
- *    reason (a later row's write would overwrite a ring row an earlier row's window still reads).
+ *  - a decode step at position p sees the index and the local ring as positions < p left them. Per layer:
+ *    - an LSH layer first makes every row's writes in order as the steps make them (extend_merge.c: key/value
+ *      write, successor values into the row before, insert into the recent order; the merges the steps make
+ *      are put off to one merge after the last row, which leaves the same orders and counts), then attends
+ *      (extend_windows.c, extend_attend.c): a row's window is read from the final orders through the bucket
+ *      counts as they stood at its position (the counts before the call plus the rows up to it), and the
+ *      attention is attend_slots' arithmetic, slot by slot, run per (head, round) over blocks of 1,024 rows
+ *      taken in the order of their windows, so that rows whose windows overlap read the same key and value
+ *      rows while they are in cache (each row's scores, weights and sums are still its own);
+ *    - a local layer (extend_local.c) copies the positions its rows' windows cover (the ring as the call finds
+ *      it, then the rows' own keys and values) side by side, attends every row from the copy, then writes the
+ *      ring row by row (a later row's write would overwrite a ring row an earlier row's window reads);
+ *    - where those do not apply (a pool kind or head size extend_local.c does not take, an index whose counts
+ *      do not hold exactly the positions before the call, 16-bit count overflow), the rows go one by one: row
+ *      b's merge when due, write, insert, then its attention through the step's own kernels (lsh_attend_items,
+ *      window_attend_items), reading exactly the cache a step at its position reads.
  *    Heads are independent (a head's attention reads only its own keys, values, index columns and counts), so
  *    the threads split the heads and each takes all the rows for its own heads: no thread waits for another
- *    between rows, only once a layer.
+ *    within a layer's attention.
  *  - the last layer writes and inserts every row but attends, and runs its tail, the final layer norm and the
  *    LM head, for the last row only: no later layer reads the other rows' outputs.
- * What this saves over S steps is the per-step overhead and the weights read once per row (a product over S
- * rows reads each packed panel once per 8 rows); each row's attention costs what a step's does (the windows
- * are not shared between rows, which is what would bring its speed near the one-piece prefill's: rows taken in
- * rank order, each key and value row read once for every row whose window holds it; not done).
+ * tests/model/decoding/test_extend.py checks every cached tensor and the logits against the steps with
+ * torch.equal (bench/prefill/extend_cost.py times it against the one-piece prefill).
  *
  * Fixed bucket counts only (every row hashes with hashes[i * 4 ..] of layer i); index_len (nlayers) holds each
  * layer's main-order length and is updated by the merges. Returns decode_layers' statuses.
@@ -38,14 +45,14 @@
 
 #include "step_kernels.h"
 
-/* Heads [h0, h1) of layer L through rows 0 .. m-1 in order, each row as a decode step at its position does
- * them: LSH, the merge when due, the key/value write (successor values into the row before), the insert into
- * the recent order, then the attention (rows from `first` on: the last layer's others are not needed); local,
- * the ring write, then the attention over the row's window. A head's work reads and writes only that head's
- * pool rows, key factors, index columns and counts, so threads owning disjoint heads run without waiting for
- * each other; each call below is the decode step's own function on one head (heads = 1, its rows addressed as
- * (position * heads + head)), so its bits are the step's. q: LSH the query-keys, local the queries (m, att);
- * flat and absent: this thread's scratch for a local window. */
+/* Heads [h0, h1) of layer L for rows 0 .. m-1, leaving what decode steps at their positions leave (the top of
+ * the file): an LSH layer whose every row attends, every row's writes then the shared windows; the last LSH
+ * layer, every row's writes then the last row's attention; a local layer, extend_local_heads where it applies.
+ * Otherwise row by row, each as a step does it: LSH, the merge when due, the key/value write, the insert, then
+ * the attention (rows from `first` on); local, the ring write, then the attention over the row's window. A
+ * head's work reads and writes only that head's pool rows, key factors, index columns and counts, so threads
+ * owning disjoint heads run without waiting for each other. q: LSH the query-keys, local the queries (m, att);
+ * flat and absent: this thread's scratch for a local window; keep, kept: its scratch for the others. */
 static int heads_work(const StepLayer *L, const float *fl, int64_t m, int64_t first, int64_t h0, int64_t h1,
                       const int64_t *meta, const float *q, const float *key, const float *value,
                       const int64_t *new_rows, const int64_t *prev_rows, const int64_t *bucket_of, int64_t *len,
