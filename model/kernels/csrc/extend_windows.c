@@ -75,34 +75,37 @@ static __attribute__((noinline)) int row_window(const Walk *w, const int64_t *mb
         return 0;
     }
     if (nch < 1 || nch > w->chunks) return BAD_INDEX;
-    const int64_t total = nch * R, own = w->own;
+    const int64_t total = nch * R;
+    int64_t own_rank[MAX_ROUNDS]; /* the row's rank in each round's order: the last of its bucket */
+    for (int64_t r = 0; r < R; r++) own_rank[r] = fen_prefix(w->fen + r * (NB + 1), bk_of[r] + 1) - 1;
     for (int64_t r = 0; r < R; r++) {
         dead[r] = 0;
-        const int64_t s = fen_prefix(w->fen + r * (NB + 1), bk_of[r] + 1) - 1;
+        const int64_t s = own_rank[r];
         const int64_t s_chunk = s >= 0 ? s / C : -((-s + C - 1) / C);
         for (int64_t o = 0; o < wc; o++) {
             int64_t g = (r * nch + s_chunk + o - L->before) % total;
             if (g < 0) g += total;
-            const int64_t r2 = g / nch, rank0 = (g - r2 * nch) * C;
+            const int64_t r2 = g / nch, rank0 = (g - r2 * nch) * C, i0 = r * W + o * C;
             if (o == 0) first[r] = r2 * w->chunks + rank0 / C; /* its first chunk, numbered as a sort key */
-            const int32_t *fen = w->fen + r2 * (NB + 1), *cnt = w->cnt + r2 * NB;
+            const int32_t *cnt = w->cnt + r2 * NB, *fin = w->fin + r2 * w->len;
             const int64_t *fst = w->fst + r2 * (NB + 1);
-            const int32_t *fin = w->fin + r2 * w->len;
-            int64_t bb = -1, start = 0;
-            for (int64_t k = 0; k < C; k++) {
-                const int64_t p = rank0 + k, i = r * W + o * C + k;
-                if (p > t) {
-                    flag[i] = SLOT_ABSENT;
-                    flat[i] = 0;
-                    continue;
-                }
-                if (bb < 0) bb = fen_find(fen, NB, w->top, p, &start);
+            /* ranks past t are absent; the others, bucket by bucket, are runs of the final order (a bucket's
+             * first counts are the row's view of it) */
+            const int64_t live = t - rank0 + 1 < 0 ? 0 : t - rank0 + 1 < C ? t - rank0 + 1 : C;
+            int64_t start = 0, bb = live ? fen_find(w->fen + r2 * (NB + 1), NB, w->top, rank0, &start) : 0;
+            for (int64_t k = 0, p = rank0; k < live;) {
                 while (bb < NB && p >= start + cnt[bb]) start += cnt[bb++];
                 if (bb >= NB) return BAD_INDEX;
-                /* the bucket's first counts are the row's view of it: its items in the final order */
-                flat[i] = fin[fst[bb] + p - start];
-                flag[i] = flat[i] == own ? SLOT_SELF : 0;
+                const int64_t run = live - k < start + cnt[bb] - p ? live - k : start + cnt[bb] - p;
+                memcpy(flat + i0 + k, fin + fst[bb] + p - start, (size_t)run * sizeof(int32_t));
+                k += run;
+                p += run;
             }
+            memset(flag + i0, 0, (size_t)live);
+            memset(flag + i0 + live, SLOT_ABSENT, (size_t)(C - live));
+            memset(flat + i0 + live, 0, (size_t)(C - live) * sizeof(int32_t));
+            /* the row's own position: in round r2's order at its own rank there */
+            if (own_rank[r2] >= rank0 && own_rank[r2] < rank0 + live) flag[i0 + own_rank[r2] - rank0] = SLOT_SELF;
         }
     }
     return 0;
@@ -152,9 +155,6 @@ static __attribute__((noinline)) int block_windows(Walk *w, int64_t b0, int64_t 
             w->cnt[r * NB + bk[r]]++;
             for (int64_t x = bk[r] + 1; x <= NB; x += x & -x) w->fen[r * (NB + 1) + x]++;
         }
-        const int64_t own = walk_row(w, meta[b * META_COLUMNS + META_POSITION]);
-        if (own < 0) return BAD_INDEX;
-        w->own = own * H + h;
         const int st = row_window(w, meta + b * META_COLUMNS, bk, s->flat + lr * n, s->flag + lr * n,
                                   s->dead + lr * R, s->first + lr * R);
         if (st) return st;
@@ -264,7 +264,7 @@ int extend_lsh_heads(const StepLayer *L, const float *fl, int64_t m, int64_t h0,
     const int64_t slot = meta[META_INDEX_SLOT];
     int st = 0;
     for (int64_t h = h0; h < h1 && !st; h++) {
-        Walk w = {L, h, L->heads, R, NB, L->chunk, W, n, slot, top, 0, table, table_width, block_size, shift,
+        Walk w = {L, h, L->heads, R, NB, L->chunk, W, n, slot, top, table, table_width, block_size, shift,
                   fen, cnt, fst, fin, len, chunks};
         for (int64_t r = 0; r < R && !st; r++) {
             int32_t *f = fen + r * (NB + 1);

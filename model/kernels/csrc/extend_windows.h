@@ -11,7 +11,7 @@
 
 typedef struct {
     const StepLayer *L;
-    int64_t h, H, R, NB, C, W, n, slot, top, own; /* own: the current row's own pool index */
+    int64_t h, H, R, NB, C, W, n, slot, top;
     const int64_t *table;
     int64_t table_width, block_size, block_shift;
     int32_t *fen, *cnt;    /* round r's counts as of the current row: a Fenwick tree (NB + 1) and plain (NB) */
