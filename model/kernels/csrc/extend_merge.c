@@ -44,7 +44,33 @@ static int merge_if_full(const StepLayer *L, int64_t slot, int64_t t, int64_t c0
 typedef struct {
     int64_t c0, c1, cap, *n;
     int32_t *bucket, *item;
+    int32_t *fen; /* per column, a Fenwick tree (buckets + 1) over its recent counts: lsh_append's insert place */
+    int64_t *held; /* per column, its recent order's item count */
 } Aside;
+
+static inline int64_t fen_sum(const int32_t *f, int64_t k) {
+    int64_t s = 0;
+    for (; k > 0; k -= k & -k) s += f[k];
+    return s;
+}
+
+/* lsh_append of position t into column c's recent order (bucket bk), the items before it found through the
+ * column's Fenwick tree instead of a sum over the buckets: the same items and counts */
+static int insert_recent(const StepLayer *L, int64_t slot, int64_t c, int64_t bk, int64_t t, Aside *a) {
+    const int64_t NB = L->buckets, column = slot * L->heads * L->rounds + c, k = c - a->c0;
+    if (bk < 0 || bk >= NB) return BAD_INDEX;
+    int32_t *f = a->fen + k * (NB + 1);
+    const int64_t at = fen_sum(f, bk + 1), n = a->held[k];
+    if (n >= L->recent_size) return BAD_INDEX;
+    char *base = (char *)L->items + (L->recent_offset + column * L->recent_size) * L->item_bytes;
+    memmove(base + (at + 1) * L->item_bytes, base + at * L->item_bytes, (size_t)((n - at) * L->item_bytes));
+    if (L->item_bytes == 2) ((int16_t *)(void *)base)[at] = (int16_t)(t + L->shift);
+    else ((int32_t *)(void *)base)[at] = (int32_t)(t + L->shift);
+    L->recent_counts[column * NB + bk]++;
+    for (int64_t x = bk + 1; x <= NB; x += x & -x) f[x]++;
+    a->held[k] = n + 1;
+    return 0;
+}
 
 static inline int64_t item_at(const StepLayer *L, int64_t at) {
     return L->item_bytes == 2 ? ((const int16_t *)L->items)[at] : ((const int32_t *)L->items)[at];
@@ -68,6 +94,8 @@ static int set_aside(const StepLayer *L, int64_t slot, int64_t t, int64_t *len, 
             rc[bb] = 0;
         }
         if (k != recent_len) return BAD_INDEX;
+        memset(a->fen + (c - a->c0) * (NB + 1), 0, (size_t)(NB + 1) * sizeof(int32_t));
+        a->held[c - a->c0] = 0;
     }
     *len = t;
     return 0;
@@ -123,6 +151,12 @@ int lsh_store_row(const StepLayer *L, int64_t b, int64_t h0, int64_t h1, const i
         st = decode_write(1, 1, L->dim, L->kind, L->pool_rows * H, L->stride, &at, key + b * att + h * L->dim,
                           value + b * att + h * L->dim, L->keys, L->values, L->norms, KEY_NORM_EPS, scale,
                           h < L->successor, &before);
+        if (aside) { /* the inserts through the columns' Fenwick trees */
+            for (int64_t r = 0; r < R && !st; r++)
+                st = insert_recent(L, mb[META_INDEX_SLOT], h * R + r, bucket_of[(b * H + h) * R + r], mb[META_POSITION],
+                                   (Aside *)aside);
+            continue;
+        }
         /* the head's index columns as a one-head index: its (slot, head) pair as the slot */
         int64_t one[META_COLUMNS];
         memcpy(one, mb, sizeof one);
@@ -141,14 +175,27 @@ int lsh_store_rows(const StepLayer *L, int64_t m, int64_t h0, int64_t h1, const 
                    int64_t *len, const int64_t *table, int64_t table_width, int64_t block_size) {
     const int64_t R = L->rounds, cap = m + L->recent_size, cols = (h1 - h0) * R, main_len = *len;
     const int64_t slot = meta[META_SLOT];
-    Aside a = {h0 * R, h1 * R, cap, NULL, NULL, NULL};
+    const int64_t NB = L->buckets;
+    Aside a = {h0 * R, h1 * R, cap, NULL, NULL, NULL, NULL, NULL};
     int st = 0;
     if (cap < INT16_MAX) {
         a.n = calloc((size_t)cols, sizeof(int64_t));
         a.bucket = malloc((size_t)(cols * cap) * sizeof(int32_t));
         a.item = malloc((size_t)(cols * cap) * sizeof(int32_t));
+        a.fen = calloc((size_t)(cols * (NB + 1)), sizeof(int32_t));
+        a.held = calloc((size_t)cols, sizeof(int64_t));
     }
-    const int defer = a.n && a.bucket && a.item;
+    const int defer = a.n && a.bucket && a.item && a.fen && a.held;
+    for (int64_t k = 0; defer && k < cols; k++) { /* the trees of the recent counts as the call finds them */
+        const int16_t *rc = L->recent_counts + (slot * L->heads * R + a.c0 + k) * NB;
+        int32_t *f = a.fen + k * (NB + 1);
+        for (int64_t bb = 0; bb < NB; bb++) {
+            f[bb + 1] = rc[bb];
+            a.held[k] += rc[bb];
+        }
+        for (int64_t x = 1; x <= NB; x++)
+            if (x + (x & -x) <= NB) f[x + (x & -x)] += f[x];
+    }
     for (int64_t b = 0; b < m && !st; b++)
         st = lsh_store_row(L, b, h0, h1, meta, key, value, new_rows, prev_rows, bucket_of, len, table, table_width,
                            block_size, defer ? &a : NULL);
@@ -156,5 +203,7 @@ int lsh_store_rows(const StepLayer *L, int64_t m, int64_t h0, int64_t h1, const 
     free(a.n);
     free(a.bucket);
     free(a.item);
+    free(a.fen);
+    free(a.held);
     return st;
 }
