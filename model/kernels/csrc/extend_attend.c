@@ -45,6 +45,10 @@ void block_scores(const Walk *w, int64_t b0, int64_t rows, int64_t r,
     for (int64_t k = 0; k < rows; k++) {
         const int64_t lr = s->order[r * rows + k];
         const float *qq = q + (b0 + lr) * att + w->h * D;
+        if (k + 2 < rows) { /* a later row's query (rows in window order are far apart in q) */
+            const float *next = q + (b0 + s->order[r * rows + k + 2]) * att + w->h * D;
+            for (int64_t c = 0; c < D; c += 16) __builtin_prefetch(next + c, 0, 3);
+        }
         const int32_t *flat = s->flat + lr * n + r * W;
         const uint8_t *flag = s->flag + lr * n + r * W;
         float *score = s->score + lr * n + r * W;
@@ -108,6 +112,10 @@ static void values_f32_32(const Walk *w, int64_t b0, int64_t r, const int64_t *l
     const float *values = (const float *)L->values;
     for (int64_t k = 0; k < count; k += GROUP) {
         const int64_t g_n = count - k < GROUP ? count - k : GROUP;
+        for (int64_t g = k + GROUP; g < count && g < k + 2 * GROUP; g++) { /* the next group's sums */
+            __builtin_prefetch(out + (b0 + list[g]) * att + w->h * 32, 1, 3);
+            __builtin_prefetch(out + (b0 + list[g]) * att + w->h * 32 + 16, 1, 3);
+        }
         __m512 acc[GROUP][2];
         const int32_t *flat[GROUP];
         const uint8_t *flag[GROUP];
