@@ -7,9 +7,11 @@
  * recent items are set aside and the recent counts cleared, as a merge leaves them, the main counts and items
  * untouched; after the last row, one merge of everything set aside (sorted by bucket, then position) into the
  * main order gives the items and counts the merges one by one give: the main order is the positions before
- * its length sorted by (bucket, position), however it was merged. The recent arrays see the same inserts and
- * clears as the steps', so their items (stale ones past the count included) are the steps'. One merge moves
- * the main items once, where a merge every recent_size rows moved them rows / recent_size times. */
+ * its length sorted by (bucket, position), however it was merged. One merge moves the main items once, where
+ * a merge every recent_size rows moved them rows / recent_size times. Nor are the recent arrays kept sorted
+ * insert by insert (lsh_append moves the later items up one place each time): each recent order is a list in
+ * the order its items came, sorted by bucket when a merge takes it and at the end, and the arrays and counts
+ * are then written as the inserts one by one leave them, stale items past the count included (Aside). */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -40,65 +42,84 @@ static int merge_if_full(const StepLayer *L, int64_t slot, int64_t t, int64_t c0
     return 0;
 }
 
-/* The items set aside by put-off merges, per column of [c0, c1): (bucket, stored item), in the order set aside */
+/* The recent orders of columns [c0, c1) while the rows are written, and the items put-off merges set aside.
+ * A recent order's items are kept as a list in the order they came (those the call found first: by bucket,
+ * then position; then the rows', by position), sorted by bucket (stably: by bucket, then position) only when
+ * a merge takes them and at the end, where lsh_append kept them sorted with every insert: its array after n
+ * inserts holds the n items sorted, then, untouched, what it held before (after a merge: the items that merge
+ * took, sorted), which is what finish_recent writes. */
 typedef struct {
-    int64_t c0, c1, cap, *n;
+    int64_t c0, c1, cap, *n; /* set aside: per column n (bucket, stored item), cap a column */
     int32_t *bucket, *item;
-    int32_t *fen; /* per column, a Fenwick tree (buckets + 1) over its recent counts: lsh_append's insert place */
-    int64_t *held; /* per column, its recent order's item count */
+    int32_t *cyc_b, *cyc_i;  /* per column, recent_size: its recent order's (bucket, stored item) in order */
+    int64_t *held;           /* per column, their count */
+    int32_t *full;           /* per column, recent_size: the items the last put-off merge took, sorted */
+    int merged;              /* whether a put-off merge happened */
+    int32_t *tally, *sb, *si; /* buckets + 1; recent_size twice: one order sorted */
 } Aside;
-
-static inline int64_t fen_sum(const int32_t *f, int64_t k) {
-    int64_t s = 0;
-    for (; k > 0; k -= k & -k) s += f[k];
-    return s;
-}
-
-/* lsh_append of position t into column c's recent order (bucket bk), the items before it found through the
- * column's Fenwick tree instead of a sum over the buckets: the same items and counts */
-static int insert_recent(const StepLayer *L, int64_t slot, int64_t c, int64_t bk, int64_t t, Aside *a) {
-    const int64_t NB = L->buckets, column = slot * L->heads * L->rounds + c, k = c - a->c0;
-    if (bk < 0 || bk >= NB) return BAD_INDEX;
-    int32_t *f = a->fen + k * (NB + 1);
-    const int64_t at = fen_sum(f, bk + 1), n = a->held[k];
-    if (n >= L->recent_size) return BAD_INDEX;
-    char *base = (char *)L->items + (L->recent_offset + column * L->recent_size) * L->item_bytes;
-    memmove(base + (at + 1) * L->item_bytes, base + at * L->item_bytes, (size_t)((n - at) * L->item_bytes));
-    if (L->item_bytes == 2) ((int16_t *)(void *)base)[at] = (int16_t)(t + L->shift);
-    else ((int32_t *)(void *)base)[at] = (int32_t)(t + L->shift);
-    L->recent_counts[column * NB + bk]++;
-    for (int64_t x = bk + 1; x <= NB; x += x & -x) f[x]++;
-    a->held[k] = n + 1;
-    return 0;
-}
 
 static inline int64_t item_at(const StepLayer *L, int64_t at) {
     return L->item_bytes == 2 ? ((const int16_t *)L->items)[at] : ((const int32_t *)L->items)[at];
 }
 
-/* merge_if_full, put off: the recent items of columns [c0, c1) set aside, the recent counts cleared */
-static int set_aside(const StepLayer *L, int64_t slot, int64_t t, int64_t *len, Aside *a) {
-    const int64_t recent_len = t - *len;
-    if (recent_len < L->recent_size) return 0;
-    const int64_t columns = L->heads * L->rounds, NB = L->buckets;
-    for (int64_t c = a->c0; c < a->c1; c++) {
-        int16_t *rc = L->recent_counts + (slot * columns + c) * NB;
-        const int64_t base = L->recent_offset + (slot * columns + c) * L->recent_size;
-        int64_t *n = a->n + (c - a->c0), k = 0;
-        for (int64_t bb = 0; bb < NB; bb++) {
-            if (*n + rc[bb] > a->cap || k + rc[bb] > recent_len) return BAD_INDEX;
-            for (int64_t j = 0; j < rc[bb]; j++, (*n)++) {
-                a->bucket[(c - a->c0) * a->cap + *n] = (int32_t)bb;
-                a->item[(c - a->c0) * a->cap + *n] = (int32_t)item_at(L, base + k++);
-            }
-            rc[bb] = 0;
-        }
-        if (k != recent_len) return BAD_INDEX;
-        memset(a->fen + (c - a->c0) * (NB + 1), 0, (size_t)(NB + 1) * sizeof(int32_t));
-        a->held[c - a->c0] = 0;
+/* column k's recent items into a->sb, a->si by bucket (stably); a->tally[bb + 1] - a->tally[bb]: the counts */
+static void sort_recent(const StepLayer *L, Aside *a, int64_t k) {
+    const int64_t NB = L->buckets, rs = L->recent_size, n = a->held[k];
+    const int32_t *cb = a->cyc_b + k * rs, *ci = a->cyc_i + k * rs;
+    memset(a->tally, 0, (size_t)(NB + 1) * sizeof(int32_t));
+    for (int64_t j = 0; j < n; j++) a->tally[cb[j] + 1]++;
+    for (int64_t bb = 0; bb < NB; bb++) a->tally[bb + 1] += a->tally[bb];
+    for (int64_t j = 0; j < n; j++) {
+        const int32_t to = a->tally[cb[j]]++;
+        a->sb[to] = cb[j];
+        a->si[to] = ci[j];
     }
+    for (int64_t bb = NB; bb > 0; bb--) a->tally[bb] = a->tally[bb - 1]; /* back to the starts */
+    a->tally[0] = 0;
+}
+
+/* lsh_append of position t (bucket bk) into column c's recent order */
+static int insert_recent(const StepLayer *L, int64_t c, int64_t bk, int64_t t, Aside *a) {
+    const int64_t k = c - a->c0, rs = L->recent_size;
+    if (bk < 0 || bk >= L->buckets || a->held[k] >= rs) return BAD_INDEX;
+    a->cyc_b[k * rs + a->held[k]] = (int32_t)bk;
+    a->cyc_i[k * rs + a->held[k]++] = (int32_t)(t + L->shift);
+    return 0;
+}
+
+/* merge_if_full, put off: the recent items of columns [c0, c1) set aside (sorted), the recent orders emptied */
+static int set_aside(const StepLayer *L, int64_t t, int64_t *len, Aside *a) {
+    const int64_t recent_len = t - *len, rs = L->recent_size;
+    if (recent_len < rs) return 0;
+    for (int64_t k = 0; k < a->c1 - a->c0; k++) {
+        if (a->held[k] != recent_len || a->n[k] + recent_len > a->cap) return BAD_INDEX;
+        sort_recent(L, a, k);
+        memcpy(a->bucket + k * a->cap + a->n[k], a->sb, (size_t)recent_len * sizeof(int32_t));
+        memcpy(a->item + k * a->cap + a->n[k], a->si, (size_t)recent_len * sizeof(int32_t));
+        memcpy(a->full + k * rs, a->si, (size_t)rs * sizeof(int32_t));
+        a->n[k] += recent_len;
+        a->held[k] = 0;
+    }
+    a->merged = 1;
     *len = t;
     return 0;
+}
+
+/* The recent arrays and counts of columns [c0, c1) as lsh_append leaves them (see Aside) */
+static void finish_recent(const StepLayer *L, int64_t slot, Aside *a) {
+    const int64_t NB = L->buckets, rs = L->recent_size, columns = L->heads * L->rounds;
+    for (int64_t k = 0; k < a->c1 - a->c0; k++) {
+        const int64_t column = slot * columns + a->c0 + k, base = L->recent_offset + column * rs, n = a->held[k];
+        sort_recent(L, a, k);
+        for (int64_t j = 0; j < rs; j++) {
+            if (j >= n && !a->merged) break; /* past the items: as the call found it */
+            const int32_t v = j < n ? a->si[j] : a->full[k * rs + j];
+            if (L->item_bytes == 2) ((int16_t *)L->items)[base + j] = (int16_t)v;
+            else ((int32_t *)L->items)[base + j] = v;
+        }
+        for (int64_t bb = 0; bb < NB; bb++)
+            L->recent_counts[column * NB + bb] = (int16_t)((bb + 1 < NB ? a->tally[bb + 1] : n) - a->tally[bb]);
+    }
 }
 
 /* The one merge of everything set aside, main_len the main order's length before it: per column, the items
@@ -143,7 +164,7 @@ int lsh_store_row(const StepLayer *L, int64_t b, int64_t h0, int64_t h1, const i
                   int64_t *len, const int64_t *table, int64_t table_width, int64_t block_size, void *aside) {
     const int64_t H = L->heads, R = L->rounds, att = H * L->dim, *mb = meta + b * META_COLUMNS;
     const float scale = sqrtf((float)L->dim);
-    int st = aside ? set_aside(L, mb[META_SLOT], mb[META_POSITION], len, (Aside *)aside)
+    int st = aside ? set_aside(L, mb[META_POSITION], len, (Aside *)aside)
                    : merge_if_full(L, mb[META_SLOT], mb[META_POSITION], h0 * R, h1 * R, len, table, table_width,
                                    block_size);
     for (int64_t h = h0; h < h1 && !st; h++) {
@@ -153,8 +174,7 @@ int lsh_store_row(const StepLayer *L, int64_t b, int64_t h0, int64_t h1, const i
                           h < L->successor, &before);
         if (aside) { /* the inserts through the columns' Fenwick trees */
             for (int64_t r = 0; r < R && !st; r++)
-                st = insert_recent(L, mb[META_INDEX_SLOT], h * R + r, bucket_of[(b * H + h) * R + r], mb[META_POSITION],
-                                   (Aside *)aside);
+                st = insert_recent(L, h * R + r, bucket_of[(b * H + h) * R + r], mb[META_POSITION], (Aside *)aside);
             continue;
         }
         /* the head's index columns as a one-head index: its (slot, head) pair as the slot */
@@ -175,35 +195,52 @@ int lsh_store_rows(const StepLayer *L, int64_t m, int64_t h0, int64_t h1, const 
                    int64_t *len, const int64_t *table, int64_t table_width, int64_t block_size) {
     const int64_t R = L->rounds, cap = m + L->recent_size, cols = (h1 - h0) * R, main_len = *len;
     const int64_t slot = meta[META_SLOT];
-    const int64_t NB = L->buckets;
-    Aside a = {h0 * R, h1 * R, cap, NULL, NULL, NULL, NULL, NULL};
+    const int64_t NB = L->buckets, rs = L->recent_size, columns = L->heads * R;
+    Aside a = {h0 * R, h1 * R, cap, NULL, NULL, NULL, NULL, NULL, NULL, NULL, 0, NULL, NULL, NULL};
     int st = 0;
     if (cap < INT16_MAX) {
         a.n = calloc((size_t)cols, sizeof(int64_t));
         a.bucket = malloc((size_t)(cols * cap) * sizeof(int32_t));
         a.item = malloc((size_t)(cols * cap) * sizeof(int32_t));
-        a.fen = calloc((size_t)(cols * (NB + 1)), sizeof(int32_t));
+        a.cyc_b = malloc((size_t)(cols * rs) * sizeof(int32_t));
+        a.cyc_i = malloc((size_t)(cols * rs) * sizeof(int32_t));
         a.held = calloc((size_t)cols, sizeof(int64_t));
+        a.full = malloc((size_t)(cols * rs) * sizeof(int32_t));
+        a.tally = malloc((size_t)(NB + 1 + 2 * rs) * sizeof(int32_t));
     }
-    const int defer = a.n && a.bucket && a.item && a.fen && a.held;
-    for (int64_t k = 0; defer && k < cols; k++) { /* the trees of the recent counts as the call finds them */
-        const int16_t *rc = L->recent_counts + (slot * L->heads * R + a.c0 + k) * NB;
-        int32_t *f = a.fen + k * (NB + 1);
-        for (int64_t bb = 0; bb < NB; bb++) {
-            f[bb + 1] = rc[bb];
-            a.held[k] += rc[bb];
-        }
-        for (int64_t x = 1; x <= NB; x++)
-            if (x + (x & -x) <= NB) f[x + (x & -x)] += f[x];
+    int defer = a.n && a.bucket && a.item && a.cyc_b && a.cyc_i && a.held && a.full && a.tally;
+    if (defer) {
+        a.sb = a.tally + NB + 1;
+        a.si = a.sb + rs;
+    }
+    for (int64_t k = 0; defer && k < cols; k++) { /* the recent orders as the call finds them */
+        const int64_t column = slot * columns + a.c0 + k, base = L->recent_offset + column * rs;
+        const int16_t *rc = L->recent_counts + column * NB;
+        for (int64_t bb = 0; bb < NB && defer; bb++)
+            for (int64_t j = 0; j < rc[bb]; j++) {
+                if (a.held[k] >= rs) {
+                    defer = 0; /* counts past the order's size: row by row, lsh_append says what is wrong */
+                    break;
+                }
+                a.cyc_b[k * rs + a.held[k]] = (int32_t)bb;
+                a.cyc_i[k * rs + a.held[k]] = (int32_t)item_at(L, base + a.held[k]);
+                a.held[k]++;
+            }
     }
     for (int64_t b = 0; b < m && !st; b++)
         st = lsh_store_row(L, b, h0, h1, meta, key, value, new_rows, prev_rows, bucket_of, len, table, table_width,
                            block_size, defer ? &a : NULL);
-    if (!st && defer) st = merge_aside(L, slot, main_len, &a, table, table_width, block_size);
+    if (!st && defer) {
+        finish_recent(L, slot, &a);
+        st = merge_aside(L, slot, main_len, &a, table, table_width, block_size);
+    }
     free(a.n);
     free(a.bucket);
     free(a.item);
-    free(a.fen);
+    free(a.cyc_b);
+    free(a.cyc_i);
     free(a.held);
+    free(a.full);
+    free(a.tally);
     return st;
 }
