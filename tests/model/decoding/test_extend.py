@@ -246,3 +246,15 @@ def test_long_extend_on_two_threads_equals_steps(shipped: ReformerLM) -> None:
     got = decoder.extend(state, tokens)
     assert same_bits(got, want)
     assert differences(held(cache, state), held(ref_cache, ref)) == []
+
+
+@pytest.mark.parametrize("layers", [["lsh", "local"], ["local", "lsh", "local", "lsh"]],
+                         ids=["local-last", "local-lsh"])
+def test_heads_of_32_elements(layers: list[str]) -> None:
+    """Heads of 32 elements, as the shipped model's: the local layers attend from one copy of their windows
+    (model/kernels/csrc/extend_local.c) and the LSH layers' sums run four rows side by side (extend_attend.c);
+    a local last layer attends its last row only. Chunks of 8, recent orders of 8."""
+    torch.manual_seed(0)
+    lm = ReformerLM(tiny_config(vocab_size=VOCAB, attention_head_size=32, attn_layers=layers,
+                                lsh_successor_heads=1)).eval()
+    _check(lm, _ids(40, 38), _ids(700, 39), recent=8)
