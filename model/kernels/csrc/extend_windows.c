@@ -7,20 +7,24 @@
  * holds them (every item of a bucket is in position order, main before recent, and the main/recent split
  * never changes a window). f_t = the counts before the extend's first row (`base`) plus the rows up to t.
  * So, per (head, round), a Fenwick tree over the buckets starts from `base`; the rows are added in order, and
- * a row's rank and the bucket holding any rank are found in O(log buckets); an item is read through prefix
- * sums of the final counts. Every rule of lsh_attend.c's lsh_slots is kept: a row shorter than a chunk
+ * a row's rank and the bucket holding any rank are found in O(log buckets). The final order of each round is
+ * read once a call into pool indices (final_order: the main items then the recent ones, bucket by bucket),
+ * so a window chunk is a few runs of it, one per bucket it spans; the row's own slot is at its own rank in
+ * each round. Every rule of lsh_attend.c's lsh_slots is kept: a row shorter than a chunk
  * attends every position in round 0, the other rounds dead; chunks counted along all rounds end to end,
  * wrapping mod rounds * chunks (chunk 0 of round r reads round r-1's last, possibly partial, chunk); ranks
  * past the position absent.
  *
  * Attention, in blocks of SHARE_ROWS rows of one head, attend_slots' arithmetic in three passes: the scores
- * (per round, rows in the order of their window's first rank, so neighbours read the same key rows while
- * they are in cache; a slot's score is dots16's or dot_row's, as attend_slots computes it, then the masks);
- * per row the rounds' weights (round_weights, attend_slots' own code); the values (per round, rows in that
- * order again, each row's sum held in `out` and updated by the multiply-adds attend_slots runs, its slots in
- * order, zero-probability slots skipped: every row's sum sees the same operations in the same order as
- * attend_slots' registers). A successor-value head's own slot reads a zero row, as the step reads it (its
- * next position's value is written later). */
+ * (extend_attend.c; per round, rows in the order of their window's first chunk, a counting sort, so
+ * neighbours read the same key rows while they are in cache; a slot's score is dots16's or dot_row's, as
+ * attend_slots computes it, then the masks); per row the rounds' weights (round_weights, attend_slots' own
+ * code); the values (per round, rows in that order again, each row's sum kept in `out` between rounds and
+ * updated by the multiply-adds attend_slots runs, its slots in order, zero-probability slots left out: every
+ * row's sum sees the same operations in the same order as attend_slots' registers; with 32-element float32
+ * heads four rows' sums run side by side in registers). A successor-value head's own slot reads a zero row,
+ * as the step reads it (its next position's value is written later). Rows of a block and threads change
+ * which rows run together, never a row's arithmetic: the bits do not depend on them. */
 #include <stdlib.h>
 
 #include "extend_windows.h"
