@@ -15,10 +15,14 @@ tokens/s and the ratios (extend over the other: above 1, extend is faster), and 
 before and after; compare ratios, not absolute times across runs (the machine's speed moves between runs).
 Writes bench/results/extend_cost_<date>_<commit>.json by default.
 
-What extend costs and why (extend_layers.c): its dense work is batched over the rows, but every row attends
-its own decode window (2 x 64 keys per round and head in an LSH layer, gathered from the cache), where the
-one-piece prefill shares one window between a chunk's 64 queries. On two threads each takes half the heads
-of every row; the products, hashes and tails are split by columns or rows, with a few barriers per layer.
+What extend costs and why (extend_layers.c): its dense work is batched over the rows; every row attends its own
+decode window (2 x 64 keys per round and head in an LSH layer, 128 positions in a local one), with the
+arithmetic a decode step uses for it, but the windows are shared between rows: an LSH layer's rows (blocks of
+1,024) are taken per head and round in the order of their windows, so rows whose windows overlap read the same
+key and value rows from cache (the one-piece prefill shares one window between a chunk's 64 queries), and a
+local layer's rows read one contiguous copy of the positions they cover. On two threads each takes half the
+heads of every row; the products, hashes, layer norms and tails are split by columns or rows, with a few
+barriers per layer.
 """
 
 from __future__ import annotations

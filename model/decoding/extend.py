@@ -9,7 +9,12 @@ Where it runs:
 - the C path (model/decoding/steps/fused_extend.py, model/kernels/csrc/extend_layers.c), where the decoder has
   the one-call C step (a float32 CPU cache with the kernels loaded) and every LSH layer has a fixed bucket
   count: the S rows' layer norms, products, hashes and tails batched layer by layer (each row computed alone,
-  so its bits are one row's), each row's cache writes and attention in order, through the step's kernels;
+  so its bits are one row's); per layer, every row's cache writes in order as the steps make them (an LSH
+  layer's merges put off to one after the last row, which leaves the same orders), then every row's attention
+  over the window a step at its position sees: an LSH row's window read from the final index through the
+  bucket counts as they stood at its position, a local row's from a copy of the positions it covers, with
+  attend_slots' arithmetic slot by slot, the rows of a block taken in the order of their windows so that
+  overlapping windows share the key and value rows in cache (extend_windows.c, extend_local.c);
 - elsewhere, the reference path: one `Decoder.step` per token (on the PyTorch step, a row's bits depend on
   its batch, so batching its products would not be exact; automatic bucket counts rebuild indexes between
   steps, which the C call does not do). Exact by construction; no faster than the steps.
@@ -50,8 +55,10 @@ class DecoderLike(Protocol):
 
 
 # The most rows one C call takes: its buffers hold about (4 * hidden + 7 * heads * head size + feed-forward)
-# floats a row (7.5 KB on the shipped model: 30 MB for 4,096 rows), and a longer extend is cut into calls of
-# this many rows, which leaves the same bits (each call leaves the cache a step would).
+# floats a row (7.5 KB on the shipped model: 30 MB for 4,096 rows), and each thread's attention scratch about
+# 9 bytes a window slot for a block of up to 1,024 rows (4.7 MB on the shipped model) plus 4 bytes a position
+# and hash round (the final orders); a longer extend is cut into calls of this many rows, which leaves the same
+# bits (each call leaves the cache a step would).
 EXTEND_ROWS = 4096
 
 

@@ -7,9 +7,10 @@ No imports, and nothing but literals: setup.py loads this file by its path, befo
 
 # under csrc/ beside this file
 SOURCES: tuple[str, ...] = ("window_attend.c", "lsh_attend.c", "decode_cache.c", "step_linear.c", "step_linear_q.c",
-                            "step_layers.c", "extend_layers.c",
+                            "step_layers.c", "extend_layers.c", "extend_windows.c",
+                            "extend_merge.c", "extend_local.c", "extend_attend.c",
                             "chunk_attend.c")
-HEADERS: tuple[str, ...] = ("step_kernels.h", "window_rows.h")
+HEADERS: tuple[str, ...] = ("step_kernels.h", "window_rows.h", "extend_windows.h")
 
 # the variants an install builds, best first: their compiler flags, and the CPU flags each needs
 # (x86-64-v3 and -v4 as gcc and clang define them); off x86-64 only `portable`

@@ -185,8 +185,9 @@ int lsh_append(int64_t rows, int64_t heads, int64_t rounds, int64_t buckets, int
                 const int64_t at = sum_i16(rc, bk + 1), n = at + sum_i16(rc + bk + 1, buckets - bk - 1);
                 if (n >= recent_size) return BAD_INDEX;
                 const int64_t base = recent_offset + column * recent_size;
-                for (int64_t j = n; j > at; j--)
-                    store_item(items, item_bytes, base + j, load_item(items, item_bytes, base + j - 1));
+                /* items at .. n-1 one place up (an extend inserts every row, 256-item orders: a moved block) */
+                char *from = (char *)items + (base + at) * item_bytes;
+                memmove(from + item_bytes, from, (size_t)((n - at) * item_bytes));
                 store_item(items, item_bytes, base + at, m[META_POSITION] + shift);
                 rc[bk]++;
             }

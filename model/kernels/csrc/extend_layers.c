@@ -7,22 +7,29 @@
  * slot) as its batch, and each piece computes a row alone:
  *  - the layer norms, products (one chain of multiply-adds per element, step_linear.c), the LSH hashes and the
  *    tails work row by row, so S rows give each row the bits one row gets;
- *  - the cache's writes and the attention cannot be batched as they are: a decode step at position p sees the
- *    index and the local ring as positions < p left them. So, per layer, the rows are taken in order: row b's
- *    merge (when its index's recent order is full, as maintain_indexes merges before a step), key/value write,
- *    insert into the recent order, then its attention, each through the step's own kernels (decode_write,
- *    lsh_append, lsh_merge_columns, lsh_attend_items, window_attend_items). Row b's attention therefore reads
- *    exactly the cache a step at its position reads. A local layer writes its ring row by row for the same
- *    reason (a later row's write would overwrite a ring row an earlier row's window still reads).
+ *  - a decode step at position p sees the index and the local ring as positions < p left them. Per layer:
+ *    - an LSH layer first makes every row's writes in order as the steps make them (extend_merge.c: key/value
+ *      write, successor values into the row before, insert into the recent order; the merges the steps make
+ *      are put off to one merge after the last row, which leaves the same orders and counts), then attends
+ *      (extend_windows.c, extend_attend.c): a row's window is read from the final orders through the bucket
+ *      counts as they stood at its position (the counts before the call plus the rows up to it), and the
+ *      attention is attend_slots' arithmetic, slot by slot, run per (head, round) over blocks of 1,024 rows
+ *      taken in the order of their windows, so that rows whose windows overlap read the same key and value
+ *      rows while they are in cache (each row's scores, weights and sums are still its own);
+ *    - a local layer (extend_local.c) copies the positions its rows' windows cover (the ring as the call finds
+ *      it, then the rows' own keys and values) side by side, attends every row from the copy, then writes the
+ *      ring row by row (a later row's write would overwrite a ring row an earlier row's window reads);
+ *    - where those do not apply (a pool kind or head size extend_local.c does not take, an index whose counts
+ *      do not hold exactly the positions before the call, 16-bit count overflow), the rows go one by one: row
+ *      b's merge when due, write, insert, then its attention through the step's own kernels (lsh_attend_items,
+ *      window_attend_items), reading exactly the cache a step at its position reads.
  *    Heads are independent (a head's attention reads only its own keys, values, index columns and counts), so
  *    the threads split the heads and each takes all the rows for its own heads: no thread waits for another
- *    between rows, only once a layer.
+ *    within a layer's attention.
  *  - the last layer writes and inserts every row but attends, and runs its tail, the final layer norm and the
  *    LM head, for the last row only: no later layer reads the other rows' outputs.
- * What this saves over S steps is the per-step overhead and the weights read once per row (a product over S
- * rows reads each packed panel once per 8 rows); each row's attention costs what a step's does (the windows
- * are not shared between rows, which is what would bring its speed near the one-piece prefill's: rows taken in
- * rank order, each key and value row read once for every row whose window holds it; not done).
+ * tests/model/decoding/test_extend.py checks every cached tensor and the logits against the steps with
+ * torch.equal (bench/prefill/extend_cost.py times it against the one-piece prefill).
  *
  * Fixed bucket counts only (every row hashes with hashes[i * 4 ..] of layer i); index_len (nlayers) holds each
  * layer's main-order length and is updated by the merges. Returns decode_layers' statuses.
@@ -38,46 +45,50 @@
 
 #include "step_kernels.h"
 
-/* Merges columns [c0, c1) of layer L's index of `slot` (the heads a thread owns) when its recent order is full at
- * position t (as model/decoding/index_upkeep.py maintain_indexes merges before a step): the items through
- * lsh_merge_columns, then those columns' counts (main += recent; recent = 0, LSHIndex._merge_counts). `len`:
- * the main order's length (each thread keeps its own copy: every thread merges at the same rows). */
-static int merge_if_full(const StepLayer *L, int64_t slot, int64_t t, int64_t c0, int64_t c1, int64_t *len,
-                         const int64_t *table, int64_t table_width, int64_t block_size) {
-    const int64_t recent_len = t - *len;
-    if (recent_len < L->recent_size) return 0;
-    const int64_t columns = L->heads * L->rounds, per_slot = columns * L->buckets;
-    int32_t *mc = (int32_t *)(intptr_t)L->main_counts + slot * per_slot; /* the index's own tensor */
-    int16_t *rc = L->recent_counts + slot * per_slot;
-    const void *recent = (const char *)L->items + (L->recent_offset + slot * columns * L->recent_size) * L->item_bytes;
-    const int st = lsh_merge_columns(columns, c0, c1, L->buckets, *len, recent_len, L->recent_size, L->items,
-                                     L->item_bytes, L->recent_offset / columns, L->order_table + slot * table_width,
-                                     block_size, mc, rc, recent);
-    if (st) return st;
-    for (int64_t j = c0 * L->buckets; j < c1 * L->buckets; j++) {
-        mc[j] += rc[j];
-        rc[j] = 0;
-    }
-    *len = t;
-    return 0;
-}
-
-/* Heads [h0, h1) of layer L through rows 0 .. m-1 in order, each row as a decode step at its position does
- * them: LSH, the merge when due, the key/value write (successor values into the row before), the insert into
- * the recent order, then the attention (rows from `first` on: the last layer's others are not needed); local,
- * the ring write, then the attention over the row's window. A head's work reads and writes only that head's
- * pool rows, key factors, index columns and counts, so threads owning disjoint heads run without waiting for
- * each other; each call below is the decode step's own function on one head (heads = 1, its rows addressed as
- * (position * heads + head)), so its bits are the step's. q: LSH the query-keys, local the queries (m, att);
- * flat and absent: this thread's scratch for a local window. */
+/* Heads [h0, h1) of layer L for rows 0 .. m-1, leaving what decode steps at their positions leave (the top of
+ * the file): an LSH layer whose every row attends, every row's writes then the shared windows; the last LSH
+ * layer, every row's writes then the last row's attention; a local layer, extend_local_heads where it applies.
+ * Otherwise row by row, each as a step does it: LSH, the merge when due, the key/value write, the insert, then
+ * the attention (rows from `first` on); local, the ring write, then the attention over the row's window. A
+ * head's work reads and writes only that head's pool rows, key factors, index columns and counts, so threads
+ * owning disjoint heads run without waiting for each other. q: LSH the query-keys, local the queries (m, att);
+ * flat and absent: this thread's scratch for a local window; keep, kept: its scratch for the others. */
 static int heads_work(const StepLayer *L, const float *fl, int64_t m, int64_t first, int64_t h0, int64_t h1,
                       const int64_t *meta, const float *q, const float *key, const float *value,
                       const int64_t *new_rows, const int64_t *prev_rows, const int64_t *bucket_of, int64_t *len,
                       const int64_t *table, int64_t table_width, int64_t block_size, int64_t scratch_slot,
-                      int64_t *flat, uint8_t *absent, float *out) {
+                      int64_t *flat, uint8_t *absent, float *out, void **keep, size_t *kept) {
     const int64_t H = L->heads, R = L->rounds, att = H * L->dim, w = (L->before + 1) * L->chunk;
     const float scale = sqrtf((float)L->dim);
     int st = 0;
+    if (L->lsh && first == 0) { /* every row attends: windows shared (extend_windows.c), after every row's writes */
+        int32_t *base = extend_lsh_base(L, meta[META_INDEX_SLOT], meta[META_POSITION], h0, h1, scratch_slot);
+        if (base) {
+            st = lsh_store_rows(L, m, h0, h1, meta, key, value, new_rows, prev_rows, bucket_of, len, table,
+                                table_width, block_size);
+            if (!st)
+                st = extend_lsh_heads(L, fl, m, h0, h1, meta, q, bucket_of, base, table, table_width, block_size, out,
+                                      keep, kept);
+            free(base);
+            return st;
+        }
+    }
+    if (!L->lsh) { /* every row's window from one copy, then the ring writes (extend_local.c), where it applies */
+        st = extend_local_heads(L, fl, m, first, h0, h1, meta, q, key, value, out, keep, kept);
+        if (st >= 0) return st;
+        st = 0;
+    }
+    if (L->lsh && m > 1 && first == m - 1) { /* the last layer: every row's writes, then the last row's attention */
+        st = lsh_store_rows(L, m, h0, h1, meta, key, value, new_rows, prev_rows, bucket_of, len, table, table_width,
+                            block_size);
+        if (!st)
+            st = lsh_attend_items(H, R, L->buckets, L->chunk, L->before, L->after, L->dim, L->recent_size, L->kind, q,
+                                  L->keys, L->norms, L->values, L->pool_rows, L->stride, meta, bucket_of,
+                                  L->main_counts, L->recent_counts, L->items, L->items_len, L->item_bytes, L->shift,
+                                  L->recent_offset, table, L->order_table, table_width, block_size, scratch_slot,
+                                  fl[2], fl[3], L->successor, out, first * H + h0, first * H + h1);
+        return st;
+    }
     for (int64_t b = 0; b < m && !st; b++) {
         const int64_t *mb = meta + b * META_COLUMNS;
         if (!L->lsh) {
@@ -95,20 +106,8 @@ static int heads_work(const StepLayer *L, const float *fl, int64_t m, int64_t fi
                                          0.0f, fl[3], out + b * att, h0, h1);
             continue;
         }
-        st = merge_if_full(L, mb[META_SLOT], mb[META_POSITION], h0 * R, h1 * R, len, table, table_width, block_size);
-        for (int64_t h = h0; h < h1 && !st; h++) {
-            const int64_t at = new_rows[b] * H + h, before = prev_rows[b] * H + h;
-            st = decode_write(1, 1, L->dim, L->kind, L->pool_rows * H, L->stride, &at, key + b * att + h * L->dim,
-                              value + b * att + h * L->dim, L->keys, L->values, L->norms, KEY_NORM_EPS, scale,
-                              h < L->successor, &before);
-            /* the head's index columns as a one-head index: its (slot, head) pair as the slot */
-            int64_t one[META_COLUMNS];
-            memcpy(one, mb, sizeof one);
-            one[META_INDEX_SLOT] = mb[META_INDEX_SLOT] * H + h;
-            if (!st)
-                st = lsh_append(1, 1, R, L->buckets, L->recent_size, one, bucket_of + (b * H + h) * R,
-                                L->recent_counts, L->items, L->item_bytes, L->shift, L->recent_offset);
-        }
+        st = lsh_store_row(L, b, h0, h1, meta, key, value, new_rows, prev_rows, bucket_of, len, table, table_width,
+                           block_size, NULL);
         if (!st && b >= first)
             st = lsh_attend_items(H, R, L->buckets, L->chunk, L->before, L->after, L->dim, L->recent_size, L->kind, q,
                                   L->keys, L->norms, L->values, L->pool_rows, L->stride, meta, bucket_of,
@@ -215,19 +214,22 @@ int extend_layers(int64_t m, int64_t hidden, int64_t nlayers, const StepLayer *l
     if (status) goto done; /* nothing written */
 #pragma omp parallel num_threads((int)threads) if (threads > 1)
     {
+        void *keep = NULL; /* this thread's scratch for extend_windows.c, kept from layer to layer */
+        size_t kept = 0;
         for (int64_t i = 0; i < nlayers; i++) {
             const StepLayer *L = layers + i;
             const float *fl = floats + 4 * i;
             const int64_t att = L->heads * L->dim, parts = L->lsh ? 2 : 3, proj = parts * att;
             /* the last layer's outputs matter at the last row only (no later layer reads the others) */
             const int64_t first = i == nlayers - 1 ? m - 1 : 0;
-#pragma omp single
-            layer_norm_rows(m, hidden, x2, L->ln_w, L->ln_b, fl[0], h);
+            int64_t r0, r1; /* this thread's rows of the row-by-row pieces: each row's bits are its own */
+            step_share(m, &r0, &r1);
+            layer_norm_rows(r1 - r0, hidden, x2 + r0 * hidden, L->ln_w, L->ln_b, fl[0], h + r0 * hidden);
+#pragma omp barrier
             step_product(wkind, m, proj, hidden, h, L->proj_w, L->proj_b, qkv);
-#pragma omp single
             {
                 const float scale = sqrtf((float)L->dim);
-                for (int64_t b = 0; b < m; b++) {
+                for (int64_t b = r0; b < r1; b++) {
                     const float *row = qkv + b * proj;
                     for (int64_t j = 0; j < att; j++) {
                         q[b * att + j] = row[j];
@@ -236,6 +238,7 @@ int extend_layers(int64_t m, int64_t hidden, int64_t nlayers, const StepLayer *l
                     }
                 }
             }
+#pragma omp barrier
             if (L->lsh) {
                 FAIL(hash_share(L, i, m, hashes, key, bucket_of));
 #pragma omp barrier
@@ -248,7 +251,7 @@ int extend_layers(int64_t m, int64_t hidden, int64_t nlayers, const StepLayer *l
             if (h0 < h1 && !failed)
                 FAIL(heads_work(L, fl, m, first, h0, h1, meta, q, key, value, new_rows, prev_rows, bucket_of, &len,
                                 table, table_width, block_size, scratch_slot, flat + step_thread() * most_flat,
-                                absent + step_thread() * most_window, out));
+                                absent + step_thread() * most_window, out, &keep, &kept));
 #pragma omp barrier
             /* after every thread has read it: every thread merged at the same rows */
             if (h0 == 0 && h1 > 0) index_len[i] = len;
@@ -263,6 +266,7 @@ int extend_layers(int64_t m, int64_t hidden, int64_t nlayers, const StepLayer *l
             layer_norm_rows(1, 2 * hidden, joined, final_w, final_b, final_eps, joined);
         }
         step_product(wkind, 1, vocab, 2 * hidden, joined, head_w, head_b, logits);
+        free(keep);
     }
 done:
     free(fbuf);

@@ -191,14 +191,6 @@ static int lsh_slots(const LshJob *job, int64_t b, int64_t h, int64_t *flat, int
     return 0;
 }
 
-/* whether any round's log-sum-exp (attend_slots' lse[0..R)) came from a key that was not masked: a round of
- * masked slots only sums to about `mask` (model/lsh/successor.py no_key_threshold: half of it) */
-static inline int saw_key(const float *lse, int64_t rounds, float mask) {
-    for (int64_t r = 0; r < rounds; r++)
-        if (lse[r] >= 0.5f * mask) return 1;
-    return 0;
-}
-
 static void *run_lsh_job(void *arg) {
     LshJob *job = (LshJob *)arg;
     const int64_t R = job->rounds, W = (job->before + 1 + job->after) * job->chunk, n = R * W;

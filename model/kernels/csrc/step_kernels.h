@@ -5,6 +5,7 @@
 #ifndef STEP_KERNELS_H
 #define STEP_KERNELS_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 /* the epsilon of an LSH key's length factor (model/attention.py KEY_NORM_EPS; abi.KEY_NORM_EPS) */
@@ -168,5 +169,32 @@ void step_layer_tail(int64_t wkind, int64_t m, int64_t hidden, int64_t att_dim, 
 int lsh_merge_columns(int64_t columns, int64_t c0, int64_t c1, int64_t buckets, int64_t main_len, int64_t recent_len,
                       int64_t recent_size, void *items, int64_t item_bytes, int64_t pool_rows, const int64_t *table,
                       int64_t block_size, const int32_t *main_counts, const int16_t *recent_counts, const void *recent);
+
+/* extend_windows.c: an extend's LSH attention with windows shared between its rows (extend_layers.c) */
+__attribute__((visibility("hidden"))) int32_t *extend_lsh_base(const StepLayer *L, int64_t slot, int64_t t0,
+                                                               int64_t h0, int64_t h1, int64_t skip_slot);
+__attribute__((visibility("hidden"))) int extend_lsh_heads(const StepLayer *L, const float *fl, int64_t m, int64_t h0,
+                                                           int64_t h1, const int64_t *meta, const float *q,
+                                                           const int64_t *bucket_of, const int32_t *base,
+                                                           const int64_t *table, int64_t table_width,
+                                                           int64_t block_size, float *out, void **keep,
+                                                           size_t *kept);
+/* extend_local.c: an extend's local-layer attention from one copy of the windows (-1: not here) */
+__attribute__((visibility("hidden"))) int extend_local_heads(const StepLayer *L, const float *fl, int64_t m,
+                                                             int64_t first, int64_t h0, int64_t h1,
+                                                             const int64_t *meta, const float *q, const float *key,
+                                                             const float *value, float *out, void **keep,
+                                                             size_t *kept);
+/* extend_merge.c: an extend's writes into an LSH layer, row by row or with the merges put off to the end */
+__attribute__((visibility("hidden"))) int lsh_store_row(const StepLayer *L, int64_t b, int64_t h0, int64_t h1,
+                                                        const int64_t *meta, const float *key, const float *value,
+                                                        const int64_t *new_rows, const int64_t *prev_rows,
+                                                        const int64_t *bucket_of, int64_t *len, const int64_t *table,
+                                                        int64_t table_width, int64_t block_size, void *aside);
+__attribute__((visibility("hidden"))) int lsh_store_rows(const StepLayer *L, int64_t m, int64_t h0, int64_t h1,
+                                                         const int64_t *meta, const float *key, const float *value,
+                                                         const int64_t *new_rows, const int64_t *prev_rows,
+                                                         const int64_t *bucket_of, int64_t *len, const int64_t *table,
+                                                         int64_t table_width, int64_t block_size);
 
 #endif

@@ -108,51 +108,7 @@ int attend_slots(const float *q, int64_t dim, int64_t rounds, int64_t width, con
         }
         score[i] = s;
     }
-    float top_lse = -INFINITY;
-    for (int64_t r = 0; r < R; r++) {
-        float *e = score + r * W;
-        float top = e[0];
-        for (int64_t w = 1; w < W; w++) top = e[w] > top ? e[w] : top;
-        float total = 0.0f;
-        int64_t w = 0;
-#ifdef __AVX512F__
-        if (W % 16 == 0) { /* 16 slots at a time; their sum in 16 lanes, added as sum_lanes adds */
-            const __m512 at_top = _mm512_set1_ps(top);
-            __m512 lanes = _mm512_setzero_ps();
-            for (; w < W; w += 16) {
-                const __m512 v = exp16(_mm512_sub_ps(_mm512_loadu_ps(e + w), at_top));
-                _mm512_storeu_ps(e + w, v);
-                lanes = _mm512_add_ps(lanes, v);
-            }
-            total = sum_lanes(lanes);
-        }
-#elif defined(AVX2_PATH)
-        if (W % 8 == 0) { /* 8 slots at a time; their sum in 8 lanes, added as sum_lanes8 adds */
-            const __m256 at_top = _mm256_set1_ps(top);
-            __m256 lanes = _mm256_setzero_ps();
-            for (; w < W; w += 8) {
-                const __m256 v = exp8(_mm256_sub_ps(_mm256_loadu_ps(e + w), at_top));
-                _mm256_storeu_ps(e + w, v);
-                lanes = _mm256_add_ps(lanes, v);
-            }
-            total = sum_lanes8(lanes);
-        }
-#endif
-        for (; w < W; w++) {
-            e[w] = expf(e[w] - top);
-            total += e[w];
-        }
-        lse[R + r] = total;
-        lse[r] = (dead && dead[r]) ? -INFINITY : top + logf(total);
-        top_lse = lse[r] > top_lse ? lse[r] : top_lse;
-    }
-    float sum = 0.0f;
-    for (int64_t r = 0; r < R; r++) sum += expf(lse[r] - top_lse);
-    const float all = top_lse + logf(sum);
-    for (int64_t r = 0; r < R; r++) {
-        const float scale = expf(lse[r] - all) / lse[R + r];
-        for (int64_t w = 0; w < W; w++) score[r * W + w] *= scale;
-    }
+    round_weights(score, R, W, dead, lse);
 #ifdef __AVX512F__
     if (kind == KIND_F32 && D % 16 == 0 && D <= 16 * OUT_REGS) {
         /* the same multiply-adds as add_row, with the output row held in registers across the slots */

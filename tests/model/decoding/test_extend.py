@@ -209,3 +209,52 @@ def test_the_rows_facts_are_the_steps(model: str, request: pytest.FixtureRequest
     for t in range(300):
         state.length = t
         assert facts[t].tolist() == row_facts(lm, decoder.cache, [state])[0][0], t
+
+
+# The windows shared between an extend's rows (model/kernels/csrc/extend_windows.c): every LSH layer but the last
+# stores all its rows first, then reads each row's windows from counts as of that row, in blocks of 1,024 rows.
+
+
+def test_shipped_long_extend_after_a_long_prefix(shipped: ReformerLM) -> None:
+    """4,500 rows (two C calls of up to 4,096 rows, five blocks of windows) after 3,000 prefilled positions,
+    recent orders of 64: the indexes merge at the first call's first rows and every 64 rows through both calls,
+    and windows near the rounds' ends wrap into the round before."""
+    _check(shipped, _ids(3000, 30), _ids(4500, 31), recent=64)
+
+
+def test_tiny_extend_of_several_blocks(tiny: ReformerLM) -> None:
+    """2,600 rows in one call, three blocks of windows, on the tiny model (chunks of 8: a row's window wraps into
+    the round before whenever its rank is in a round's first chunk), merging every 8 rows."""
+    _check(tiny, _ids(30, 32), _ids(2600, 33), recent=8)
+
+
+@pytest.mark.parametrize("before", [7, 8, 9, 16])
+def test_extend_right_after_a_merge_boundary(tiny: ReformerLM, before: int) -> None:
+    """After a prefilled prompt, an extend of `before` rows leaves the recent orders (8 items) one short of full,
+    full (the next extend's first row merges before its write), or just merged; the next extend follows."""
+    _check(tiny, _ids(20, 34), _ids(before + 60, 35), recent=8, pieces=[before, 60])
+
+
+def test_long_extend_on_two_threads_equals_steps(shipped: ReformerLM) -> None:
+    """Two threads (each its own heads' windows, merges and blocks) over 2,500 rows after 1,000 positions = the
+    steps on one thread."""
+    prompt, tokens = _ids(1000, 36), _ids(2500, 37)
+    ref_cache, ref_decoder, ref, _ = start(shipped, 3600, prompt, recent=64)
+    want = step_each(ref_decoder, ref, tokens)
+    cache, decoder, state, _ = start(shipped, 3600, prompt, recent=64)
+    torch.set_num_threads(2)
+    got = decoder.extend(state, tokens)
+    assert same_bits(got, want)
+    assert differences(held(cache, state), held(ref_cache, ref)) == []
+
+
+@pytest.mark.parametrize("layers", [["lsh", "local"], ["local", "lsh", "local", "lsh"]],
+                         ids=["local-last", "local-lsh"])
+def test_heads_of_32_elements(layers: list[str]) -> None:
+    """Heads of 32 elements, as the shipped model's: the local layers attend from one copy of their windows
+    (model/kernels/csrc/extend_local.c) and the LSH layers' sums run four rows side by side (extend_attend.c);
+    a local last layer attends its last row only. Chunks of 8, recent orders of 8."""
+    torch.manual_seed(0)
+    lm = ReformerLM(tiny_config(vocab_size=VOCAB, attention_head_size=32, attn_layers=layers,
+                                lsh_successor_heads=1)).eval()
+    _check(lm, _ids(40, 38), _ids(700, 39), recent=8)

@@ -48,7 +48,7 @@ CASES = [
 def test_a_fork_steps_as_a_restored_copy(layers: list[str], successor: int, buckets: int | None, prompt_len: int,
                                          steps: int, path: str) -> None:
     lm = _model(layers, successor, buckets)
-    total = prompt_len + steps + 1
+    total = prompt_len + steps + 6  # room for the extend of 5 tokens after the steps
     # recent 3: the indexes merge every 3 steps, so the forks' own orders are rewritten many times
     cache = DecodeCache.for_tokens(lm, total, slots=4, recent=3, cpu_kernel=path == "c")
     decoder = Decoder(lm, cache)
@@ -74,10 +74,10 @@ def test_a_fork_steps_as_a_restored_copy(layers: list[str], successor: int, buck
             assert torch.equal(a, b), i
             _same_state(cache, fork, copy)
         # several tokens in one call (model/decoding/extend.py: the C extend on the C path)
+        # (the parent's merges rewrote its own order rows, which the fork's order table does not point at)
         more = torch.randint(3, 258, (5,), generator=torch.Generator().manual_seed(9)).tolist()
-        if fork.length + len(more) < total:
-            assert torch.equal(decoder.extend(fork, more), decoder.extend(copy, more))
-            _same_state(cache, fork, copy)
+        assert torch.equal(decoder.extend(fork, more), decoder.extend(copy, more))
+        _same_state(cache, fork, copy)
 
 
 @pytest.mark.parametrize("parent_first", [True, False])
