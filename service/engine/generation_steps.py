@@ -19,12 +19,11 @@ from model.sampling import greedy_choices
 from service.engine.constrained import ConstrainedRows
 from service.engine.jobs_runtime import Event, GenerationJob, Job, JobState, deliver_together
 from service.engine.policy import SLICE_HISTORY, another_slice_fits, group_by_length
-from service.engine.prompt_reuse import PromptReuse
+from service.engine.prompt_reuse import PromptReuse, tail_boundaries
 from service.engine.runner import ModelRunner
 from service.errors import InternalError
 from service.jobs import TokenEvent
 from service.observability.metrics import ServiceMetrics
-from service.prefix_cache.keys import KEY_BLOCK_TOKENS
 
 log = logging.getLogger("service.engine")
 
@@ -230,8 +229,8 @@ class GenerationSteps:
         None), its state offered to the prefix cache on the way at the boundary `reuse.keep_at` picks."""
         keep = self.reuse.keep_at(job)
         reserve = len(job.spec.prompt_ids) + job.spec.max_new_tokens
-        # each block boundary up to the kept one: its tail, so the kept state serves prompts sharing less of it
-        stops = () if keep is None else range(KEY_BLOCK_TOKENS, keep + 1, KEY_BLOCK_TOKENS)
+        # the boundaries up to the kept one that get a tail, so the kept state serves prompts sharing less of it
+        stops = () if keep is None else tail_boundaries(keep)
         steps = self.runner.extend_slices(job.prefill_ids, reserve, job.cache, stops=stops)
         while True:
             try:
@@ -239,7 +238,7 @@ class GenerationSteps:
             except StopIteration as done:
                 logits, state = done.value
                 return logits.unsqueeze(0), [state]
-            if keep is not None and length <= keep and length % KEY_BLOCK_TOKENS == 0:
+            if length in stops:
                 self.reuse.keep_tail(job, state, logits)
             if length == keep:
                 self.reuse.keep(job, state, logits, length)

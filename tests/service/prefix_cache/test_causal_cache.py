@@ -191,3 +191,32 @@ def test_two_salts_never_continue_from_each_others_states(artifact: Any) -> None
             "max_new_tokens": 2, "details": True, "cache_salt": "tenant-a"}})
     assert other.json()["details"]["cached_tokens"] == 0
     assert same.json()["details"]["cached_tokens"] == len(DOC) // KEY_BLOCK_TOKENS * KEY_BLOCK_TOKENS
+
+
+def test_tails_every_spacing_and_near_the_end() -> None:
+    from service.engine.prompt_reuse import TAIL_NEAR_END, TAIL_SPACING, tail_boundaries
+
+    keep = 3 * TAIL_SPACING + 5 * KEY_BLOCK_TOKENS
+    got = tail_boundaries(keep)
+    near = [keep - k * KEY_BLOCK_TOKENS for k in range(TAIL_NEAR_END - 1, -1, -1)]
+    assert got == [TAIL_SPACING, 2 * TAIL_SPACING, 3 * TAIL_SPACING, *near]
+    assert tail_boundaries(2 * KEY_BLOCK_TOKENS) == [KEY_BLOCK_TOKENS, 2 * KEY_BLOCK_TOKENS]
+
+
+def test_a_prefix_ending_between_tails_continues_from_the_one_before(artifact: Any,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """With tails every 2 blocks and at the last one only, a prompt sharing 3 blocks of a kept 5-block state
+    continues from 2 blocks, reads the rest, and answers the cold answer bit for bit."""
+    import service.engine.prompt_reuse as prompt_reuse
+
+    monkeypatch.setattr(prompt_reuse, "TAIL_SPACING", 2 * KEY_BLOCK_TOKENS)
+    monkeypatch.setattr(prompt_reuse, "TAIL_NEAR_END", 1)
+    doc = (DOC * 3)[: 5 * KEY_BLOCK_TOKENS + 40]
+    other = doc[: 3 * KEY_BLOCK_TOKENS + 10] + " and then something else happened entirely." + QUESTIONS[0]
+    settings_ = {**SETTINGS, "max_input_tokens": 2048}
+    with running_app(artifact, **settings_, prefix_cache=False) as off:
+        cold = _generate(off, other)
+    with running_app(artifact, **settings_) as on:
+        assert _generate(on, doc + QUESTIONS[1])[2] == 0  # kept at 5 blocks, tails at 2, 4 and 5
+        warm = _generate(on, other)
+    assert warm[:2] == cold[:2] and warm[2] == 2 * KEY_BLOCK_TOKENS
