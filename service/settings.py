@@ -75,17 +75,21 @@ class Settings(BaseSettings, PrefixCacheTrustSettings):
         "gaps between the running streams' tokens while a long prompt is prefilled, and a longer prefill. "
         "bench/prefill/prefill_gap.py measures both (bench/README.md).",
     )
-    prefill: Literal["one-piece", "causal"] = Field(
-        "one-piece",
-        description="How a generation's prompt is read. one-piece: one forward over the whole prompt (sorted "
-        "into LSH chunks together, so a position's attention depends on the tokens after it), sliced between "
-        "decode steps when long. causal: the prompt read by the exact extend, which leaves what one decode "
-        "step per token leaves (each position's window a function of the tokens before it), in slices between "
-        "the running generations' steps; the prefix cache then keeps the state at each prompt's last 256-token "
-        "block boundary and any later prompt that shares a block boundary with a kept state continues from it, "
-        "with no cache_prefix_chars declaration (declarations are ignored). Answers are the same bits whatever "
-        "the cache holds. A cold prompt takes about 1.6x the one-piece time (bench/prefill/causal_prefill.py); "
-        "prompts scored with logprobs (echo, decoder_input_details) still take the one-piece forward.",
+    prefill: Literal["auto", "one-piece", "causal"] = Field(
+        "auto",
+        description="How a generation's prompt is read. causal: by the exact extend, which leaves what one decode "
+        "step per token leaves (each position's LSH window a function of the tokens before it), in slices "
+        "between the running generations' steps; the prefix cache keeps each prompt's state at its last "
+        "256-token block boundary, and any later prompt sharing a block boundary with a kept state continues "
+        "from it with no declaration (cache_prefix_chars / cache_prefix_messages are ignored). Answers are the "
+        "same bits whatever the cache holds (and, where the C kernels run, whatever the batch). one-piece: one "
+        "forward over the whole prompt (sorted into LSH chunks together, so a position's attention depends on "
+        "the tokens after it), sliced between "
+        "decode steps when long; only whole prompts and declared prefixes are reused. auto: causal where the C "
+        "extend runs (CPU with the C kernels, fixed bucket counts), one-piece elsewhere (GPU, kernels off, "
+        "automatic bucket counts, where the causal read would be one decode step per token). /info's "
+        "batching.prefill says which runs. Prompts scored with logprobs (echo, decoder_input_details) take the "
+        "one-piece forward in either mode.",
     )
     cache_bytes: int | None = Field(
         None, ge=0,

@@ -11,7 +11,7 @@ Each request is a `/generate` of one greedy token with details, so its wall time
 undeclared prefix, so its second question is a second cold prefill; the causal server finds the document's
 blocks by content and reads only the rest. Ratios are taken in one run: the causal cold prefill's tokens/s over
 the one-piece one's (target: at least 0.8 at 500K), and the second question's time (target: at most 1 s from
-memory). Run it alone (../shared/tools/quiet-run): the two cores are the measurement. Writes the JSON and prints a
+memory). Run it alone (bench/quiet_run.sh): the two cores are the measurement. Writes the JSON and prints a
 table with the 1-minute load before and after.
 """
 

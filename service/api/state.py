@@ -173,7 +173,7 @@ class ServiceState:
             max_request_tokens=min(self.limits.max_input_tokens + self.limits.max_new_tokens, positions),
             prefix_cache=prefix_cache_config(s) if s.prefix_cache else None,
             report_cached_tokens=s.prefix_cache_report,
-            artifact_sha256=artifact.sha256, causal_prefill=s.prefill == "causal",
+            artifact_sha256=artifact.sha256, prefill=s.prefill,
         )
         engine = Engine(model, artifact.tokenizer, backend, device, config, self.metrics,
                         on_fatal=lambda exc: self.on_fatal(exc))
@@ -250,7 +250,10 @@ class ServiceState:
                 "max_batch_size": s.max_batch_size, "max_batch_tokens": s.max_batch_tokens,
                 "max_wait_ms": s.max_wait_ms, "prefill_budget_ms": s.prefill_budget_ms,
                 "max_queue_size": s.max_queue_size,
-                "prefill": s.prefill,  # how prompts are read: one-piece or causal (REFORMER_PREFILL)
+                # how prompts are read: one-piece or causal (REFORMER_PREFILL, auto resolved on this model and device)
+                "prefill": ("causal" if self.engine.config.causal_prefill else "one-piece") if self.engine
+                else s.prefill,
+                "prefill_setting": s.prefill,
                 "request_timeout_s": s.request_timeout_s,
                 # bit-identical to a request alone (fixed row blocks), or the same greedy tokens within 1e-4
                 "batch_invariant": s.batch_invariant,

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from model.decoding.extend import c_path as extend_in_c
 from model.kernels.weights import WeightKind
 from service.engine.admission import Admission, Reservation
 from service.engine.backends import EmbeddingBackend
@@ -91,6 +92,9 @@ class EngineConfig:
     # REFORMER_PREFILL=causal: every prompt read as decode steps read tokens (service/engine/runner.py
     # extend_slices), its state kept and found at block boundaries with no declaration (prompt_reuse.py)
     causal_prefill: bool = False
+    # REFORMER_PREFILL as set: "auto" is causal where the C extend runs (CPU kernels, fixed bucket counts) and
+    # one-piece elsewhere (there the causal read is one decode step per token); None: causal_prefill decides
+    prefill: str | None = None
     # forks (`n` / `best_of` choices, identical prompts) share their leader's prompt blocks (DecodeCache.fork) and
     # admission reserves only their own part; False: each fork holds a copy (a snapshot restored)
     shared_blocks: bool = True
@@ -118,6 +122,9 @@ class Engine:
         self.runner = ModelRunner(model, device, config.max_batch_size, config.cache_bytes, config.batch_invariant,
                                   config.max_request_tokens, config.cuda_graphs, config.cpu_kernels,
                                   config.kv_cache_dtype, config.decode_weights)
+        if config.prefill is not None:  # what REFORMER_PREFILL resolves to on this model and device
+            causal = config.prefill == "causal" or (config.prefill == "auto" and extend_in_c(self.runner.decoder))
+            config = self.config = dataclasses.replace(config, causal_prefill=causal)
         self.prefix_cache = self._prefix_cache(model, config, metrics)
         # the generations past the queue (running, or prefilling in slices) and the steps that advance them
         self.generations = GenerationSteps(self.runner, metrics, self._cond, batch_invariant=config.batch_invariant,

@@ -50,7 +50,7 @@ def replicas(tiny_artifact: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     shared = tmp_path_factory.mktemp("shared-prefix-cache")
     logs = tmp_path_factory.mktemp("replicas")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "REFORMER_PREFIX_CACHE_DIR": str(shared),
-           "REFORMER_PREFIX_CACHE_MIN_TOKENS": "16", "REFORMER_MAX_NEW_TOKENS": "8",
+           "REFORMER_PREFIX_CACHE_MIN_TOKENS": "16", "REFORMER_PREFILL": "one-piece", "REFORMER_MAX_NEW_TOKENS": "8",
            "REFORMER_PREFIX_CACHE_KEY": "replicas-share-this-key".ljust(32, "-")}
     servers = [ServerProcess(service_argv(tiny_artifact), log_path=logs / f"replica{i}.log", env=env) for i in (0, 1)]
     try:

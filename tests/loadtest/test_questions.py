@@ -1,10 +1,13 @@
 """`reformer loadtest --questions-per-doc K` (loadtest/questions.py): each document asked K questions that
-declare it as the cached part, against a real server with its prefix cache on: the server's hit rate, first
-against later questions, the prefill tokens saved, and the A/B without the declaration."""
+declare it as the cached part, against a real server with its prefix cache on and the one-piece prefill (which
+reuses declared parts only): the server's hit rate, first against later questions, the prefill tokens saved, and
+the A/B without the declaration; and against the default server (the causal prefill on this CPU), where later
+questions restore the document with no declaration."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,9 +16,22 @@ import pytest
 from loadtest import cli
 from loadtest.documents import Document
 from loadtest.questions import Tagger, conversation, question
-from tests.loadtest.helpers import API_KEY
+from tests.loadtest.helpers import API_KEY, running_server
 
 K = 3
+
+
+@pytest.fixture(scope="module")
+def server_url(tiny_artifact: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The real service with the one-piece prefill, whose prefix cache reuses only declared parts."""
+    with running_server(tiny_artifact, tmp_path_factory.mktemp("server") / "server.log", prefill="one-piece") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def default_url(tiny_artifact: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with running_server(tiny_artifact, tmp_path_factory.mktemp("default") / "server.log") as url:
+        yield url
 
 
 def _run(server_url: str, docs_dir: Path, out: Path, *extra: str) -> dict[str, Any]:
@@ -69,6 +85,17 @@ def test_without_the_declaration_nothing_is_restored(server_url: str, docs_dir: 
     assert q["saved_prefill_tokens"] == 0 and q["hit_rate"] == 0
     # each whole prompt was looked up (and missed): the questions differ
     assert q["server_queries_tokens"] == q["all"]["prompt_tokens"] > 0
+
+
+def test_the_default_server_restores_undeclared_documents(default_url: str, docs_dir: Path,
+                                                           tmp_path: Path) -> None:
+    report = _run(default_url, docs_dir, tmp_path / "causal.json", "--no-cache-prefix")
+    q = report["results"][0]["questions"]
+    assert not q["cache_prefix_declared"] and q["first"]["cached_tokens"] == 0
+    # each later question continues from the document's blocks kept by the first (whole 256-token blocks)
+    later = q["later"]
+    assert later["cached_tokens"] >= 2 * (K - 1) * 256 and later["cached_tokens"] % 256 == 0
+    assert q["server_hits_tokens"]["memory"] == later["cached_tokens"]
 
 
 def test_questions_differ_and_declare_the_tagged_document() -> None:

@@ -117,7 +117,8 @@ def test_identical_prompts_that_hit_together_restore_one_copy(artifact: Any) -> 
 
     prompt = "The lighthouse keeper climbed the stairs at dusk and lit the great lamp once more. " * 3
     body = {"prompt": prompt, "max_tokens": 6, "temperature": 1.0, "seed": 9, "n": 2}
-    limits: dict[str, Any] = dict(max_new_tokens=16, max_input_tokens=600, prefix_cache_min_tokens=16)
+    limits: dict[str, Any] = dict(prefill="one-piece", max_new_tokens=16, max_input_tokens=600,
+                                  prefix_cache_min_tokens=16)
     with running_app(artifact, **limits, prefix_cache=False) as off:
         want = off.post("/v1/completions", json=body).json()
     with running_app(artifact, **limits) as on:

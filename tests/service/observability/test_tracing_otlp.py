@@ -42,7 +42,8 @@ def export_requests(artifact: Any, receiver: OtlpReceiver, send: Callable[[TestC
     tracing = Tracing.from_environment({"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url,
                                         "OTEL_SERVICE_NAME": "reformer-test"})
     assert tracing.enabled
-    app = create_app(Settings(max_new_tokens=8, max_input_tokens=1900), artifact, tracing=tracing)  # type: ignore[call-arg]
+    settings = Settings(prefill="one-piece", max_new_tokens=8, max_input_tokens=1900)  # type: ignore[call-arg]
+    app = create_app(settings, artifact, tracing=tracing)
     with TestClient(app, raise_server_exceptions=False) as client:
         wait_ready(app.state.service)
         response = send(client)

@@ -19,7 +19,8 @@ from tests.service.helpers import metric_value, running_app, sse_events
 DOC = "In the valley the river turned twice before it reached the mill, where the miller's daughter waited. " * 2
 TEMPLATE = ("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
             "{% if add_generation_prompt %}[assistant] {% endif %}")
-LIMITS: dict[str, Any] = dict(max_new_tokens=8, max_input_tokens=600, prefix_cache_min_tokens=16)
+# the one-piece prefill (its declared prefixes); the causal prefill's salts: test_causal_cache.py
+LIMITS: dict[str, Any] = dict(prefill="one-piece", max_new_tokens=8, max_input_tokens=600, prefix_cache_min_tokens=16)
 
 Ask = Callable[[TestClient, str, dict[str, Any], dict[str, str]], tuple[int, int, Any]]
 

@@ -25,7 +25,8 @@ from tests.service.helpers import metric_value, running_app
 KEY = "fuzz-key-".ljust(40, "x")
 DOC = "The harbour master kept a ledger of every ship that came in, its cargo and its crew. " * 3
 QUESTION = " Who kept the ledger?"
-SETTINGS: dict[str, Any] = dict(max_new_tokens=16, max_input_tokens=600, prefix_cache_min_tokens=16,
+SETTINGS: dict[str, Any] = dict(prefill="one-piece", max_new_tokens=16, max_input_tokens=600,
+                                prefix_cache_min_tokens=16,
                                 prefix_cache_key=KEY)
 CASES = 1200
 

@@ -20,7 +20,8 @@ DOCS = [
     "In the valley the river turned twice before it reached the mill, where the miller's daughter waited. " * 3,
 ]
 QUESTIONS = [" Who kept the ledger?", " What did the miller's daughter do?", " Name one ship."]
-LIMITS: dict[str, Any] = dict(max_new_tokens=16, max_input_tokens=600, prefix_cache_min_tokens=16)
+# the one-piece prefill's cache (whole prompts, declared prefixes); the causal one: test_causal_cache.py
+LIMITS: dict[str, Any] = dict(prefill="one-piece", max_new_tokens=16, max_input_tokens=600, prefix_cache_min_tokens=16)
 KEY = "k" * 32  # the disk tier's HMAC key the replicas of these tests share
 
 

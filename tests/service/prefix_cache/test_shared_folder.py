@@ -24,7 +24,8 @@ pytestmark = pytest.mark.xdist_group("prefix-cache-shared-folder")
 
 KEY = "shared-folder-key-" + "k" * 32
 OTHER_KEY = "another-replicas-key-" + "o" * 32
-SETTINGS: dict[str, Any] = dict(backend="torch", max_new_tokens=16, max_input_tokens=600, prefix_cache_min_tokens=16)
+SETTINGS: dict[str, Any] = dict(backend="torch", prefill="one-piece", max_new_tokens=16, max_input_tokens=600,
+                                prefix_cache_min_tokens=16)
 PROMPT = "The harbour master kept a ledger of every ship that came in, its cargo and its crew. " * 5
 RACED = "In the valley the river turned twice before it reached the mill, where the miller's daughter waited. " * 4
 
