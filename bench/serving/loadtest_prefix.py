@@ -6,10 +6,11 @@
 Three load tests of the same shape (one client, --documents documents of --length bytes, each asked
 --questions different questions over `/generate_stream`, one warm-up document), each its own run of
 `python -m loadtest.cli` whose command line the JSON records:
-1. `on`: a server with default settings (prefix cache on), each request declaring its document with
-   `cache_prefix_chars`;
+1. `on`: a server with the one-piece prefill (REFORMER_PREFILL=one-piece; the prefix cache on), each request
+   declaring its document with `cache_prefix_chars`;
 2. `on_undeclared`: the same server, the same prompts without the declaration (`--no-cache-prefix`);
-3. `off`: a server started with REFORMER_PREFIX_CACHE=false, the prompts declared as in 1;
+3. `off`: a server started with REFORMER_PREFIX_CACHE=false (and the one-piece prefill), the prompts declared as
+   in 1;
 4. with `--causal`, `causal`: a server started with REFORMER_PREFILL=causal, the prompts undeclared (the causal
    prefill finds a document's blocks by content), judged by its own targets (CAUSAL_* below) against `off`.
 The shipped model unless ARTIFACT (one token a byte). Writes the three reports, the ratios of mean TTFT
@@ -98,10 +99,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "load_before": os.getloadavg()[0],
         "runs": {},
     }
-    with _server(args.artifact, args.logs, "on") as on:
+    with _server(args.artifact, args.logs, "on", prefill="one-piece") as on:
         result["runs"]["on"] = _loadtest(args, on.url, "on")
         result["runs"]["on_undeclared"] = _loadtest(args, on.url, "on_undeclared", "--no-cache-prefix")
-    with _server(args.artifact, args.logs, "off", prefix_cache="false") as off:
+    with _server(args.artifact, args.logs, "off", prefix_cache="false", prefill="one-piece") as off:
         result["runs"]["off"] = _loadtest(args, off.url, "off")
     if args.causal:
         with _server(args.artifact, args.logs, "causal", prefill="causal") as causal:

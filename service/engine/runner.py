@@ -203,10 +203,12 @@ class ModelRunner:
             marks = sorted(n for n in set(stops) if state.length < n <= len(ids))
             while state.length < len(ids):
                 end = min(len(ids), state.length + slice_tokens, *(n for n in marks if n > state.length))
-                # the C extend gives the same bits on any thread count; its step-per-token fallback (no kernels,
-                # GPU, automatic bucket counts) stays on one thread, as a decode step of one row does
-                threads = prefill_threads(end - state.length, self.device) if extend_in_c(self.decoder) else \
-                    step_threads(1, self.device)
+                # the C extend gives the same bits on any thread count, and a slice of 1,024 rows keeps both
+                # threads busy (prefill_threads would give a slice below 2,048 tokens one: a 65,536-byte prompt
+                # then took 3.07 s through the service against 1.83 s one-piece, bench/results/
+                # loadtest_prefix_causal_64k_c223109.json.gz); its step-per-token fallback (no kernels, GPU, automatic
+                # bucket counts) stays on one thread, as a decode step of one row does
+                threads = contextlib.nullcontext() if extend_in_c(self.decoder) else step_threads(1, self.device)
                 with threads, torch.inference_mode():
                     out = self.decoder.extend(state, ids[state.length:end])
                 logits = out if out.dtype == torch.float32 and out.device.type == "cpu" else out.float().cpu()
