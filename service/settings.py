@@ -130,8 +130,9 @@ class Settings(BaseSettings, PrefixCacheTrustSettings):
         description="Make a generation's logits bit-identical whatever it is batched with: prefill each prompt "
         "alone, and run decode steps in fixed blocks of 16 rows, except on CPU with the C kernels (cpu_kernels, "
         "float32), where every step runs on one intra-op thread and the kernels compute each row alone, so "
-        "steps are batched as with this off. Off: prompts arriving together are prefilled together, and "
-        "results match a request alone within 1e-4, with the same greedy tokens.",
+        "steps are batched as with this off. Off: prompts arriving together are prefilled together by the "
+        "one-piece prefill, and results match a request alone within 1e-4, with the same greedy tokens; the "
+        "causal prefill reads each prompt alone, its bits never depending on the batch.",
     )
     cuda_graphs: bool = Field(
         False,
