@@ -31,21 +31,15 @@
 
 /* the pool row of the slot's position, or -1 (lsh_attend.c's pool_row) */
 static inline int64_t walk_row(const Walk *w, int64_t position) {
-    if (position < 0 || position >= w->table_width * w->block_size) return -1;
-    const int64_t block = w->block_shift >= 0 ? position >> w->block_shift : position / w->block_size;
-    const int64_t off = w->block_shift >= 0 ? position & (w->block_size - 1) : position % w->block_size;
-    const int64_t row = w->table[w->slot * w->table_width + block] * w->block_size + off;
-    return row >= 0 && row < w->L->pool_rows ? row : -1;
+    return block_pool_row_shift(w->table, w->table_width, w->block_size, w->block_shift, w->slot, position,
+                                w->L->pool_rows);
 }
 
 /* the order row holding sorted index j of the slot's main order, or -1 (lsh_attend.c's order_row: through
  * the order table, which a fork's differs from its block table on the positions it shares) */
 static inline int64_t walk_order_row(const Walk *w, int64_t j) {
-    if (j < 0 || j >= w->table_width * w->block_size) return -1;
-    const int64_t block = w->block_shift >= 0 ? j >> w->block_shift : j / w->block_size;
-    const int64_t off = w->block_shift >= 0 ? j & (w->block_size - 1) : j % w->block_size;
-    const int64_t row = w->L->order_table[w->slot * w->table_width + block] * w->block_size + off;
-    return row >= 0 && row < w->L->recent_offset / (w->H * w->R) ? row : -1;
+    return block_pool_row_shift(w->L->order_table, w->table_width, w->block_size, w->block_shift, w->slot, j,
+                                w->L->recent_offset / (w->H * w->R));
 }
 
 static inline int64_t fen_prefix(const int32_t *f, int64_t k) {

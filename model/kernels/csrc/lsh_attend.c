@@ -34,33 +34,24 @@ typedef struct {
     int status;
 } LshJob;
 
-/* where a slot's position's block is in the block table, or -1 outside its row: with a shift when the block
- * size is a power of two (a step resolves up to two per window slot, and a 64-bit division by a size known
- * only at run time takes several times a shift's cycles) */
+/* where a slot's position's block is in the block table, or -1 outside its row (for the prefetch below) */
 static inline int64_t table_at(const LshJob *job, int64_t slot, int64_t position) {
     if (position < 0 || position >= job->table_width * job->block_size) return -1;
     const int64_t block = job->block_shift >= 0 ? position >> job->block_shift : position / job->block_size;
     return slot * job->table_width + block;
 }
 
-/* the pool row of a slot's position, or -1 outside its block table or the pools (the row block_pool_row in
- * step_kernels.h gives) */
+/* the pool row of a slot's position, or -1 outside its block table or the pools (step_kernels.h) */
 static inline int64_t pool_row(const LshJob *job, int64_t slot, int64_t position) {
-    const int64_t at = table_at(job, slot, position);
-    if (at < 0) return -1;
-    const int64_t offset = job->block_shift >= 0 ? position & (job->block_size - 1) : position % job->block_size;
-    const int64_t row = job->block_table[at] * job->block_size + offset;
-    return row >= 0 && row < job->pool_rows ? row : -1;
+    return block_pool_row_shift(job->block_table, job->table_width, job->block_size, job->block_shift, slot, position,
+                                job->pool_rows);
 }
 
 /* the items row of sorted index j of a slot's main order (through its order table row, which has the block
  * table's width and block size), or -1 outside the table or the order's rows */
 static inline int64_t order_row(const LshJob *job, int64_t slot, int64_t j) {
-    const int64_t at = table_at(job, slot, j);
-    if (at < 0) return -1;
-    const int64_t offset = job->block_shift >= 0 ? j & (job->block_size - 1) : j % job->block_size;
-    const int64_t row = job->order_table[at] * job->block_size + offset;
-    return row >= 0 && row < job->order_rows ? row : -1;
+    return block_pool_row_shift(job->order_table, job->table_width, job->block_size, job->block_shift, slot, j,
+                                job->order_rows);
 }
 
 /* the position stored at `at` in the index's items, or -1 outside them */
