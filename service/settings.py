@@ -18,7 +18,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from service.api_keys import ApiKeys, ApiKeysError, load_api_keys
 from service.memory import container_memory_limit
-from service.settings_prefix_cache import PREFIX_CACHE_SHARE, PrefixCacheTrustSettings
+from service.settings_prefix_cache import PREFIX_CACHE_SHARE, PrefixCacheTrustSettings, blank_is_none
 
 BackendName = Literal["auto", "torch", "onnxruntime"]
 DeviceName = Literal["auto", "cpu", "cuda"]
@@ -333,13 +333,8 @@ class Settings(BaseSettings, PrefixCacheTrustSettings):
     @field_validator("api_key", mode="before")
     @classmethod
     def _blank_key_is_no_key(cls, value: Any) -> Any:
-        # `REFORMER_API_KEY=` (an empty variable, as templated env files and k8s secrets often leave it) must
-        # not turn authentication on with a blank key that every client would have to send.
-        if isinstance(value, SecretStr):
-            value = value.get_secret_value()
-        if isinstance(value, str) and not value.strip():
-            return None
-        return value
+        # `REFORMER_API_KEY=` must not turn authentication on with a blank key every client would have to send
+        return blank_is_none(value)
 
     @model_validator(mode="after")
     def _keys_file_is_usable(self) -> Settings:

@@ -15,6 +15,16 @@ from pydantic import BaseModel, Field, SecretStr, field_validator
 PREFIX_CACHE_SHARE = 0.5
 
 
+def blank_is_none(value: Any) -> Any:
+    """A secret setting's value before validation, None when blank: an empty variable, as templated env files and
+    Kubernetes Secrets often leave it, is no key."""
+    if isinstance(value, SecretStr):
+        value = value.get_secret_value()
+    if isinstance(value, str) and not value.strip():
+        return None
+    return value
+
+
 class PrefixCacheTrustSettings(BaseModel):
     prefix_cache_key: SecretStr | None = Field(
         None,
@@ -54,9 +64,4 @@ class PrefixCacheTrustSettings(BaseModel):
     @field_validator("prefix_cache_key", mode="before")
     @classmethod
     def _blank_cache_key_is_no_key(cls, value: Any) -> Any:
-        # as REFORMER_API_KEY: an empty variable, as a template leaves it, is no key (a per-process one is drawn)
-        if isinstance(value, SecretStr):
-            value = value.get_secret_value()
-        if isinstance(value, str) and not value.strip():
-            return None
-        return value
+        return blank_is_none(value)  # no key: a per-process one is drawn
