@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = Engine(artifact.model, tok, backend=None,  # type: ignore[arg-type]  # no embedding requests here
                     device=torch.device("cpu"), metrics=ServiceMetrics(),
                     config=EngineConfig(warmup=False, prefill_budget_ms=args.prefill_budget_ms,
-                                        causal_prefill=args.prefill == "causal"))
+                                        prefill=args.prefill))
     load_before = [round(v, 2) for v in os.getloadavg()]
     t0 = time.perf_counter()
     engine.start()

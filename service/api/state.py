@@ -251,7 +251,7 @@ class ServiceState:
                 "max_wait_ms": s.max_wait_ms, "prefill_budget_ms": s.prefill_budget_ms,
                 "max_queue_size": s.max_queue_size,
                 # how prompts are read: one-piece or causal (REFORMER_PREFILL, auto resolved on this model and device)
-                "prefill": ("causal" if self.engine.config.causal_prefill else "one-piece") if self.engine
+                "prefill": ("causal" if self.engine.causal_prefill else "one-piece") if self.engine
                 else s.prefill,
                 "prefill_setting": s.prefill,
                 "request_timeout_s": s.request_timeout_s,

@@ -89,12 +89,11 @@ class EngineConfig:
     prefix_cache: PrefixCacheConfig | None = None
     report_cached_tokens: bool = True  # REFORMER_PREFIX_CACHE_REPORT: false, every cached_tokens says 0
     artifact_sha256: str = ""  # what the prefix cache's keys start from (with the settings that change bits)
-    # REFORMER_PREFILL=causal: every prompt read as decode steps read tokens (service/engine/runner.py
-    # extend_slices), its state kept and found at block boundaries with no declaration (prompt_reuse.py)
-    causal_prefill: bool = False
-    # REFORMER_PREFILL as set: "auto" is causal where the C extend runs (CPU kernels, fixed bucket counts) and
-    # one-piece elsewhere (there the causal read is one decode step per token); None: causal_prefill decides
-    prefill: str | None = None
+    # REFORMER_PREFILL: "causal", every prompt read as decode steps read tokens (service/engine/runner.py
+    # extend_slices), its state kept and found at block boundaries with no declaration (prompt_reuse.py);
+    # "one-piece"; "auto", causal where the C extend runs (CPU kernels, fixed bucket counts), one-piece elsewhere
+    # (there the causal read is one decode step per token). `Engine.causal_prefill` is what it resolves to.
+    prefill: str = "one-piece"
     # forks (`n` / `best_of` choices, identical prompts) share their leader's prompt blocks (DecodeCache.fork) and
     # admission reserves only their own part; False: each fork holds a copy (a snapshot restored)
     shared_blocks: bool = True
@@ -122,9 +121,9 @@ class Engine:
         self.runner = ModelRunner(model, device, config.max_batch_size, config.cache_bytes, config.batch_invariant,
                                   config.max_request_tokens, config.cuda_graphs, config.cpu_kernels,
                                   config.kv_cache_dtype, config.decode_weights)
-        if config.prefill is not None:  # what REFORMER_PREFILL resolves to on this model and device
-            causal = config.prefill == "causal" or (config.prefill == "auto" and extend_in_c(self.runner.decoder))
-            config = self.config = dataclasses.replace(config, causal_prefill=causal)
+        # what REFORMER_PREFILL resolves to on this model and device
+        self.causal_prefill = config.prefill == "causal" or (config.prefill == "auto"
+                                                             and extend_in_c(self.runner.decoder))
         self.prefix_cache = self._prefix_cache(model, config, metrics)
         # the generations past the queue (running, or prefilling in slices) and the steps that advance them
         self.generations = GenerationSteps(self.runner, metrics, self._cond, batch_invariant=config.batch_invariant,
@@ -132,9 +131,9 @@ class Engine:
                                            prefill_budget_s=config.prefill_budget_ms / 1000.0,
                                            reuse=PromptReuse(self.runner, self.prefix_cache, metrics.prefix_cache,
                                                              report=config.report_cached_tokens,
-                                                             causal=config.causal_prefill,
+                                                             causal=self.causal_prefill,
                                                              share_blocks=config.shared_blocks),
-                                           causal=config.causal_prefill)
+                                           causal=self.causal_prefill)
         self.memory = HeapKeeper(config.idle_trim_s, config.memory_budget_bytes,
                                  release=self.runner.release_free_pages, keep_bytes=config.cache_keep_bytes,
                                  busy_trim_s=config.busy_trim_s)
@@ -158,7 +157,7 @@ class Engine:
                 (ix.recent_size for ix in cache.indexes if ix is not None), 0),
             batch_invariant=config.batch_invariant, config_digest=CacheIdentity.config_digest_of(model.config),
             runtime=json.dumps(runtime_fingerprint(cache.device, config.cpu_kernels), sort_keys=True),
-            prefill="causal" if config.causal_prefill else "one-piece")
+            prefill="causal" if self.causal_prefill else "one-piece")
         return PrefixCache(identity, wanted, metrics.prefix_cache, vocab_size=model.config.vocab_size,
                            device=cache.device)
 
@@ -198,7 +197,7 @@ class Engine:
             # waiting would never help: the decode cache could not hold it even empty
             self.metrics.rejected.labels("cache_capacity").inc()
             raise InputTooLong(self.runner.limit_message(tokens))
-        if self.config.causal_prefill and spec.cache_prefix_tokens is not None:
+        if self.causal_prefill and spec.cache_prefix_tokens is not None:
             # a causal prompt's every block boundary is found by its content: a declared part changes nothing
             spec = dataclasses.replace(spec, cache_prefix_tokens=None)
         job = GenerationJob(spec, asyncio.get_running_loop(), request_id, self.tokenizer, stream)
@@ -210,7 +209,7 @@ class Engine:
         thread first; the job waits in the queue (and so does everything behind it) until the read is done."""
         cache = self.prefix_cache
         if cache is not None and cache.disk is not None and job.spec.prompt_logprobs is None and \
-                self.config.causal_prefill:  # the longest boundary of the prompt on disk (prompt_reuse.py)
+                self.causal_prefill:  # the longest boundary of the prompt on disk (prompt_reuse.py)
             job.links = cache.links(job.prefill_ids, job.spec.cache_salt)  # reused on the worker (prompt_reuse.py)
             keys = cache.causal_read_ahead([(n, k) for n, k in job.links if n < len(job.prefill_ids)])
             if keys:
