@@ -366,10 +366,7 @@ class DecodeCache:
             raise ValueError(f"a fork of a state of {parent.length} positions shares at most "
                              f"{self.shared_blocks(parent.length)} blocks and needs room for them all; this one "
                              f"shares {k} of {child.capacity}")
-        child.blocks[:k] = parent.blocks[:k]
-        for block in child.blocks[:k]:
-            self._refs[block] += 1
-        self.block_table[child.slot, :k] = self.block_table[parent.slot, :k]
+        self.share_prefix(parent, child)
         own = torch.arange(k * bs, parent.length, device=self.device)  # positions in the child's own blocks
         slots = torch.tensor([parent.slot, child.slot], device=self.device)
         rows = self.rows(slots, own.view(1, -1).expand(2, -1))  # (2, n)
@@ -400,6 +397,22 @@ class DecodeCache:
         child.length = parent.length
         child.num_buckets = list(parent.num_buckets)
         child.index_len = list(parent.index_len)
+
+    def share_prefix(self, holder: DecodeState, child: DecodeState) -> None:
+        """Point `child`'s first `child.shared` blocks (from `allocate(tokens, shared)`, not filled yet) at
+        `holder`'s, which must have written past them (at most `shared_blocks(holder.length)`), and count `child`
+        among their holders (`free`). Only keys, values and key factors are shared: the caller fills the rest
+        (`fork`, or a restore of the same positions' state: model/decoding/snapshot.py `restore_snapshot`)."""
+        k = child.shared
+        if holder.slot < 0 or child.slot < 0 or child.length != 0 or any(b >= 0 for b in child.blocks[:k]):
+            raise ValueError("blocks are shared from a live state into a fresh one")
+        if k > self.shared_blocks(holder.length):
+            raise ValueError(f"a state of {holder.length} positions shares at most "
+                             f"{self.shared_blocks(holder.length)} blocks; asked for {k}")
+        child.blocks[:k] = holder.blocks[:k]
+        for block in child.blocks[:k]:
+            self._refs[block] += 1
+        self.block_table[child.slot, :k] = self.block_table[holder.slot, :k]
 
     # ---- resident pages ----------------------------------------------------------------------------------
     @property

@@ -43,7 +43,7 @@ from torch import Tensor
 from .cache import DecodeCache, flat_buckets
 from .cache_state import DecodeState
 from .lsh_index import LSHIndex
-from .snapshot import PREFIX_BLOCK, StateSnapshot, TailFacts, check_fits, ring_rows
+from .snapshot import PREFIX_BLOCK, StateSnapshot, TailFacts, check_fits, ring_rows, shared_positions
 
 if TYPE_CHECKING:
     from ..config import ReformerConfig
@@ -104,8 +104,7 @@ def _check_prefix(cache: DecodeCache, snap: StateSnapshot, state: DecodeState, l
     if length <= 0 or length % PREFIX_BLOCK or length > snap.length:
         raise ValueError(f"a snapshot of {snap.length} positions is truncated to a positive multiple of "
                          f"{PREFIX_BLOCK} up to its length; got {length}")
-    if state.length != 0 or state.shared or state.capacity * cache.block_size < length:
-        raise ValueError("a truncated snapshot is restored into a new state with room for its positions")
+    shared_positions(cache, state, length)
     facts = snap.tails.get(length)
     if facts is None:
         raise ValueError(f"the snapshot kept no tail at {length} positions")
@@ -158,20 +157,23 @@ def restore_prefix(cache: DecodeCache, config: ReformerConfig, snap: StateSnapsh
     """Write `snap` truncated to its first `length` positions into `state`, freshly allocated (length 0) with
     room for them: what `length` causal steps from an empty state leave, with the recent order merged (see
     the module docstring). `config` is the model's (its successor-value heads). Returns the logits after
-    position length - 1 when the tail kept them, else None."""
+    position length - 1 when the tail kept them, else None. A state whose first `state.shared` blocks were shared
+    from a live state (`DecodeCache.share_prefix`) gets the keys, values and key factors after them only, as
+    `restore_snapshot`."""
     facts = _check_prefix(cache, snap, state, length)
     # every layer's buckets read back before anything is written: a snapshot they refuse leaves the state empty
     buckets = {li: position_buckets(index, snap, li)[:, :, :length].to(cache.device)  # (H, R, length)
                for li, index in enumerate(cache.indexes) if index is not None and facts.num_buckets[li] is not None}
-    rows = cache.slot_rows(state, 0, length)  # (length,)
+    start = shared_positions(cache, state, length)  # rows held with a live state (DecodeCache.share_prefix)
+    rows = cache.slot_rows(state, start, length)  # (length - start,)
     for li, index in enumerate(cache.indexes):
         if index is None:
             cache.kv[li][ring_rows(cache, state.slot)] = snap.tensors[f"tail.{length}.ring.{li}"].to(cache.device)
             continue
         norms = cache.norms[li]
         assert norms is not None
-        cache.kv[li].index_copy_(0, rows, snap.tensors[f"kv.{li}"][:length].to(cache.device))
-        norms.index_copy_(0, rows, snap.tensors[f"norms.{li}"][:length].to(cache.device))
+        cache.kv[li].index_copy_(0, rows, snap.tensors[f"kv.{li}"][start:length].to(cache.device))
+        norms.index_copy_(0, rows, snap.tensors[f"norms.{li}"][start:length].to(cache.device))
         successor = config.successor_heads(li)
         if successor:  # row length-1's successor slots hold v[length], written by a step after the prefix
             cache.values[li][rows[-1:], :successor] = 0

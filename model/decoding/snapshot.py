@@ -156,20 +156,36 @@ def check_fits(cache: DecodeCache, snap: StateSnapshot) -> None:
         raise ValueError("the snapshot's layer count differs from this cache's")
 
 
+def shared_positions(cache: DecodeCache, state: DecodeState, length: int) -> int:
+    """How many leading positions of `state`, about to be restored to `length` positions, lie in blocks it
+    already shares with a live state (`DecodeCache.share_prefix`): their keys, values and key factors are not
+    written again. ValueError unless the state is fresh (length 0) with room for `length` positions and its
+    shared blocks, if any, are filled and lie before the block holding position length - 1."""
+    k = state.shared
+    if state.length != 0 or state.capacity * cache.block_size < length:
+        raise ValueError("a snapshot is restored into a new state with room for its positions")
+    if k and (k > cache.shared_blocks(length) or any(b < 0 for b in state.blocks[:k])):
+        raise ValueError(f"a restore of {length} positions keeps at most {cache.shared_blocks(length)} shared "
+                         f"blocks, filled first (DecodeCache.share_prefix); this state shares {k}")
+    return k * cache.block_size
+
+
 def restore_snapshot(cache: DecodeCache, snap: StateSnapshot, state: DecodeState) -> None:
-    """Write `snap` into `state`, freshly allocated (length 0) with room for at least `snap.length` positions."""
-    if state.length != 0 or state.shared or state.capacity * cache.block_size < snap.length:
-        raise ValueError("a snapshot is restored into a new state of its own blocks with room for its positions")
+    """Write `snap` into `state`, freshly allocated (length 0) with room for at least `snap.length` positions.
+    A state whose first `state.shared` blocks were shared from a live state (`DecodeCache.share_prefix`) gets the
+    keys, values and key factors of the positions after them only: the caller vouches that the shared rows hold
+    what the snapshot holds there (the same tokens read causally: service/engine/live_prefixes.py)."""
+    start = shared_positions(cache, state, snap.length)
     state.length = snap.length
-    rows = _held_rows(cache, state)
+    rows = cache.slot_rows(state, start, snap.length)
     for li, index in enumerate(cache.indexes):
         if index is None:
             cache.kv[li][ring_rows(cache, state.slot)] = snap.tensors[f"ring.{li}"].to(cache.device)
             continue
         norms = cache.norms[li]
         assert norms is not None
-        cache.kv[li].index_copy_(0, rows, snap.tensors[f"kv.{li}"].to(cache.device))
-        norms.index_copy_(0, rows, snap.tensors[f"norms.{li}"].to(cache.device))
+        cache.kv[li].index_copy_(0, rows, snap.tensors[f"kv.{li}"][start:].to(cache.device))
+        norms.index_copy_(0, rows, snap.tensors[f"norms.{li}"][start:].to(cache.device))
         order = snap.tensors[f"order.{li}"].to(cache.device)
         index.order.index_copy_(0, cache.order_rows(state, 0, order.shape[0]), order)
         main, recent = snap.tensors[f"main_counts.{li}"], snap.tensors[f"recent_counts.{li}"]
