@@ -25,8 +25,9 @@ class DecodeState:
     length: int = 0
     num_buckets: list[int | list[int] | None] = field(default_factory=list)  # per layer: what its index holds
     index_len: list[int] = field(default_factory=list)  # per layer: positions in its index's main order
-    # a fork's (DecodeCache.fork): its first `shared` blocks are held with its parent, read-only; its main order
-    # of their positions lives in its own spare order blocks `order_blocks`
+    # a fork's (DecodeCache.fork), or a restored state's that shares a live state's prefix (`share_prefix`): its
+    # first `shared` blocks are held with that state, read-only; its main order of their positions lives in its
+    # own spare order blocks `order_blocks`
     shared: int = 0
     order_blocks: list[int] = field(default_factory=list)
 

@@ -94,8 +94,10 @@ class EngineConfig:
     # "one-piece"; "auto", causal where the C extend runs (CPU kernels, fixed bucket counts), one-piece elsewhere
     # (there the causal read is one decode step per token). `Engine.causal_prefill` is what it resolves to.
     prefill: str = "one-piece"
-    # forks (`n` / `best_of` choices, identical prompts) share their leader's prompt blocks (DecodeCache.fork) and
-    # admission reserves only their own part; False: each fork holds a copy (a snapshot restored)
+    # forks (`n` / `best_of` choices, identical prompts) share their leader's prompt blocks (DecodeCache.fork), a
+    # causal prompt restored from the prefix cache shares its first blocks with a running request of the same
+    # prefix (prompt_reuse.py `_continue_causal`), and admission reserves only their own part; False: each holds
+    # a copy (a snapshot restored)
     shared_blocks: bool = True
 
 

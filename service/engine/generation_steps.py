@@ -238,6 +238,7 @@ class GenerationSteps:
             except StopIteration as done:
                 logits, state = done.value
                 return logits.unsqueeze(0), [state]
+            self.reuse.reading(job, state)  # a holder of the prefix it has read (service/engine/live_prefixes.py)
             if length in stops:
                 self.reuse.keep_tail(job, state, logits)
             if length == keep:

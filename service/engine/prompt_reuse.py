@@ -28,9 +28,11 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from model.decoding.cache_state import DecodeState
 from model.decoding.prefix_restore import BlockTails, restore_prefix
 from model.decoding.snapshot import PREFIX_BLOCK, restore_snapshot, take_snapshot
 from service.engine.jobs_runtime import GenerationJob
+from service.engine.live_prefixes import LivePrefixes
 from service.prefix_cache.keys import KEY_BLOCK_TOKENS, chain_key
 
 if TYPE_CHECKING:
@@ -84,24 +86,46 @@ class PromptReuse:
         self.waiting: dict[str, list[GenerationJob]] = {}
         # the prefix-cache hits restored in the current `sort`, by key: an identical prompt after one forks it
         self._hits: dict[str, GenerationJob] = {}
+        # the causal prompts' live states by the keys of their boundaries: a hit shares its first blocks with one
+        self.live = LivePrefixes(runner.cache) if causal and cache is not None and share_blocks else None
 
     def shared_blocks(self, jobs: list[GenerationJob]) -> list[int]:
-        """For admission, per job in queue order: how many blocks it will share with its leader if they start
-        together now (`sort` makes it a fork: a prompt being prefilled or restored has its key), else 0. A leader
-        whose client leaves between admission and `sort` makes its first follower a leader that needs all its
-        blocks, which the cache may then lack (its prefill fails with CacheFull)."""
+        """For admission, per job in queue order: how many blocks it will share if they start together now: with
+        its leader (`sort` makes it a fork: a prompt being prefilled or restored has its key), or, for a causal
+        prompt the prefix cache holds a boundary of, with a live state of that prefix (`_continue_causal`: a
+        running or prefilling request, or a job ahead of it here that restores one), else 0. A leader whose
+        client leaves between admission and `sort`, or a kept state that expires meanwhile, makes the job need
+        blocks admission did not count, which the cache may then lack (`_continue_causal` copies when they fit;
+        else the prefill fails with CacheFull)."""
         out: list[int] = []
         seen: set[str] = set()
+        planned = LivePrefixes(self.runner.cache)  # the jobs ahead that restore a kept state, at its length
         for job in jobs:
             if not self.share_blocks or job.spec.prompt_logprobs is not None:
                 out.append(0)
                 continue
             key = self._job_key(job)
-            out.append(self.runner.cache.shared_blocks(len(job.prefill_ids))
-                       if key in seen or key in self.waiting else 0)
+            if key in seen or key in self.waiting:
+                out.append(self.runner.cache.shared_blocks(len(job.prefill_ids)))
+            else:
+                out.append(self._will_share(job, planned))
             if not job.cancel_requested:  # one leaving now leads nothing (`prefill_all` drops it before `sort`)
                 seen.add(key)
         return out
+
+    def _will_share(self, job: GenerationJob, planned: LivePrefixes) -> int:
+        """Admission's guess of the blocks a causal prompt's `_continue_causal` shares with a live state (and,
+        when it restores a kept state, that state among the `planned` holders of the jobs behind it)."""
+        if self.live is None or self.cache is None:
+            return 0
+        short = [(n, key) for n, key in self._links(job) if n < len(job.prefill_ids)]
+        length = self.cache.peek_longest(short, len(job.prefill_ids) - 1, job.read_ahead)
+        if length is None:
+            return 0
+        found = [h for h in (self.live.holder(short, length), planned.holder(short, length)) if h is not None]
+        if not job.cancel_requested:  # once restored, a holder for the jobs behind it
+            planned.add(DecodeState(slot=0, blocks=[], length=length), self._links(job))
+        return max((k for _, k in found), default=0)
 
     def sort(self, jobs: list[GenerationJob]) -> Sorted:
         """The jobs that must prefill (leaders, and prompts that are scored), the hits with their logits (their
@@ -183,7 +207,7 @@ class PromptReuse:
         if found is None:
             return
         length, snap, tier = found
-        state = self.runner.allocate(len(job.spec.prompt_ids) + job.spec.max_new_tokens)
+        state = self._allocate_sharing(job, short, length)
         try:
             with torch.inference_mode():
                 if snap.length == length:
@@ -203,6 +227,29 @@ class PromptReuse:
         job.cache = state
         job.tails = BlockTails.of_snapshot(snap, length)
         job.timings.cached_tokens = length if self.report else 0
+        self.reading(job, state)
+
+    def _allocate_sharing(self, job: GenerationJob, links: list[tuple[int, str]], length: int) -> DecodeState:
+        """The state a causal prompt's kept state at `length` is restored into: its first blocks shared with the
+        live state that holds the most of them (`LivePrefixes.holder`, `DecodeCache.share_prefix`), the rest its
+        own; all its own where none holds any, or where the cache lacks the spare order blocks sharing needs and
+        has the blocks copying needs."""
+        cache = self.runner.cache
+        tokens = min(len(job.spec.prompt_ids) + job.spec.max_new_tokens, self.runner.max_positions)
+        found = self.live.holder(links, length) if self.live is not None else None
+        if found is None or (not cache.fits_now(tokens, found[1]) and cache.fits_now(tokens)):
+            return self.runner.allocate(tokens)
+        holder, shared = found
+        state = self.runner.allocate(tokens, shared)
+        cache.share_prefix(holder, state)
+        if self.metrics is not None:
+            self.metrics.shared_blocks.inc(shared)
+        return state
+
+    def reading(self, job: GenerationJob, state: DecodeState) -> None:
+        """A causal prompt's state, read or restored so far: a holder of its prefix until it is freed."""
+        if self.live is not None:
+            self.live.add(state, self._links(job))
 
     def keep_at(self, job: GenerationJob) -> int | None:
         """Where a causal prompt's state is worth keeping: its last block boundary short of its end (so a
@@ -305,6 +352,7 @@ class PromptReuse:
         with torch.inference_mode():
             for fork in forks if self.share_blocks else []:
                 self.runner.cache.fork(state, fork.cache)  # type: ignore[arg-type]
+                self.reading(fork, fork.cache)  # type: ignore[arg-type]
             if not keep and self.share_blocks:
                 return
             # one copy out of the cache serves the prefix cache (and, with share_blocks off, every fork)

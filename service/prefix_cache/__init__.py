@@ -191,6 +191,22 @@ class PrefixCache:
                 return length, snap, "memory"
         return None
 
+    def peek_longest(self, links: Sequence[tuple[int, str]], tokens: int, read_ahead: StateSnapshot | None = None
+                     ) -> int | None:
+        """The length `lookup_longest` would find now, touching nothing (no count, no recency, nothing dropped):
+        admission's guess of where a causal prompt will continue from (service/engine/prompt_reuse.py)."""
+        if tokens < self.config.min_tokens:
+            return None
+        if read_ahead is not None:
+            return read_ahead.length
+        for length, key in reversed(self._kept(links)):
+            snap = self.store.peek(key)
+            if snap is None and key in self.boundaries:
+                snap = self.store.peek(self.boundaries[key])
+            if snap is not None and (snap.length == length or length in snap.tails):
+                return length
+        return None
+
     def register(self, key: str, snapshot: StateSnapshot, links: Sequence[tuple[int, str]]) -> None:
         """Make the kept state under `key` found by the key of every block boundary among `links` (its prompt's)
         it kept a tail at (model/decoding/prefix_restore.py): a prompt that shares only the first b of its

@@ -70,6 +70,14 @@ class PrefixStore:
             self._entries.move_to_end(key)
             return entry.snapshot
 
+    def peek(self, key: str) -> StateSnapshot | None:
+        """What `get` would return now, its recency left as it is and an expired entry left for `get` to drop."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or (self.ttl_s is not None and time.monotonic() - entry.born > self.ttl_s):
+                return None
+            return entry.snapshot
+
     def put(self, key: str, snapshot: StateSnapshot, pin: bool = False) -> bool:
         """Store `snapshot` (pinned when `pin`), evicting least recently used unpinned entries for room; False
         (nothing stored, nothing evicted) when even that would not make room."""

@@ -1,0 +1,188 @@
+"""Causal prompts that continue from a kept state of a document share its blocks with a running request that holds
+the same document (service/engine/live_prefixes.py, prompt_reuse.py `_continue_causal`, DecodeCache.share_prefix):
+several questions about one document running at once hold it once, are admitted for their own part, answer
+bit for bit what each answers alone on a server with an empty cache (the same tokens and logprobs), and a holder
+that leaves midway changes nothing for them."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import torch
+
+from model.sampling import SamplingParams
+from service.engine.core import Engine, EngineConfig
+from service.engine.jobs_runtime import JobState
+from service.jobs import GenerationSpec
+from service.observability.metrics import ServiceMetrics
+from service.prefix_cache import PrefixCacheConfig
+
+from .test_shared_forks import _peak_blocks
+
+DOC_LEN, NEW = 1400, 6
+BOUNDARY = DOC_LEN // 256 * 256  # the document's last whole block boundary: 1,280
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+DOC = _tokens(DOC_LEN, 21)
+QUESTIONS = [_tokens(n, 22 + i) for i, n in enumerate((20, 35, 50))]
+LONG_QUESTION = _tokens(400, 30)  # the prompt's kept boundary (1,792) lies past the document
+
+
+def _spec(question: list[int], seed: int, new: int = NEW) -> GenerationSpec:
+    return GenerationSpec(prompt_ids=DOC + question, sampling=SamplingParams(do_sample=True, seed=seed),
+                          max_new_tokens=new, stop_on_eos=False)
+
+
+def _engine(artifact: Any, cache: bool = True, **config: Any) -> Engine:
+    prefix = PrefixCacheConfig(capacity_bytes=256 * 2**20, min_tokens=16) if cache else None
+    engine = Engine(artifact.model, artifact.tokenizer, backend=None, device=None,  # type: ignore[arg-type]
+                    config=EngineConfig(warmup=False, prefill="causal", prefix_cache=prefix, **config),
+                    metrics=ServiceMetrics())
+    assert engine.causal_prefill
+    return engine
+
+
+Answer = tuple[list[int], list[float]]
+
+
+async def _collect(stream: Any, first: asyncio.Event | None = None) -> Answer:
+    ids: list[int] = []
+    logprobs: list[float] = []
+    while True:
+        event = await stream.next_event()
+        ids.append(event.id)
+        logprobs.append(event.logprob)
+        if first is not None:
+            first.set()
+        if event.finish is not None:
+            return ids, logprobs
+
+
+def _together(engine: Engine, specs: list[GenerationSpec], leaves: int | None = None) -> list[Answer | None]:
+    """The specs admitted in one turn (queued under the engine's lock); `leaves`: that one's client goes away once
+    the next one's first token is out (its answer None)."""
+    async def run() -> list[Answer | None]:
+        with engine._cond:
+            streams = [engine.generate(spec) for spec in specs]
+        first = asyncio.Event()
+        tasks = [None if i == leaves else
+                 asyncio.ensure_future(_collect(s, first if leaves is not None and i == leaves + 1 else None))
+                 for i, s in enumerate(streams)]
+        if leaves is not None:
+            await first.wait()
+            streams[leaves].cancel()
+        answers = [None if t is None else await t for t in tasks]
+        while leaves is not None and streams[leaves].job.state is not JobState.DONE:
+            await asyncio.sleep(0.01)  # dropped at the worker's next turn
+        return answers
+
+    return asyncio.run(run())
+
+
+def _alone(artifact: Any, specs: list[GenerationSpec]) -> list[Answer]:
+    """Each spec alone on a causal server with the prefix cache off."""
+    engine = _engine(artifact, cache=False)
+    engine.start()
+    try:
+        return [_together(engine, [spec])[0] for spec in specs]  # type: ignore[misc]
+    finally:
+        engine.stop()
+
+
+def _shared_metric(engine: Engine) -> float:
+    return engine.metrics.prefix_cache.shared_blocks._value.get()  # type: ignore[attr-defined,union-attr]
+
+
+def _all_back(engine: Engine) -> None:
+    cache = engine.runner.cache
+    assert cache.allocated_bytes == 0 and all(cache.refs(b) == 0 for b in range(cache.blocks))
+    assert cache.free_blocks == cache.blocks - 1 and cache.free_spare_orders == cache.blocks - 1
+
+
+@pytest.mark.parametrize("kept", ["document", "past-it"])
+def test_questions_on_one_document_hold_it_once_and_answer_as_alone(artifact: Any, kept: str) -> None:
+    """A first question leaves the document's state in the prefix cache (at its last boundary, or at a boundary
+    past it: the others then cut it back). Three more questions start together: the first restores a copy, the
+    other two share its blocks of the document."""
+    first = _spec(LONG_QUESTION if kept == "past-it" else QUESTIONS[0], seed=1)
+    specs = [_spec(q, seed=2 + i) for i, q in enumerate(QUESTIONS)]
+    cold = _alone(artifact, specs)
+    peaks = {}
+    for share in (True, False):
+        engine = _engine(artifact, shared_blocks=share)
+        cache = engine.runner.cache
+        engine.start()
+        try:
+            _together(engine, [first])
+            peak = _peak_blocks(cache)  # from here on: the three questions
+            warm = _together(engine, specs)
+            shared = _shared_metric(engine)
+        finally:
+            engine.stop()
+        assert warm == cold  # the same tokens and the same logprobs, float for float
+        k = cache.shared_blocks(BOUNDARY)
+        full = sum(-(-(len(s.prompt_ids) + NEW) // cache.block_size) for s in specs)
+        assert peak[0] == (full - 2 * k if share else full)
+        assert shared == (2 * k if share else 0)
+        peaks[share] = peak[0]
+        _all_back(engine)
+    assert peaks[True] < 0.45 * peaks[False]  # the document held once instead of three times
+
+
+def test_a_holder_that_leaves_midway_changes_nothing_for_its_sharers(artifact: Any) -> None:
+    """The holder restores the document and goes on reading a long question while two others share its document
+    blocks; its client leaves after their first token. Their answers are those alone, and every block comes
+    back."""
+    holder = _spec(LONG_QUESTION, seed=1, new=200)
+    specs = [_spec(q, seed=2 + i) for i, q in enumerate(QUESTIONS[:2])]
+    cold = _alone(artifact, specs)
+    engine = _engine(artifact)
+    cache = engine.runner.cache
+    engine.start()
+    try:
+        _together(engine, [_spec(QUESTIONS[2], seed=9)])  # keeps the document's state
+        warm = _together(engine, [holder, *specs], leaves=0)
+        shared = _shared_metric(engine)
+        dropped = sum(engine.metrics.dropped.labels(stage)._value.get()  # type: ignore[attr-defined]
+                      for stage in ("prefill", "decode"))
+    finally:
+        engine.stop()
+    assert warm[1:] == cold
+    assert shared == 2 * cache.shared_blocks(BOUNDARY)
+    assert dropped == 1
+    _all_back(engine)
+
+
+def test_admission_counts_a_sharers_own_part(artifact: Any) -> None:
+    """A decode cache with room for about two copies of a question: three start together only because two of
+    them share the document's blocks."""
+    probe = _engine(artifact).runner.cache
+    one = -(-(DOC_LEN + 50 + NEW) // probe.block_size)
+    cache_bytes = (2 * one + 8) * probe.bytes_per_block + 4 * probe.reserved_bytes_per_slot
+    specs = [_spec(q, seed=2 + i) for i, q in enumerate(QUESTIONS)]
+    engine = _engine(artifact, cache_bytes=cache_bytes, max_batch_size=4)
+    starts: list[int] = []
+    take = engine._take_prefills
+
+    def taking() -> Any:
+        taken = take()
+        if taken:
+            starts.append(len(taken))
+        return taken
+
+    engine._take_prefills = taking  # type: ignore[method-assign]
+    engine.start()
+    try:
+        _together(engine, [_spec(QUESTIONS[0], seed=9)])
+        warm = _together(engine, specs)
+    finally:
+        engine.stop()
+    assert starts == [1, 3]
+    assert warm == _alone(artifact, specs)
+    _all_back(engine)
