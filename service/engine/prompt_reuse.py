@@ -19,7 +19,10 @@ With the causal prefill (REFORMER_PREFILL=causal) the segment is always the whol
 read tokens (service/engine/runner.py `extend_slices`), so the state after any block boundary of a prompt is
 a function of the tokens before it: the prefix cache keeps the state at the prompt's last block boundary
 while the prompt is read (`keep_at`, `keep_tail`, `keep`), and a later prompt continues from the longest
-kept boundary it starts with (`PrefixCache.lookup_longest`): no request declares anything."""
+kept boundary it starts with (`PrefixCache.lookup_longest`): no request declares anything. The state it
+continues from shares its first blocks with a live causal state that holds the same prefix, when one does
+(service/engine/live_prefixes.py; `_continue_causal`): the keys and values there are the same bits, so only
+the rest is copied, and admission reserves only that part (`shared_blocks`)."""
 
 from __future__ import annotations
 
