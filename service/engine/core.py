@@ -368,9 +368,10 @@ class Engine:
         # a job whose disk read is still running waits, and so does everything behind it (FIFO)
         ready = next((i for i, j in enumerate(self._gen_queue) if j.read_ahead_pending), len(self._gen_queue))
         heads = list(itertools.islice(self._gen_queue, ready))
-        # a fork reserves only what it does not share with its leader: its own blocks and a spare order block for
-        # each shared one (prompt_reuse.py `shared_blocks`); where the spare order blocks lack, forks copy their
-        # leader's whole state (prompt_reuse.py `_own_state`), so the jobs also fit when their full sizes do
+        # a fork reserves only what it does not share with its leader, and a causal prefix-cache hit what it does
+        # not share with a live holder of its prefix: its own blocks and a spare order block for each shared one
+        # (prompt_reuse.py `shared_blocks`); where the spare order blocks lack, they copy the whole state instead
+        # (prompt_reuse.py `_own_state`, `_allocate_sharing`), so the jobs also fit when their full sizes do
         shared = self.generations.reuse.shared_blocks(heads)
         block = self.runner.cache.block_size
         full = [len(j.spec.prompt_ids) + j.spec.max_new_tokens for j in heads]

@@ -186,3 +186,70 @@ def test_admission_counts_a_sharers_own_part(artifact: Any) -> None:
     assert starts == [1, 3]
     assert warm == _alone(artifact, specs)
     _all_back(engine)
+
+
+@pytest.mark.parametrize("same_salt", [True, False])
+def test_a_running_request_is_a_holder_for_its_own_salt_only(artifact: Any, same_salt: bool) -> None:
+    """A request read from nothing, still generating, holds the document: a later question of the same salt
+    continues from the state it kept and shares its blocks; one of another salt continues from its own salt's
+    kept state and copies it."""
+    import dataclasses
+
+    first = dataclasses.replace(_spec(QUESTIONS[0], seed=1, new=200), cache_salt="a")
+    later = dataclasses.replace(_spec(QUESTIONS[1], seed=2), cache_salt="a" if same_salt else "b")
+    cold = _alone(artifact, [later])
+    engine = _engine(artifact)
+    engine.start()
+    try:
+        if not same_salt:  # the other salt's own kept state of the document
+            _together(engine, [dataclasses.replace(_spec(QUESTIONS[2], seed=3), cache_salt="b")])
+
+        async def run() -> Answer:
+            holder = engine.generate(first)
+            await holder.next_event()  # read and kept, now generating
+            answer = await _collect(engine.generate(later))
+            assert holder.job.state is JobState.RUNNING  # still holding the document
+            holder.cancel()
+            return answer
+
+        warm = asyncio.run(run())
+        shared = _shared_metric(engine)
+        cached = engine.metrics.prefix_cache.hits.labels("memory")._value.get()  # type: ignore[union-attr]
+    finally:
+        engine.stop()
+    assert [warm] == cold
+    assert cached >= BOUNDARY
+    assert shared == (engine.runner.cache.shared_blocks(BOUNDARY) if same_salt else 0)
+
+
+def test_a_share_admission_counted_that_does_not_happen_copies_or_fails_cleanly(artifact: Any) -> None:
+    """Admission counts two questions as sharing the first one's document blocks; at their restore no holder is
+    found (as when it left in between): the second copies the document, which still fits, and the third, which
+    does not, fails alone with an internal error. The others answer as alone and every block comes back."""
+    from service.errors import InternalError
+
+    probe = _engine(artifact).runner.cache
+    one = -(-(DOC_LEN + 50 + NEW) // probe.block_size)
+    cache_bytes = (2 * one + 8) * probe.bytes_per_block + 4 * probe.reserved_bytes_per_slot
+    specs = [_spec(q, seed=2 + i) for i, q in enumerate(QUESTIONS)]
+    engine = _engine(artifact, cache_bytes=cache_bytes, max_batch_size=4)
+    live = engine.generations.reuse.live
+    assert live is not None
+    live.holder = lambda links, upto: None  # type: ignore[method-assign]
+    engine.start()
+    try:
+        _together(engine, [_spec(QUESTIONS[0], seed=9)])
+
+        async def run() -> list[Answer | BaseException]:
+            with engine._cond:
+                streams = [engine.generate(spec) for spec in specs]
+            return list(await asyncio.gather(*(_collect(s) for s in streams), return_exceptions=True))
+
+        warm = asyncio.run(run())
+        shared = _shared_metric(engine)
+    finally:
+        engine.stop()
+    assert warm[:2] == _alone(artifact, specs[:2])
+    assert isinstance(warm[2], InternalError)
+    assert shared == 0
+    _all_back(engine)
