@@ -220,3 +220,26 @@ def test_a_prefix_ending_between_tails_continues_from_the_one_before(artifact: A
         assert _generate(on, doc + QUESTIONS[1])[2] == 0  # kept at 5 blocks, tails at 2, 4 and 5
         warm = _generate(on, other)
     assert warm[:2] == cold[:2] and warm[2] == 2 * KEY_BLOCK_TOKENS
+
+
+def test_with_a_disk_tier_the_key_chain_is_hashed_on_the_reader_thread(artifact: Any, tmp_path: Any,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt's key chain (about 12 ms for 500K tokens) is hashed once, off the event loop: on the prefix
+    cache's reader thread, which looks for its state on disk, and the worker reuses it."""
+    import threading
+
+    from service.prefix_cache import PrefixCache
+
+    threads: list[str] = []
+    links = PrefixCache.links
+
+    def spy(self: PrefixCache, tokens: Any, salt: str | None) -> list[tuple[int, str]]:
+        threads.append(threading.current_thread().name)
+        return links(self, tokens, salt)
+
+    monkeypatch.setattr(PrefixCache, "links", spy)
+    disk = dict(SETTINGS, prefix_cache_dir=tmp_path, prefix_cache_key="k" * 32)
+    with running_app(artifact, **disk) as client:
+        _generate(client, DOC + QUESTIONS[0])
+        _generate(client, DOC + QUESTIONS[1])
+    assert threads == ["prefix-cache-read"] * 2
