@@ -19,7 +19,13 @@ Where it runs:
   its batch, so batching its products would not be exact; automatic bucket counts rebuild indexes between
   steps, which the C call does not do). Exact by construction; no faster than the steps.
 
-tests/model/decoding/test_extend.py checks the C path against the reference path with `torch.equal`.
+`all_logits` (prompt scoring under the causal prefill, service/engine/runner.py `extend_slices`): every token's
+logits, not only the last's; on the C path the last layer then attends, and the final layer norm and the LM
+head run, at every row (extend_layers.c `all_rows`), each row's the bits its step returns; on the reference
+path the steps' logits stacked. The cache left is the same either way.
+
+tests/model/decoding/test_extend.py checks the C path against the reference path with `torch.equal`, and
+tests/model/decoding/test_extend_all_logits.py every row's logits against the steps'.
 """
 
 from __future__ import annotations
