@@ -129,8 +129,9 @@ Alternatives = tuple[tuple[int, float], ...]  # (token id, log-probability), mos
 
 @dataclass(frozen=True)
 class PromptLogprobs:
-    """A prompt scored by its prefill's forward: entry i is prompt token i+1's log-probability given the
-    tokens before it, and the most likely tokens at that position (as many as the spec asked)."""
+    """A prompt scored by its prefill (the one-piece forward, or the causal prefill's extend with every token's
+    logits): entry i is prompt token i+1's log-probability given the tokens before it, and the most likely
+    tokens at that position (as many as the spec asked)."""
 
     logprobs: tuple[float, ...]
     top: tuple[Alternatives, ...]

@@ -89,8 +89,9 @@ class Settings(BaseSettings, PrefixCacheTrustSettings):
         "decode steps when long; only whole prompts and declared prefixes are reused. auto: causal where the C "
         "extend runs (CPU with the C kernels, fixed bucket counts), one-piece elsewhere (GPU, kernels off, "
         "automatic bucket counts, where the causal read would be one decode step per token). /info's "
-        "batching.prefill says which runs. Prompts scored with logprobs (echo, decoder_input_details) take the "
-        "one-piece forward in either mode.",
+        "batching.prefill says which runs. Prompts scored with logprobs (echo, decoder_input_details) are scored "
+        "with the semantics their prefill reads them with: causal, read from position 0 (never from a kept "
+        "state), each position's logprobs those of the decode step that reads it; one-piece, the forward's.",
     )
     cache_bytes: int | None = Field(
         None, ge=0,

@@ -19,7 +19,13 @@ Where it runs:
   its batch, so batching its products would not be exact; automatic bucket counts rebuild indexes between
   steps, which the C call does not do). Exact by construction; no faster than the steps.
 
-tests/model/decoding/test_extend.py checks the C path against the reference path with `torch.equal`.
+`all_logits` (prompt scoring under the causal prefill, service/engine/runner.py `extend_slices`): every token's
+logits, not only the last's; on the C path the last layer then attends, and the final layer norm and the LM
+head run, at every row (extend_layers.c `all_rows`), each row's the bits its step returns; on the reference
+path the steps' logits stacked. The cache left is the same either way.
+
+tests/model/decoding/test_extend.py checks the C path against the reference path with `torch.equal`, and
+tests/model/decoding/test_extend_all_logits.py every row's logits against the steps'.
 """
 
 from __future__ import annotations
@@ -93,9 +99,12 @@ def c_path(decoder: DecoderLike) -> bool:
 
 
 @torch.no_grad()
-def extend(decoder: DecoderLike, state: DecodeState, tokens: Sequence[int]) -> Tensor:
+def extend(decoder: DecoderLike, state: DecodeState, tokens: Sequence[int], all_logits: bool = False) -> Tensor:
     """Append `tokens` (host ints, at least one) to the request `state`; returns the logits (vocab,) for the
-    position after the last, as `Decoder.step` fed them one at a time returns them."""
+    position after the last, as `Decoder.step` fed them one at a time returns them. `all_logits`: every
+    token's logits instead, (S, vocab), row t those the step that reads token t returns (prompt scoring:
+    row t predicts token t+1); the cache is left as without it. The caller bounds S, which this holds S x vocab
+    floats for (service/engine/runner.py reads a scored prompt in slices)."""
     lm, cache = decoder.lm, decoder.cache
     ids = [int(t) for t in tokens]
     if not ids:
@@ -108,7 +117,7 @@ def extend(decoder: DecoderLike, state: DecodeState, tokens: Sequence[int]) -> T
     if end > state.capacity * cache.block_size:
         raise ValueError(f"extending past the {state.capacity * cache.block_size} positions reserved")
     open_indexes(decoder, state)
-    logits: Tensor | None = None
+    rows: list[Tensor] = []  # each call's logits: its last row's (vocab,), or all_logits its (part, vocab)
     if c_path(decoder):
         # the fixed bucket count (c_path), or none to hash with: a model without LSH layers
         count = lm.config.num_buckets if lm.config.num_buckets is not None else 0
@@ -117,19 +126,20 @@ def extend(decoder: DecoderLike, state: DecodeState, tokens: Sequence[int]) -> T
         for start in range(0, len(ids), EXTEND_ROWS):
             part = ids[start : start + EXTEND_ROWS]
             out = extend_rows(fused, lm, cache, window, torch.tensor(part, dtype=torch.int64),
-                              position_facts(lm, cache, state, len(part)), count, state.index_len)
+                              position_facts(lm, cache, state, len(part)), count, state.index_len, all_logits)
             if out is None:  # the one-call path does not apply to this model: the steps take the rest
                 ids = ids[start:]
                 break
             state.length += len(part)
-            logits = out
+            rows.append(out)
         else:
-            assert logits is not None
-            return logits
+            ids = []
     for token in ids:
         logits = decoder.step([token], [state])[0]
-    assert logits is not None
-    return logits
+        rows.append(logits.unsqueeze(0) if all_logits else logits)
+    if all_logits:
+        return rows[0] if len(rows) == 1 else torch.cat(rows)
+    return rows[-1]
 
 
 __all__ = ["EXTEND_ROWS", "c_path", "extend", "open_indexes"]

@@ -118,10 +118,11 @@ class Decoder:
             state.length += 1
         return torch.cat(out) if len(out) > 1 else out[0]
 
-    def extend(self, state: DecodeState, tokens: Sequence[int]) -> Tensor:
-        """Append `tokens` to the one request `state` in one call; returns the logits (vocab,) after the last,
-        leaving the cache as one `step` per token leaves it, bit for bit (model/decoding/extend.py)."""
-        return extend_request(self, state, tokens)
+    def extend(self, state: DecodeState, tokens: Sequence[int], all_logits: bool = False) -> Tensor:
+        """Append `tokens` to the one request `state` in one call; returns the logits (vocab,) after the last
+        (`all_logits`: every token's, (S, vocab)), leaving the cache as one `step` per token leaves it, bit for
+        bit (model/decoding/extend.py)."""
+        return extend_request(self, state, tokens, all_logits)
 
 
 def _step_rows(lm: ReformerLM, cache: DecodeCache, backends: StepBackends, tokens: Tensor,

@@ -82,7 +82,7 @@ PROTOTYPES: dict[str, tuple[str, str]] = {
     "lsh_order": ("int", "IIIPP"),
     "step_tail": ("int", "IIIIPPPPPPPFPPIPPI"),
     "decode_layers": ("int", "IIIPPIPPPPPPPPIIIIPPFPPIPII"),
-    "extend_layers": ("int", "IIIPPPPPPPPPPIIIIPPFPPIPII"),
+    "extend_layers": ("int", "IIIPPPPPPPPPPIIIIPPFPPIPIII"),
     "layer_norm_rows": ("void", "IIPPPFP"),
     "step_layer_words": ("int64_t", ""),
     "step_embedding_words": ("int64_t", ""),

@@ -207,22 +207,27 @@ class Engine:
         return GenerationStream(job, self.cancel)
 
     def _enqueue(self, job: GenerationJob) -> None:
-        """Under the lock: queue the job, and with a disk tier have its segment's state read off the worker's
-        thread first; the job waits in the queue (and so does everything behind it) until the read is done."""
+        """Under the lock: queue the job, and with a disk tier have its prompt's keys hashed and its segment's
+        state read off the event loop and the worker's thread first (`_disk_keys`, on the prefix cache's reader
+        thread); the job waits in the queue (and so does everything behind it) until that is done."""
         cache = self.prefix_cache
-        if cache is not None and cache.disk is not None and job.spec.prompt_logprobs is None and \
-                self.causal_prefill:  # the longest boundary of the prompt on disk (prompt_reuse.py)
-            job.links = cache.links(job.prefill_ids, job.spec.cache_salt)  # reused on the worker (prompt_reuse.py)
-            keys = cache.causal_read_ahead([(n, k) for n, k in job.links if n < len(job.prefill_ids)])
-            if keys:
-                job.read_ahead_pending = True
-                cache.read_ahead(keys, self.runner.cache, lambda snap: self._read_ahead_done(job, snap))
-        elif cache is not None and cache.disk is not None and job.spec.prompt_logprobs is None:
-            key = cache.key(job.prefill_ids, job.spec.cache_salt)  # hashed only where a disk tier may hold it
-            if cache.wants_read_ahead(key, len(job.prefill_ids)):
-                job.read_ahead_pending = True
-                cache.read_ahead(key, self.runner.cache, lambda snap: self._read_ahead_done(job, snap))
+        if cache is not None and cache.disk is not None and job.spec.prompt_logprobs is None:
+            job.read_ahead_pending = True
+            cache.read_ahead(lambda: self._disk_keys(job), self.runner.cache,
+                             lambda snap: self._read_ahead_done(job, snap))
         self._gen_queue.append(job)
+
+    def _disk_keys(self, job: GenerationJob) -> list[str]:
+        """On the reader thread: the keys a queued job's state is looked for on disk under, longest first (none
+        when memory holds it or it is too short to be kept). A causal prompt's key chain is kept on the job
+        (`job.links`) for the worker (prompt_reuse.py), which reads it only once the read is done."""
+        cache = self.prefix_cache
+        assert cache is not None
+        if self.causal_prefill:  # the longest boundary of the prompt on disk (prompt_reuse.py)
+            job.links = cache.links(job.prefill_ids, job.spec.cache_salt)
+            return cache.causal_read_ahead([(n, k) for n, k in job.links if n < len(job.prefill_ids)])
+        key = cache.key(job.prefill_ids, job.spec.cache_salt)
+        return [key] if cache.wants_read_ahead(key, len(job.prefill_ids)) else []
 
     def _read_ahead_done(self, job: GenerationJob, snap: Any) -> None:
         with self._cond:

@@ -159,11 +159,11 @@ class GenerationSteps:
         if ready:
             self._start([job for job, _ in ready], [job.cache for job, _ in ready],
                          torch.stack([logits for _, logits in ready]))
-        if self.causal:  # each prompt read alone, in slices; a scored one takes the one-piece forward below
-            for job in [j for j in jobs if j.spec.prompt_logprobs is None]:
+        if self.causal:  # each prompt read alone, in slices; a scored one from position 0, scored row by row
+            for job in jobs:
                 job.begin()
                 self.prefilling.append(SlicedPrefill([job], self._causal_slices(job), deque(maxlen=SLICE_HISTORY)))
-            jobs = [j for j in jobs if j.spec.prompt_logprobs is not None]
+            return
         if not jobs:
             return
         if self.batch_invariant:
@@ -224,20 +224,25 @@ class GenerationSteps:
             return self.runner.prefill_scored_slices(prompts, reserve, asked)
         return self.runner.prefill_slices(prompts, reserve)
 
-    def _causal_slices(self, job: GenerationJob) -> Generator[None, None, tuple[torch.Tensor, list[Any]]]:
+    def _causal_slices(self, job: GenerationJob) -> Generator[None, None, tuple[Any, ...]]:
         """A causal prompt read from the state it starts from (`job.cache`: restored from the prefix cache, or
-        None), its state offered to the prefix cache on the way at the boundary `reuse.keep_at` picks."""
+        None; always None for a scored prompt, whose every position is scored from its own logits), its state
+        offered to the prefix cache on the way at the boundary `reuse.keep_at` picks. Returns the logits and
+        the state, and a scored prompt's scores."""
         keep = self.reuse.keep_at(job)
         reserve = len(job.spec.prompt_ids) + job.spec.max_new_tokens
         # the boundaries up to the kept one that get a tail, so the kept state serves prompts sharing less of it
         stops = () if keep is None else tail_boundaries(keep)
-        steps = self.runner.extend_slices(job.prefill_ids, reserve, job.cache, stops=stops)
+        steps = self.runner.extend_slices(job.prefill_ids, reserve, job.cache, stops=stops,
+                                          score=job.spec.prompt_logprobs)
         while True:
             try:
                 length, logits, state = next(steps)
             except StopIteration as done:
-                logits, state = done.value
-                return logits.unsqueeze(0), [state]
+                logits, state, scores = done.value
+                if scores is None:
+                    return logits.unsqueeze(0), [state]
+                return logits.unsqueeze(0), [state], [scores]
             self.reuse.reading(job, state)  # a holder of the prefix it has read (service/engine/live_prefixes.py)
             if length in stops:
                 self.reuse.keep_tail(job, state, logits)

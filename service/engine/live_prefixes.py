@@ -7,9 +7,10 @@ position's keys, values and key factors are a function of the tokens up to it, s
 the same tokens hold the same bits there whoever read them: a kept state of a document restored for a second
 question equals, in the document's blocks, what a request still reading or answering a first question holds.
 The keys are the prefix cache's chain keys (service/prefix_cache/keys.py: the cache's identity, the salt and
-every token up to the boundary), so a holder is never another salt's. Only prompts read causally are added (a
-scored prompt takes the one-piece forward, whose keys depend on later tokens: never added); forks of such a
-prompt are added once they hold their leader's state.
+every token up to the boundary), so a holder is never another salt's. Only prompts read causally are added
+(`GenerationSteps._causal_slices`, as each slice is read; a scored prompt's too, whose bits are an unscored
+read's; none under the one-piece prefill, whose keys depend on later tokens), and states restored from the
+prefix cache and forks of a causal prompt once they hold their state.
 
 A holder shares the blocks it has written past (`DecodeCache.shared_blocks` of its length): a successor-value
 head writes a position's value slot when the next position is written. States leave the registry when they

@@ -19,10 +19,13 @@ With the causal prefill (REFORMER_PREFILL=causal) the segment is always the whol
 read tokens (service/engine/runner.py `extend_slices`), so the state after any block boundary of a prompt is
 a function of the tokens before it: the prefix cache keeps the state at the prompt's last block boundary
 while the prompt is read (`keep_at`, `keep_tail`, `keep`), and a later prompt continues from the longest
-kept boundary it starts with (`PrefixCache.lookup_longest`): no request declares anything. The state it
-continues from shares its first blocks with a live causal state that holds the same prefix, when one does
-(service/engine/live_prefixes.py; `_continue_causal`): the keys and values there are the same bits, so only
-the rest is copied, and admission reserves only that part (`shared_blocks`)."""
+kept boundary it starts with (`PrefixCache.lookup_longest`): no request declares anything. A scored prompt is
+read from position 0 (a kept state holds no scores of the positions before its boundary) and neither forks nor
+is forked, but its state is offered at its last boundary like any causal prompt's: its bits are those of an
+unscored read of the same tokens. The state a prompt continues from shares its first blocks with a live causal
+state that holds the same prefix, when one does (service/engine/live_prefixes.py; `_continue_causal`): the
+keys and values there are the same bits, so only the rest is copied, and admission reserves only that part
+(`shared_blocks`). A scored prompt, read from position 0, never shares; its state is a holder like any."""
 
 from __future__ import annotations
 
@@ -257,8 +260,9 @@ class PromptReuse:
     def keep_at(self, job: GenerationJob) -> int | None:
         """Where a causal prompt's state is worth keeping: its last block boundary short of its end (so a
         repeat of the prompt has a token to read and logits of its own), when the prefix cache takes it and it
-        lies past the state the prompt started from; else None."""
-        if self.cache is None or job.spec.prompt_logprobs is not None:
+        lies past the state the prompt started from; else None. A scored prompt's too: its every row is the
+        bits of an unscored read (its logits at every row are only read out as well)."""
+        if self.cache is None:
             return None
         ends = [n for n, _ in self._links(job) if self.cache.config.min_tokens <= n < len(job.prefill_ids)]
         start = job.cache.length if job.cache is not None else 0

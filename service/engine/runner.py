@@ -23,6 +23,7 @@ from model.decoding import (
 )
 from model.decoding.extend import c_path as extend_in_c
 from model.decoding.prefill import PromptScores, prefill_scored_steps
+from model.decoding.prefill.scores import SCORE_ROWS, join_scores, score_logits
 from model.decoding.steps.cuda_graphs import StepGraphs
 from model.kernels.weights import WeightKind
 from service.memory import HUGE_PAGE, container_memory_available, release_pages
@@ -179,30 +180,43 @@ class ModelRunner:
                 raise
 
     def extend_slices(self, prompt: Sequence[int], reserve: int, state: DecodeState | None = None,
-                      stops: Sequence[int] = (), slice_tokens: int = EXTEND_SLICE_TOKENS
-                      ) -> Generator[tuple[int, torch.Tensor, DecodeState], None, tuple[torch.Tensor, DecodeState]]:
+                      stops: Sequence[int] = (), slice_tokens: int = EXTEND_SLICE_TOKENS, score: int | None = None
+                      ) -> Generator[tuple[int, torch.Tensor, DecodeState], None,
+                                     tuple[torch.Tensor, DecodeState, PromptScores | None]]:
         """The causal prefill (REFORMER_PREFILL=causal): `prompt`'s tokens from `state.length` on read by the
         extend (model/decoding/extend.py), which leaves exactly what one decode step per token leaves, so each
         position's state is a function of the positions before it only. `state` None: a new state with room
         for `reserve` positions, read from position 0. Each next() reads at most `slice_tokens` tokens,
         stopping also at each length in `stops`, and yields (length, logits after that length's last token,
         state) so the caller can copy the state there; the generator returns (logits after the prompt's last
-        token, state). Closing it frees a state it made (a given one stays its owner's). A row's arithmetic
-        never depends on the slice, the thread count or what else runs (tests/model/decoding/test_extend.py), so
-        neither do the bits."""
+        token, state, scores). Closing it frees a state it made (a given one stays its owner's). A row's
+        arithmetic never depends on the slice, the thread count or what else runs
+        (tests/model/decoding/test_extend.py), so neither do the bits.
+
+        `score` k (prompt logprobs; None: not scored, scores None): the prompt is read from position 0 (`state`
+        None) with every token's logits (extend's `all_logits`, the bits of the decode step that reads it), in
+        slices of at most SCORE_ROWS tokens; row t's scores the prompt token t+1 (model/decoding/prefill/scores.py
+        `score_logits`, as the one-piece prefill's `score_prompts`), and the scores are the prompt's
+        PromptScores."""
         ids = list(prompt)
         owned = state is None
+        if score is not None and state is not None:
+            raise ValueError("a scored causal prefill reads its prompt from position 0")
         if state is None:
             if not ids:
                 raise ValueError("a causal prefill of an empty prompt")
             state = self.allocate(reserve)
         elif state.length >= len(ids):
             raise ValueError("a causal prefill from a state that already holds the whole prompt")
+        if score is not None:
+            slice_tokens = min(slice_tokens, SCORE_ROWS)  # a slice's logits (slice x vocab floats) exist at once
+        parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         logits = torch.empty(0)
         try:
             marks = sorted(n for n in set(stops) if state.length < n <= len(ids))
             while state.length < len(ids):
-                end = min(len(ids), state.length + slice_tokens, *(n for n in marks if n > state.length))
+                at = state.length
+                end = min(len(ids), at + slice_tokens, *(n for n in marks if n > at))
                 # the C extend gives the same bits on any thread count, and a slice of 1,024 rows keeps both
                 # threads busy (prefill_threads would give a slice below 2,048 tokens one: a 65,536-byte prompt
                 # then took 3.07 s through the service against 1.83 s one-piece, bench/results/
@@ -210,10 +224,16 @@ class ModelRunner:
                 # bucket counts) stays on one thread, as a decode step of one row does
                 threads = contextlib.nullcontext() if extend_in_c(self.decoder) else step_threads(1, self.device)
                 with threads, torch.inference_mode():
-                    out = self.decoder.extend(state, ids[state.length:end])
+                    out = self.decoder.extend(state, ids[at:end], all_logits=score is not None)
+                    if score is not None:
+                        scored = min(end, len(ids) - 1) - at  # the rows that predict a prompt token
+                        if scored > 0:
+                            parts.append(score_logits(out[:scored], torch.tensor(ids[at + 1 : at + 1 + scored]),
+                                                      score))
+                        out = out[-1].clone()  # not a view keeping the slice's rows
                 logits = out if out.dtype == torch.float32 and out.device.type == "cpu" else out.float().cpu()
                 yield state.length, logits, state
-            return logits, state
+            return logits, state, join_scores(parts, score) if score is not None else None
         except BaseException:
             if owned:
                 self.free(state)

@@ -99,8 +99,8 @@ class PrefixCache:
         self._queued_lock = threading.Lock()
         self.queued_bytes = 0  # the states waiting in _writes (a gauge)
         self._writer: threading.Thread | None = None
-        self._reads: queue.Queue[tuple[list[str], DecodeCache, Callable[[StateSnapshot | None], None]] | None] = \
-            queue.Queue()
+        self._reads: queue.Queue[tuple[Callable[[], list[str]], DecodeCache,
+                                       Callable[[StateSnapshot | None], None]] | None] = queue.Queue()
         self._reader: threading.Thread | None = None
         if self.disk is not None:
             self._writer = threading.Thread(target=self._write_loop, name="prefix-cache-disk", daemon=True)
@@ -131,21 +131,34 @@ class PrefixCache:
         long enough to be kept, and not in memory now."""
         return self.disk is not None and tokens >= self.config.min_tokens and key not in self.store
 
-    def read_ahead(self, key: str | list[str], cache: DecodeCache,
+    def read_ahead(self, key: str | list[str] | Callable[[], list[str]], cache: DecodeCache,
                    done: Callable[[StateSnapshot | None], None]) -> None:
         """Read the state under `key` from disk on the reader thread (`read_disk`), then call `done` with it
-        (None: no usable file), there; given several keys, the state of the first one with a usable file. Reads
-        run one at a time, in the order asked."""
+        (None: no usable file), there; given several keys, the state of the first one with a usable file. Given
+        a function, the keys are what it returns, called on the reader thread too (a prompt's key chain is
+        hashed there, not on the caller's event loop: 500K tokens take about 12 ms). Reads run one at a time,
+        in the order asked."""
         if self._reader is None:
             self._reader = threading.Thread(target=self._read_loop, name="prefix-cache-read", daemon=True)
             self._reader.start()
-        self._reads.put(([key] if isinstance(key, str) else key, cache, done))
+        keys: Callable[[], list[str]]
+        if callable(key):
+            keys = key
+        else:
+            listed = [key] if isinstance(key, str) else list(key)
+            keys = lambda: listed  # noqa: E731
+        self._reads.put((keys, cache, done))
 
     def _read_loop(self) -> None:
         # this thread must outlive any one read: a job waits in the queue until its `done` is called
         while (item := self._reads.get()) is not None:
-            keys, cache, done = item
+            find, cache, done = item
             snap = None
+            try:
+                keys = find()
+            except Exception:  # the cache is an optimisation: the request goes on, cold
+                log.exception("working out a prompt's prefix cache keys failed")
+                keys = []
             for key in keys:
                 if len(keys) > 1 and self.disk is not None and not self.disk.has(key):
                     continue

@@ -8,8 +8,11 @@ from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 from fastapi.testclient import TestClient
 
+from model.decoding import DecodeCache, Decoder
+from model.decoding.extend import open_indexes
 from service.api.app import create_app
 from service.settings import Settings
 
@@ -80,3 +83,15 @@ def observed_slices(slices: Generator[None, None, Any], on_slice: Callable[[], N
             return done.value
         on_slice()
         yield
+
+
+@torch.no_grad()
+def stepped_logprobs(lm: Any, ids: list[int]) -> torch.Tensor:
+    """log_softmax of the logits one decode step per token returns (L, vocab), row t after token t: what the
+    causal prefill scores a prompt with (service/engine/runner.py `extend_slices`)."""
+    cache = DecodeCache.for_tokens(lm, len(ids) + 1)
+    decoder = Decoder(lm, cache)
+    state = cache.allocate(len(ids) + 1)
+    open_indexes(decoder, state)
+    rows = [decoder.step([t], [state])[0] for t in ids]
+    return torch.log_softmax(torch.stack(rows).float(), dim=-1)

@@ -1,6 +1,6 @@
 """One request's new tokens through every layer in one C call (model/kernels/csrc/extend_layers.c), on the layer
 descriptions the one-call step builds (fused.py `FusedStep.described`). The call leaves the logits of its last
-row and the cache as the same tokens fed one decode step each leave them, bit for bit
+row (or, asked, of every row) and the cache as the same tokens fed one decode step each leave them, bit for bit
 (tests/model/decoding/test_extend.py); model/decoding/extend.py chooses it and splits long extends."""
 
 from __future__ import annotations
@@ -21,12 +21,14 @@ if TYPE_CHECKING:
 
 
 def extend_rows(fused: FusedStep, lm: ReformerLM, cache: DecodeCache, window: CpuKernels | None, tokens: Tensor,
-                meta: Tensor, bucket_count: int | list[int], index_len: list[int]) -> Tensor | None:
+                meta: Tensor, bucket_count: int | list[int], index_len: list[int], all_rows: bool = False
+                ) -> Tensor | None:
     """tokens (S,) int64 of one request at consecutive positions, meta (S, abi.META_COLUMNS) int64 their facts
     (model/decoding/facts.py `row_facts`'s columns), both contiguous on the CPU, every row hashing with the fixed
     `bucket_count`; index_len the request's main-order length per layer, updated in place by the merges the call
-    makes. Returns the last row's logits (vocab,) float32, or None where the one-call path does not apply
-    (nothing done)."""
+    makes. Returns the last row's logits (vocab,) float32, or with `all_rows` every row's (S, vocab), each row's
+    the bits a decode step at its position returns; None where the one-call path does not apply (nothing
+    done)."""
     kernel = fused.linears.kernel
     held = fused.described(lm, cache, window, [(bucket_count, None)])
     if held is None or kernel is None or held.hashes is None:
@@ -40,14 +42,14 @@ def extend_rows(fused: FusedStep, lm: ReformerLM, cache: DecodeCache, window: Cp
         raise ValueError(f"extend: {len(index_len)} main-order lengths for {held.count} layers")
     x1 = torch.empty(rows, hidden, dtype=torch.float32)  # scratch the C side fills
     x2 = torch.empty_like(x1)
-    logits = torch.empty(held.vocab, dtype=torch.float32)
+    logits = torch.empty((rows, held.vocab) if all_rows else (held.vocab,), dtype=torch.float32)
     lengths = (ctypes.c_int64 * len(index_len))(*index_len)
     table = cache.block_table
     status = kernel.extend_raw(rows, hidden, held.count, held.layers, held.floats, held.hashes, held.embedding,
                                tokens.data_ptr(), x1.data_ptr(), x2.data_ptr(), meta.data_ptr(), lengths,
                                table.data_ptr(), table.shape[1], table.shape[0], cache.block_size, cache.scratch_slot,
                                *held.final, held.final_eps, *held.head, held.vocab, logits.data_ptr(),
-                               torch.get_num_threads(), fused.linears.weights_code)
+                               torch.get_num_threads(), fused.linears.weights_code, int(all_rows))
     index_len[:] = list(lengths)  # the merges it made, also when it failed after them
     check_status(status, "extend kernel")
     return logits

@@ -27,7 +27,10 @@
  *    the threads split the heads and each takes all the rows for its own heads: no thread waits for another
  *    within a layer's attention.
  *  - the last layer writes and inserts every row but attends, and runs its tail, the final layer norm and the
- *    LM head, for the last row only: no later layer reads the other rows' outputs.
+ *    LM head, for the last row only: no later layer reads the other rows' outputs. With all_rows (prompt
+ *    scoring: model/decoding/extend.py `extend(all_logits=True)`) the last layer attends like the others and the
+ *    final layer norm and LM head run on every row, each row's logits the bits a step at its position returns
+ *    (the layer norm and the product work row by row).
  * tests/model/decoding/test_extend.py checks every cached tensor and the logits against the steps with
  * torch.equal (bench/prefill/extend_cost.py times it against the one-piece prefill).
  *
@@ -154,15 +157,15 @@ static inline int64_t step_thread(void) {
     } while (0)
 
 /* m rows (consecutive positions of one slot, meta (m, META_COLUMNS) as model/decoding/facts.py row_facts builds
- * them) through every layer; logits (vocab,) of the last row. x1, x2 (m, hidden) scratch. The other arguments
- * are decode_layers' (one bucket-count group: hashes[i * 4 ..] is layer i's). index_len (nlayers): each LSH
- * layer's main-order length, updated by the merges. */
+ * them) through every layer; logits (vocab,) of the last row, or with all_rows nonzero (m, vocab) of every row.
+ * x1, x2 (m, hidden) scratch. The other arguments are decode_layers' (one bucket-count group: hashes[i * 4 ..]
+ * is layer i's). index_len (nlayers): each LSH layer's main-order length, updated by the merges. */
 int extend_layers(int64_t m, int64_t hidden, int64_t nlayers, const StepLayer *layers, const float *floats,
                   const int64_t *hashes, const StepEmbedding *embedding, const int64_t *tokens, float *x1, float *x2,
                   const int64_t *meta, int64_t *index_len, const int64_t *table, int64_t table_width,
                   int64_t table_rows, int64_t block_size, int64_t scratch_slot, const float *final_w,
                   const float *final_b, float final_eps, const void *head_w, const float *head_b, int64_t vocab,
-                  float *logits, int64_t threads, int64_t wkind) {
+                  float *logits, int64_t threads, int64_t wkind, int64_t all_rows) {
     if (wkind != WEIGHTS_F32 && wkind != WEIGHTS_BF16 && wkind != WEIGHTS_INT8) return BAD_KIND;
     if (m < 1) return BAD_INDEX;
     int64_t most_att = 1, most_proj = 1, most_window = 1, most_flat = 1, most_rounds = 1, most_ff = 1;
@@ -220,8 +223,9 @@ int extend_layers(int64_t m, int64_t hidden, int64_t nlayers, const StepLayer *l
             const StepLayer *L = layers + i;
             const float *fl = floats + 4 * i;
             const int64_t att = L->heads * L->dim, parts = L->lsh ? 2 : 3, proj = parts * att;
-            /* the last layer's outputs matter at the last row only (no later layer reads the others) */
-            const int64_t first = i == nlayers - 1 ? m - 1 : 0;
+            /* the last layer's outputs matter at the last row only (no later layer reads the others), unless
+             * every row's logits are asked for */
+            const int64_t first = i == nlayers - 1 && !all_rows ? m - 1 : 0;
             int64_t r0, r1; /* this thread's rows of the row-by-row pieces: each row's bits are its own */
             step_share(m, &r0, &r1);
             layer_norm_rows(r1 - r0, hidden, x2 + r0 * hidden, L->ln_w, L->ln_b, fl[0], h + r0 * hidden);
@@ -259,13 +263,19 @@ int extend_layers(int64_t m, int64_t hidden, int64_t nlayers, const StepLayer *l
                             x1 + first * hidden, x2 + first * hidden, L->ff_ln_w, L->ff_ln_b, fl[1], L->w_dense,
                             L->b_dense, L->act, L->w_ff, L->b_ff, y, h, u);
         }
+        /* every row's [x1, x2] (all_rows: in h and y, side by side, free once the last tail is done), or the
+         * last row's, through the final layer norm and the LM head */
+        const int64_t first = all_rows ? 0 : m - 1, n = m - first;
+        float *rows = all_rows ? h : joined;
 #pragma omp single
         {
-            memcpy(joined, x1 + (m - 1) * hidden, (size_t)hidden * sizeof(float));
-            memcpy(joined + hidden, x2 + (m - 1) * hidden, (size_t)hidden * sizeof(float));
-            layer_norm_rows(1, 2 * hidden, joined, final_w, final_b, final_eps, joined);
+            for (int64_t b = first; b < m; b++) {
+                memcpy(rows + (b - first) * 2 * hidden, x1 + b * hidden, (size_t)hidden * sizeof(float));
+                memcpy(rows + (b - first) * 2 * hidden + hidden, x2 + b * hidden, (size_t)hidden * sizeof(float));
+            }
+            layer_norm_rows(n, 2 * hidden, rows, final_w, final_b, final_eps, rows);
         }
-        step_product(wkind, 1, vocab, 2 * hidden, joined, head_w, head_b, logits);
+        step_product(wkind, n, vocab, 2 * hidden, rows, head_w, head_b, logits);
         free(keep);
     }
 done:

@@ -64,7 +64,8 @@ class GenerateParameters(Constrained):
     cache_salt: str | None = cache_salt_field()
     decoder_input_details: bool = Field(
         False, description="With details: details.prefill holds each input token with its logprob (the first "
-        "null), scored in the prompt's one forward pass.")
+        "null), scored by the prompt's prefill: the one-piece forward, or under the causal prefill the logits of "
+        "the decode step that reads each token.")
     top_n_tokens: int | None = Field(
         None, ge=0, le=MAX_LOGPROBS, description="The most likely alternatives of each generated token "
         "(details.top_tokens; each stream event's top_tokens).")

@@ -34,6 +34,7 @@ def _r(meaning: str, *tests: str) -> Parameter:
 _SAMPLING = "service/api/test_sampling_params.py"
 _EFFECTS = "service/api/test_parameter_effects.py"
 _LOGPROBS = "service/api/test_logprobs.py"
+_CAUSAL_SCORES = "service/api/test_causal_scoring.py"
 _SHAPES = "service/api/test_api_shapes.py"
 _ROUTES = "service/api/test_routes.py"
 _BAD = "service/api/test_bad_inputs.py"
@@ -113,8 +114,10 @@ PARAMETERS: dict[str, dict[str, Parameter]] = {
         "details": _h("Adds finish reason, token counts, seed and tokens.",
                       f"{_ROUTES}::test_generate_returns_text_details_and_timing_headers"),
         "decoder_input_details": _h("With details: details.prefill, each input token's logprob from the "
-                                    "prefill's forward (the first null); refused when streaming (as TGI).",
+                                    "prefill, with the semantics it reads the prompt with (the first null); "
+                                    "refused when streaming (as TGI).",
                                     f"{_LOGPROBS}::test_tgi_top_n_tokens_and_prefill_details",
+                                    f"{_CAUSAL_SCORES}::test_tgi_decoder_input_details",
                                     f"{_SAMPLING}::test_best_of_is_refused_when_streaming"),
         "top_n_tokens": _h("The N likeliest alternatives of each generated token (at most 20): details.top_tokens, "
                            "each stream event's top_tokens.",
@@ -154,7 +157,7 @@ PARAMETERS: dict[str, dict[str, Parameter]] = {
                      f"{_SHAPES}::test_openai_refuses_what_it_cannot_honour_by_name"),
         "max_tokens": _h("Tokens to generate at most (16 unset); 0 with echo scores the prompt only.",
                          f"{_ROUTES}::test_v1_completions_and_stream_end_with_done",
-                         f"{_LOGPROBS}::test_echo_with_max_tokens_0_scores_the_prompt_as_the_forward_does"),
+                         f"{_LOGPROBS}::test_echo_with_max_tokens_0_scores_the_prompt_as_its_prefill_reads_it"),
         "temperature": _h("0 is greedy; > 0 samples at that temperature.",
                           f"{_SAMPLING}::test_openai_temperature_0_is_greedy"),
         "top_p": _h("Nucleus filter.", f"{_EFFECTS}::test_top_k_1_and_a_tiny_top_p_keep_only_the_likeliest_token"),
@@ -180,7 +183,8 @@ PARAMETERS: dict[str, dict[str, Parameter]] = {
         "logprobs": _h("Each token's logprob and its N likeliest alternatives (N <= 20), streams too.",
                        f"{_LOGPROBS}::test_logprobs_up_to_20_alternatives_and_refused_beyond"),
         "echo": _h("Prepends the prompt; with logprobs its tokens are scored by the prefill (the first null).",
-                   f"{_LOGPROBS}::test_echo_with_max_tokens_0_scores_the_prompt_as_the_forward_does"),
+                   f"{_LOGPROBS}::test_echo_with_max_tokens_0_scores_the_prompt_as_its_prefill_reads_it",
+                   f"{_CAUSAL_SCORES}::test_echo_scores_are_the_decode_steps"),
         "stop": _h("Ends the generation at a stop sequence anywhere in a token's text, left out of the text "
                    "with what follows it; the last token is checked too (finish_reason stop, as vLLM).",
                    f"{_EFFECTS}::test_stop_sequences_end_the_text_on_both_routes",

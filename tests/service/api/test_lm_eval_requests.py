@@ -12,7 +12,7 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from tests.service.helpers import running_app
+from tests.service.helpers import running_app, stepped_logprobs
 
 SEED = 1234  # lm-eval's default
 
@@ -56,11 +56,21 @@ def parse_logprobs(out: dict[str, Any], ctxlens: list[int]) -> list[tuple[float,
     return res
 
 
+@pytest.fixture(scope="module")
+def causal(client: TestClient) -> bool:
+    """Whether the server reads prompts causally (REFORMER_PREFILL=auto: on a CPU with the C kernels)."""
+    return bool(client.get("/info").json()["batching"]["prefill"] == "causal")
+
+
 @torch.no_grad()
-def in_process(artifact: Any, context: list[int], continuation: list[int]) -> tuple[float, bool]:
-    """The continuation's log-likelihood and whether it is greedy, from the model itself."""
+def in_process(artifact: Any, context: list[int], continuation: list[int], causal: bool) -> tuple[float, bool]:
+    """The continuation's log-likelihood and whether it is greedy, from the model itself, read as the server
+    reads a prompt: one decode step per token under the causal prefill, else the one-piece forward."""
     ids = torch.tensor([context + continuation])  # (1, T)
-    logp = torch.log_softmax(artifact.model(ids[:, :-1]).logits.float(), dim=-1)[0]  # (T-1, vocab)
+    if causal:
+        logp = stepped_logprobs(artifact.model, ids[0, :-1].tolist())  # (T-1, vocab)
+    else:
+        logp = torch.log_softmax(artifact.model(ids[:, :-1]).logits.float(), dim=-1)[0]  # (T-1, vocab)
     rows = torch.arange(len(context) - 1, ids.shape[1] - 1)
     targets = ids[0, len(context):]
     return float(logp[rows, targets].sum()), bool((logp[rows].argmax(-1) == targets).all())
@@ -88,7 +98,8 @@ def test_decode_round_trips(client: TestClient) -> None:
     assert r.status_code == 200 and r.json()["prompt"] == text
 
 
-def test_loglikelihood_requests_score_as_the_model_does(client: TestClient, artifact: Any, model_name: str) -> None:
+def test_loglikelihood_requests_score_as_the_model_does(client: TestClient, artifact: Any, model_name: str,
+                                                        causal: bool) -> None:
     """Two (context, continuation) pairs in one batched request, token ids in, echo logprobs out."""
     pairs = [("The quick brown fox", " jumps over the lazy dog"), ("Once upon a", " time")]
     prompts, ctxlens = [], []
@@ -101,20 +112,20 @@ def test_loglikelihood_requests_score_as_the_model_does(client: TestClient, arti
     assert r.status_code == 200, r.text
     parsed = parse_logprobs(r.json(), ctxlens)
     for (served, greedy), whole, ctxlen in zip(parsed, prompts, ctxlens, strict=True):
-        expected, expected_greedy = in_process(artifact, whole[:ctxlen], whole[ctxlen:])
+        expected, expected_greedy = in_process(artifact, whole[:ctxlen], whole[ctxlen:], causal)
         assert served == pytest.approx(expected, rel=1e-4, abs=1e-3)
         assert greedy == expected_greedy
 
 
 def test_a_rolling_window_is_scored_after_the_end_of_text_prefix(client: TestClient, artifact: Any,
-                                                                 model_name: str) -> None:
+                                                                 model_name: str, causal: bool) -> None:
     """loglikelihood_rolling: the first window is [eos] + the document, context length 1."""
     doc = encode(client, "Four score and seven years ago our fathers brought forth on this continent")
     prefix = encode(client, client.get("/tokenizer_info").json()["eos_token"])[0]
     r = client.post("/v1/completions", json=loglikelihood_payload(model_name, [[prefix, *doc]]))
     assert r.status_code == 200, r.text
     [(served, _)] = parse_logprobs(r.json(), [1])
-    expected, _ = in_process(artifact, [prefix], doc)
+    expected, _ = in_process(artifact, [prefix], doc, causal)
     assert served == pytest.approx(expected, rel=1e-4, abs=1e-3)
     assert r.json()["choices"][0]["logprobs"]["token_logprobs"][0] is None  # the first prompt token has none
 

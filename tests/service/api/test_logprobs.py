@@ -1,6 +1,8 @@
 """Logprobs as the clients ask for them: OpenAI's alternatives and echo (a prompt scored by its prefill, the
 first token without a logprob; max_tokens 0 scores without generating), in streams too; TGI's top_n_tokens
-and decoder_input_details (details.prefill)."""
+and decoder_input_details (details.prefill). Under both prefills: a prompt is scored with the semantics its
+prefill reads it with (one-piece: the model's forward; causal: one decode step per token,
+tests/service/api/test_causal_scoring.py)."""
 
 from __future__ import annotations
 
@@ -12,32 +14,36 @@ import torch
 from fastapi.testclient import TestClient
 
 from service.api.protocol.logprobs import token_key
-from tests.service.helpers import running_app, sse_events
+from tests.service.helpers import running_app, sse_events, stepped_logprobs
 
 PROMPT = "The quick brown fox jumps"
 
 
-@pytest.fixture(scope="module")
-def client(artifact: Any) -> Iterator[TestClient]:
-    with running_app(artifact, backend="torch", max_wait_ms=0, max_new_tokens=16) as c:
+@pytest.fixture(scope="module", params=["one-piece", "causal"])
+def client(artifact: Any, request: pytest.FixtureRequest) -> Iterator[TestClient]:
+    with running_app(artifact, backend="torch", max_wait_ms=0, max_new_tokens=16, prefill=request.param) as c:
+        assert c.get("/info").json()["batching"]["prefill"] == request.param
         yield c
 
 
-def forward_logprobs(artifact: Any, text: str) -> tuple[list[int], torch.Tensor]:
-    """The prompt's ids and each position's next-token log-probabilities from the model's own forward."""
+def forward_logprobs(artifact: Any, text: str, client: TestClient) -> tuple[list[int], torch.Tensor]:
+    """The prompt's ids and each position's next-token log-probabilities as the server's prefill reads it: the
+    model's own forward (one-piece), or one decode step per token (causal)."""
     ids = artifact.tokenizer.encode(text)
+    if client.get("/info").json()["batching"]["prefill"] == "causal":
+        return ids, stepped_logprobs(artifact.model, ids)
     with torch.no_grad():
         logits = artifact.model(torch.tensor([ids])).logits[0].float()  # (L, vocab)
     return ids, torch.log_softmax(logits, dim=-1)
 
 
-def test_echo_with_max_tokens_0_scores_the_prompt_as_the_forward_does(client: TestClient, artifact: Any) -> None:
+def test_echo_with_max_tokens_0_scores_the_prompt_as_its_prefill_reads_it(client: TestClient, artifact: Any) -> None:
     r = client.post("/v1/completions", json={"prompt": PROMPT, "echo": True, "logprobs": 2, "max_tokens": 0})
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     assert choice["text"] == PROMPT and choice["finish_reason"] == "length"
     assert r.json()["usage"]["completion_tokens"] == 0
-    ids, logprobs = forward_logprobs(artifact, PROMPT)
+    ids, logprobs = forward_logprobs(artifact, PROMPT, client)
     got = choice["logprobs"]
     assert "".join(got["tokens"]) == PROMPT and len(got["tokens"]) == len(ids)
     assert got["token_logprobs"][0] is None and got["top_logprobs"][0] is None
@@ -53,7 +59,7 @@ def test_echo_with_max_tokens_0_scores_the_prompt_as_the_forward_does(client: Te
 def test_echo_with_one_token_is_what_lm_eval_asks(client: TestClient, artifact: Any) -> None:
     body = {"prompt": PROMPT, "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0}
     choice = client.post("/v1/completions", json=body).json()["choices"][0]
-    ids, _ = forward_logprobs(artifact, PROMPT)
+    ids, _ = forward_logprobs(artifact, PROMPT, client)
     assert len(choice["logprobs"]["tokens"]) == len(ids) + 1
     assert choice["text"].startswith(PROMPT) and choice["logprobs"]["token_logprobs"][0] is None
     assert all(isinstance(v, float) for v in choice["logprobs"]["token_logprobs"][1:])
@@ -91,7 +97,7 @@ def test_a_stream_carries_the_same_logprobs_and_ends_with_usage(client: TestClie
 def test_tgi_top_n_tokens_and_prefill_details(client: TestClient, artifact: Any) -> None:
     parameters = {"max_new_tokens": 4, "details": True, "decoder_input_details": True, "top_n_tokens": 3}
     details = client.post("/generate", json={"inputs": PROMPT, "parameters": parameters}).json()["details"]
-    ids, logprobs = forward_logprobs(artifact, PROMPT)
+    ids, logprobs = forward_logprobs(artifact, PROMPT, client)
     prefill = details["prefill"]
     assert [t["id"] for t in prefill] == ids and prefill[0]["logprob"] is None
     assert "".join(t["text"] for t in prefill) == PROMPT

@@ -132,16 +132,23 @@ def test_choices_share_one_read_and_a_short_prompt_reads_alone(artifact: Any) ->
     assert short.json()["details"]["cached_tokens"] == 0
 
 
-def test_a_scored_prompt_still_takes_the_one_piece_forward(artifact: Any) -> None:
+def test_a_scored_prompt_is_read_causally_whatever_the_cache_holds(artifact: Any) -> None:
+    """A scored prompt is read by the causal extend from position 0 (tests/service/api/test_causal_scoring.py
+    checks its scores against the decode steps): the same scores with a kept state of its prefix or none, not
+    the one-piece forward's."""
     body = {"prompt": DOC, "echo": True, "logprobs": 1, "max_tokens": 0}
     with running_app(artifact, **SETTINGS) as on:
+        assert on.post("/generate", json={"inputs": DOC + QUESTIONS[0]}).status_code == 200  # keeps DOC's part
         r = on.post("/v1/completions", json=body)
+    with running_app(artifact, **SETTINGS, prefix_cache=False) as off:
+        cold = off.post("/v1/completions", json=body)
     with running_app(artifact, **{**SETTINGS, "prefill": "one-piece"}) as one_piece:
-        want = one_piece.post("/v1/completions", json=body)
+        other = one_piece.post("/v1/completions", json=body)
     assert r.status_code == 200, r.text
     scores = r.json()["choices"][0]["logprobs"]["token_logprobs"]
     assert len(scores) == len(DOC)
-    assert scores == want.json()["choices"][0]["logprobs"]["token_logprobs"]  # the one-piece forward's scores
+    assert scores == cold.json()["choices"][0]["logprobs"]["token_logprobs"]
+    assert scores != other.json()["choices"][0]["logprobs"]["token_logprobs"]
 
 
 @pytest.fixture(scope="module")
@@ -220,3 +227,26 @@ def test_a_prefix_ending_between_tails_continues_from_the_one_before(artifact: A
         assert _generate(on, doc + QUESTIONS[1])[2] == 0  # kept at 5 blocks, tails at 2, 4 and 5
         warm = _generate(on, other)
     assert warm[:2] == cold[:2] and warm[2] == 2 * KEY_BLOCK_TOKENS
+
+
+def test_with_a_disk_tier_the_key_chain_is_hashed_on_the_reader_thread(artifact: Any, tmp_path: Any,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt's key chain (about 12 ms for 500K tokens) is hashed once, off the event loop: on the prefix
+    cache's reader thread, which looks for its state on disk, and the worker reuses it."""
+    import threading
+
+    from service.prefix_cache import PrefixCache
+
+    threads: list[str] = []
+    links = PrefixCache.links
+
+    def spy(self: PrefixCache, tokens: Any, salt: str | None) -> list[tuple[int, str]]:
+        threads.append(threading.current_thread().name)
+        return links(self, tokens, salt)
+
+    monkeypatch.setattr(PrefixCache, "links", spy)
+    disk = dict(SETTINGS, prefix_cache_dir=tmp_path, prefix_cache_key="k" * 32)
+    with running_app(artifact, **disk) as client:
+        _generate(client, DOC + QUESTIONS[0])
+        _generate(client, DOC + QUESTIONS[1])
+    assert threads == ["prefix-cache-read"] * 2
