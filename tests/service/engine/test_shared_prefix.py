@@ -188,14 +188,15 @@ def test_admission_counts_a_sharers_own_part(artifact: Any) -> None:
     _all_back(engine)
 
 
-@pytest.mark.parametrize("same_salt", [True, False])
-def test_a_running_request_is_a_holder_for_its_own_salt_only(artifact: Any, same_salt: bool) -> None:
-    """A request read from nothing, still generating, holds the document: a later question of the same salt
-    continues from the state it kept and shares its blocks; one of another salt continues from its own salt's
-    kept state and copies it."""
+@pytest.mark.parametrize("same_salt,scored", [(True, False), (False, False), (True, True)])
+def test_a_running_request_is_a_holder_for_its_own_salt_only(artifact: Any, same_salt: bool, scored: bool) -> None:
+    """A request read from nothing, still generating, holds the document (a scored one too: its bits are an
+    unscored read's): a later question of the same salt continues from the state it kept and shares its blocks;
+    one of another salt continues from its own salt's kept state and copies it."""
     import dataclasses
 
-    first = dataclasses.replace(_spec(QUESTIONS[0], seed=1, new=200), cache_salt="a")
+    first = dataclasses.replace(_spec(QUESTIONS[0], seed=1, new=200), cache_salt="a",
+                                prompt_logprobs=1 if scored else None)
     later = dataclasses.replace(_spec(QUESTIONS[1], seed=2), cache_salt="a" if same_salt else "b")
     cold = _alone(artifact, [later])
     engine = _engine(artifact)
