@@ -1,0 +1,182 @@
+"""Questions about one long document running at once, through the engine in-process on the shipped model under
+the causal prefill: what they hold in the decode cache and their time to first token, when a question that
+continues from the document's kept state shares the blocks a running request holds of it (the default,
+service/engine/live_prefixes.py, model/decoding/cache.py `DecodeCache.share_prefix`) against each holding a
+copy (the path before). The arms run on one engine, interleaved repeat by repeat; ratios are taken in one run.
+
+    python bench/serving/shared_prefix.py [ARTIFACT] [--doc-tokens 16384] [--questions 4] [--first-new 64]
+                                          [--new 16] [--repeats 5] [--test-books DIR] [--out FILE]
+
+Each repeat empties the prefix cache's memory tier, asks the first question (the document is read cold and its
+state kept at its last block boundary), and once the first question's first token is out, while it still
+generates its --first-new tokens, asks the other --questions - 1 together: they continue from the kept state
+(cut back to the document's last boundary). The document is the first --doc-tokens tokens of the first whole
+book of --test-books (bench/unseen_books.py; without it, seeded random tokens). Greedy, so the two arms must
+give the same tokens (checked). The cache is measured after every allocation, fork and share (its peak):
+`blocks` in use and `prompt_bytes` (each block in use, plus the spare order blocks sharers use). `ttft_s` is the
+time from submitting the later questions to the last of their first tokens: the best and the median of
+--repeats. Writes bench/results/shared_prefix.json and prints a table with the 1-minute load before and
+after."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from bench.results_io import write_json  # noqa: E402
+from bench.serving.fork_memory import Peak, prompt_ids  # noqa: E402
+from bench.unseen_books import add_test_books_arg  # noqa: E402
+from export import load_artifact  # noqa: E402
+from model.sampling import SamplingParams  # noqa: E402
+from service.engine.core import Engine, EngineConfig  # noqa: E402
+from service.jobs import GenerationSpec  # noqa: E402
+from service.observability.metrics import ServiceMetrics  # noqa: E402
+from service.prefix_cache import PrefixCacheConfig  # noqa: E402
+
+QUESTIONS = [" Who is the first person named here, and what do they want?", " Where does this take place?",
+             " What happened just before the end of this passage?", " Which words are repeated most?",
+             " Summarise the passage in one sentence.", " What season is it?", " Who speaks last?",
+             " Name an object that appears twice."]
+
+
+async def _ask(engine: Engine, first: GenerationSpec, later: list[GenerationSpec]
+               ) -> tuple[float, list[list[int]]]:
+    """The first question, then the later ones together once its first token is out; the seconds from
+    submitting the later ones to the last of their first tokens, and every question's tokens."""
+    firsts: list[float] = []
+    began = [0.0]
+    first_token = asyncio.Event()
+
+    async def one(spec: GenerationSpec, timed: bool) -> list[int]:
+        stream = engine.generate(spec)
+        ids: list[int] = []
+        while True:
+            event = await stream.next_event()
+            if not ids:
+                if timed:
+                    firsts.append(time.perf_counter() - began[0])
+                else:
+                    first_token.set()
+            ids.append(event.id)
+            if event.finish is not None:
+                return ids
+
+    async def later_ones() -> list[list[int]]:
+        await first_token.wait()
+        began[0] = time.perf_counter()
+        return list(await asyncio.gather(*(one(s, True) for s in later)))
+
+    head, rest = await asyncio.gather(one(first, False), later_ones())
+    return max(firsts, default=0.0), [head, *rest]
+
+
+def run_arms(artifact: Any, doc: list[int], questions: list[list[int]], first_new: int, new: int,
+             repeats: int) -> dict[str, dict[str, Any]]:
+    longest = len(doc) + max(len(q) for q in questions) + max(first_new, new)
+    config = EngineConfig(warmup=False, max_request_tokens=longest, prefill="causal",
+                          prefix_cache=PrefixCacheConfig(capacity_bytes=1 << 30))
+    engine = Engine(artifact.model, artifact.tokenizer, backend=None, device=None,  # type: ignore[arg-type]
+                    config=config, metrics=ServiceMetrics())
+    if not engine.causal_prefill:
+        raise SystemExit("the causal prefill does not run here (it needs the C kernels)")
+    reuse = engine.generations.reuse
+    live = reuse.live
+    assert live is not None and engine.prefix_cache is not None
+    peak = Peak(engine)
+    cache = engine.runner.cache
+    share = cache.share_prefix
+
+    def sharing(*args: Any, **kwargs: Any) -> None:
+        share(*args, **kwargs)
+        peak.note()
+
+    cache.share_prefix = sharing  # type: ignore[method-assign]
+    specs = [GenerationSpec(prompt_ids=doc + q, sampling=SamplingParams(), max_new_tokens=first_new if i == 0 else new,
+                            stop_on_eos=False) for i, q in enumerate(questions)]
+    arms = {"shared": True, "copied": False}
+    out: dict[str, dict[str, Any]] = {name: {"ttft_all_s": []} for name in arms}
+    engine.start()
+    try:
+        asyncio.run(_ask(engine, specs[0], specs[1:2]))  # warm: the kernels, the pools' first pages
+        engine.prefix_cache.store.clear()
+        peak.reset()
+        asyncio.run(_ask(engine, specs[0], []))  # one question alone: what the others are measured against
+        one = {"prompt_bytes": peak.prompt_bytes, "blocks": peak.blocks}
+        for _ in range(repeats):
+            for name, shared in arms.items():
+                engine.prefix_cache.store.clear()  # the document is read cold by the first question
+                reuse.live = live if shared else None  # read when a job is admitted and sorted: the engine is idle
+                peak.reset()
+                seconds, tokens = asyncio.run(_ask(engine, specs[0], specs[1:]))
+                arm = out[name]
+                arm["ttft_all_s"].append(seconds)
+                arm.update(prompt_bytes=peak.prompt_bytes, blocks=peak.blocks, tokens=tokens)
+    finally:
+        engine.stop()
+    for arm in out.values():
+        arm["ttft_s"] = min(arm["ttft_all_s"])
+        arm["ttft_median_s"] = statistics.median(arm["ttft_all_s"])
+        arm["blocks_over_one_question"] = arm["blocks"] / one["blocks"]
+        arm["prompt_bytes_over_one_question"] = arm["prompt_bytes"] / one["prompt_bytes"]
+    out["one_question"] = one
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("artifact", nargs="?", default=str(REPO / "export" / "default_artifact"))
+    ap.add_argument("--doc-tokens", type=int, default=16384)
+    ap.add_argument("--questions", type=int, default=4, choices=range(2, len(QUESTIONS) + 1))
+    ap.add_argument("--first-new", type=int, default=64, help="tokens the first question generates")
+    ap.add_argument("--new", type=int, default=16, help="tokens each later question generates")
+    ap.add_argument("--repeats", type=int, default=5)
+    add_test_books_arg(ap)
+    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "shared_prefix.json")
+    args = ap.parse_args()
+    artifact = load_artifact(Path(args.artifact))
+    doc, source = prompt_ids(artifact, args.doc_tokens, args.test_books)
+    questions = [list(artifact.tokenizer.encode(q)) for q in QUESTIONS[: args.questions]]
+    load_before = os.getloadavg()[0]
+    arms = run_arms(artifact, doc, questions, args.first_new, args.new, args.repeats)
+    one = arms.pop("one_question")
+    load_after = os.getloadavg()[0]
+    if arms["shared"]["tokens"] != arms["copied"]["tokens"]:
+        raise SystemExit("sharing and copying gave different tokens")
+    copied = arms["copied"]
+    ratios = {name: {key: arm[key] / copied[key] for key in ("prompt_bytes", "blocks", "ttft_s", "ttft_median_s")}
+              for name, arm in arms.items()}
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                            text=True).stdout.strip()
+    out = {"artifact": args.artifact, "document": source, "doc_tokens": len(doc), "questions": args.questions,
+           "first_new_tokens": args.first_new, "new_tokens": args.new, "repeats": args.repeats, "commit": commit,
+           "threads": torch.get_num_threads(), "load_1min_before": load_before, "load_1min_after": load_after,
+           "arms": {name: {k: v for k, v in arm.items() if k != "tokens"} for name, arm in arms.items()},
+           "one_question": one, "ratios_to_copied": ratios, "same_tokens": True}
+    write_json(args.out, out)
+    print(f"document {len(doc)} tokens ({source}), {args.questions} questions, best of {args.repeats}; "
+          f"load {load_before:.2f} before, {load_after:.2f} after")
+    print(f"one question alone: {one['prompt_bytes'] / 2**20:.1f} MB, {one['blocks']} blocks")
+    print(f"{'arm':<8} {'prompt MB':>10} {'x copied':>9} {'x one':>6} {'blocks':>7} {'TTFT s':>7} {'x copied':>9} "
+          f"{'median s':>9} {'x copied':>9}")
+    for name, arm in arms.items():
+        r = ratios[name]
+        print(f"{name:<8} {arm['prompt_bytes'] / 2**20:>10.1f} {r['prompt_bytes']:>9.3f} "
+              f"{arm['prompt_bytes_over_one_question']:>6.2f} {arm['blocks']:>7} "
+              f"{arm['ttft_s']:>7.3f} {r['ttft_s']:>9.3f} {arm['ttft_median_s']:>9.3f} {r['ttft_median_s']:>9.3f}")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
