@@ -101,8 +101,6 @@ class EngineConfig:
     shared_blocks: bool = True
 
 
-
-
 class Engine:
     def __init__(
         self, model: Any, tokenizer: Any, backend: EmbeddingBackend, device: torch.device, config: EngineConfig,
