@@ -367,7 +367,16 @@ class Engine:
         self.admission.start(job)
 
     def _take_prefills(self) -> list[GenerationJob]:
-        """Under the lock: the generations that start now (service/engine/policy.py decides)."""
+        """Under the lock: the generations that start now (service/engine/policy.py decides). Started jobs that
+        found too few free blocks (GenerationSteps.blocked) go first, alone, once their whole sizes fit; no
+        queued job starts before them."""
+        blocked = self.generations.blocked
+        if blocked:
+            if not self.runner.fits_together([len(j.spec.prompt_ids) + j.spec.max_new_tokens for j in blocked]):
+                return []
+            taken = list(blocked)
+            blocked.clear()
+            return taken
         # a job whose disk read is still running waits, and so does everything behind it (FIFO)
         ready = next((i for i, j in enumerate(self._gen_queue) if j.read_ahead_pending), len(self._gen_queue))
         heads = list(itertools.islice(self._gen_queue, ready))

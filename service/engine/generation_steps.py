@@ -63,6 +63,9 @@ class GenerationSteps:
         self.prefill_budget_s = prefill_budget_s
         self.running: list[GenerationJob] = []
         self.prefilling: list[SlicedPrefill] = []
+        # started jobs waiting for free blocks (prompt_reuse.py Sorted.blocked): the engine takes them again, before
+        # any queued job, once they fit (service/engine/core.py `_take_prefills`)
+        self.blocked: list[GenerationJob] = []
         self._held: set[int] = set()  # ids of states copied from after their first tokens (`_prefilled`)
         self._deferred: list[Any] = []  # those states whose jobs finished meanwhile: freed after the copies
         self.constrained = ConstrainedRows(metrics.structured.mask_time.observe)  # structured output's masks
@@ -74,7 +77,7 @@ class GenerationSteps:
     @property
     def rows(self) -> int:
         """The generations that take a row of the decode steps: running, or prefilling to run next."""
-        return len(self.running) + sum(len(entry.jobs) for entry in self.prefilling)
+        return len(self.running) + sum(len(entry.jobs) for entry in self.prefilling) + len(self.blocked)
 
     def release(self, job: GenerationJob) -> None:
         """The job's decode cache goes back to the allocator (its blocks and slot), then the job forgets it (a
@@ -108,6 +111,9 @@ class GenerationSteps:
         for job in [j for j in self.running if j.cancel_requested]:
             self.running.remove(job)
             self._drop(job, "decode")
+        for job in [j for j in self.blocked if j.cancel_requested]:
+            self.blocked.remove(job)
+            self._drop(job, "prefill")
         for forks in self.reuse.waiting.values():
             for fork in [f for f in forks if f.cancel_requested]:
                 forks.remove(fork)
@@ -139,9 +145,11 @@ class GenerationSteps:
 
     def take_all(self) -> list[GenerationJob]:
         """Under the lock: every running or prefilling generation, forgotten here (the engine fails them)."""
-        jobs = [*self.running, *(job for entry in self.prefilling for job in entry.jobs), *self.reuse.take_all()]
+        jobs = [*self.running, *(job for entry in self.prefilling for job in entry.jobs), *self.reuse.take_all(),
+                *self.blocked]
         self.running.clear()
         self.prefilling.clear()
+        self.blocked.clear()
         return jobs
 
     def prefill_all(self, jobs: list[GenerationJob]) -> None:
@@ -153,9 +161,12 @@ class GenerationSteps:
             for job in [j for j in jobs if j.cancel_requested]:
                 self._drop(job, "prefill")
             jobs = [j for j in jobs if not j.cancel_requested]
-        jobs, ready, failed = self.reuse.sort(jobs)
+        jobs, ready, failed, blocked = self.reuse.sort(jobs)
         if failed:
             self.fail(failed)
+        if blocked:
+            with self.cond:
+                self.blocked.extend(blocked)
         if ready:
             self._start([job for job, _ in ready], [job.cache for job, _ in ready],
                          torch.stack([logits for _, logits in ready]))

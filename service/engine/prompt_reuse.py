@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from model.decoding.cache_state import DecodeState
+from model.decoding.cache_state import CacheFull, DecodeState
 from model.decoding.prefix_restore import BlockTails, restore_prefix
 from model.decoding.snapshot import PREFIX_BLOCK, restore_snapshot, take_snapshot
 from service.engine.jobs_runtime import GenerationJob
@@ -74,6 +74,9 @@ class Sorted(NamedTuple):
     prefill: list[GenerationJob]
     ready: list[tuple[GenerationJob, torch.Tensor]]
     failed: list[GenerationJob]
+    # jobs that found too few free blocks (admission counted blocks they would share, and the sharing did not
+    # happen): they hold nothing and wait until their blocks are free (GenerationSteps.blocked)
+    blocked: list[GenerationJob]
 
 
 class PromptReuse:
@@ -102,7 +105,7 @@ class PromptReuse:
         running or prefilling request, or a job ahead of it here that restores one), else 0. A leader whose
         client leaves between admission and `sort`, or a kept state that expires meanwhile, makes the job need
         blocks admission did not count, which the cache may then lack (`_continue_causal` copies when they fit;
-        else the prefill fails with CacheFull)."""
+        else the job waits, holding nothing, until they are free: `Sorted.blocked`)."""
         out: list[int] = []
         seen: set[str] = set()
         planned = LivePrefixes(self.runner.cache)  # the jobs ahead that restore a kept state, at its length
@@ -137,11 +140,22 @@ class PromptReuse:
         """The jobs that must prefill (leaders, and prompts that are scored), the hits with their logits (their
         states restored, ready to run), and the jobs that failed here (the caller fails them); forks wait in
         `waiting` for their leader."""
-        out = Sorted([], [], [])
+        out = Sorted([], [], [], [])
         self._hits = {}
         for job in jobs:
             try:
                 self._sort_one(job, out)
+            except CacheFull as exc:
+                if job.cache is not None:
+                    self.runner.free(job.cache)
+                    job.cache = None
+                if exc.never:
+                    log.error("a prompt can never fit the decode cache: %s", exc, extra={"request_id": job.request_id})
+                    out.failed.append(job)
+                else:
+                    log.info("too few free blocks for a prompt now (%s); it waits for them", exc,
+                             extra={"request_id": job.request_id})
+                    out.blocked.append(job)
             except Exception:
                 log.exception("looking up or restoring a prompt's state failed", extra={"request_id": job.request_id})
                 if job.cache is not None:
@@ -171,6 +185,10 @@ class PromptReuse:
             return
         if self.causal:
             self._continue_causal(job)
+            if job.cache is None:  # read from position 0: its blocks taken now, so that one admission counted as
+                # sharing waits for them here (`sort`: blocked), holding nothing, not midway through its read
+                job.cache = self.runner.allocate(min(len(job.spec.prompt_ids) + job.spec.max_new_tokens,
+                                                     self.runner.max_positions))
             self.waiting[key] = []
             out.prefill.append(job)
             return
@@ -213,7 +231,11 @@ class PromptReuse:
         if found is None:
             return
         length, snap, tier = found
-        state = self._allocate_sharing(job, short, length)
+        try:
+            state = self._allocate_sharing(job, short, length)
+        except CacheFull:
+            job.read_ahead = read_ahead  # looked up again when the job's blocks are free
+            raise
         try:
             with torch.inference_mode():
                 if snap.length == length:
