@@ -286,6 +286,7 @@ class Engine:
                 self._warm_up()
             self.ready.set()
             while True:
+                self._key_queued()
                 with self._cond:
                     if self._stopping:
                         break
@@ -365,6 +366,15 @@ class Engine:
 
     def _start(self, job: Job) -> None:
         self.admission.start(job)
+
+    def _key_queued(self) -> None:
+        """Outside the lock: the queued generations' prompt keys (and a causal prompt's key chain: about 12 ms
+        for 500K tokens), which admission reads under the lock the event loop takes to queue a request. A job
+        whose disk read is pending gets its chain on the reader thread (`_disk_keys`)."""
+        with self._cond:
+            todo = [j for j in self._gen_queue if j.reuse_key is None and not j.read_ahead_pending]
+        for job in todo:
+            self.generations.reuse.job_key(job)
 
     def _take_prefills(self) -> list[GenerationJob]:
         """Under the lock: the generations that start now (service/engine/policy.py decides). Started jobs that

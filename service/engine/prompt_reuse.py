@@ -325,8 +325,12 @@ class PromptReuse:
             job.links = self.cache.links(job.prefill_ids, job.spec.cache_salt)
         return job.links
 
+    def job_key(self, job: GenerationJob) -> str:
+        """`_job_key`, for the engine to work out ahead, off its lock (service/engine/core.py `_key_queued`)."""
+        return self._job_key(job)
+
     def _job_key(self, job: GenerationJob) -> str:
-        """`_key`, worked out once per job."""
+        """`_key`, worked out once per job (a causal prompt's key chain with it)."""
         if job.reuse_key is None:
             job.reuse_key = self._key(job)
         return job.reuse_key

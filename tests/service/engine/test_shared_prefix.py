@@ -262,3 +262,25 @@ def test_a_share_admission_counted_that_does_not_happen_copies_or_waits(artifact
     assert max(blocked) == 1  # the third waited once
     assert shared == 0
     _all_back(engine)
+
+
+def test_prompt_key_chains_are_hashed_off_the_engine_lock(artifact: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Admission reads a causal prompt's key chain under the lock the event loop takes to queue a request; the
+    worker hashes it before taking that lock (a 500K-token chain takes about 12 ms), once per prompt."""
+    from service.prefix_cache import PrefixCache
+
+    engine = _engine(artifact)
+    held: list[bool] = []
+    links = PrefixCache.links
+
+    def spy(self: PrefixCache, tokens: Any, salt: str | None) -> list[tuple[int, str]]:
+        held.append(engine._cond._is_owned())  # type: ignore[attr-defined]
+        return links(self, tokens, salt)
+
+    monkeypatch.setattr(PrefixCache, "links", spy)
+    engine.start()
+    try:
+        _together(engine, [_spec(q, seed=2 + i) for i, q in enumerate(QUESTIONS)])
+    finally:
+        engine.stop()
+    assert held == [False] * 3
