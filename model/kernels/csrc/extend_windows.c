@@ -8,7 +8,7 @@
  * never changes a window). f_t = the counts before the extend's first row (`base`) plus the rows up to t.
  * So, per (head, round), a Fenwick tree over the buckets starts from `base`; the rows are added in order, and
  * a row's rank and the bucket holding any rank are found in O(log buckets). The final order of each round is
- * read once a call into pool indices (final_order: the main items then the recent ones, bucket by bucket),
+ * read once a call into pool indices (final_orders: the main items then the recent ones, bucket by bucket),
  * so a window chunk is a few runs of it, one per bucket it spans; the row's own slot is at its own rank in
  * each round. Every rule of lsh_attend.c's lsh_slots is kept: a row shorter than a chunk
  * attends every position in round 0, the other rounds dead; chunks counted along all rounds end to end,
@@ -40,6 +40,10 @@ static inline int64_t walk_row(const Walk *w, int64_t position) {
 static inline int64_t walk_order_row(const Walk *w, int64_t j) {
     return block_pool_row_shift(w->L->order_table, w->table_width, w->block_size, w->block_shift, w->slot, j,
                                 w->L->recent_offset / (w->H * w->R));
+}
+
+static inline int64_t item_value(const StepLayer *L, int64_t item) {
+    return L->item_bytes == 2 ? ((const int16_t *)L->items)[item] : ((const int32_t *)L->items)[item];
 }
 
 static inline int64_t fen_prefix(const int32_t *f, int64_t k) {
@@ -119,37 +123,61 @@ static __attribute__((noinline)) int row_window(const Walk *w, const int64_t *mb
     return 0;
 }
 
-/* Round r's final order of head w->h as pool indices, from the index's main and recent orders (lsh_slots'
- * reads, once a layer): the main items of bucket bb, then its recent ones. */
-static int final_order(Walk *w, int64_t r) {
+/* The final orders of heads [h0, h1), every round, as pool indices (lsh_slots' reads, once a layer): per
+ * column (head, round), bucket by bucket, the main items then the recent ones; column k = (h - h0) * R + r at
+ * fin + k * len, its bucket starts at fst + k * (NB + 1). One pass over the main order serves every column (up
+ * to FINAL_GROUP at once): a row of the items holds the columns' items of one sorted index side by side, so a
+ * pass per column read each row once per column (16 times a layer). Main item j of a column lands at j plus the
+ * recent items of the buckets before its own, which each column's bucket cursor keeps. */
+#define FINAL_GROUP 16
+static int final_orders(const Walk *w, int64_t h0, int64_t h1, int64_t *fst, int32_t *fin) {
     const StepLayer *L = w->L;
-    const int64_t H = w->H, R = w->R, NB = w->NB, h = w->h, column = (w->slot * H + h) * R + r;
-    const int32_t *mc = L->main_counts + column * NB;
-    const int16_t *rc = L->recent_counts + column * NB;
-    int64_t *fst = w->fst + r * (NB + 1), jm = 0, jr = 0;
-    int32_t *fin = w->fin + r * w->len;
-    fst[0] = 0;
-    for (int64_t bb = 0; bb < NB; bb++) {
-        int64_t at = fst[bb];
-        fst[bb + 1] = at + mc[bb] + rc[bb];
-        if (fst[bb + 1] > w->len || mc[bb] < 0 || rc[bb] < 0) return BAD_INDEX;
-        for (int64_t k = 0; k < mc[bb] + rc[bb]; k++) {
-            int64_t item;
-            if (k < mc[bb]) {
-                const int64_t row = walk_order_row(w, jm++);
-                if (row < 0) return BAD_INDEX;
-                item = row * (H * R) + h * R + r;
-            } else {
-                item = L->recent_offset + column * L->recent_size + jr++;
+    const int64_t H = w->H, R = w->R, NB = w->NB, len = w->len, cols = (h1 - h0) * R;
+    for (int64_t g0 = 0; g0 < cols; g0 += FINAL_GROUP) {
+        const int64_t g1 = cols - g0 < FINAL_GROUP ? cols : g0 + FINAL_GROUP;
+        int64_t mains[FINAL_GROUP], bucket[FINAL_GROUP], end[FINAL_GROUP], off[FINAL_GROUP], most = 0;
+        for (int64_t k = g0; k < g1; k++) { /* the counts checked, the bucket starts, the recent items */
+            const int64_t h = h0 + k / R, column = (w->slot * H + h) * R + k % R;
+            const int32_t *mc = L->main_counts + column * NB;
+            const int16_t *rc = L->recent_counts + column * NB;
+            int64_t *f = fst + k * (NB + 1), jr = 0, m = 0;
+            f[0] = 0;
+            for (int64_t bb = 0; bb < NB; bb++) {
+                f[bb + 1] = f[bb] + mc[bb] + rc[bb];
+                if (f[bb + 1] > len || mc[bb] < 0 || rc[bb] < 0) return BAD_INDEX;
+                m += mc[bb];
+                for (int64_t i = 0; i < rc[bb]; i++) {
+                    const int64_t item = L->recent_offset + column * L->recent_size + jr++;
+                    if (item < 0 || item >= L->items_len) return BAD_INDEX;
+                    const int64_t row = walk_row(w, item_value(L, item) - L->shift);
+                    if (row < 0) return BAD_INDEX;
+                    fin[k * len + f[bb] + mc[bb] + i] = (int32_t)(row * H + h);
+                }
             }
-            if (item < 0 || item >= L->items_len) return BAD_INDEX;
-            const int64_t v = L->item_bytes == 2 ? ((const int16_t *)L->items)[item] : ((const int32_t *)L->items)[item];
-            const int64_t row = walk_row(w, v - L->shift);
-            if (row < 0) return BAD_INDEX;
-            fin[at++] = (int32_t)(row * H + h);
+            if (f[NB] != len) return BAD_INDEX;
+            mains[k - g0] = m;
+            bucket[k - g0] = 0;
+            end[k - g0] = mc[0];
+            off[k - g0] = 0;
+            if (m > most) most = m;
+        }
+        for (int64_t j = 0; j < most; j++) { /* the main items: the order row read once for every column */
+            const int64_t orow = walk_order_row(w, j), at = orow * (H * R) + h0 * R;
+            if (orow < 0 || at + g1 > L->items_len) return BAD_INDEX;
+            for (int64_t k = g0; k < g1; k++) {
+                const int64_t x = k - g0, h = h0 + k / R, column = (w->slot * H + h) * R + k % R;
+                if (j >= mains[x]) continue;
+                while (j >= end[x]) { /* into the next bucket holding main items */
+                    off[x] += L->recent_counts[column * NB + bucket[x]];
+                    end[x] += L->main_counts[column * NB + ++bucket[x]];
+                }
+                const int64_t row = walk_row(w, item_value(L, at + k) - L->shift);
+                if (row < 0) return BAD_INDEX;
+                fin[k * len + j + off[x]] = (int32_t)(row * H + h);
+            }
         }
     }
-    return fst[NB] == w->len ? 0 : BAD_INDEX;
+    return 0;
 }
 
 /* A block's windows: its rows added to the counts in order, each row's windows read after its own add */
@@ -235,6 +263,7 @@ int extend_lsh_heads(const StepLayer *L, const float *fl, int64_t m, int64_t h0,
                      const float *q, const int64_t *bucket_of, const int32_t *base, const int64_t *table,
                      int64_t table_width, int64_t block_size, float *out, void **keep, size_t *kept) {
     const int64_t R = L->rounds, NB = L->buckets, W = (L->before + 1 + L->after) * L->chunk, n = R * W;
+    const int64_t cols = (h1 - h0) * R; /* the thread's (head, round) columns: final orders for all */
     const int64_t rows = m < SHARE_ROWS ? m : SHARE_ROWS, D = L->dim;
     const int64_t len = meta[(m - 1) * META_COLUMNS + META_POSITION] + 1;
     /* the most chunks a row's rounds have: the last row's (nch grows with the position) */
@@ -244,9 +273,9 @@ int extend_lsh_heads(const StepLayer *L, const float *fl, int64_t m, int64_t h0,
         for (shift = 0; (INT64_C(1) << shift) < block_size; shift++) {
         }
     while (top * 2 <= NB) top *= 2;
-    const size_t bytes = (size_t)(2 * rows * R + R * (NB + 1)) * sizeof(int64_t)
+    const size_t bytes = (size_t)(2 * rows * R + cols * (NB + 1)) * sizeof(int64_t)
                          + (size_t)(rows * n + 2 * R + 2 * D + 16) * sizeof(float)
-                         + (size_t)(rows * n + R * len + R * (2 * NB + 1 + chunks) + 1) * sizeof(int32_t)
+                         + (size_t)(rows * n + cols * len + R * (2 * NB + 1) + R * chunks + 1) * sizeof(int32_t)
                          + (size_t)(rows * n + rows * R + rows);
     if (*kept < bytes + 64) { /* the thread's scratch, kept from layer to layer (extend_layers frees it) */
         free(*keep);
@@ -258,29 +287,31 @@ int extend_lsh_heads(const StepLayer *L, const float *fl, int64_t m, int64_t h0,
     s.order = (int64_t *)*keep;
     s.first = s.order + rows * R;
     int64_t *fst = s.first + rows * R;
-    s.score = (float *)(fst + R * (NB + 1));
+    s.score = (float *)(fst + cols * (NB + 1));
     s.lse = s.score + rows * n;
     s.row = s.lse + 2 * R;
     s.zero = s.row + D; /* D zero floats: a zero row of any kind */
     memset(s.zero, 0, (size_t)D * sizeof(float));
     s.flat = (int32_t *)(s.zero + D + 16);
-    int32_t *fin = s.flat + rows * n, *fen = fin + R * len, *cnt = fen + R * (NB + 1);
+    int32_t *fin = s.flat + rows * n, *fen = fin + cols * len, *cnt = fen + R * (NB + 1);
     s.tally = cnt + R * NB;
     s.flag = (uint8_t *)(s.tally + R * chunks + 1);
     s.dead = s.flag + rows * n;
     s.quiet = s.dead + rows * R;
     const int64_t slot = meta[META_INDEX_SLOT];
-    int st = 0;
+    Walk w = {L, h0, L->heads, R, NB, L->chunk, W, n, slot, top, table, table_width, block_size, shift,
+              fen, cnt, fst, fin, len, chunks};
+    int st = final_orders(&w, h0, h1, fst, fin);
     for (int64_t h = h0; h < h1 && !st; h++) {
-        Walk w = {L, h, L->heads, R, NB, L->chunk, W, n, slot, top, table, table_width, block_size, shift,
-                  fen, cnt, fst, fin, len, chunks};
-        for (int64_t r = 0; r < R && !st; r++) {
+        w.h = h; /* the head's columns of the final orders */
+        w.fst = fst + (h - h0) * R * (NB + 1);
+        w.fin = fin + (h - h0) * R * len;
+        for (int64_t r = 0; r < R; r++) {
             int32_t *f = fen + r * (NB + 1);
             f[0] = 0;
             for (int64_t bb = 0; bb < NB; bb++) cnt[r * NB + bb] = f[bb + 1] = base[((h - h0) * R + r) * NB + bb];
             for (int64_t x = 1; x <= NB; x++) /* a Fenwick tree in O(NB) */
                 if (x + (x & -x) <= NB) f[x + (x & -x)] += f[x];
-            st = final_order(&w, r);
         }
         if (!st) st = head_rows(&w, m, meta, q, bucket_of, fl, out, &s);
     }
