@@ -36,63 +36,96 @@ static int rows_ok(const RowMap *map, int64_t n, int64_t pool_rows) {
     return 1;
 }
 
+/* How many sorted indices from j down, j included (at most `most`), lie in consecutive pool rows: to the start
+ * of j's block, and on through the blocks before it while each lies right below the next, as a request's
+ * blocks mostly do (block_shift >= 0) */
+static inline int64_t rows_down(const RowMap *map, int64_t j, int64_t most) {
+    int64_t k = j >> map->block_shift, got = (j & (map->block_size - 1)) + 1;
+    while (got < most && k > 0 && map->table[k - 1] == map->table[k] - 1) {
+        got += map->block_size;
+        k--;
+    }
+    return got < most ? got : most;
+}
+
+/* one column's items of a main item run: sorted indices src_end - count .. src_end - 1 move up by `up`,
+ * from the last down (up > 0, so none is overwritten before it is read). With a power-of-two block size, in
+ * stretches whose source rows and destination rows are each consecutive: a stretch's rows looked up once, not
+ * two table reads an item (the blocks of 8 positions of a request's order are mostly side by side in the pool),
+ * its items moved in the same order as item by item; a short run (a short order: few items a bucket) item by
+ * item, where finding the stretches costs more than it saves. The loop written once per item type. */
+#define SHORT_RUN 16
+#define MOVE_RUN(T)                                                                                           \
+    do {                                                                                                      \
+        T *it = (T *)items;                                                                                   \
+        if (count < SHORT_RUN) {                                                                              \
+            for (int64_t j = src_end - 1; j >= src_end - count; j--)                                          \
+                it[SHIFTED_ROW(j + up) * columns + c] = it[SHIFTED_ROW(j) * columns + c];                     \
+            break;                                                                                            \
+        }                                                                                                     \
+        for (int64_t j = src_end - 1; j >= src_end - count;) {                                                \
+            const int64_t len = rows_down(map, j + up, rows_down(map, j, j - (src_end - count) + 1));         \
+            T *to = it + SHIFTED_ROW(j + up) * columns + c;                                                   \
+            const T *from = it + SHIFTED_ROW(j) * columns + c;                                                \
+            for (int64_t i = 0; i < len; i++) to[-i * columns] = from[-i * columns];                          \
+            j -= len;                                                                                         \
+        }                                                                                                     \
+    } while (0)
+#define SHIFTED_ROW(j) ((map->table[(j) >> shift] << shift) + ((j) & mask))
+
+static void move_run(void *items, int64_t item_bytes, const RowMap *map, int64_t columns, int64_t c,
+                     int64_t src_end, int64_t count, int64_t up) {
+    const int64_t shift = map->block_shift, mask = map->block_size - 1;
+    if (shift >= 0) {
+        if (item_bytes == 2) MOVE_RUN(int16_t);
+        else MOVE_RUN(int32_t);
+    } else {
+        for (int64_t j = src_end - 1; j >= src_end - count; j--)
+            store_item(items, item_bytes, row_at(map, j + up) * columns + c,
+                       load_item(items, item_bytes, row_at(map, j) * columns + c));
+    }
+}
+
 /* For columns c0 .. c1-1 of the `columns` (head, round) columns of one slot: the main order (sorted index j
  * at items[row j * columns + c], j < main_len, row j as `map` gives it) and the recent order (recent[c *
  * recent_size + k], k < recent_len), both sorted by (bucket, position) with bucket counts main_counts and recent_counts
  * (columns, buckets), become one main order of main_len + recent_len items: bucket by bucket, the bucket's
- * main items then its recent ones (every recent position is later than every main one). Main item j moves up
- * by the recent items of the buckets before its own. In place, in one pass over the sorted indices from the
- * last down for up to MERGE_GROUP columns at once: a row of the items holds every column's item of one sorted
- * index side by side, so a pass per column read each row once per column. Each column keeps its own bucket
- * cursor (the bucket its next main item is in, where that bucket's main items start, their move) and writes a
- * bucket's recent items once every main item after them has been read; an item only ever moves to a later
- * sorted index, so none is overwritten before it is read, and a column is done at the first bucket holding
- * recent items (the main items before it stay where they are). Returns 0, or BAD_INDEX when a row is outside
- * the pool or the counts do not add up to the lengths (the order is then undefined). */
-#define MERGE_GROUP 16
+ * main items then its recent ones (every recent position is later than every main one). In place, from the
+ * last bucket down: an item only ever moves to a later sorted index, so none is overwritten before it is
+ * read. The main items between two buckets that receive recent items move up by the same count, as one run.
+ * Returns 0, or BAD_INDEX when a row is outside the pool or the counts do not add up to the lengths (the
+ * order is then undefined). */
 static int merge_orders(int64_t columns, int64_t c0, int64_t c1, int64_t buckets, int64_t main_len,
                         int64_t recent_len, int64_t recent_size, void *items, int64_t item_bytes, int64_t pool_rows,
                         const RowMap *map, const int32_t *main_counts, const int16_t *recent_counts, const void *recent) {
     const int64_t n = main_len + recent_len;
     if (recent_len > recent_size || !rows_ok(map, n, pool_rows)) return BAD_INDEX;
     for (int64_t c = c0; c < c1; c++) {
+        const int32_t *mc = main_counts + c * buckets;
+        const int16_t *rc = recent_counts + c * buckets;
         int64_t total_main = 0, total_recent = 0;
-        for (int64_t bb = 0; bb < buckets; bb++) { /* a negative count would walk the cursor off the counts */
-            if (main_counts[c * buckets + bb] < 0 || recent_counts[c * buckets + bb] < 0) return BAD_INDEX;
-            total_main += main_counts[c * buckets + bb];
-            total_recent += recent_counts[c * buckets + bb];
+        for (int64_t bb = 0; bb < buckets; bb++) {
+            total_main += mc[bb];
+            total_recent += rc[bb];
         }
         if (total_main != main_len || total_recent != recent_len) return BAD_INDEX;
-    }
-    if (!recent_len) return 0;
-    for (int64_t g0 = c0; g0 < c1; g0 += MERGE_GROUP) {
-        const int64_t g1 = c1 - g0 < MERGE_GROUP ? c1 : g0 + MERGE_GROUP;
-        /* per column: bucket `bucket`'s main items start at `start` and move up by `up` (the recent items of the
-         * buckets before it); above the last bucket at first, every recent item still to place */
-        int64_t bucket[MERGE_GROUP], start[MERGE_GROUP], up[MERGE_GROUP], active = g1 - g0;
-        for (int64_t x = 0; x < g1 - g0; x++) {
-            bucket[x] = buckets;
-            start[x] = main_len;
-            up[x] = recent_len;
-        }
-        for (int64_t j = main_len - 1; active; j--) { /* j = -1: the buckets below every main item */
-            const int64_t from = j >= 0 ? row_at(map, j) * columns : 0;
-            for (int64_t c = g0; c < g1; c++) {
-                const int64_t x = c - g0;
-                if (!up[x]) continue;
-                while (j < start[x] && up[x]) { /* into the bucket below: its recent items, after its main ones */
-                    const int64_t bb = --bucket[x], rc = recent_counts[c * buckets + bb];
-                    up[x] -= rc;
-                    for (int64_t k = 0; k < rc; k++)
-                        store_item(items, item_bytes, row_at(map, start[x] + up[x] + k) * columns + c,
-                                   load_item(recent, item_bytes, c * recent_size + up[x] + k));
-                    start[x] -= main_counts[c * buckets + bb];
+        /* src_main: the main items not yet moved are 0 .. src_main-1; run: the main items after them, up to
+         * the last recent item placed, which all move up by the recent items still to place */
+        int64_t src_main = main_len, src_recent = recent_len, run = 0;
+        for (int64_t bb = buckets - 1; bb >= 0 && src_recent > 0; bb--) {
+            if (rc[bb]) {
+                move_run(items, item_bytes, map, columns, c, src_main + run, run, src_recent);
+                run = 0;
+                for (int64_t k = 0; k < rc[bb]; k++) {
+                    src_recent--;
+                    store_item(items, item_bytes, row_at(map, src_main + src_recent) * columns + c,
+                               load_item(recent, item_bytes, c * recent_size + src_recent));
                 }
-                if (!up[x]) active--;
-                else store_item(items, item_bytes, row_at(map, j + up[x]) * columns + c,
-                                load_item(items, item_bytes, from + c));
             }
+            src_main -= mc[bb];
+            run += mc[bb];
         }
+        /* the main items of the buckets before the first that receives recent items stay where they are */
     }
     return 0;
 }

@@ -123,35 +123,32 @@ static void finish_recent(const StepLayer *L, int64_t slot, Aside *a) {
 }
 
 /* The one merge of everything set aside, main_len the main order's length before it: per column, the items
- * sorted by bucket (stably: set aside in position order); then every column of the thread merged by one
- * lsh_merge_columns as a recent order of that many items (one pass over the main order for them all: every
- * column set aside the same count, at the same rows), then the main counts. */
+ * sorted by bucket (stably: set aside in position order), merged by lsh_merge_columns as a recent order of
+ * that many items, then the main counts. */
 static int merge_aside(const StepLayer *L, int64_t slot, int64_t main_len, const Aside *a, const int64_t *table,
                        int64_t table_width, int64_t block_size) {
-    const int64_t columns = L->heads * L->rounds, NB = L->buckets, cap = a->cap, n = a->n[0];
+    const int64_t columns = L->heads * L->rounds, NB = L->buckets, cap = a->cap;
     int16_t *count = calloc((size_t)(columns * NB), sizeof(int16_t));
     char *sorted = malloc((size_t)(columns * cap * L->item_bytes) + 1);
     int64_t *at = malloc((size_t)(NB + 1) * sizeof(int64_t));
     int st = count && sorted && at ? 0 : NO_MEMORY;
     int32_t *mc = (int32_t *)(intptr_t)L->main_counts + slot * columns * NB;
-    for (int64_t c = a->c0; c < a->c1 && !st && n; c++) {
+    for (int64_t c = a->c0; c < a->c1 && !st; c++) {
+        const int64_t n = a->n[c - a->c0];
         const int32_t *bk = a->bucket + (c - a->c0) * cap, *item = a->item + (c - a->c0) * cap;
         int16_t *cc = count + c * NB;
-        if (a->n[c - a->c0] != n) st = BAD_INDEX;
-        for (int64_t j = 0; j < n && !st; j++) cc[bk[j]]++;
+        if (!n) continue;
+        for (int64_t j = 0; j < n; j++) cc[bk[j]]++;
         at[0] = 0;
         for (int64_t bb = 0; bb < NB; bb++) at[bb + 1] = at[bb] + cc[bb];
-        for (int64_t j = 0; j < n && !st; j++) {
+        for (int64_t j = 0; j < n; j++) {
             const int64_t to = c * cap + at[bk[j]]++;
             if (L->item_bytes == 2) ((int16_t *)sorted)[to] = (int16_t)item[j];
             else ((int32_t *)sorted)[to] = item[j];
         }
-    }
-    if (!st && n) {
-        st = lsh_merge_columns(columns, a->c0, a->c1, NB, main_len, n, cap, L->items, L->item_bytes,
-                               L->recent_offset / columns, L->order_table + slot * table_width, block_size, mc, count,
-                               sorted);
-        for (int64_t j = a->c0 * NB; j < a->c1 * NB && !st; j++) mc[j] += count[j];
+        st = lsh_merge_columns(columns, c, c + 1, NB, main_len, n, cap, L->items, L->item_bytes,
+                               L->recent_offset / columns, L->order_table + slot * table_width, block_size, mc, count, sorted);
+        for (int64_t bb = 0; bb < NB && !st; bb++) mc[c * NB + bb] += cc[bb];
     }
     free(count);
     free(sorted);
