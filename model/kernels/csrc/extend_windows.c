@@ -123,16 +123,35 @@ static __attribute__((noinline)) int row_window(const Walk *w, const int64_t *mb
     return 0;
 }
 
+/* The main items of column k (`add` its place in an items row) at sorted indices j0 .. stop-1, order rows
+ * orow[j - j0], into fin through its bucket cursor (a bucket's main items start at fin[j + o], j in it) */
+#define FINAL_RUN(T)                                                                                            \
+    do {                                                                                                        \
+        const T *it = (const T *)L->items + add;                                                               \
+        for (int64_t j = j0; j < stop; j++) {                                                                   \
+            while (j >= e) { /* into the next bucket holding main items */                                      \
+                o += rc[b];                                                                                     \
+                e += mc[++b];                                                                                   \
+            }                                                                                                   \
+            const int64_t row = walk_row(w, it[orow[j - j0] * HR] - L->shift);                                 \
+            if (row < 0) return BAD_INDEX;                                                                      \
+            f[j + o] = (int32_t)(row * H + h);                                                                  \
+        }                                                                                                       \
+    } while (0)
+
 /* The final orders of heads [h0, h1), every round, as pool indices (lsh_slots' reads, once a layer): per
  * column (head, round), bucket by bucket, the main items then the recent ones; column k = (h - h0) * R + r at
- * fin + k * len, its bucket starts at fst + k * (NB + 1). One pass over the main order serves every column (up
- * to FINAL_GROUP at once): a row of the items holds the columns' items of one sorted index side by side, so a
- * pass per column read each row once per column (16 times a layer). Main item j of a column lands at j plus the
- * recent items of the buckets before its own, which each column's bucket cursor keeps. */
+ * fin + k * len, its bucket starts at fst + k * (NB + 1). A row of the items holds every column's item of one
+ * sorted index side by side, so a pass over the main order per column read each row once per column (16 times
+ * a layer, from memory at 64K positions); here the columns take FINAL_WINDOW sorted indices in turn, the
+ * window's order rows looked up once and its items rows read from memory once, each column's loop tight (its
+ * bucket cursor in registers: main item j lands at j plus the recent items of the buckets before its own). */
 #define FINAL_GROUP 16
+#define FINAL_WINDOW 256
 static int final_orders(const Walk *w, int64_t h0, int64_t h1, int64_t *fst, int32_t *fin) {
     const StepLayer *L = w->L;
-    const int64_t H = w->H, R = w->R, NB = w->NB, len = w->len, cols = (h1 - h0) * R;
+    const int64_t H = w->H, R = w->R, NB = w->NB, HR = H * R, len = w->len, cols = (h1 - h0) * R;
+    int64_t orow[FINAL_WINDOW];
     for (int64_t g0 = 0; g0 < cols; g0 += FINAL_GROUP) {
         const int64_t g1 = cols - g0 < FINAL_GROUP ? cols : g0 + FINAL_GROUP;
         int64_t mains[FINAL_GROUP], bucket[FINAL_GROUP], end[FINAL_GROUP], off[FINAL_GROUP], most = 0;
@@ -161,19 +180,24 @@ static int final_orders(const Walk *w, int64_t h0, int64_t h1, int64_t *fst, int
             off[k - g0] = 0;
             if (m > most) most = m;
         }
-        for (int64_t j = 0; j < most; j++) { /* the main items: the order row read once for every column */
-            const int64_t orow = walk_order_row(w, j), at = orow * (H * R) + h0 * R;
-            if (orow < 0 || at + g1 > L->items_len) return BAD_INDEX;
+        for (int64_t j0 = 0; j0 < most; j0 += FINAL_WINDOW) {
+            const int64_t j1 = most - j0 < FINAL_WINDOW ? most : j0 + FINAL_WINDOW;
+            for (int64_t j = j0; j < j1; j++) { /* the window's order rows, once for every column */
+                orow[j - j0] = walk_order_row(w, j);
+                if (orow[j - j0] < 0 || orow[j - j0] * HR + h0 * R + g1 > L->items_len) return BAD_INDEX;
+            }
             for (int64_t k = g0; k < g1; k++) {
                 const int64_t x = k - g0, h = h0 + k / R, column = (w->slot * H + h) * R + k % R;
-                if (j >= mains[x]) continue;
-                while (j >= end[x]) { /* into the next bucket holding main items */
-                    off[x] += L->recent_counts[column * NB + bucket[x]];
-                    end[x] += L->main_counts[column * NB + ++bucket[x]];
-                }
-                const int64_t row = walk_row(w, item_value(L, at + k) - L->shift);
-                if (row < 0) return BAD_INDEX;
-                fin[k * len + j + off[x]] = (int32_t)(row * H + h);
+                const int64_t stop = j1 < mains[x] ? j1 : mains[x], add = h0 * R + k;
+                const int32_t *mc = L->main_counts + column * NB;
+                const int16_t *rc = L->recent_counts + column * NB;
+                int64_t b = bucket[x], e = end[x], o = off[x];
+                int32_t *f = fin + k * len;
+                if (L->item_bytes == 2) FINAL_RUN(int16_t);
+                else FINAL_RUN(int32_t);
+                bucket[x] = b;
+                end[x] = e;
+                off[x] = o;
             }
         }
     }
