@@ -63,9 +63,8 @@ class DecoderLike(Protocol):
 # The most rows one C call takes: its buffers hold about (4 * hidden + 7 * heads * head size + feed-forward)
 # floats a row (7.5 KB on the shipped model: 30 MB for 4,096 rows), and each thread's attention scratch about
 # 9 bytes a window slot for a block of up to 1,024 rows (4.7 MB on the shipped model) plus 4 bytes a position
-# and (head, hash round) of the heads it owns (the final orders, all its heads' at once: 32 bytes a position on
-# the shipped model with two threads); a longer extend is cut into calls of this many rows, which leaves the
-# same bits (each call leaves the cache a step would).
+# and hash round (the final orders); a longer extend is cut into calls of this many rows, which leaves the same
+# bits (each call leaves the cache a step would).
 EXTEND_ROWS = 4096
 
 

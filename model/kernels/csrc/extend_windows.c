@@ -146,7 +146,8 @@ static __attribute__((noinline)) int row_window(const Walk *w, const int64_t *mb
  * a layer; at 64K positions the items, 2 to 4 MB a layer, leave the near caches between passes); here the
  * columns take FINAL_WINDOW sorted indices in turn, the window's order rows looked up once and its items rows
  * (8 to 16 KB) read from far once, each column's loop tight (its bucket cursor in registers: main item j lands
- * at j plus the recent items of the buckets before its own). */
+ * at j plus the recent items of the buckets before its own). extend_lsh_heads asks for one head's rounds at a
+ * time, which keeps its scratch at one head's orders: all of a thread's heads at once measured no faster. */
 #define FINAL_GROUP 16
 #define FINAL_WINDOW 256
 static int final_orders(const Walk *w, int64_t h0, int64_t h1, int64_t *fst, int32_t *fin) {
@@ -288,7 +289,6 @@ int extend_lsh_heads(const StepLayer *L, const float *fl, int64_t m, int64_t h0,
                      const float *q, const int64_t *bucket_of, const int32_t *base, const int64_t *table,
                      int64_t table_width, int64_t block_size, float *out, void **keep, size_t *kept) {
     const int64_t R = L->rounds, NB = L->buckets, W = (L->before + 1 + L->after) * L->chunk, n = R * W;
-    const int64_t cols = (h1 - h0) * R; /* the thread's (head, round) columns: final orders for all */
     const int64_t rows = m < SHARE_ROWS ? m : SHARE_ROWS, D = L->dim;
     const int64_t len = meta[(m - 1) * META_COLUMNS + META_POSITION] + 1;
     /* the most chunks a row's rounds have: the last row's (nch grows with the position) */
@@ -298,9 +298,9 @@ int extend_lsh_heads(const StepLayer *L, const float *fl, int64_t m, int64_t h0,
         for (shift = 0; (INT64_C(1) << shift) < block_size; shift++) {
         }
     while (top * 2 <= NB) top *= 2;
-    const size_t bytes = (size_t)(2 * rows * R + cols * (NB + 1)) * sizeof(int64_t)
+    const size_t bytes = (size_t)(2 * rows * R + R * (NB + 1)) * sizeof(int64_t)
                          + (size_t)(rows * n + 2 * R + 2 * D + 16) * sizeof(float)
-                         + (size_t)(rows * n + cols * len + R * (2 * NB + 1) + R * chunks + 1) * sizeof(int32_t)
+                         + (size_t)(rows * n + R * len + R * (2 * NB + 1 + chunks) + 1) * sizeof(int32_t)
                          + (size_t)(rows * n + rows * R + rows);
     if (*kept < bytes + 64) { /* the thread's scratch, kept from layer to layer (extend_layers frees it) */
         free(*keep);
@@ -312,25 +312,22 @@ int extend_lsh_heads(const StepLayer *L, const float *fl, int64_t m, int64_t h0,
     s.order = (int64_t *)*keep;
     s.first = s.order + rows * R;
     int64_t *fst = s.first + rows * R;
-    s.score = (float *)(fst + cols * (NB + 1));
+    s.score = (float *)(fst + R * (NB + 1));
     s.lse = s.score + rows * n;
     s.row = s.lse + 2 * R;
     s.zero = s.row + D; /* D zero floats: a zero row of any kind */
     memset(s.zero, 0, (size_t)D * sizeof(float));
     s.flat = (int32_t *)(s.zero + D + 16);
-    int32_t *fin = s.flat + rows * n, *fen = fin + cols * len, *cnt = fen + R * (NB + 1);
+    int32_t *fin = s.flat + rows * n, *fen = fin + R * len, *cnt = fen + R * (NB + 1);
     s.tally = cnt + R * NB;
     s.flag = (uint8_t *)(s.tally + R * chunks + 1);
     s.dead = s.flag + rows * n;
     s.quiet = s.dead + rows * R;
     const int64_t slot = meta[META_INDEX_SLOT];
-    Walk w = {L, h0, L->heads, R, NB, L->chunk, W, n, slot, top, table, table_width, block_size, shift,
-              fen, cnt, fst, fin, len, chunks};
-    int st = final_orders(&w, h0, h1, fst, fin);
+    int st = 0;
     for (int64_t h = h0; h < h1 && !st; h++) {
-        w.h = h; /* the head's columns of the final orders */
-        w.fst = fst + (h - h0) * R * (NB + 1);
-        w.fin = fin + (h - h0) * R * len;
+        Walk w = {L, h, L->heads, R, NB, L->chunk, W, n, slot, top, table, table_width, block_size, shift,
+                  fen, cnt, fst, fin, len, chunks};
         for (int64_t r = 0; r < R; r++) {
             int32_t *f = fen + r * (NB + 1);
             f[0] = 0;
@@ -338,6 +335,7 @@ int extend_lsh_heads(const StepLayer *L, const float *fl, int64_t m, int64_t h0,
             for (int64_t x = 1; x <= NB; x++) /* a Fenwick tree in O(NB) */
                 if (x + (x & -x) <= NB) f[x + (x & -x)] += f[x];
         }
+        st = final_orders(&w, h, h + 1, fst, fin); /* every round's at once */
         if (!st) st = head_rows(&w, m, meta, q, bucket_of, fl, out, &s);
     }
     return st;

@@ -15,9 +15,8 @@ typedef struct {
     const int64_t *table;
     int64_t table_width, block_size, block_shift;
     int32_t *fen, *cnt;    /* round r's counts as of the current row: a Fenwick tree (NB + 1) and plain (NB) */
-    int64_t *fst;          /* head h's round r final order: bucket bb's items start at fst[r * (NB + 1) + bb] */
-    int32_t *fin;          /* its final orders as pool indices (pool row * heads + h), `len` apart (the
-                              thread's heads' orders side by side in its scratch: final_orders reads them all) */
+    int64_t *fst;          /* round r's final order: bucket bb's items start at fst[r * (NB + 1) + bb] */
+    int32_t *fin;          /* round r's final order as pool indices (pool row * heads + h), `len` apart */
     int64_t len;           /* the final item count (the last row's position + 1) */
     int64_t chunks;        /* the most chunks a round has (the last row's) */
 } Walk;
