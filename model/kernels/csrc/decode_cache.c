@@ -36,14 +36,40 @@ static int rows_ok(const RowMap *map, int64_t n, int64_t pool_rows) {
     return 1;
 }
 
+/* How many sorted indices from j down, j included (at most `most`), lie in consecutive pool rows: to the start
+ * of j's block, and on through the blocks before it while each lies right below the next, as a request's
+ * blocks mostly do (block_shift >= 0) */
+static inline int64_t rows_down(const RowMap *map, int64_t j, int64_t most) {
+    int64_t k = j >> map->block_shift, got = (j & (map->block_size - 1)) + 1;
+    while (got < most && k > 0 && map->table[k - 1] == map->table[k] - 1) {
+        got += map->block_size;
+        k--;
+    }
+    return got < most ? got : most;
+}
+
 /* one column's items of a main item run: sorted indices src_end - count .. src_end - 1 move up by `up`,
- * from the last down (up > 0, so none is overwritten before it is read); the loop written once per item
- * type and kind of block size, so each runs without their branches (ROW(j): the row of sorted index j) */
-#define MOVE_RUN(T, ROW)                                                                                      \
+ * from the last down (up > 0, so none is overwritten before it is read). With a power-of-two block size, in
+ * stretches whose source rows and destination rows are each consecutive: a stretch's rows looked up once, not
+ * two table reads an item (the blocks of 8 positions of a request's order are mostly side by side in the pool),
+ * its items moved in the same order as item by item; a short run (a short order: few items a bucket) item by
+ * item, where finding the stretches costs more than it saves. The loop written once per item type. */
+#define SHORT_RUN 16
+#define MOVE_RUN(T)                                                                                           \
     do {                                                                                                      \
         T *it = (T *)items;                                                                                   \
-        for (int64_t j = src_end - 1; j >= src_end - count; j--)                                              \
-            it[ROW(j + up) * columns + c] = it[ROW(j) * columns + c];                                         \
+        if (count < SHORT_RUN) {                                                                              \
+            for (int64_t j = src_end - 1; j >= src_end - count; j--)                                          \
+                it[SHIFTED_ROW(j + up) * columns + c] = it[SHIFTED_ROW(j) * columns + c];                     \
+            break;                                                                                            \
+        }                                                                                                     \
+        for (int64_t j = src_end - 1; j >= src_end - count;) {                                                \
+            const int64_t len = rows_down(map, j + up, rows_down(map, j, j - (src_end - count) + 1));         \
+            T *to = it + SHIFTED_ROW(j + up) * columns + c;                                                   \
+            const T *from = it + SHIFTED_ROW(j) * columns + c;                                                \
+            for (int64_t i = 0; i < len; i++) to[-i * columns] = from[-i * columns];                          \
+            j -= len;                                                                                         \
+        }                                                                                                     \
     } while (0)
 #define SHIFTED_ROW(j) ((map->table[(j) >> shift] << shift) + ((j) & mask))
 
@@ -51,8 +77,8 @@ static void move_run(void *items, int64_t item_bytes, const RowMap *map, int64_t
                      int64_t src_end, int64_t count, int64_t up) {
     const int64_t shift = map->block_shift, mask = map->block_size - 1;
     if (shift >= 0) {
-        if (item_bytes == 2) MOVE_RUN(int16_t, SHIFTED_ROW);
-        else MOVE_RUN(int32_t, SHIFTED_ROW);
+        if (item_bytes == 2) MOVE_RUN(int16_t);
+        else MOVE_RUN(int32_t);
     } else {
         for (int64_t j = src_end - 1; j >= src_end - count; j--)
             store_item(items, item_bytes, row_at(map, j + up) * columns + c,

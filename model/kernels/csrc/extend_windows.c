@@ -8,7 +8,7 @@
  * never changes a window). f_t = the counts before the extend's first row (`base`) plus the rows up to t.
  * So, per (head, round), a Fenwick tree over the buckets starts from `base`; the rows are added in order, and
  * a row's rank and the bucket holding any rank are found in O(log buckets). The final order of each round is
- * read once a call into pool indices (final_order: the main items then the recent ones, bucket by bucket),
+ * read once a call into pool indices (final_orders: the main items then the recent ones, bucket by bucket),
  * so a window chunk is a few runs of it, one per bucket it spans; the row's own slot is at its own rank in
  * each round. Every rule of lsh_attend.c's lsh_slots is kept: a row shorter than a chunk
  * attends every position in round 0, the other rounds dead; chunks counted along all rounds end to end,
@@ -40,6 +40,10 @@ static inline int64_t walk_row(const Walk *w, int64_t position) {
 static inline int64_t walk_order_row(const Walk *w, int64_t j) {
     return block_pool_row_shift(w->L->order_table, w->table_width, w->block_size, w->block_shift, w->slot, j,
                                 w->L->recent_offset / (w->H * w->R));
+}
+
+static inline int64_t item_value(const StepLayer *L, int64_t item) {
+    return L->item_bytes == 2 ? ((const int16_t *)L->items)[item] : ((const int32_t *)L->items)[item];
 }
 
 static inline int64_t fen_prefix(const int32_t *f, int64_t k) {
@@ -119,37 +123,87 @@ static __attribute__((noinline)) int row_window(const Walk *w, const int64_t *mb
     return 0;
 }
 
-/* Round r's final order of head w->h as pool indices, from the index's main and recent orders (lsh_slots'
- * reads, once a layer): the main items of bucket bb, then its recent ones. */
-static int final_order(Walk *w, int64_t r) {
+/* The main items of column k (`add` its place in an items row) at sorted indices j0 .. stop-1, order rows
+ * orow[j - j0], into fin through its bucket cursor (a bucket's main items start at fin[j + o], j in it) */
+#define FINAL_RUN(T)                                                                                            \
+    do {                                                                                                        \
+        const T *it = (const T *)L->items + add;                                                               \
+        for (int64_t j = j0; j < stop; j++) {                                                                   \
+            while (j >= e) { /* into the next bucket holding main items */                                      \
+                o += rc[b];                                                                                     \
+                e += mc[++b];                                                                                   \
+            }                                                                                                   \
+            const int64_t row = walk_row(w, it[orow[j - j0] * HR] - L->shift);                                 \
+            if (row < 0) return BAD_INDEX;                                                                      \
+            f[j + o] = (int32_t)(row * H + h);                                                                  \
+        }                                                                                                       \
+    } while (0)
+
+/* The final orders of heads [h0, h1), every round, as pool indices (lsh_slots' reads, once a layer): per
+ * column (head, round), bucket by bucket, the main items then the recent ones; column k = (h - h0) * R + r at
+ * fin + k * len, its bucket starts at fst + k * (NB + 1). A row of the items holds every column's item of one
+ * sorted index side by side, so a pass over the main order per column read each row once per column (16 times
+ * a layer; at 64K positions the items, 2 to 4 MB a layer, leave the near caches between passes); here the
+ * columns take FINAL_WINDOW sorted indices in turn, the window's order rows looked up once and its items rows
+ * (8 to 16 KB) read from far once, each column's loop tight (its bucket cursor in registers: main item j lands
+ * at j plus the recent items of the buckets before its own). extend_lsh_heads asks for one head's rounds at a
+ * time, which keeps its scratch at one head's orders: all of a thread's heads at once measured no faster. */
+#define FINAL_GROUP 16
+#define FINAL_WINDOW 256
+static int final_orders(const Walk *w, int64_t h0, int64_t h1, int64_t *fst, int32_t *fin) {
     const StepLayer *L = w->L;
-    const int64_t H = w->H, R = w->R, NB = w->NB, h = w->h, column = (w->slot * H + h) * R + r;
-    const int32_t *mc = L->main_counts + column * NB;
-    const int16_t *rc = L->recent_counts + column * NB;
-    int64_t *fst = w->fst + r * (NB + 1), jm = 0, jr = 0;
-    int32_t *fin = w->fin + r * w->len;
-    fst[0] = 0;
-    for (int64_t bb = 0; bb < NB; bb++) {
-        int64_t at = fst[bb];
-        fst[bb + 1] = at + mc[bb] + rc[bb];
-        if (fst[bb + 1] > w->len || mc[bb] < 0 || rc[bb] < 0) return BAD_INDEX;
-        for (int64_t k = 0; k < mc[bb] + rc[bb]; k++) {
-            int64_t item;
-            if (k < mc[bb]) {
-                const int64_t row = walk_order_row(w, jm++);
-                if (row < 0) return BAD_INDEX;
-                item = row * (H * R) + h * R + r;
-            } else {
-                item = L->recent_offset + column * L->recent_size + jr++;
+    const int64_t H = w->H, R = w->R, NB = w->NB, HR = H * R, len = w->len, cols = (h1 - h0) * R;
+    int64_t orow[FINAL_WINDOW];
+    for (int64_t g0 = 0; g0 < cols; g0 += FINAL_GROUP) {
+        const int64_t g1 = cols - g0 < FINAL_GROUP ? cols : g0 + FINAL_GROUP;
+        int64_t mains[FINAL_GROUP], bucket[FINAL_GROUP], end[FINAL_GROUP], off[FINAL_GROUP], most = 0;
+        for (int64_t k = g0; k < g1; k++) { /* the counts checked, the bucket starts, the recent items */
+            const int64_t h = h0 + k / R, column = (w->slot * H + h) * R + k % R;
+            const int32_t *mc = L->main_counts + column * NB;
+            const int16_t *rc = L->recent_counts + column * NB;
+            int64_t *f = fst + k * (NB + 1), jr = 0, m = 0;
+            f[0] = 0;
+            for (int64_t bb = 0; bb < NB; bb++) {
+                f[bb + 1] = f[bb] + mc[bb] + rc[bb];
+                if (f[bb + 1] > len || mc[bb] < 0 || rc[bb] < 0) return BAD_INDEX;
+                m += mc[bb];
+                for (int64_t i = 0; i < rc[bb]; i++) {
+                    const int64_t item = L->recent_offset + column * L->recent_size + jr++;
+                    if (item < 0 || item >= L->items_len) return BAD_INDEX;
+                    const int64_t row = walk_row(w, item_value(L, item) - L->shift);
+                    if (row < 0) return BAD_INDEX;
+                    fin[k * len + f[bb] + mc[bb] + i] = (int32_t)(row * H + h);
+                }
             }
-            if (item < 0 || item >= L->items_len) return BAD_INDEX;
-            const int64_t v = L->item_bytes == 2 ? ((const int16_t *)L->items)[item] : ((const int32_t *)L->items)[item];
-            const int64_t row = walk_row(w, v - L->shift);
-            if (row < 0) return BAD_INDEX;
-            fin[at++] = (int32_t)(row * H + h);
+            if (f[NB] != len) return BAD_INDEX;
+            mains[k - g0] = m;
+            bucket[k - g0] = 0;
+            end[k - g0] = mc[0];
+            off[k - g0] = 0;
+            if (m > most) most = m;
+        }
+        for (int64_t j0 = 0; j0 < most; j0 += FINAL_WINDOW) {
+            const int64_t j1 = most - j0 < FINAL_WINDOW ? most : j0 + FINAL_WINDOW;
+            for (int64_t j = j0; j < j1; j++) { /* the window's order rows, once for every column */
+                orow[j - j0] = walk_order_row(w, j);
+                if (orow[j - j0] < 0 || orow[j - j0] * HR + h0 * R + g1 > L->items_len) return BAD_INDEX;
+            }
+            for (int64_t k = g0; k < g1; k++) {
+                const int64_t x = k - g0, h = h0 + k / R, column = (w->slot * H + h) * R + k % R;
+                const int64_t stop = j1 < mains[x] ? j1 : mains[x], add = h0 * R + k;
+                const int32_t *mc = L->main_counts + column * NB;
+                const int16_t *rc = L->recent_counts + column * NB;
+                int64_t b = bucket[x], e = end[x], o = off[x];
+                int32_t *f = fin + k * len;
+                if (L->item_bytes == 2) FINAL_RUN(int16_t);
+                else FINAL_RUN(int32_t);
+                bucket[x] = b;
+                end[x] = e;
+                off[x] = o;
+            }
         }
     }
-    return fst[NB] == w->len ? 0 : BAD_INDEX;
+    return 0;
 }
 
 /* A block's windows: its rows added to the counts in order, each row's windows read after its own add */
@@ -274,14 +328,14 @@ int extend_lsh_heads(const StepLayer *L, const float *fl, int64_t m, int64_t h0,
     for (int64_t h = h0; h < h1 && !st; h++) {
         Walk w = {L, h, L->heads, R, NB, L->chunk, W, n, slot, top, table, table_width, block_size, shift,
                   fen, cnt, fst, fin, len, chunks};
-        for (int64_t r = 0; r < R && !st; r++) {
+        for (int64_t r = 0; r < R; r++) {
             int32_t *f = fen + r * (NB + 1);
             f[0] = 0;
             for (int64_t bb = 0; bb < NB; bb++) cnt[r * NB + bb] = f[bb + 1] = base[((h - h0) * R + r) * NB + bb];
             for (int64_t x = 1; x <= NB; x++) /* a Fenwick tree in O(NB) */
                 if (x + (x & -x) <= NB) f[x + (x & -x)] += f[x];
-            st = final_order(&w, r);
         }
+        st = final_orders(&w, h, h + 1, fst, fin); /* every round's at once */
         if (!st) st = head_rows(&w, m, meta, q, bucket_of, fl, out, &s);
     }
     return st;
