@@ -63,7 +63,9 @@ def fill_wheelhouse(wheelhouse: Path, python: str, torch_wheels: Path, torch_ver
     """Every wheel the CPU image needs, for the base image's Python on x86-64 Linux: pip download (PyPI), the CPU
     torch wheel from a local folder."""
     requirements = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    platforms = ["manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "linux_x86_64"]
+    # the base image is Debian bookworm (glibc 2.36): every manylinux tag it runs (llguidance's wheels are 2_31)
+    platforms = [f"manylinux_2_{minor}_x86_64" for minor in range(36, 16, -1)] + ["manylinux2014_x86_64",
+                                                                                "linux_x86_64"]
     argv = [sys.executable, "-m", "pip", "download", "--quiet", "--dest", str(wheelhouse), "--only-binary=:all:",
             "--python-version", python, "--implementation", "cp", "--find-links", str(torch_wheels)]
     for platform in platforms:
