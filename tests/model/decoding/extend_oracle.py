@@ -1,5 +1,6 @@
-"""The oracle of the extend tests (test_extend.py): a request fed one decode step per token, and what a request
-holds in the decode cache, read out so that two caches built alike can be compared with `torch.equal`."""
+"""The oracle of the extend tests (test_extend.py, test_extend_all_logits.py): a request fed one decode step per
+token, and what a request holds in the decode cache, read out so that two caches built alike can be compared
+with `torch.equal`; and the token ids both draw (their models and thread setting: conftest.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,13 @@ from model import ReformerLM
 from model.decoding import DecodeCache, Decoder, DecodeState, prefill
 from model.decoding.extend import open_indexes
 from model.kernels.weights import WeightKind
+
+VOCAB = 258
+
+
+def ids(n: int, seed: int) -> list[int]:
+    """n seeded token ids of the tiny models' vocabulary."""
+    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def start(lm: ReformerLM, tokens: int, prompt: Sequence[int], recent: int, slots: int = 1,

@@ -5,13 +5,12 @@ C path (the last layer attends, and the final layer norm and the LM head run, on
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import pytest
 import torch
 from torch import Tensor
 
-from export.artifact import load_artifact
 from model import ReformerLM
 from model.decoding import Decoder, DecodeState
 from model.decoding import extend as extend_module
@@ -19,33 +18,11 @@ from model.decoding.extend import c_path
 from model.kernels.weights import WeightKind
 
 from ..helpers import tiny_config
-from .extend_oracle import differences, held, same_bits, start
+from .extend_oracle import VOCAB, differences, held, ids, same_bits, start
 
-VOCAB = 258
-
-
-@pytest.fixture(scope="module")
-def shipped() -> ReformerLM:
-    return load_artifact(check_hashes=False).model
-
-
-@pytest.fixture(scope="module")
-def tiny() -> ReformerLM:
-    """Chunks of 8, a successor-value head, 2 hash rounds (as test_extend.py's)."""
-    torch.manual_seed(0)
-    return ReformerLM(tiny_config(vocab_size=VOCAB, lsh_successor_heads=1)).eval()
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def _ids(n: int, seed: int) -> list[int]:
-    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+# one intra-op thread unless a test sets more (test_one_thread_equals_two): on two cores shared with other work, a
+# second thread waits at the C call's per-row barriers for a busy core
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def step_rows(decoder: Decoder, state: DecodeState, tokens: Sequence[int]) -> Tensor:
@@ -82,22 +59,22 @@ def _check(lm: ReformerLM, prompt: list[int], tokens: list[int], recent: int, pi
 @pytest.mark.parametrize("size", [1, 2, 7, 9, 65, 300])
 def test_tiny_all_rows_equal_steps_across_merges(tiny: ReformerLM, prompt_len: int, size: int) -> None:
     """Recent orders of 8 items: a 300-token extend merges each LSH index 37 times on the way."""
-    _check(tiny, _ids(prompt_len, 1), _ids(size, 2), recent=8)
+    _check(tiny, ids(prompt_len, 1), ids(size, 2), recent=8)
 
 
 @pytest.mark.parametrize(("prompt_len", "size"), [(0, 64), (10, 300), (200, 1024)])
 def test_shipped_all_rows_equal_steps(shipped: ReformerLM, prompt_len: int, size: int) -> None:
-    _check(shipped, _ids(prompt_len, 3), _ids(size, 4), recent=64)
+    _check(shipped, ids(prompt_len, 3), ids(size, 4), recent=64)
 
 
 def test_shipped_all_rows_in_pieces(shipped: ReformerLM) -> None:
     """Slices as the service reads a scored prompt: each slice's rows are the steps' rows."""
-    _check(shipped, [], _ids(700, 5), recent=64, pieces=[1, 63, 300, 336])
+    _check(shipped, [], ids(700, 5), recent=64, pieces=[1, 63, 300, 336])
 
 
 @pytest.mark.parametrize("weights", ["bfloat16", "int8"])
 def test_all_rows_on_reduced_weights(shipped: ReformerLM, weights: WeightKind) -> None:
-    _check(shipped, _ids(70, 24), _ids(150, 25), recent=64, weights=weights)
+    _check(shipped, ids(70, 24), ids(150, 25), recent=64, weights=weights)
 
 
 @pytest.mark.parametrize("layers", [["local", "local"], ["lsh", "lsh"], ["lsh", "local"]],
@@ -107,20 +84,20 @@ def test_models_of_other_layers(layers: list[str]) -> None:
     torch.manual_seed(0)
     lm = ReformerLM(tiny_config(vocab_size=VOCAB, attn_layers=layers, attention_head_size=32,
                                 num_buckets=None if "lsh" not in layers else 8)).eval()
-    _check(lm, _ids(11, 26), _ids(200, 27), recent=8)
+    _check(lm, ids(11, 26), ids(200, 27), recent=8)
 
 
 def test_split_into_calls(tiny: ReformerLM, monkeypatch: pytest.MonkeyPatch) -> None:
     """EXTEND_ROWS cuts a long extend into C calls: every call's rows, in order."""
     monkeypatch.setattr(extend_module, "EXTEND_ROWS", 50)
-    _check(tiny, _ids(3, 17), _ids(230, 18), recent=8)
+    _check(tiny, ids(3, 17), ids(230, 18), recent=8)
 
 
 @pytest.mark.parametrize("model", ["shipped", "tiny"])
 def test_one_thread_equals_two(model: str, request: pytest.FixtureRequest) -> None:
     """Two threads split the heads and the products' panels: every row's logits the same bits as one thread's."""
     lm = request.getfixturevalue(model)
-    prompt, tokens = _ids(100, 15), _ids(700, 16)
+    prompt, tokens = ids(100, 15), ids(700, 16)
     recent = 64 if model == "shipped" else 3
     out = []
     for n in (1, 2):
@@ -138,14 +115,14 @@ def test_the_reference_path(where: str) -> None:
     torch.manual_seed(0)
     automatic = where == "automatic-bucket-counts"
     lm = ReformerLM(tiny_config(vocab_size=VOCAB, num_buckets=None if automatic else 8)).eval()
-    _check(lm, _ids(6, 19), _ids(80, 20), recent=8, cpu_kernel=automatic, in_c=False)
+    _check(lm, ids(6, 19), ids(80, 20), recent=8, cpu_kernel=automatic, in_c=False)
 
 
 def test_the_rows_are_each_rows_own(tiny: ReformerLM) -> None:
     """The flag is not ignored: the rows differ from each other and from a copy of the last row (a C call that
     wrote the last row only would leave the others unwritten, or the last row's)."""
-    cache, decoder, state, _ = start(tiny, 100, _ids(5, 40), recent=8)
-    rows = decoder.extend(state, _ids(30, 41), all_logits=True)
+    cache, decoder, state, _ = start(tiny, 100, ids(5, 40), recent=8)
+    rows = decoder.extend(state, ids(30, 41), all_logits=True)
     assert rows.shape == (30, VOCAB) and bool(torch.isfinite(rows).all())
     assert all(not torch.equal(rows[t], rows[-1]) for t in range(29))
     assert len({tuple(r.tolist()) for r in rows}) == 30
