@@ -194,14 +194,22 @@ class PrefixCache:
             self.metrics.queries.inc(tokens)
         if read_ahead is not None:  # asked for because memory held none of these boundaries when it was queued
             return read_ahead.length, read_ahead, "disk"
+        found = self._longest(links, touch=True)
+        return (found[0], found[1], "memory") if found is not None else None
+
+    def _longest(self, links: Sequence[tuple[int, str]], touch: bool) -> tuple[int, StateSnapshot] | None:
+        """The longest boundary among `links` the memory tier holds a state for (kept there, or a longer state's
+        tail) and that state. `touch`: as a lookup (recency, expired entries and stale boundaries dropped);
+        else as a peek, changing nothing."""
+        read = self.store.get if touch else self.store.peek
         for length, key in reversed(self._kept(links)):
-            snap = self.store.get(key)
+            snap = read(key)
             if snap is None and key in self.boundaries:  # a longer kept state that passed this boundary
-                snap = self.store.get(self.boundaries[key])
-                if snap is None:
+                snap = read(self.boundaries[key])
+                if snap is None and touch:
                     del self.boundaries[key]  # its state was evicted
             if snap is not None and (snap.length == length or length in snap.tails):
-                return length, snap, "memory"
+                return length, snap
         return None
 
     def peek_longest(self, links: Sequence[tuple[int, str]], tokens: int, read_ahead: StateSnapshot | None = None
@@ -212,13 +220,8 @@ class PrefixCache:
             return None
         if read_ahead is not None:
             return read_ahead.length
-        for length, key in reversed(self._kept(links)):
-            snap = self.store.peek(key)
-            if snap is None and key in self.boundaries:
-                snap = self.store.peek(self.boundaries[key])
-            if snap is not None and (snap.length == length or length in snap.tails):
-                return length
-        return None
+        found = self._longest(links, touch=False)
+        return found[0] if found is not None else None
 
     def register(self, key: str, snapshot: StateSnapshot, links: Sequence[tuple[int, str]]) -> None:
         """Make the kept state under `key` found by the key of every block boundary among `links` (its prompt's)
