@@ -264,6 +264,46 @@ def test_a_share_admission_counted_that_does_not_happen_copies_or_waits(artifact
     _all_back(engine)
 
 
+def test_a_job_waiting_for_blocks_whose_client_leaves_is_dropped(artifact: Any) -> None:
+    """As above, the third question waits for blocks (admission counted a share that did not happen); its client
+    leaves while it waits: it is dropped at once (counted at the prefill stage), while the others still run,
+    never runs itself, and the others answer as alone; every block comes back."""
+    probe = _engine(artifact).runner.cache
+    long_new = 256  # the first two run long enough for the third to be seen waiting, and dropped meanwhile
+    one = -(-(DOC_LEN + 50 + long_new) // probe.block_size)
+    cache_bytes = (2 * one + 8) * probe.bytes_per_block + 4 * probe.reserved_bytes_per_slot
+    specs = [_spec(q, seed=2 + i, new=long_new) for i, q in enumerate(QUESTIONS)]
+    engine = _engine(artifact, cache_bytes=cache_bytes, max_batch_size=4)
+    live = engine.generations.reuse.live
+    assert live is not None
+    live.holder = lambda links, upto: None  # type: ignore[method-assign]
+    engine.start()
+    try:
+        _together(engine, [_spec(QUESTIONS[0], seed=9)])
+
+        async def run() -> tuple[list[Answer], bool, bool]:
+            with engine._cond:
+                streams = [engine.generate(spec) for spec in specs]
+            tasks = [asyncio.ensure_future(_collect(s)) for s in streams[:2]]
+            while not engine.generations.blocked and not all(t.done() for t in tasks):
+                await asyncio.sleep(0.001)
+            waited = bool(engine.generations.blocked)
+            streams[2].cancel()
+            while streams[2].job.state is not JobState.DONE:
+                await asyncio.sleep(0.001)  # dropped at the worker's next turn
+            others_running = not all(t.done() for t in tasks)
+            return [await t for t in tasks], waited, others_running
+
+        answers, waited, others_running = asyncio.run(run())
+        dropped = engine.metrics.dropped.labels("prefill")._value.get()  # type: ignore[attr-defined]
+    finally:
+        engine.stop()
+    assert waited and others_running
+    assert answers == _alone(artifact, specs[:2])
+    assert dropped == 1 and not engine.generations.blocked
+    _all_back(engine)
+
+
 def test_prompt_key_chains_are_hashed_off_the_engine_lock(artifact: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Admission reads a causal prompt's key chain under the lock the event loop takes to queue a request; the
     worker hashes it before taking that lock (a 500K-token chain takes about 12 ms), once per prompt."""
