@@ -11,6 +11,7 @@ import errno
 import os
 import shutil
 import subprocess
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,6 +19,21 @@ from pathlib import Path
 import pytest
 
 from service.prefix_cache import disk as disk_module
+from service.prefix_cache.disk import DiskTier
+
+
+def held_writes(monkeypatch: pytest.MonkeyPatch, most_s: float) -> threading.Event:
+    """A folder whose writes hang: each disk-tier write waits until the returned event is set (at most `most_s`
+    seconds), then writes."""
+    release = threading.Event()
+    real = DiskTier.write
+
+    def held(self: DiskTier, key: str, snapshot: object) -> int:
+        release.wait(most_s)
+        return real(self, key, snapshot)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(DiskTier, "write", held)
+    return release
 
 
 def _mount(*args: str) -> str | None:

@@ -5,7 +5,6 @@ files written, and no lookups below the minimum length."""
 from __future__ import annotations
 
 import os
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from service.prefix_cache.entry_key import EntryKey
 from service.prefix_cache.keys import CacheIdentity
 from service.prefix_cache.metrics import PrefixCacheMetrics
 from service.prefix_cache.store import PrefixStore
+from tests.service.prefix_cache.folders import held_writes
 
 KEY = EntryKey(b"d" * 32, "setting")
 ANY: Any = lambda metadata, shapes: None  # noqa: E731 (the layout is not what these tests are about)
@@ -151,14 +151,8 @@ def test_shutdown_waits_for_queued_writes_within_a_limit(tmp_path: Path, monkeyp
                                                           caplog: pytest.LogCaptureFixture) -> None:
     """A hung folder (a write that does not return) once made shutdown wait for ever: close() waited on the
     write queue with no limit. Now it waits at most its timeout, says what was not written, and goes."""
-    release = threading.Event()
     real = DiskTier.write
-
-    def hung(self: DiskTier, key: str, snapshot: StateSnapshot) -> int:
-        release.wait(30)
-        return real(self, key, snapshot)
-
-    monkeypatch.setattr(DiskTier, "write", hung)
+    release = held_writes(monkeypatch, 30)
     cache, _ = _cache(tmp_path)
     try:
         cache.offer(_key(1), _snapshot())

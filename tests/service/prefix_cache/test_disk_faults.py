@@ -18,6 +18,7 @@ from service.prefix_cache import disk as disk_module
 from service.prefix_cache.disk import DiskTier
 from service.prefix_cache.entry_key import resolve_key
 from tests.service.helpers import metric_value, running_app
+from tests.service.prefix_cache.folders import held_writes
 from tests.service.prefix_cache.test_prefix_cache import DOCS, KEY, LIMITS, QUESTIONS, _generate
 
 
@@ -61,14 +62,7 @@ def test_a_full_folder_fails_writes_not_requests(artifact: Any, tmp_path: Path, 
 
 def test_a_slow_folder_holds_no_request_back(artifact: Any, tmp_path: Path, cold: list[str],
                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    release = threading.Event()
-    real = DiskTier.write
-
-    def slow(self: DiskTier, key: str, snapshot: Any) -> int:
-        release.wait(60)
-        return real(self, key, snapshot)
-
-    monkeypatch.setattr(DiskTier, "write", slow)
+    release = held_writes(monkeypatch, 60)
     with running_app(artifact, **LIMITS, prefix_cache_dir=tmp_path, prefix_cache_key=KEY) as client:
         got = _answers(client)  # answered while the first write still waits
         waiting = not release.is_set()
