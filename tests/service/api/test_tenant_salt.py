@@ -33,7 +33,10 @@ def test_tenants_never_share_a_cached_document(artifact: Any, tmp_path: Path) ->
         assert _cached(client, KEY_A, " Who?") == 0
         # the same document and salt under another key: nothing is reported or reused
         assert _cached(client, KEY_B, " Who?") == 0
+        # the same explicit salt under both keys: still nothing shared (the tenant joins the salt, not replaced)
+        assert _cached(client, KEY_A, " Who?", salt="shared") == 0
         assert _cached(client, KEY_B, " Who?", salt="shared") == 0
+        assert _cached(client, KEY_A, " Who?", salt="shared") > 0
         assert _cached(client, KEY_A, " Who?") > 0  # the tenant's own repeat is a hit
         r = client.post("/generate", headers={"Authorization": "Bearer not-a-key-0123456789"},
                         json={"inputs": DOC, "parameters": {"max_new_tokens": 1}})
