@@ -11,7 +11,7 @@ from typing import Any
 from pydantic import BaseModel, Field, SecretStr, field_validator
 
 # The prefix cache's memory tier when prefix_cache_bytes is unset: this share of the decode cache's capacity
-# (service/engine/core.py; on CUDA at most a share of the host's free memory too).
+# (service/engine/runner.py `default_prefix_cache_bytes`; on CUDA at most a share of the host's free memory too).
 PREFIX_CACHE_SHARE = 0.5
 
 

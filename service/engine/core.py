@@ -221,10 +221,9 @@ class Engine:
         (`job.links`) for the worker (prompt_reuse.py), which reads it only once the read is done."""
         cache = self.prefix_cache
         assert cache is not None
+        key = self.generations.reuse.job_key(job)  # the worker's key (and a causal prompt's chain), hashed once
         if self.causal_prefill:  # the longest boundary of the prompt on disk (prompt_reuse.py)
-            job.links = cache.links(job.prefill_ids, job.spec.cache_salt)
-            return cache.causal_read_ahead([(n, k) for n, k in job.links if n < len(job.prefill_ids)])
-        key = cache.key(job.prefill_ids, job.spec.cache_salt)
+            return cache.causal_read_ahead([(n, k) for n, k in job.links or [] if n < len(job.prefill_ids)])
         return [key] if cache.wants_read_ahead(key, len(job.prefill_ids)) else []
 
     def _read_ahead_done(self, job: GenerationJob, snap: Any) -> None:
@@ -389,7 +388,10 @@ class Engine:
             return taken
         # a job whose disk read is still running waits, and so does everything behind it (FIFO)
         ready = next((i for i, j in enumerate(self._gen_queue) if j.read_ahead_pending), len(self._gen_queue))
-        heads = list(itertools.islice(self._gen_queue, ready))
+        # no more than the batch has rows left for (take_generations stops there): what admission works out for
+        # each head (a prefix-cache peek, live holders) runs under the lock, every loop turn
+        room = max(self.config.max_batch_size - self.generations.rows, 0)
+        heads = list(itertools.islice(self._gen_queue, min(ready, room)))
         # a fork reserves only what it does not share with its leader, and a causal prefix-cache hit what it does
         # not share with a live holder of its prefix: its own blocks and a spare order block for each shared one
         # (prompt_reuse.py `shared_blocks`); where the spare order blocks lack, they copy the whole state instead

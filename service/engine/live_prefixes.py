@@ -36,9 +36,9 @@ class LivePrefixes:
     def add(self, state: DecodeState, links: Sequence[tuple[int, str]]) -> None:
         """`state` holds (or is reading) a causal prompt whose key chain is `links` ((length, key) after every
         block): found by each of those keys until it is freed. Adding it again changes nothing."""
-        self._prune()
-        if id(state) in self._states or state.slot < 0:
+        if id(state) in self._states or state.slot < 0:  # added again after each slice read: nothing to do
             return
+        self._prune()
         keys = [key for _, key in links]
         self._states[id(state)] = (state, keys)
         for key in keys:

@@ -53,8 +53,8 @@ class PrefixCacheMetrics(Collector):
         self.forks = counter("prefix_cache_forks", "Generations (n / best_of choices, identical prompts) that "
                              "started from an identical segment's prefill running with them instead of their own.")
         self.shared_blocks = counter("prefix_cache_shared_blocks", "Decode-cache blocks a restored causal prompt "
-                                     "shares with a running request that holds the same prefix instead of "
-                                     "holding a copy.")
+                                     "shares with a live request (running or prefilling) that holds the same "
+                                     "prefix instead of holding a copy.")
         for tier in HIT_TIERS:
             self.hits.labels(tier)
         for reason in REFUSALS:
