@@ -13,7 +13,7 @@ import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, PrivateAttr, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from service.api_keys import ApiKeys, ApiKeysError, load_api_keys
@@ -338,18 +338,24 @@ class Settings(BaseSettings, PrefixCacheTrustSettings):
         # `REFORMER_API_KEY=` must not turn authentication on with a blank key every client would have to send
         return blank_is_none(value)
 
+    # the keys as read once at validation: the server serves exactly the keys checked at start-up, even if the
+    # file changes afterwards
+    _api_keys: ApiKeys | None = PrivateAttr(default=None)
+
     @model_validator(mode="after")
     def _keys_file_is_usable(self) -> Settings:
-        self.api_keys()  # a malformed or unreadable file is refused here, at start-up, naming its line
+        # a malformed or unreadable file is refused here, at start-up, naming its line
+        try:
+            self._api_keys = load_api_keys(self.api_key.get_secret_value() if self.api_key is not None else None,
+                                           self.api_keys_file)
+        except ApiKeysError as err:
+            raise ValueError(str(err)) from err
         return self
 
     def api_keys(self) -> ApiKeys | None:
-        """The accepted keys and their tenants, or None: no key is needed."""
-        try:
-            return load_api_keys(self.api_key.get_secret_value() if self.api_key is not None else None,
-                                 self.api_keys_file)
-        except ApiKeysError as err:
-            raise ValueError(str(err)) from err
+        """The accepted keys and their tenants (read when the settings were validated), or None: no key is
+        needed."""
+        return self._api_keys
 
     @model_validator(mode="after")
     def _cache_fits_the_container(self) -> Settings:

@@ -50,3 +50,14 @@ def test_settings_refuse_an_unusable_file_at_start_up(tmp_path: Path, content: s
         Settings(api_keys_file=path)
     with pytest.raises(ValidationError, match="cannot be read"):
         Settings(api_keys_file=tmp_path / "missing")
+
+
+def test_the_keys_served_are_the_keys_validated(tmp_path: Path) -> None:
+    """The file is read once, when the settings are validated: a file changed afterwards (say, a Secret mounted
+    anew) changes nothing until a restart, so no key that start-up did not check is ever accepted."""
+    path = tmp_path / "keys"
+    path.write_text(f"acme:{KEY_A}\n")
+    settings = Settings(api_keys_file=path)  # type: ignore[call-arg]
+    path.write_text("acme: not a valid line\n")
+    keys = settings.api_keys()
+    assert keys is not None and keys.by_key == {KEY_A: "acme"}
