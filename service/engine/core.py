@@ -221,9 +221,10 @@ class Engine:
         (`job.links`) for the worker (prompt_reuse.py), which reads it only once the read is done."""
         cache = self.prefix_cache
         assert cache is not None
-        key = self.generations.reuse.job_key(job)  # the worker's key (and a causal prompt's chain), hashed once
+        reuse = self.generations.reuse
+        key = reuse.job_key(job)  # the worker's key (and a causal prompt's chain), hashed once
         if self.causal_prefill:  # the longest boundary of the prompt on disk (prompt_reuse.py)
-            return cache.causal_read_ahead([(n, k) for n, k in job.links or [] if n < len(job.prefill_ids)])
+            return cache.causal_read_ahead(reuse.short_links(job))
         return [key] if cache.wants_read_ahead(key, len(job.prefill_ids)) else []
 
     def _read_ahead_done(self, job: GenerationJob, snap: Any) -> None:

@@ -127,7 +127,7 @@ class PromptReuse:
         when it restores a kept state, that state among the `planned` holders of the jobs behind it)."""
         if self.live is None or self.cache is None:
             return 0
-        short = [(n, key) for n, key in self._links(job) if n < len(job.prefill_ids)]
+        short = self.short_links(job)
         length = self.cache.peek_longest(short, len(job.prefill_ids) - 1, job.read_ahead)
         if length is None:
             return 0
@@ -224,9 +224,7 @@ class PromptReuse:
         read_ahead, job.read_ahead = job.read_ahead, None
         if self.cache is None:
             return
-        # the prompt's last token is always read (its logits are the first token's), so a state of the whole
-        # prompt is never what it continues from
-        short = [(n, key) for n, key in self._links(job) if n < len(job.prefill_ids)]
+        short = self.short_links(job)
         found = self.cache.lookup_longest(short, len(job.prefill_ids) - 1, read_ahead)
         if found is None:
             return
@@ -316,6 +314,11 @@ class PromptReuse:
                 self.cache.register(key, snap, upto)
         except Exception:  # the cache is an optimisation: the request goes on without it
             log.exception("could not keep a state in the prefix cache", extra={"request_id": job.request_id})
+
+    def short_links(self, job: GenerationJob) -> list[tuple[int, str]]:
+        """The causal prompt's key chain short of its end: the boundaries it can continue from (its last token is
+        always read, so a state of the whole prompt is never one)."""
+        return [(n, key) for n, key in self._links(job) if n < len(job.prefill_ids)]
 
     def _links(self, job: GenerationJob) -> list[tuple[int, str]]:
         """The causal prompt's key chain, (length, key) after every block: hashed once per job (by the engine
