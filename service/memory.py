@@ -20,7 +20,9 @@ defaults before it kept 450-600 MB of free heap chunks from minute 5 on, 5-minut
 bytes in use flat: bench/results/soak_defaults_before_busy_trim_24min.json); and, with a memory budget, the
 heap and every free pool page between two turns while the RSS is above it (at most once every
 `BUDGET_TRIM_INTERVAL_S`, so that a budget under the working set cannot make every step fault its memory in
-again).
+again). Except over the budget, the lowest `hot_bytes()` of free blocks stay resident too (the engine passes
+what a restore of the longest state its prefix cache holds in memory takes: a hit is restored into the lowest
+free blocks, so it writes resident pages instead of faulting them in, idle or not).
 
 The heap's part degrades to "unavailable" off glibc (musl, macOS): nothing raises, nothing is trimmed.
 """
@@ -191,12 +193,13 @@ class HeapKeeper:
     def __init__(self, idle_trim_s: float, budget_bytes: int = 0, trim: Callable[[], bool] | None = None,
                  rss: Callable[[], int] = rss_bytes, clock: Callable[[], float] = time.monotonic,
                  release: Callable[[int], int] | None = None, keep_bytes: int | None = None,
-                 busy_trim_s: float = 0.0) -> None:
+                 busy_trim_s: float = 0.0, hot_bytes: Callable[[], int] | None = None) -> None:
         """`trim`: the heap's trim (default malloc_trim where glibc has it); `release(keep)`: gives back the
         decode cache's free pool pages but those of the lowest `keep` bytes of free blocks, returns the bytes
         advised (the engine passes its runner's `release_free_pages`); a trim calls it with 0, and with
         `keep_bytes` (None: never) it runs after every turn that did work (it returns at once when no request
-        finished). `busy_trim_s` (0: never): a trim after a turn of work when none ran for that long."""
+        finished). `busy_trim_s` (0: never): a trim after a turn of work when none ran for that long.
+        `hot_bytes()`: free-block bytes every release but a budget trim's keeps resident too (at least)."""
         self.idle_trim_s = idle_trim_s
         self.busy_trim_s = busy_trim_s
         self.budget_bytes = budget_bytes
@@ -204,6 +207,7 @@ class HeapKeeper:
             malloc_trim if trim_available() else None)
         self.release_function = release
         self.keep_bytes = keep_bytes
+        self.hot_function = hot_bytes
         self.rss_function = rss
         self.clock = clock
         self.last_busy = clock()
@@ -250,7 +254,7 @@ class HeapKeeper:
         self.last_busy = now
         self.trimmed_this_spell = False
         if self.keep_bytes is not None and self.release_function is not None:
-            self._release_finished(self.release_function, self.keep_bytes)
+            self._release_finished(self.release_function, max(self.keep_bytes, self._hot()))
         if self.busy_trim_s > 0 and now >= self.next_busy_trim:
             self.trim("busy")
             return
@@ -275,8 +279,9 @@ class HeapKeeper:
         try:
             if self.trim_function is not None:
                 self.trim_function()
-            # free blocks only: the running requests' blocks are not touched
-            pool = self.release_function(0) if self.release_function is not None else 0
+            # free blocks only: the running requests' blocks are not touched; over the budget, every free one
+            keep = 0 if reason == "budget" else self._hot()
+            pool = self.release_function(keep) if self.release_function is not None else 0
         except Exception:
             self._failures += 1
             log.warning("memory trim failed (%d so far); the process keeps the memory", self._failures,
@@ -291,6 +296,16 @@ class HeapKeeper:
             self.last_released_bytes = released
             self.pool_released[reason] += pool
         log.debug("heap trimmed (%s): %.1f MB returned in %.1f ms", reason, released / 2**20, took * 1000)
+
+    def _hot(self) -> int:
+        """`hot_bytes()`, 0 when there is none or it fails (logged): it only decides what stays resident."""
+        if self.hot_function is None:
+            return 0
+        try:
+            return max(int(self.hot_function()), 0)
+        except Exception:
+            log.warning("reading the bytes to keep resident failed; none kept for it", exc_info=True)
+            return 0
 
     def _release_finished(self, release: Callable[[int], int], keep: int) -> None:
         try:
@@ -322,4 +337,5 @@ class HeapKeeper:
                 "malloc_trim_available": self.trim_function is not None,
                 "decode_cache_release": self.release_function is not None,
                 "decode_cache_keep_bytes": self.keep_bytes,
+                "decode_cache_keeps_prefix_hits": self.hot_function is not None,
                 "heap_stats_available": _LIBC.mallinfo2 is not None}

@@ -230,9 +230,10 @@ class Settings(BaseSettings, PrefixCacheTrustSettings):
     idle_trim_s: float = Field(
         2.0, ge=0, le=86_400, allow_inf_nan=False,  # the worker waits this long: a finite, sane timeout
         description="When the model worker has had nothing running or queued for this many seconds, it returns "
-        "the free pages of the heap (glibc malloc_trim) and of the decode cache's pools to the system once, then "
-        "waits for work; 0: never. The service keeps freed memory in the heap while it works "
-        "(model/decoding/runtime.py's "
+        "the free pages of the heap (glibc malloc_trim) and of the decode cache's pools to the system once (but "
+        "the lowest free blocks, as many as a restore of the longest state the prefix cache holds in memory "
+        "takes: a hit is restored into them), then waits for work; 0: never. The service keeps freed memory in "
+        "the heap while it works (model/decoding/runtime.py's "
         "malloc thresholds, which spare large tensors a page fault per use) and the pools stay resident wherever "
         "a request wrote them, so resident memory otherwise only grows. The first request after a trim faults in "
         "the pages it reuses. reformer_heap_trims_total{reason=\"idle\"} counts the trims.",
@@ -240,8 +241,9 @@ class Settings(BaseSettings, PrefixCacheTrustSettings):
     busy_trim_s: float = Field(
         30.0, ge=0, le=86_400, allow_inf_nan=False,
         description="Under steady load (the worker never idle for REFORMER_IDLE_TRIM_S), it also returns the free "
-        "pages of the heap and of the decode cache's pools once every this many seconds, between two of its turns "
-        "(never during a model step); 0: never. Without it the heap's free chunks stay resident and add up with "
+        "pages of the heap and of the decode cache's pools (but those the prefix cache's hits are restored into, "
+        "as an idle trim) once every this many seconds, between two of its turns (never during a model step); 0: "
+        "never. Without it the heap's free chunks stay resident and add up with "
         "fragmentation while the service is busy. Each trim pauses the running requests for the trim itself "
         "(reformer_heap_trim_seconds_total adds up its time) and the pages it returned fault in again as they are "
         "reused. reformer_heap_trims_total{reason=\"busy\"} counts the trims.",
@@ -249,7 +251,8 @@ class Settings(BaseSettings, PrefixCacheTrustSettings):
     memory_budget_mb: int = Field(
         0, ge=0,
         description="Resident memory (RSS, MiB) above which the model worker also trims the heap and gives the "
-        "decode cache's free pool pages back while busy: "
+        "decode cache's free pool pages back while busy (every one of them, even those a prefix-cache hit would be "
+        "restored into): "
         "between two of its turns (never during a model step), at most once every 10 s; 0 (default): only the "
         "idle and busy trims. Each such trim costs the running requests a pause (the trim itself, tens of ms per GB "
         "returned) and page faults as the memory is reused: set it above the working set, as a bound on "
@@ -260,10 +263,12 @@ class Settings(BaseSettings, PrefixCacheTrustSettings):
         64, ge=0,
         description="When a generation finishes, the model worker gives the pages of the decode cache's free "
         "blocks back to the system, all but the lowest-numbered this many MiB of them (blocks are handed out "
-        "lowest first, so short requests reuse those pages instead of faulting them in again). Without it the "
+        "lowest first, so short requests reuse those pages instead of faulting them in again), and at least as "
+        "many as a restore of the longest state the prefix cache holds in memory takes (a hit is restored into "
+        "the lowest free blocks, which then write resident pages instead of faulting fresh ones in). Without it the "
         "cache's resident memory under steady load is the most it ever held at once: the engine is never idle "
         "for REFORMER_IDLE_TRIM_S, and a free block's pages stay resident once written. Larger: fewer page "
-        "faults, more resident memory; 0: every finished request's pages go back. "
+        "faults, more resident memory; 0: every finished request's pages go back but those. "
         "reformer_decode_cache_released_bytes_total{reason=\"finished\"} counts what goes back, "
         "reformer_decode_cache_resident_bytes shows what stays.",
     )
@@ -307,7 +312,8 @@ class Settings(BaseSettings, PrefixCacheTrustSettings):
         description="Also export reformer_python_objects, reformer_live_tensor_bytes and "
         "reformer_live_tensor_resident_bytes, from a walk over gc.get_objects() at most every 30 s (a scrape in "
         "between reuses the figures): about 0.2 s with the GIL held, for diagnosis and bench/serving/soak.py, not for "
-        "production.",
+        "production. With it, the objects of start-up are not frozen out of the garbage collector's full passes "
+        "(gc.freeze, which the walk could not see past), so those passes take longer.",
     )
     # structured output (service/text/structured/)
     structured_compile_timeout_s: float = Field(

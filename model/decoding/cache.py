@@ -202,7 +202,9 @@ class DecodeCache:
         self._free_blocks = list(range(1, self.blocks))  # a heap: the lowest free block is handed out first
         self._is_free = [False, *([True] * (self.blocks - 1))]
         self._written: set[int] = set()  # free blocks written since their pages were last given back
-        self._last_take: int | None = None  # keep_blocks of the last take_releasable when no block was freed since
+        self._last_take: int | None = None  # the keep limit of the last take_releasable when no block was freed since
+        self._free_changes = 0  # counts allocations and frees: what `_keep_limit`'s memo is valid for
+        self._keep_memo: tuple[int, int, int] | None = None  # (changes, keep_blocks, limit)
         self._free_slots = list(range(max_slots - 1, -1, -1))
         # per slot: its request's keys hashed ahead of a bucket-count change (model/decoding/rehash_ahead.py)
         self.hashed_ahead: dict[int, HashedAhead] = {}
@@ -303,6 +305,7 @@ class DecodeCache:
         if not self.fits_now(tokens, shared):
             raise CacheFull(f"decode cache full: {tokens} tokens do not fit now")
         blocks = [heapq.heappop(self._free_blocks) for _ in range(need - shared)]
+        self._free_changes += 1
         for block in blocks:
             self._is_free[block] = False
             self._refs[block] = 1
@@ -333,6 +336,7 @@ class DecodeCache:
             heapq.heappush(self._free_orders, block)
         self._written.update(freed)
         self._last_take = None
+        self._free_changes += 1
         self.hashed_ahead.pop(state.slot, None)
         self._free_slots.append(state.slot)
         state.blocks, state.slot, state.order_blocks, state.shared = [], -1, [], 0
@@ -426,12 +430,13 @@ class DecodeCache:
         """Row ranges [start, stop) of the block pools (`block_pools`) whose contents are dead and whose pages
         the owner gives back now (service/engine/runner.py `release_free_pages`); the blocks in them count as given
         back from then on.
-        Each range is a run of free blocks around the free blocks written since their last release, numbered
-        `keep_blocks` or above (blocks are handed out lowest first, so those below are the next ones reused
-        and stay resident), widened by up to `reach` free blocks on either side (blocks given back already)
-        so that it can cover whole huge pages. Safe because a read never reaches a pool row not written since
-        its block's allocation (see the pools in `__init__`)."""
-        low = max(keep_blocks, 1)  # never block 0 (scratch)
+        Each range is a run of free blocks around the free blocks written since their last release, above the
+        `keep_blocks` lowest-numbered free blocks (blocks are handed out lowest first, so those are the next ones
+        reused and stay resident, wherever running requests hold the blocks below them), widened by up to
+        `reach` free blocks on either side (blocks given back already) so that it can cover whole huge pages.
+        Safe because a read never reaches a pool row not written since its block's allocation (see the pools in
+        `__init__`)."""
+        low = self._keep_limit(keep_blocks)  # never block 0 (scratch)
         if self._last_take is not None and low >= self._last_take:
             return []  # nothing freed since a take that left no more than this (called every turn: cheap)
         self._last_take = low
@@ -451,6 +456,19 @@ class DecodeCache:
                 first = runs.pop()[0]
             runs.append((first, stop))
         return [(first * self.block_size, stop * self.block_size) for first, stop in runs]
+
+    def _keep_limit(self, keep_blocks: int) -> int:
+        """The block number past the `keep_blocks` lowest free blocks (every block when fewer are free; 1, past
+        the scratch block, for none). Memoised until the next allocation or free: decode turns call it too."""
+        if keep_blocks <= 0:
+            return 1
+        memo = self._keep_memo
+        if memo is not None and memo[:2] == (self._free_changes, keep_blocks):
+            return memo[2]
+        lowest = heapq.nsmallest(keep_blocks, self._free_blocks)
+        limit = lowest[-1] + 1 if len(lowest) == keep_blocks else self.blocks
+        self._keep_memo = (self._free_changes, keep_blocks, limit)
+        return limit
 
     # ---- tensors -----------------------------------------------------------------------------------------
     def rows(self, slots: Tensor, positions: Tensor) -> Tensor:

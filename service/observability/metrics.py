@@ -132,6 +132,7 @@ class ServiceMetrics:
     """Every metric the service exports, registered on one registry."""
 
     def __init__(self, engine_source: Callable[[], EngineStats | None] = lambda: None, debug_memory: bool = False):
+        self.debug_memory = debug_memory  # the engine then leaves start-up's objects unfrozen (core.py `_run`)
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)
         r = self.registry

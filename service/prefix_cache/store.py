@@ -45,6 +45,8 @@ class PrefixStore:
         self.referenced_bytes = 0
         self.evictable_bytes = 0
         self.evictions = 0
+        self._changes = 0  # counts insertions and drops: what `_longest`'s memo is valid for
+        self._longest: tuple[int, int] = (0, 0)  # (changes, positions)
 
     @property
     def free_bytes(self) -> int:
@@ -98,6 +100,7 @@ class PrefixStore:
                     self.on_evict()
             entry = Entry(snapshot, nbytes, born=time.monotonic())
             self._entries[key] = entry
+            self._changes += 1
             self.evictable_bytes += nbytes
             if pin:
                 self._pin(entry)
@@ -132,7 +135,17 @@ class PrefixStore:
             self.referenced_bytes += entry.nbytes
         entry.pins += 1
 
+    def longest(self) -> int:
+        """The most positions a state held here has (0 when none is). Memoised until an entry comes or goes: the
+        model worker reads it after every turn (service/engine/core.py `_release_free_pages`)."""
+        with self._lock:
+            if self._longest[0] != self._changes:
+                most = max((e.snapshot.length for e in self._entries.values()), default=0)
+                self._longest = (self._changes, most)
+            return self._longest[1]
+
     def _drop(self, key: str) -> None:
+        self._changes += 1
         entry = self._entries.pop(key)
         assert entry.pins == 0
         self.evictable_bytes -= entry.nbytes

@@ -390,3 +390,20 @@ def test_sampling_after_a_model_call_runs_on_one_thread(artifact: Any, monkeypat
     finally:
         e.stop()
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("debug_memory", [False, True])
+def test_start_up_objects_are_frozen_out_of_full_collections_until_stop(artifact: Any, debug_memory: bool) -> None:
+    import gc
+
+    gc.unfreeze()
+    engine = Engine(artifact.model, artifact.tokenizer, backend=None,  # type: ignore[arg-type]
+                    device=None, config=EngineConfig(warmup=False), metrics=ServiceMetrics(debug_memory=debug_memory))
+    engine.start()
+    try:
+        assert engine.ready.wait(30)
+        # the debug view walks gc.get_objects(), which leaves frozen objects out: then nothing is frozen
+        assert (gc.get_freeze_count() == 0) is debug_memory
+    finally:
+        engine.stop()
+    assert gc.get_freeze_count() == 0

@@ -5,7 +5,9 @@ back between turns; the running requests' results do not change."""
 from __future__ import annotations
 
 import asyncio
+import heapq
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -156,3 +158,63 @@ def test_the_busy_engine_releases_after_a_request_finishes_and_over_the_budget(
     assert (0, 1) in calls or (0, 2) in calls  # the budget's release between two steps of a running generation
     assert any(keep == 2**20 for keep, _ in calls)  # after each turn, keeping the lowest MiB of free blocks
     assert engine.memory.trims["budget"] >= 1 and engine.alive
+
+
+def test_the_hot_bytes_stay_resident_on_every_release_but_the_budget_trims(caplog: Any) -> None:
+    calls: list[int] = []
+
+    def release(keep: int) -> int:
+        calls.append(keep)
+        return 0
+
+    rss, hot = [0], [8192]
+    keeper = HeapKeeper(2.0, budget_bytes=100, trim=lambda: True, release=release, keep_bytes=4096,
+                        rss=lambda: rss[0], hot_bytes=lambda: hot[0])
+    keeper.after_work()
+    assert calls == [8192]  # a request finished: the larger of the two
+    hot[0] = 1024
+    keeper.after_work()
+    assert calls[-1] == 4096
+    keeper.trim("idle")
+    keeper.trim("busy")
+    assert calls[-2:] == [1024, 1024]  # idle or busy: the hot bytes stay
+    rss[0] = 200
+    keeper.last_budget_check = keeper.last_trim_at = float("-inf")
+    keeper.after_work()
+    assert calls[-1] == 0 and keeper.trims["budget"] == 1  # over the budget: every free page goes
+
+    def broken() -> int:
+        raise RuntimeError("injected")
+
+    keeper.hot_function = broken
+    keeper.trim("idle")
+    assert calls[-1] == 0 and "bytes to keep resident failed" in caplog.text
+    assert keeper.describe()["decode_cache_keeps_prefix_hits"] is True
+
+
+def test_a_kept_documents_blocks_stay_resident_for_the_next_question(artifact: Any, started: list[Engine]) -> None:
+    from service.prefix_cache import PrefixCacheConfig
+
+    config = EngineConfig(warmup=False, prefill="causal", idle_trim_s=0.05, cache_keep_bytes=1,
+                          prefix_cache=PrefixCacheConfig(capacity_bytes=64 * 2**20, min_tokens=16))
+    engine = Engine(artifact.model, artifact.tokenizer, backend=None,  # type: ignore[arg-type]
+                    device=None, config=config, metrics=ServiceMetrics())
+    assert engine.causal_prefill and engine.prefix_cache is not None
+    engine.start()
+    started.append(engine)
+    doc = [3 + (i * 7) % 240 for i in range(1300)]
+    _generate(engine, [doc + [9, 8, 7]], 2)
+    cache = engine.runner.cache
+    kept = engine.prefix_cache.store.longest()
+    assert kept == 1280  # the document's last block boundary
+    assert engine._hot_bytes() == cache.bytes_for(kept)
+    deadline = time.monotonic() + 20
+    while engine.memory.trims["idle"] < 1:  # the idle trim gave back all it gives back
+        assert time.monotonic() < deadline, "no idle trim"
+        time.sleep(0.02)
+    # a hit on the kept state is restored into the lowest free blocks: written, still resident
+    need = -(-engine._hot_bytes() // cache.bytes_per_block)
+    with engine._cond:
+        lowest = heapq.nsmallest(need, cache._free_blocks)
+        assert set(lowest) <= cache._written
+        assert not cache._written - set(lowest)  # the rest went back (keep 1 byte: one block at most)

@@ -55,7 +55,8 @@ def test_the_served_app_reports_its_heap_its_trims_and_its_budget(artifact: Any)
     assert metric_value(text, "reformer_memory_budget_bytes") == 4096 * 2**20
     assert info["memory"] == {"idle_trim_s": 0.1, "busy_trim_s": 30.0, "memory_budget_bytes": 4096 * 2**20,
                               "malloc_trim_available": True, "decode_cache_release": True,
-                              "decode_cache_keep_bytes": 64 * 2**20, "heap_stats_available": True}
+                              "decode_cache_keep_bytes": 64 * 2**20, "decode_cache_keeps_prefix_hits": True,
+                              "heap_stats_available": True}
     assert metric_value(text, "reformer_decode_cache_resident_bytes") > 0  # block 0 of each pool, at least
     assert metric_value(text, "reformer_decode_cache_written_free_bytes") >= 0
     assert metric_value(text, "reformer_decode_cache_released_bytes_total", {"reason": "idle"}) >= 0
