@@ -77,7 +77,9 @@ class GenerationSteps:
     @property
     def rows(self) -> int:
         """The generations that take a row of the decode steps: running, or prefilling to run next."""
-        return len(self.running) + sum(len(entry.jobs) for entry in self.prefilling) + len(self.blocked)
+        readers = self.reuse.readers
+        return (len(self.running) + sum(len(entry.jobs) for entry in self.prefilling) + len(self.blocked)
+                + (len(readers) if readers is not None else 0))
 
     def release(self, job: GenerationJob) -> None:
         """The job's decode cache goes back to the allocator (its blocks and slot), then the job forgets it (a
@@ -114,6 +116,9 @@ class GenerationSteps:
         for job in [j for j in self.blocked if j.cancel_requested]:
             self.blocked.remove(job)
             self._drop(job, "prefill")
+        if self.reuse.readers is not None:
+            for job in self.reuse.readers.drop_cancelled():
+                self._drop(job, "prefill")
         for forks in self.reuse.waiting.values():
             for fork in [f for f in forks if f.cancel_requested]:
                 forks.remove(fork)
@@ -124,6 +129,13 @@ class GenerationSteps:
             for job in entry.jobs:
                 self.reuse.orphans(job)  # its prompt is no longer being prefilled: a later one leads anew
                 self._drop(job, "prefill")
+        self._unwait()
+
+    def _unwait(self) -> None:
+        """Under the lock: prompts that waited for a reader of their prefix (prefix_readers.py), whose state is
+        kept now or who left, start again before any queued job (as `blocked` jobs do)."""
+        if self.reuse.readers is not None and self.reuse.readers.released:
+            self.blocked.extend(self.reuse.readers.take_released())
 
     def _all_gone(self, leaders: list[GenerationJob]) -> bool:
         """Whether no client waits for these jobs' prefill: neither theirs nor a fork's."""
@@ -220,6 +232,8 @@ class GenerationSteps:
                 continue
             self.prefilling.remove(entry)
             self._prefilled(jobs, logits, states, scored[0] if scored else None)
+        with self.cond:
+            self._unwait()
 
     @staticmethod
     def _scoring(jobs: list[GenerationJob]) -> list[int | None] | None:
@@ -251,6 +265,7 @@ class GenerationSteps:
                 length, logits, state = next(steps)
             except StopIteration as done:
                 logits, state, scores = done.value
+                self.reuse.read(job)
                 if scores is None:
                     return logits.unsqueeze(0), [state]
                 return logits.unsqueeze(0), [state], [scores]

@@ -39,6 +39,7 @@ from model.decoding.prefix_restore import BlockTails, restore_prefix
 from model.decoding.snapshot import PREFIX_BLOCK, restore_snapshot, take_snapshot
 from service.engine.jobs_runtime import GenerationJob
 from service.engine.live_prefixes import LivePrefixes
+from service.engine.prefix_readers import PrefixReaders
 from service.prefix_cache.keys import KEY_BLOCK_TOKENS, chain_key
 
 if TYPE_CHECKING:
@@ -97,6 +98,8 @@ class PromptReuse:
         self._hits: dict[str, GenerationJob] = {}
         # the causal prompts' live states by the keys of their boundaries: a hit shares its first blocks with one
         self.live = LivePrefixes(runner.cache) if causal and cache is not None and share_blocks else None
+        # causal prompts being read until their state is kept, and the prompts waiting for them (prefix_readers.py)
+        self.readers = PrefixReaders() if causal and cache is not None else None
 
     def shared_blocks(self, jobs: list[GenerationJob]) -> list[int]:
         """For admission, per job in queue order: how many blocks it will share if they start together now: with
@@ -184,6 +187,8 @@ class PromptReuse:
             out.ready.append((job, next(logits for j, logits in out.ready if j is hit)))
             return
         if self.causal:
+            if self._waits_for_reader(job):
+                return
             self._continue_causal(job)
             if job.cache is None:  # read from position 0: its blocks taken now, so that one admission counted as
                 # sharing waits for them here (`sort`: blocked), holding nothing, not midway through its read
@@ -191,6 +196,9 @@ class PromptReuse:
                                                      self.runner.max_positions))
             self.waiting[key] = []
             out.prefill.append(job)
+            keep = self.keep_at(job)
+            if self.readers is not None and keep is not None:
+                self.readers.add(job, keep, tail_boundaries(keep), self._links(job))
             return
         found = None
         if self.cache is not None:
@@ -216,6 +224,23 @@ class PromptReuse:
                 return
         self.waiting[key] = []
         out.prefill.append(job)
+
+    def _waits_for_reader(self, job: GenerationJob) -> bool:
+        """Whether a causal prompt waits, holding nothing, for a prompt being read now that shares a long prefix
+        with it (service/engine/prefix_readers.py): it starts again once that one's state is kept."""
+        if self.readers is None or self.cache is None:
+            return False
+        short = self.short_links(job)
+        cached = self.cache.peek_longest(short, len(job.prefill_ids) - 1, job.read_ahead)
+        if cached is None and len(job.prefill_ids) - 1 < self.cache.config.min_tokens:
+            return False  # too short to find a kept state whatever is kept
+        reader = self.readers.reader_for(short, cached or 0)
+        if reader is None:
+            return False
+        self.readers.wait(reader, job)
+        if self.metrics is not None:
+            self.metrics.read_waits.inc()
+        return True
 
     def _continue_causal(self, job: GenerationJob) -> None:
         """A causal prompt starts from the longest kept state of its prefix (restored into `job.cache`, which
@@ -277,6 +302,11 @@ class PromptReuse:
         if self.live is not None:
             self.live.add(state, self._links(job))
 
+    def read(self, job: GenerationJob) -> None:
+        """A causal prompt has been read to its end: no longer a reader (it was one until its state was kept)."""
+        if self.readers is not None:
+            self.readers.done(job)
+
     def keep_at(self, job: GenerationJob) -> int | None:
         """Where a causal prompt's state is worth keeping: its last block boundary short of its end (so a
         repeat of the prompt has a token to read and logits of its own), when the prefix cache takes it and it
@@ -314,6 +344,8 @@ class PromptReuse:
                 self.cache.register(key, snap, upto)
         except Exception:  # the cache is an optimisation: the request goes on without it
             log.exception("could not keep a state in the prefix cache", extra={"request_id": job.request_id})
+        if self.readers is not None:
+            self.readers.done(job)  # the prompts waiting for it start again: they continue from this state
 
     def short_links(self, job: GenerationJob) -> list[tuple[int, str]]:
         """The causal prompt's key chain short of its end: the boundaries it can continue from (its last token is
@@ -404,11 +436,14 @@ class PromptReuse:
                               extra={"request_id": job.request_id})
 
     def orphans(self, leader: GenerationJob) -> list[GenerationJob]:
-        """The forks of a leader that will not finish (it failed or was dropped): the caller fails them."""
+        """The forks of a leader that will not finish (it failed or was dropped): the caller fails them. The
+        prompts waiting for it as a reader (prefix_readers.py) are released instead: they read for themselves."""
+        if self.readers is not None:
+            self.readers.done(leader)
         key = leader.prefix_key
         return self.waiting.pop(key, []) if key is not None else []
 
     def take_all(self) -> list[GenerationJob]:
         jobs = [job for forks in self.waiting.values() for job in forks]
         self.waiting.clear()
-        return jobs
+        return jobs + (self.readers.take_all() if self.readers is not None else [])

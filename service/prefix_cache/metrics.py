@@ -55,6 +55,9 @@ class PrefixCacheMetrics(Collector):
         self.shared_blocks = counter("prefix_cache_shared_blocks", "Decode-cache blocks a restored causal prompt "
                                      "shares with a live request (running or prefilling) that holds the same "
                                      "prefix instead of holding a copy.")
+        self.read_waits = counter("prefix_cache_read_waits", "Causal prompts that waited for a request reading a "
+                                  "long prefix of theirs, to continue from its kept state instead of reading the "
+                                  "prefix beside it.")
         for tier in HIT_TIERS:
             self.hits.labels(tier)
         for reason in REFUSALS:
