@@ -1,0 +1,154 @@
+"""Questions about one new document sent at the same time, through the engine in-process on the shipped model under
+the causal prefill: their times to first token and the prompt tokens read, when the later questions wait for
+the first one's read of the document and continue from its kept state (the default,
+service/engine/prefix_readers.py) against each reading the whole document beside the others (the path before).
+The arms run on one engine, interleaved repeat by repeat; ratios are taken in one run.
+
+    python bench/serving/document_together.py [ARTIFACT] [--doc-tokens 16384] [--questions 4] [--new 8]
+                                              [--repeats 3] [--test-books DIR] [--out FILE]
+
+Each repeat empties the prefix cache's memory tier and submits --questions prompts (the document, then a
+question) in one admission turn. The document is the first --doc-tokens tokens of the first whole book of
+--test-books (bench/unseen_books.py; without it, seeded random tokens). Greedy, so the two arms must give the
+same tokens (checked). `ttft_mean_s` and `ttft_last_s` are the mean and the largest time from submitting to a
+question's first token (medians over --repeats); `tokens_read` counts the prompt tokens the extend read.
+Writes bench/results/document_together.json and prints a table with the 1-minute load before and after."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from bench.results_io import write_json  # noqa: E402
+from bench.serving.fork_memory import prompt_ids  # noqa: E402
+from bench.serving.shared_prefix import QUESTIONS  # noqa: E402
+from bench.unseen_books import add_test_books_arg  # noqa: E402
+from export import load_artifact  # noqa: E402
+from model.sampling import SamplingParams  # noqa: E402
+from service.engine.core import Engine, EngineConfig  # noqa: E402
+from service.jobs import GenerationSpec  # noqa: E402
+from service.observability.metrics import ServiceMetrics  # noqa: E402
+from service.prefix_cache import PrefixCacheConfig  # noqa: E402
+
+
+async def _ask_together(engine: Engine, specs: list[GenerationSpec]) -> tuple[list[float], list[list[int]]]:
+    """Every spec submitted in one admission turn: each one's seconds to its first token, and its tokens."""
+    with engine._cond:  # queued together: one admission turn takes them all
+        began = time.perf_counter()
+        streams = [engine.generate(spec) for spec in specs]
+
+    async def one(stream: Any) -> tuple[float, list[int]]:
+        ids: list[int] = []
+        first = 0.0
+        while True:
+            event = await stream.next_event()
+            if not ids:
+                first = time.perf_counter() - began
+            ids.append(event.id)
+            if event.finish is not None:
+                return first, ids
+
+    done = await asyncio.gather(*(one(s) for s in streams))
+    return [t for t, _ in done], [ids for _, ids in done]
+
+
+def run_arms(artifact: Any, doc: list[int], questions: list[list[int]], new: int, repeats: int
+             ) -> dict[str, dict[str, Any]]:
+    longest = len(doc) + max(len(q) for q in questions) + new
+    config = EngineConfig(warmup=False, max_request_tokens=longest, prefill="causal",
+                          max_batch_size=max(8, len(questions)), prefix_cache=PrefixCacheConfig(capacity_bytes=1 << 30))
+    engine = Engine(artifact.model, artifact.tokenizer, backend=None, device=None,  # type: ignore[arg-type]
+                    config=config, metrics=ServiceMetrics())
+    if not engine.causal_prefill:
+        raise SystemExit("the causal prefill does not run here (it needs the C kernels)")
+    reuse = engine.generations.reuse
+    readers = reuse.readers
+    assert readers is not None and engine.prefix_cache is not None
+    read = [0]
+    extend = engine.runner.extend_slices
+
+    def counting(prompt: Any, reserve: int, state: Any, *args: Any, **kwargs: Any) -> Any:
+        read[0] += len(prompt) - (state.length if state is not None else 0)
+        return extend(prompt, reserve, state, *args, **kwargs)
+
+    engine.runner.extend_slices = counting  # type: ignore[method-assign,assignment]
+    specs = [GenerationSpec(prompt_ids=doc + q, sampling=SamplingParams(), max_new_tokens=new, stop_on_eos=False)
+             for q in questions]
+    arms = {"wait": True, "read_each": False}
+    out: dict[str, dict[str, Any]] = {name: {"ttft_mean_all_s": [], "ttft_last_all_s": []} for name in arms}
+    engine.start()
+    try:
+        asyncio.run(_ask_together(engine, specs[:1]))  # warm: the kernels, the pools' first pages
+        for _ in range(repeats):
+            for name, wait in arms.items():
+                engine.prefix_cache.store.clear()  # the document is new to the server
+                reuse.readers = readers if wait else None  # read when a job is sorted: the engine is idle
+                read[0] = 0
+                firsts, tokens = asyncio.run(_ask_together(engine, specs))
+                arm = out[name]
+                arm["ttft_mean_all_s"].append(statistics.fmean(firsts))
+                arm["ttft_last_all_s"].append(max(firsts))
+                arm.update(tokens_read=read[0], tokens=tokens)
+    finally:
+        reuse.readers = readers
+        engine.stop()
+    for arm in out.values():
+        arm["ttft_mean_s"] = statistics.median(arm["ttft_mean_all_s"])
+        arm["ttft_last_s"] = statistics.median(arm["ttft_last_all_s"])
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("artifact", nargs="?", default=str(REPO / "export" / "default_artifact"))
+    ap.add_argument("--doc-tokens", type=int, default=16384)
+    ap.add_argument("--questions", type=int, default=4, choices=range(2, len(QUESTIONS) + 1))
+    ap.add_argument("--new", type=int, default=8, help="tokens each question generates")
+    ap.add_argument("--repeats", type=int, default=3)
+    add_test_books_arg(ap)
+    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "document_together.json")
+    args = ap.parse_args()
+    artifact = load_artifact(Path(args.artifact))
+    doc, source = prompt_ids(artifact, args.doc_tokens, args.test_books)
+    questions = [list(artifact.tokenizer.encode(q)) for q in QUESTIONS[: args.questions]]
+    load_before = os.getloadavg()[0]
+    arms = run_arms(artifact, doc, questions, args.new, args.repeats)
+    load_after = os.getloadavg()[0]
+    if arms["wait"]["tokens"] != arms["read_each"]["tokens"]:
+        raise SystemExit("waiting and reading each gave different tokens")
+    base = arms["read_each"]
+    ratios = {name: {key: arm[key] / base[key] for key in ("ttft_mean_s", "ttft_last_s", "tokens_read")}
+              for name, arm in arms.items()}
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                            text=True).stdout.strip()
+    out = {"artifact": args.artifact, "document": source, "doc_tokens": len(doc), "questions": args.questions,
+           "new_tokens": args.new, "repeats": args.repeats, "commit": commit, "threads": torch.get_num_threads(),
+           "load_1min_before": load_before, "load_1min_after": load_after,
+           "arms": {name: {k: v for k, v in arm.items() if k != "tokens"} for name, arm in arms.items()},
+           "ratios_to_read_each": ratios, "same_tokens": True}
+    write_json(args.out, out)
+    print(f"document {len(doc)} tokens ({source}), {args.questions} questions together, median of {args.repeats}; "
+          f"load {load_before:.2f} before, {load_after:.2f} after")
+    print(f"{'arm':<10} {'TTFT mean s':>12} {'x read_each':>12} {'TTFT last s':>12} {'x read_each':>12} "
+          f"{'tokens read':>12} {'x read_each':>12}")
+    for name, arm in arms.items():
+        r = ratios[name]
+        print(f"{name:<10} {arm['ttft_mean_s']:>12.3f} {r['ttft_mean_s']:>12.3f} {arm['ttft_last_s']:>12.3f} "
+              f"{r['ttft_last_s']:>12.3f} {arm['tokens_read']:>12} {r['tokens_read']:>12.3f}")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
