@@ -31,7 +31,6 @@ number of blocks ever held at once.
 
 from __future__ import annotations
 
-import heapq
 import math
 from typing import TYPE_CHECKING
 
@@ -40,7 +39,9 @@ from torch import Tensor
 
 from ..attention import KEY_NORM_EPS, LSHSelfAttention
 from ..kernels import CpuKernels, kernels
+from .block_allocator import BlockAllocator
 from .cache_state import CacheFull, DecodeState, HashedAhead
+from .fork import fork_state, share_blocks
 from .huge_pages import pool_empty
 from .local_ring import LocalRing, local_window_width
 from .lsh_index import RECENT, BlockLookup, LSHIndex, recent_size_for
@@ -195,16 +196,8 @@ class DecodeCache:
         # main order at the order row of its position j through this table): the block table's own blocks for
         # every request, spare order blocks for the positions a fork shares with its parent (`fork`)
         self.order_table = torch.zeros_like(self.block_table)
-        # how many requests hold each block (a fork's shared blocks are held by its parent too): a block is free
-        # when none does
-        self._refs = [0] * self.blocks
-        self._free_orders = list(range(self.blocks, 2 * self.blocks - 1))  # spare order blocks (a heap)
-        self._free_blocks = list(range(1, self.blocks))  # a heap: the lowest free block is handed out first
-        self._is_free = [False, *([True] * (self.blocks - 1))]
-        self._written: set[int] = set()  # free blocks written since their pages were last given back
-        self._last_take: int | None = None  # the keep limit of the last take_releasable when no block was freed since
-        self._free_changes = 0  # counts allocations and frees: what `_keep_limit`'s memo is valid for
-        self._keep_memo: tuple[int, int, int] | None = None  # (changes, keep_blocks, limit)
+        # who holds each block, which are free (handed out lowest first), which free ones have resident pages
+        self.allocator = BlockAllocator(self.blocks)
         self._free_slots = list(range(max_slots - 1, -1, -1))
         # per slot: its request's keys hashed ahead of a bucket-count change (model/decoding/rehash_ahead.py)
         self.hashed_ahead: dict[int, HashedAhead] = {}
@@ -250,19 +243,19 @@ class DecodeCache:
         use more of them than there are blocks in use), and the slots. So it can exceed `capacity_bytes` by up
         to the spare order blocks' share of the blocks (1.03x on the shipped model) when every spare order block
         is in use."""
-        used_blocks = self.blocks - 1 - len(self._free_blocks)
-        used_orders = self.blocks - 1 - len(self._free_orders)
+        used_blocks = self.blocks - 1 - len(self.allocator.free)
+        used_orders = self.blocks - 1 - len(self.allocator.free_orders)
         return (used_blocks * self.bytes_per_block + used_orders * self.order_bytes_per_block
                 + (self.max_slots - len(self._free_slots)) * self.bytes_per_slot)
 
     @property
     def free_blocks(self) -> int:
-        return len(self._free_blocks)
+        return len(self.allocator.free)
 
     @property
     def free_spare_orders(self) -> int:
         """Spare order blocks free: a fork takes one per block it shares (`fork`)."""
-        return len(self._free_orders)
+        return len(self.allocator.free_orders)
 
     @property
     def free_slots(self) -> int:
@@ -285,7 +278,8 @@ class DecodeCache:
                 and tokens <= self.max_tokens)
 
     def fits_now(self, tokens: int, shared: int = 0) -> bool:
-        return (-(-tokens // self.block_size) - shared <= len(self._free_blocks) and shared <= len(self._free_orders)
+        return (-(-tokens // self.block_size) - shared <= len(self.allocator.free)
+                and shared <= len(self.allocator.free_orders)
                 and bool(self._free_slots))
 
     # ---- allocation --------------------------------------------------------------------------------------
@@ -304,13 +298,7 @@ class DecodeCache:
                             f"is {self.capacity_bytes} bytes", never=True)
         if not self.fits_now(tokens, shared):
             raise CacheFull(f"decode cache full: {tokens} tokens do not fit now")
-        blocks = [heapq.heappop(self._free_blocks) for _ in range(need - shared)]
-        self._free_changes += 1
-        for block in blocks:
-            self._is_free[block] = False
-            self._refs[block] = 1
-        self._written.difference_update(blocks)
-        orders = [heapq.heappop(self._free_orders) for _ in range(shared)]
+        blocks, orders = self.allocator.take(need - shared, shared)
         slot = self._free_slots.pop()
         self.block_table[slot, shared:need] = torch.tensor(blocks, dtype=torch.long).to(self.device)
         self.block_table[slot, :shared] = 0  # the scratch block until `fork` gives the parent's
@@ -323,27 +311,14 @@ class DecodeCache:
         or parent still running stays theirs, the others are free again."""
         if state.slot < 0:
             return
-        freed = []
-        for block in state.blocks:
-            if block < 0:  # a fork's shared block not filled yet
-                continue
-            self._refs[block] -= 1
-            if self._refs[block] == 0:
-                heapq.heappush(self._free_blocks, block)
-                self._is_free[block] = True
-                freed.append(block)
-        for block in state.order_blocks:
-            heapq.heappush(self._free_orders, block)
-        self._written.update(freed)
-        self._last_take = None
-        self._free_changes += 1
+        self.allocator.release(state.blocks, state.order_blocks)
         self.hashed_ahead.pop(state.slot, None)
         self._free_slots.append(state.slot)
         state.blocks, state.slot, state.order_blocks, state.shared = [], -1, [], 0
 
     def refs(self, block: int) -> int:
         """How many requests hold `block` now."""
-        return self._refs[block]
+        return self.allocator.refs[block]
 
     def check_writable(self, state: DecodeState, position: int) -> None:
         """AssertionError when a step of `state` would write a block it shares with another request (`fork`: a
@@ -352,71 +327,16 @@ class DecodeCache:
         (the positions after are in later blocks, never shared)."""
         for p in (position, position + 1):
             i = p // self.block_size
-            if p >= 0 and i < len(state.blocks) and (i < state.shared or self._refs[state.blocks[i]] > 1):
+            if p >= 0 and i < len(state.blocks) and (i < state.shared or self.allocator.refs[state.blocks[i]] > 1):
                 raise AssertionError(f"slot {state.slot}: position {p} lies in a block shared with another request")
 
     def fork(self, parent: DecodeState, child: DecodeState) -> None:
-        """Fill `child` (from `allocate(tokens, shared)`, length 0, `shared` at most `shared_blocks(parent.length)`)
-        with `parent`'s state, as `restore_snapshot(take_snapshot(parent))` would, but sharing instead of copying
-        the parent's first `child.shared` blocks of keys, values and key factors (each block's holders counted:
-        `free`). The child gets copies of the rest: the block holding the parent's last position and any after
-        it, its main orders (into the child's own order rows: merges rewrite them), its bucket counts and
-        recent orders, its local rings, its buckets hashed ahead and its lengths. The child then steps exactly as the
-        parent would (same bits: only copies), and writing never touches a shared block (`check_writable`)."""
-        k, bs = child.shared, self.block_size
-        if parent.slot < 0 or child.slot < 0 or child.length != 0:
-            raise ValueError("a fork goes from a live state into a fresh one")
-        if k > self.shared_blocks(parent.length) or child.capacity * bs < parent.length:
-            raise ValueError(f"a fork of a state of {parent.length} positions shares at most "
-                             f"{self.shared_blocks(parent.length)} blocks and needs room for them all; this one "
-                             f"shares {k} of {child.capacity}")
-        self.share_prefix(parent, child)
-        own = torch.arange(k * bs, parent.length, device=self.device)  # positions in the child's own blocks
-        slots = torch.tensor([parent.slot, child.slot], device=self.device)
-        rows = self.rows(slots, own.view(1, -1).expand(2, -1))  # (2, n)
-        ring_width = self.ring.width
-        for li, index in enumerate(self.indexes):
-            if index is None:
-                kv = self.kv[li]
-                kv[child.slot * ring_width : (child.slot + 1) * ring_width] = \
-                    kv[parent.slot * ring_width : (parent.slot + 1) * ring_width]
-                continue
-            norms = self.norms[li]
-            assert norms is not None
-            self.kv[li].index_copy_(0, rows[1], self.kv[li].index_select(0, rows[0]))
-            norms.index_copy_(0, rows[1], norms.index_select(0, rows[0]))
-            n = parent.index_len[li]
-            if n:
-                at = torch.arange(n, device=self.device).view(1, -1).expand(2, -1)
-                order_rows = BlockLookup(self.order_table, slots, bs).rows(at)  # (2, n)
-                index.order.index_copy_(0, order_rows[1], index.order.index_select(0, order_rows[0]))
-            index.main_counts[child.slot] = index.main_counts[parent.slot]
-            index.recent_counts[child.slot] = index.recent_counts[parent.slot]
-            index.recent[child.slot] = index.recent[parent.slot]
-        plan = self.hashed_ahead.get(parent.slot)
-        self.hashed_ahead.pop(child.slot, None)
-        if plan is not None:  # the lists are the child's own (a bucket-count change pops them); tensors never change
-            self.hashed_ahead[child.slot] = HashedAhead(plan.num_buckets,
-                                                        {li: list(parts) for li, parts in plan.slices.items()})
-        child.length = parent.length
-        child.num_buckets = list(parent.num_buckets)
-        child.index_len = list(parent.index_len)
+        """Fill `child` with `parent`'s state, sharing its first `child.shared` blocks (model/decoding/fork.py)."""
+        fork_state(self, parent, child)
 
     def share_prefix(self, holder: DecodeState, child: DecodeState) -> None:
-        """Point `child`'s first `child.shared` blocks (from `allocate(tokens, shared)`, not filled yet) at
-        `holder`'s, which must have written past them (at most `shared_blocks(holder.length)`), and count `child`
-        among their holders (`free`). Only keys, values and key factors are shared: the caller fills the rest
-        (`fork`, or a restore of the same positions' state: model/decoding/snapshot.py `restore_snapshot`)."""
-        k = child.shared
-        if holder.slot < 0 or child.slot < 0 or child.length != 0 or any(b >= 0 for b in child.blocks[:k]):
-            raise ValueError("blocks are shared from a live state into a fresh one")
-        if k > self.shared_blocks(holder.length):
-            raise ValueError(f"a state of {holder.length} positions shares at most "
-                             f"{self.shared_blocks(holder.length)} blocks; asked for {k}")
-        child.blocks[:k] = holder.blocks[:k]
-        for block in child.blocks[:k]:
-            self._refs[block] += 1
-        self.block_table[child.slot, :k] = self.block_table[holder.slot, :k]
+        """Point `child`'s first `child.shared` blocks at `holder`'s (model/decoding/fork.py `share_prefix`)."""
+        share_blocks(self, holder, child)
 
     # ---- resident pages ----------------------------------------------------------------------------------
     @property
@@ -424,51 +344,17 @@ class DecodeCache:
         """Bytes of the free blocks written since their pages were last given back (`take_releasable`): at most
         what the free part of the pools keeps resident (a block inside a huge page that a used block shares
         stays resident after its release)."""
-        return len(self._written) * self.bytes_per_block
+        return len(self.allocator.written) * self.bytes_per_block
 
     def take_releasable(self, keep_blocks: int = 0, reach: int = 1) -> list[tuple[int, int]]:
         """Row ranges [start, stop) of the block pools (`block_pools`) whose contents are dead and whose pages
-        the owner gives back now (service/engine/runner.py `release_free_pages`); the blocks in them count as given
-        back from then on.
-        Each range is a run of free blocks around the free blocks written since their last release, above the
-        `keep_blocks` lowest-numbered free blocks (blocks are handed out lowest first, so those are the next ones
-        reused and stay resident, wherever running requests hold the blocks below them), widened by up to
-        `reach` free blocks on either side (blocks given back already) so that it can cover whole huge pages.
-        Safe because a read never reaches a pool row not written since its block's allocation (see the pools in
-        `__init__`)."""
-        low = self._keep_limit(keep_blocks)  # never block 0 (scratch)
-        if self._last_take is not None and low >= self._last_take:
-            return []  # nothing freed since a take that left no more than this (called every turn: cheap)
-        self._last_take = low
-        pending = {b for b in self._written if b >= low}
-        self._written -= pending
-        runs: list[tuple[int, int]] = []
-        for block in sorted(pending):
-            if runs and block < runs[-1][1]:
-                continue  # inside the last run
-            first, stop, last = block, block + 1, block
-            while first > low and block - first < reach and self._is_free[first - 1]:
-                first -= 1
-            while stop < self.blocks and self._is_free[stop] and stop - last <= reach:
-                last = stop if stop in pending else last
-                stop += 1
-            if runs and first <= runs[-1][1]:
-                first = runs.pop()[0]
-            runs.append((first, stop))
-        return [(first * self.block_size, stop * self.block_size) for first, stop in runs]
-
-    def _keep_limit(self, keep_blocks: int) -> int:
-        """The block number past the `keep_blocks` lowest free blocks (every block when fewer are free; 1, past
-        the scratch block, for none). Memoised until the next allocation or free: decode turns call it too."""
-        if keep_blocks <= 0:
-            return 1
-        memo = self._keep_memo
-        if memo is not None and memo[:2] == (self._free_changes, keep_blocks):
-            return memo[2]
-        lowest = heapq.nsmallest(keep_blocks, self._free_blocks)
-        limit = lowest[-1] + 1 if len(lowest) == keep_blocks else self.blocks
-        self._keep_memo = (self._free_changes, keep_blocks, limit)
-        return limit
+        the owner gives back now (service/engine/runner.py `release_free_pages`): the block runs
+        `BlockAllocator.releasable` gives (free blocks written since their pages were last given back, above the
+        `keep_blocks` lowest free ones, widened by up to `reach` free blocks so that they can cover whole huge
+        pages). Safe because a read never reaches a pool row not written since its block's allocation (see the
+        pools in `__init__`)."""
+        return [(first * self.block_size, stop * self.block_size)
+                for first, stop in self.allocator.releasable(keep_blocks, reach)]
 
     # ---- tensors -----------------------------------------------------------------------------------------
     def rows(self, slots: Tensor, positions: Tensor) -> Tensor:

@@ -84,7 +84,7 @@ def test_a_fork_steps_as_a_restored_copy(layers: list[str], successor: int, buck
 def test_shared_blocks_are_held_until_their_last_holder_is_freed(parent_first: bool) -> None:
     lm = _model(["local", "lsh"], successor=1)
     cache = DecodeCache.for_tokens(lm, 80, slots=5, recent=3)
-    free_blocks, free_slots, spare = cache.free_blocks, cache.free_slots, len(cache._free_orders)
+    free_blocks, free_slots, spare = cache.free_blocks, cache.free_slots, len(cache.allocator.free_orders)
     decoder = Decoder(lm, cache)
     prompt = torch.randint(3, 258, (50,), generator=torch.Generator().manual_seed(1))
     first, (parent,) = prefill(lm, cache, [prompt], [80])
@@ -99,7 +99,7 @@ def test_shared_blocks_are_held_until_their_last_holder_is_freed(parent_first: b
     with torch.no_grad():
         if parent_first:
             cache.free(parent)
-            assert all(cache.refs(b) == 3 for b in held) and not any(cache._is_free[b] for b in held)
+            assert all(cache.refs(b) == 3 for b in held) and not any(cache.allocator.is_free[b] for b in held)
         token = torch.tensor([9])
         want = decoder.step(token, [copy])[0]
         for fork in forks:
@@ -111,7 +111,7 @@ def test_shared_blocks_are_held_until_their_last_holder_is_freed(parent_first: b
             cache.free(parent)
     cache.free(copy)
     assert all(cache.refs(b) == 0 for b in range(cache.blocks))
-    assert (cache.free_blocks, cache.free_slots, len(cache._free_orders)) == (free_blocks, free_slots, spare)
+    assert (cache.free_blocks, cache.free_slots, len(cache.allocator.free_orders)) == (free_blocks, free_slots, spare)
     assert cache.allocated_bytes == 0
 
 
@@ -170,7 +170,7 @@ def test_any_order_of_forks_and_frees_returns_every_block() -> None:
             for b in s.blocks:
                 held[b] = held.get(b, 0) + 1
         for b in range(1, cache.blocks):
-            assert cache.refs(b) == held.get(b, 0) and cache._is_free[b] == (b not in held)
+            assert cache.refs(b) == held.get(b, 0) and cache.allocator.is_free[b] == (b not in held)
         assert cache.free_blocks == cache.blocks - 1 - len(held)
         spare = [b for s in live for b in s.order_blocks]
         assert len(spare) == len(set(spare)) and cache.free_spare_orders == cache.blocks - 1 - len(spare)

@@ -45,7 +45,7 @@ def _store_holds(client: TestClient) -> None:
         engine.prefix_cache.store.check()
     with engine._cond:  # the worker is idle between requests; the lock keeps it so
         decode = engine.runner.cache
-        free = [b for b in range(1, decode.blocks) if decode._is_free[b]]
+        free = [b for b in range(1, decode.blocks) if decode.allocator.is_free[b]]
         rows = torch.tensor([b * decode.block_size + i for b in free for i in range(decode.block_size)],
                             dtype=torch.long)
         for pool in decode.block_pools:
