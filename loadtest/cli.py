@@ -136,6 +136,12 @@ def build_parser() -> argparse.ArgumentParser:
         "tokens saved (the sum of the responses' cached_tokens)",
     )
     parser.add_argument(
+        "--questions-at-once",
+        action="store_true",
+        help="with --questions-per-doc: send a document's K questions at the same time (the next document once "
+        "all are answered) instead of one after the other; the first question is still reported apart",
+    )
+    parser.add_argument(
         "--no-cache-prefix",
         action="store_true",
         help="with --questions-per-doc: send the same prompts without cache_prefix_chars (the A/B against the "
@@ -261,7 +267,7 @@ async def run(args: argparse.Namespace, documents: dict[int, list[Document]], co
                             assert concurrency is not None
                             records, wall = await ask_documents(
                                 send, docs, k, concurrency, documents_bound(bound, k), done,
-                                declare=declare, tagger=tagger,
+                                declare=declare, tagger=tagger, at_once=args.questions_at_once,
                             )  # fmt: skip
                         elif rate is None:
                             assert concurrency is not None
@@ -276,7 +282,8 @@ async def run(args: argparse.Namespace, documents: dict[int, list[Document]], co
                             result.server_batch_size = mean_batch_sizes(level_before, level_after)
                             delta = prefix_cache_delta(level_before, level_after)
                         if k:
-                            result.questions = summarise_questions(records, k, declare, delta)
+                            result.questions = summarise_questions(records, k, declare, delta,
+                                                                   at_once=args.questions_at_once)
                         results.append(result)
         if before is None:
             check = MetricsCheck(available=False, ok=False, problems=["/metrics could not be scraped before"])
@@ -293,6 +300,7 @@ async def run(args: argparse.Namespace, documents: dict[int, list[Document]], co
         "max_new_tokens": args.max_new_tokens,
         "warmup": args.warmup,
         "questions_per_doc": k,
+        "questions_at_once": args.questions_at_once if k else None,
         "cache_prefix": declare if k else None,
         "run_id": tagger.run_id if k else None,
     }
@@ -319,7 +327,9 @@ async def _reachable(url: str, api_key: str | None) -> str | None:
 def _questions_problem(args: argparse.Namespace) -> str | None:
     """Why the --questions-per-doc options cannot run as given, or None."""
     if args.questions_per_doc is None:
-        return "--no-cache-prefix needs --questions-per-doc" if args.no_cache_prefix else None
+        if args.no_cache_prefix:
+            return "--no-cache-prefix needs --questions-per-doc"
+        return "--questions-at-once needs --questions-per-doc" if args.questions_at_once else None
     if args.rate:
         return "--questions-per-doc runs closed loop only (--concurrency), not --rate"
     if "embed" in _endpoints(args):

@@ -1,5 +1,6 @@
 """`--questions-per-doc K`: each document is asked K different questions, one after the other, as a reader
-asks about a contract or a chat resends its history. Every prompt is the document followed by a question, and
+asks about a contract or a chat resends its history; with `--questions-at-once`, all K at the same time, as
+several users asking about a document just shared. Every prompt is the document followed by a question, and
 declares the document as its cached part (`cache_prefix_chars` = the document's length in characters) unless
 `--no-cache-prefix`: the first question prefills the document, the later ones can restore it from the server's
 prefix cache.
@@ -76,11 +77,13 @@ async def ask_documents(
     *,
     declare: bool,
     tagger: Tagger,
+    at_once: bool = False,
 ) -> tuple[list[RequestRecord], float]:
     """`concurrency` workers, each taking the next document (in turn, round and round) and asking its K
-    questions one after the other, the next sent when the previous is answered. `bound` counts documents
-    (or seconds: a document begun in time is asked all its questions). Returns the records, each with its
-    `question` index, and the wall time."""
+    questions one after the other, the next sent when the previous is answered (`at_once`: all K sent
+    together, the next document once every one is answered). `bound` counts documents (or seconds: a
+    document begun in time is asked all its questions). Returns the records, each with its `question` index,
+    and the wall time."""
     records: list[RequestRecord] = []
     begun = 0
     started = time.perf_counter()
@@ -90,11 +93,18 @@ async def ask_documents(
         while bound.more(begun, started):
             doc = docs[begun % len(docs)]
             begun += 1  # no await between the check and the increment
-            for index, prompt in enumerate(conversation(doc, tagger.next(), k, declare)):
-                record = await send(prompt)
-                record.question = index
-                records.append(record)
-                on_done(record)
+            prompts = conversation(doc, tagger.next(), k, declare)
+            if at_once:
+                await asyncio.gather(*(ask(index, prompt) for index, prompt in enumerate(prompts)))
+            else:
+                for index, prompt in enumerate(prompts):
+                    await ask(index, prompt)
+
+    async def ask(index: int, prompt: Document) -> None:
+        record = await send(prompt)
+        record.question = index
+        records.append(record)
+        on_done(record)
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     return records, time.perf_counter() - started
@@ -120,6 +130,7 @@ class QuestionGroup(BaseModel):
 
 class QuestionsResult(BaseModel):
     questions_per_doc: int
+    at_once: bool = False  # a document's K questions were sent together
     documents: int
     cache_prefix_declared: bool
     first: QuestionGroup
@@ -147,7 +158,7 @@ def _group(records: list[RequestRecord]) -> QuestionGroup:
 
 
 def summarise_questions(
-    records: list[RequestRecord], k: int, declared: bool, server: PrefixCacheDelta | None
+    records: list[RequestRecord], k: int, declared: bool, server: PrefixCacheDelta | None, at_once: bool = False
 ) -> QuestionsResult:
     first = _group([r for r in records if r.question == 0])
     later = _group([r for r in records if r.question is not None and r.question > 0])
@@ -157,6 +168,7 @@ def summarise_questions(
         ratio = first.ttft_s.mean / later.ttft_s.mean
     return QuestionsResult(
         questions_per_doc=k,
+        at_once=at_once,
         documents=first.requests,
         cache_prefix_declared=declared,
         first=first,

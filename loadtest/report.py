@@ -230,7 +230,7 @@ def questions_cells(r: LevelResult) -> list[str]:
         r.endpoint,
         str(r.length_bytes),
         f"c={r.concurrency}",
-        f"{q.documents} x {q.questions_per_doc}",
+        f"{q.documents} x {q.questions_per_doc}" + (" at once" if q.at_once else ""),
         "yes" if q.cache_prefix_declared else "no",
         _pct(q.hit_rate),
         str(q.saved_prefill_tokens),

@@ -1,10 +1,11 @@
 """`reformer loadtest --questions-per-doc K` against the served model, the prefix cache on against off.
 
     python bench/serving/loadtest_prefix.py [ARTIFACT] --docs DIR [--length 16384] [--questions 8]
-        [--documents 3] [--max-new-tokens 4] [--out bench/results/loadtest_prefix_16k.json.gz]
+        [--documents 3] [--max-new-tokens 4] [--causal] [--at-once] [--out bench/results/loadtest_prefix_16k.json.gz]
 
 Three load tests of the same shape (one client, --documents documents of --length bytes, each asked
---questions different questions over `/generate_stream`, one warm-up document), each its own run of
+--questions different questions over `/generate_stream`, one after the other or, with --at-once, all at the same
+time (`--questions-at-once`), one warm-up document), each its own run of
 `python -m loadtest.cli` whose command line the JSON records:
 1. `on`: a server with the one-piece prefill (REFORMER_PREFILL=one-piece; the prefix cache on), each request
    declaring its document with `cache_prefix_chars`;
@@ -54,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the result with every run's report, gzip-compressed when the name ends in .gz")
     p.add_argument("--logs", type=Path, default=Path("/tmp/loadtest_prefix_logs"))
     p.add_argument("--causal", action="store_true", help="also run the causal prefill's server, undeclared")
+    p.add_argument("--at-once", action="store_true", help="send a document's questions at the same time")
     return p
 
 
@@ -73,7 +75,7 @@ def _loadtest(args: argparse.Namespace, url: str, name: str, *extra: str) -> dic
             "--requests", str(args.documents * args.questions), "--questions-per-doc", str(args.questions),
             "--endpoint", "stream", "--max-new-tokens", str(args.max_new_tokens), "--warmup", "1",
             "--docs-per-length", str(args.documents + 1), "--timeout", "1800", "--strict",
-            "--out", str(out), *extra]
+            "--out", str(out), *(["--questions-at-once"] if args.at_once else []), *extra]
     began = time.perf_counter()
     subprocess.run(argv, cwd=ROOT, check=True)
     report: dict[str, Any] = json.loads(out.read_text())

@@ -98,6 +98,52 @@ def test_the_default_server_restores_undeclared_documents(default_url: str, docs
     assert q["server_hits_tokens"]["memory"] == later["cached_tokens"]
 
 
+def test_questions_sent_at_once_are_reported_and_continue_from_the_document(default_url: str, docs_dir: Path,
+                                                                            tmp_path: Path) -> None:
+    """`--questions-at-once`: a document's questions are sent together and reported as such; on the default
+    server the later ones continue from the document's kept state, whether they came while the first was being
+    read (they then wait for it: tests/service/engine/test_prefix_readers.py) or after."""
+    out = tmp_path / "together.json"
+    args = ["--url", default_url, "--docs", str(docs_dir), "--lengths", "2048", "--concurrency", "1",
+            "--requests", str(2 * K), "--docs-per-length", "2", "--max-new-tokens", "2",
+            "--questions-per-doc", str(K), "--questions-at-once", "--no-cache-prefix", "--out", str(out),
+            "--markdown", str(out.with_suffix(".md")), "--strict", "--api-key", API_KEY]  # fmt: skip
+    assert cli.main(args) == 0
+    report = json.loads(out.read_text())
+    (row,) = report["results"]
+    q = row["questions"]
+    assert row["ok"] == 2 * K and q["at_once"] and report["settings"]["questions_at_once"] is True
+    assert q["first"]["cached_tokens"] == 0
+    # every later question continued from the document's kept state: at least its first 1,792 tokens
+    assert q["later"]["cached_tokens"] >= 2 * (K - 1) * 1792
+    assert f"2 x {K} at once" in (tmp_path / "together.md").read_text()
+
+
+@pytest.mark.parametrize("at_once", [False, True])
+def test_a_documents_questions_go_one_after_the_other_or_all_at_once(at_once: bool) -> None:
+    import asyncio
+
+    from loadtest.client import Bound, RequestRecord
+    from loadtest.questions import ask_documents
+
+    in_flight, most, sent = [0], [0], []
+
+    async def send(prompt: Document) -> RequestRecord:
+        in_flight[0] += 1
+        most[0] = max(most[0], in_flight[0])
+        sent.append(prompt.text)
+        await asyncio.sleep(0.01)
+        in_flight[0] -= 1
+        return RequestRecord(endpoint="stream", status=200, started_s=0.0, latency_s=0.01)
+
+    docs = [Document("a.txt", "first document"), Document("b.txt", "second document")]
+    records, _ = asyncio.run(ask_documents(send, docs, 4, 1, Bound(requests=2), lambda _: None, declare=False,
+                                           tagger=Tagger("t"), at_once=at_once))
+    assert most[0] == (4 if at_once else 1)  # one client: a document's questions together, or one by one
+    assert sorted(r.question for r in records) == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert all("first document" in t for t in sent[:4]) and all("second document" in t for t in sent[4:])
+
+
 def test_questions_differ_and_declare_the_tagged_document() -> None:
     questions = [question(i) for i in range(30)]
     assert len(set(questions)) == 30
@@ -117,6 +163,7 @@ def test_questions_differ_and_declare_the_tagged_document() -> None:
     (["--questions-per-doc", "2", "--endpoint", "all"], "use --endpoint generate or stream"),
     (["--questions-per-doc", "0"], "--questions-per-doc must be at least 1"),
     (["--no-cache-prefix"], "--no-cache-prefix needs --questions-per-doc"),
+    (["--questions-at-once"], "--questions-at-once needs --questions-per-doc"),
 ])  # fmt: skip
 def test_options_that_cannot_run_are_refused_by_name(
     docs_dir: Path, extra: list[str], message: str, capsys: pytest.CaptureFixture[str]
