@@ -20,22 +20,16 @@ import argparse
 import asyncio
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from bench.results_io import write_json  # noqa: E402
-from bench.serving.fork_memory import prompt_ids  # noqa: E402
-from bench.serving.shared_prefix import QUESTIONS  # noqa: E402
-from bench.unseen_books import add_test_books_arg  # noqa: E402
-from export import load_artifact  # noqa: E402
+from bench.serving.arms_io import add_document_args, document_and_questions, ratios_to, result  # noqa: E402
 from model.sampling import SamplingParams  # noqa: E402
 from service.engine.core import Engine, EngineConfig  # noqa: E402
 from service.jobs import GenerationSpec  # noqa: E402
@@ -112,32 +106,18 @@ def run_arms(artifact: Any, doc: list[int], questions: list[list[int]], new: int
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("artifact", nargs="?", default=str(REPO / "export" / "default_artifact"))
-    ap.add_argument("--doc-tokens", type=int, default=16384)
-    ap.add_argument("--questions", type=int, default=4, choices=range(2, len(QUESTIONS) + 1))
+    add_document_args(ap, "document_together.json", repeats=3)
     ap.add_argument("--new", type=int, default=8, help="tokens each question generates")
-    ap.add_argument("--repeats", type=int, default=3)
-    add_test_books_arg(ap)
-    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "document_together.json")
     args = ap.parse_args()
-    artifact = load_artifact(Path(args.artifact))
-    doc, source = prompt_ids(artifact, args.doc_tokens, args.test_books)
-    questions = [list(artifact.tokenizer.encode(q)) for q in QUESTIONS[: args.questions]]
+    artifact, doc, source, questions = document_and_questions(args)
     load_before = os.getloadavg()[0]
     arms = run_arms(artifact, doc, questions, args.new, args.repeats)
     load_after = os.getloadavg()[0]
     if arms["wait"]["tokens"] != arms["read_each"]["tokens"]:
         raise SystemExit("waiting and reading each gave different tokens")
-    base = arms["read_each"]
-    ratios = {name: {key: arm[key] / base[key] for key in ("ttft_mean_s", "ttft_last_s", "tokens_read")}
-              for name, arm in arms.items()}
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                            text=True).stdout.strip()
-    out = {"artifact": args.artifact, "document": source, "doc_tokens": len(doc), "questions": args.questions,
-           "new_tokens": args.new, "repeats": args.repeats, "commit": commit, "threads": torch.get_num_threads(),
-           "load_1min_before": load_before, "load_1min_after": load_after,
-           "arms": {name: {k: v for k, v in arm.items() if k != "tokens"} for name, arm in arms.items()},
-           "ratios_to_read_each": ratios, "same_tokens": True}
+    ratios = ratios_to(arms, "read_each", ("ttft_mean_s", "ttft_last_s", "tokens_read"))
+    out = result(args, arms, ("ratios_to_read_each", ratios), (load_before, load_after), document=source,
+                 doc_tokens=len(doc), questions=args.questions, new_tokens=args.new)
     write_json(args.out, out)
     print(f"document {len(doc)} tokens ({source}), {args.questions} questions together, median of {args.repeats}; "
           f"load {load_before:.2f} before, {load_after:.2f} after")

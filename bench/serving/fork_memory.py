@@ -21,34 +21,22 @@ import argparse
 import asyncio
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from bench.results_io import write_json  # noqa: E402
-from bench.unseen_books import add_test_books_arg, whole_books  # noqa: E402
+from bench.serving.arms_io import prompt_ids, ratios_to, result  # noqa: E402
+from bench.unseen_books import add_test_books_arg  # noqa: E402
 from export import load_artifact  # noqa: E402
 from model.sampling import SamplingParams  # noqa: E402
 from service.engine.core import Engine, EngineConfig  # noqa: E402
 from service.jobs import GenerationSpec  # noqa: E402
 from service.observability.metrics import ServiceMetrics  # noqa: E402
-
-
-def prompt_ids(artifact: Any, tokens: int, books: Path | None) -> tuple[list[int], str]:
-    """The first `tokens` tokens of the first whole test book, or seeded random tokens without books."""
-    if books is not None:
-        name, ids = whole_books(books, artifact.tokenizer)[0]
-        if len(ids) >= tokens:
-            return [int(i) for i in ids[:tokens]], name
-    vocab = artifact.model.config.vocab_size
-    return torch.randint(3, vocab, (tokens,), generator=torch.Generator().manual_seed(0)).tolist(), "random"
 
 
 class Peak:
@@ -150,17 +138,9 @@ def main() -> None:
         raise SystemExit("n=4 shared and copied gave different tokens")
     if arms["n4_shared"]["tokens"][0] != arms["n1"]["tokens"][0]:
         raise SystemExit("n=4's first choice differs from n=1")
-    one = arms["n1"]
-    ratios = {name: {key: arm[key] / one[key]
-                     for key in ("cache_bytes", "prompt_bytes", "blocks", "ttft_s", "ttft_median_s")}
-              for name, arm in arms.items()}
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                            text=True).stdout.strip()
-    out = {"artifact": args.artifact, "prompt": source, "prompt_tokens": len(prompt), "new_tokens": args.new,
-           "repeats": args.repeats, "commit": commit, "threads": torch.get_num_threads(),
-           "load_1min_before": load_before, "load_1min_after": load_after,
-           "arms": {name: {k: v for k, v in arm.items() if k != "tokens"} for name, arm in arms.items()},
-           "ratios_to_n1": ratios, "same_tokens": True}
+    ratios = ratios_to(arms, "n1", ("cache_bytes", "prompt_bytes", "blocks", "ttft_s", "ttft_median_s"))
+    out = result(args, arms, ("ratios_to_n1", ratios), (load_before, load_after), prompt=source,
+                 prompt_tokens=len(prompt), new_tokens=args.new)
     write_json(args.out, out)
     print(f"prompt {len(prompt)} tokens ({source}), {args.new} new, best of {args.repeats}; "
           f"load {load_before:.2f} before, {load_after:.2f} after")

@@ -24,31 +24,22 @@ import argparse
 import asyncio
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from bench.results_io import write_json  # noqa: E402
-from bench.serving.fork_memory import Peak, prompt_ids  # noqa: E402
-from bench.unseen_books import add_test_books_arg  # noqa: E402
-from export import load_artifact  # noqa: E402
+from bench.serving.arms_io import add_document_args, document_and_questions, ratios_to, result  # noqa: E402
+from bench.serving.fork_memory import Peak  # noqa: E402
 from model.sampling import SamplingParams  # noqa: E402
 from service.engine.core import Engine, EngineConfig  # noqa: E402
 from service.jobs import GenerationSpec  # noqa: E402
 from service.observability.metrics import ServiceMetrics  # noqa: E402
 from service.prefix_cache import PrefixCacheConfig  # noqa: E402
-
-QUESTIONS = [" Who is the first person named here, and what do they want?", " Where does this take place?",
-             " What happened just before the end of this passage?", " Which words are repeated most?",
-             " Summarise the passage in one sentence.", " What season is it?", " Who speaks last?",
-             " Name an object that appears twice."]
 
 
 async def _ask(engine: Engine, first: GenerationSpec, later: list[GenerationSpec]
@@ -136,34 +127,21 @@ def run_arms(artifact: Any, doc: list[int], questions: list[list[int]], first_ne
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("artifact", nargs="?", default=str(REPO / "export" / "default_artifact"))
-    ap.add_argument("--doc-tokens", type=int, default=16384)
-    ap.add_argument("--questions", type=int, default=4, choices=range(2, len(QUESTIONS) + 1))
+    add_document_args(ap, "shared_prefix.json", repeats=5)
     ap.add_argument("--first-new", type=int, default=64, help="tokens the first question generates")
     ap.add_argument("--new", type=int, default=16, help="tokens each later question generates")
-    ap.add_argument("--repeats", type=int, default=5)
-    add_test_books_arg(ap)
-    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "shared_prefix.json")
     args = ap.parse_args()
-    artifact = load_artifact(Path(args.artifact))
-    doc, source = prompt_ids(artifact, args.doc_tokens, args.test_books)
-    questions = [list(artifact.tokenizer.encode(q)) for q in QUESTIONS[: args.questions]]
+    artifact, doc, source, questions = document_and_questions(args)
     load_before = os.getloadavg()[0]
     arms = run_arms(artifact, doc, questions, args.first_new, args.new, args.repeats)
     one = arms.pop("one_question")
     load_after = os.getloadavg()[0]
     if arms["shared"]["tokens"] != arms["copied"]["tokens"]:
         raise SystemExit("sharing and copying gave different tokens")
-    copied = arms["copied"]
-    ratios = {name: {key: arm[key] / copied[key] for key in ("prompt_bytes", "blocks", "ttft_s", "ttft_median_s")}
-              for name, arm in arms.items()}
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                            text=True).stdout.strip()
-    out = {"artifact": args.artifact, "document": source, "doc_tokens": len(doc), "questions": args.questions,
-           "first_new_tokens": args.first_new, "new_tokens": args.new, "repeats": args.repeats, "commit": commit,
-           "threads": torch.get_num_threads(), "load_1min_before": load_before, "load_1min_after": load_after,
-           "arms": {name: {k: v for k, v in arm.items() if k != "tokens"} for name, arm in arms.items()},
-           "one_question": one, "ratios_to_copied": ratios, "same_tokens": True}
+    ratios = ratios_to(arms, "copied", ("prompt_bytes", "blocks", "ttft_s", "ttft_median_s"))
+    out = result(args, arms, ("ratios_to_copied", ratios), (load_before, load_after), document=source,
+                 doc_tokens=len(doc), questions=args.questions, first_new_tokens=args.first_new,
+                 new_tokens=args.new, one_question=one)
     write_json(args.out, out)
     print(f"document {len(doc)} tokens ({source}), {args.questions} questions, best of {args.repeats}; "
           f"load {load_before:.2f} before, {load_after:.2f} after")
