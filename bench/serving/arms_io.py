@@ -13,6 +13,9 @@ import torch
 
 from bench.unseen_books import add_test_books_arg, whole_books
 from export import load_artifact
+from service.engine.core import Engine, EngineConfig
+from service.observability.metrics import ServiceMetrics
+from service.prefix_cache import PrefixCacheConfig
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -48,6 +51,18 @@ def document_and_questions(args: argparse.Namespace) -> tuple[Any, list[int], st
     doc, source = prompt_ids(artifact, args.doc_tokens, args.test_books)
     questions = [list(artifact.tokenizer.encode(q)) for q in QUESTIONS[: args.questions]]
     return artifact, doc, source, questions
+
+
+def causal_engine(artifact: Any, longest: int, **config: Any) -> Engine:
+    """An engine (not started) of the artifact under the causal prefill, a 1 GiB prefix cache, requests up to
+    `longest` tokens, and `config`; SystemExit where the causal prefill does not run (it needs the C kernels)."""
+    engine = Engine(artifact.model, artifact.tokenizer, backend=None, device=None,  # type: ignore[arg-type]
+                    config=EngineConfig(warmup=False, max_request_tokens=longest, prefill="causal",
+                                        prefix_cache=PrefixCacheConfig(capacity_bytes=1 << 30), **config),
+                    metrics=ServiceMetrics())
+    if not engine.causal_prefill:
+        raise SystemExit("the causal prefill does not run here (it needs the C kernels)")
+    return engine
 
 
 def ratios_to(arms: dict[str, dict[str, Any]], base: str, keys: tuple[str, ...]) -> dict[str, dict[str, float]]:

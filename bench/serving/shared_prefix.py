@@ -33,13 +33,17 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from bench.results_io import write_json  # noqa: E402
-from bench.serving.arms_io import add_document_args, document_and_questions, ratios_to, result  # noqa: E402
+from bench.serving.arms_io import (  # noqa: E402
+    add_document_args,
+    causal_engine,
+    document_and_questions,
+    ratios_to,
+    result,
+)
 from bench.serving.fork_memory import Peak  # noqa: E402
 from model.sampling import SamplingParams  # noqa: E402
-from service.engine.core import Engine, EngineConfig  # noqa: E402
+from service.engine.core import Engine  # noqa: E402
 from service.jobs import GenerationSpec  # noqa: E402
-from service.observability.metrics import ServiceMetrics  # noqa: E402
-from service.prefix_cache import PrefixCacheConfig  # noqa: E402
 
 
 async def _ask(engine: Engine, first: GenerationSpec, later: list[GenerationSpec]
@@ -76,12 +80,7 @@ async def _ask(engine: Engine, first: GenerationSpec, later: list[GenerationSpec
 def run_arms(artifact: Any, doc: list[int], questions: list[list[int]], first_new: int, new: int,
              repeats: int) -> dict[str, dict[str, Any]]:
     longest = len(doc) + max(len(q) for q in questions) + max(first_new, new)
-    config = EngineConfig(warmup=False, max_request_tokens=longest, prefill="causal",
-                          prefix_cache=PrefixCacheConfig(capacity_bytes=1 << 30))
-    engine = Engine(artifact.model, artifact.tokenizer, backend=None, device=None,  # type: ignore[arg-type]
-                    config=config, metrics=ServiceMetrics())
-    if not engine.causal_prefill:
-        raise SystemExit("the causal prefill does not run here (it needs the C kernels)")
+    engine = causal_engine(artifact, longest)
     reuse = engine.generations.reuse
     live = reuse.live
     assert live is not None and engine.prefix_cache is not None
