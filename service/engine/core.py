@@ -395,14 +395,18 @@ class Engine:
 
     def _take_prefills(self) -> list[GenerationJob]:
         """Under the lock: the generations that start now (service/engine/policy.py decides). Started jobs that
-        found too few free blocks (GenerationSteps.blocked) go first, alone, once their whole sizes fit; no
-        queued job starts before them."""
+        found too few free blocks, or waited for a reader of their prefix (GenerationSteps.blocked), go first, alone,
+        as many from the first as fit whole now; no queued job starts before them."""
         blocked = self.generations.blocked
         if blocked:
-            if not self.runner.fits_together([len(j.spec.prompt_ids) + j.spec.max_new_tokens for j in blocked]):
-                return []
-            taken = list(blocked)
-            blocked.clear()
+            # the longest run from the first whose whole sizes fit now: jobs released at different turns (waiters
+            # of several readers) may never fit all together, while each one alone does once the cache empties
+            sizes = [len(j.spec.prompt_ids) + j.spec.max_new_tokens for j in blocked]
+            n = 0
+            while n < len(blocked) and self.runner.fits_together(sizes[: n + 1]):
+                n += 1
+            taken = blocked[:n]
+            del blocked[:n]
             return taken
         # a job whose disk read is still running waits, and so does everything behind it (FIFO)
         ready = next((i for i, j in enumerate(self._gen_queue) if j.read_ahead_pending), len(self._gen_queue))

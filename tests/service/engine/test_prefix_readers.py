@@ -19,6 +19,7 @@ from service.errors import ServiceError
 from .test_shared_prefix import (
     BOUNDARY,
     DOC_LEN,
+    NEW,
     QUESTIONS,
     Answer,
     _all_back,
@@ -180,3 +181,18 @@ def test_a_readers_waiters_are_released_when_it_is_done_and_dropped_when_they_le
     assert readers.reader_for(_links(2_048), 0) is None  # no reader left
     readers.done(reader_job)  # done again: nothing
     assert readers.take_all() == []
+
+
+def test_jobs_waiting_for_blocks_start_as_many_as_fit_not_all_or_none(artifact: Any) -> None:
+    """Waiters released at different turns can need more than the whole cache together while each fits alone:
+    the engine starts the longest run from the first that fits now, so none waits forever."""
+    probe = _engine(artifact).runner.cache
+    one = -(-(DOC_LEN + 50 + NEW) // probe.block_size)
+    cache_bytes = (2 * one + 8) * probe.bytes_per_block + 4 * probe.reserved_bytes_per_slot  # room for two
+    engine = _engine(artifact, cache_bytes=cache_bytes, max_batch_size=4)
+    jobs = [SimpleNamespace(spec=SimpleNamespace(prompt_ids=[3] * (DOC_LEN + 50), max_new_tokens=NEW))
+            for _ in range(3)]
+    engine.generations.blocked.extend(jobs)  # type: ignore[arg-type]
+    with engine._cond:
+        assert engine._take_prefills() == jobs[:2]
+        assert engine.generations.blocked == jobs[2:]
