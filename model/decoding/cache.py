@@ -243,14 +243,14 @@ class DecodeCache:
         use more of them than there are blocks in use), and the slots. So it can exceed `capacity_bytes` by up
         to the spare order blocks' share of the blocks (1.03x on the shipped model) when every spare order block
         is in use."""
-        used_blocks = self.blocks - 1 - len(self.allocator.free)
+        used_blocks = self.blocks - 1 - self.allocator.free_count
         used_orders = self.blocks - 1 - len(self.allocator.free_orders)
         return (used_blocks * self.bytes_per_block + used_orders * self.order_bytes_per_block
                 + (self.max_slots - len(self._free_slots)) * self.bytes_per_slot)
 
     @property
     def free_blocks(self) -> int:
-        return len(self.allocator.free)
+        return self.allocator.free_count
 
     @property
     def free_spare_orders(self) -> int:
@@ -278,7 +278,7 @@ class DecodeCache:
                 and tokens <= self.max_tokens)
 
     def fits_now(self, tokens: int, shared: int = 0) -> bool:
-        return (-(-tokens // self.block_size) - shared <= len(self.allocator.free)
+        return (-(-tokens // self.block_size) - shared <= self.allocator.free_count
                 and shared <= len(self.allocator.free_orders)
                 and bool(self._free_slots))
 
@@ -318,7 +318,7 @@ class DecodeCache:
 
     def refs(self, block: int) -> int:
         """How many requests hold `block` now."""
-        return self.allocator.refs[block]
+        return int(self.allocator.refs[block])
 
     def check_writable(self, state: DecodeState, position: int) -> None:
         """AssertionError when a step of `state` would write a block it shares with another request (`fork`: a

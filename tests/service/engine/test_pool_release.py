@@ -5,7 +5,6 @@ back between turns; the running requests' results do not change."""
 from __future__ import annotations
 
 import asyncio
-import heapq
 import threading
 import time
 from typing import Any
@@ -215,6 +214,6 @@ def test_a_kept_documents_blocks_stay_resident_for_the_next_question(artifact: A
     # a hit on the kept state is restored into the lowest free blocks: written, still resident
     need = -(-engine._hot_bytes() // cache.bytes_per_block)
     with engine._cond:
-        lowest = heapq.nsmallest(need, cache.allocator.free)
+        lowest = cache.allocator.free_blocks()[:need]
         assert set(lowest) <= cache.allocator.written
         assert not cache.allocator.written - set(lowest)  # the rest went back (keep 1 byte: one block at most)
