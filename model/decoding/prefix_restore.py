@@ -137,17 +137,23 @@ def position_buckets(index: LSHIndex, snap: StateSnapshot, layer: int) -> Tensor
         raise ValueError(f"layer {layer}'s bucket counts do not add up to its positions")
     main = snap.tensors[f"order.{layer}"].t().long() - index.shift  # (HR, main_len): positions, sorted
     recent = snap.tensors[f"recent.{layer}"].reshape(hr, -1)[:, :recent_len].long() - index.shift  # (HR, n)
+    if main.shape != (hr, main_len) or recent.shape != (hr, recent_len):
+        raise ValueError(f"layer {layer}'s bucket order does not hold every position once")
     out = torch.full((hr, total), -1, dtype=torch.long, device=device)
     for positions, counts in ((main, main_counts), (recent, recent_counts)):
         n = positions.shape[1]
-        sorted_at = torch.arange(n, device=device).expand(hr, n).contiguous()  # (HR, n)
-        bucket = torch.searchsorted(counts.cumsum(-1), sorted_at, right=True)  # (HR, n)
-        if n and (int(positions.min()) < 0 or int(positions.max()) >= total):
+        if not n:
+            continue
+        if int(positions.min()) < 0 or int(positions.max()) >= total:
             raise ValueError(f"layer {layer}'s bucket order holds a position outside 0..{total - 1}")
-        out.scatter_(1, positions, bucket)
-    every = torch.cat([main, recent], 1)  # (HR, L)
-    seen = torch.zeros_like(every).scatter_add_(1, every, torch.ones_like(every))
-    if not bool((seen == 1).all()):
+        # sorted index j's bucket, row by row: each bucket's number repeated its count times (the counts of a
+        # row add up to n, checked above)
+        nb = counts.shape[1]
+        bucket = torch.repeat_interleave(torch.arange(nb, device=device).repeat(hr), counts.reshape(-1))
+        out.scatter_(1, positions, bucket.view(hr, n))
+    # every row wrote exactly `total` entries (main_len + recent_len), each inside 0..total-1: none left at -1
+    # means each position was written once
+    if not bool((out >= 0).all()):
         raise ValueError(f"layer {layer}'s bucket order does not hold every position once")
     return out.view(heads, rounds, total)  # (H, R, L)
 
