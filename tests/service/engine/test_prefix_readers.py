@@ -28,6 +28,7 @@ from .test_shared_prefix import (
     _engine,
     _spec,
     _together,
+    _tokens,
 )
 
 
@@ -196,3 +197,31 @@ def test_jobs_waiting_for_blocks_start_as_many_as_fit_not_all_or_none(artifact: 
     with engine._cond:
         assert engine._take_prefills() == jobs[:2]
         assert engine.generations.blocked == jobs[2:]
+
+
+def test_a_prompt_continued_from_a_kept_state_keeps_its_own_only_far_past_it(artifact: Any) -> None:
+    """A kept state is a copy of the whole state: a question that crosses a block boundary or two past the
+    document's kept state does not keep another copy (KEEP_MIN_NEW_TOKENS); a prompt 1,024 tokens or more past
+    it does."""
+    from model.sampling import SamplingParams
+    from service.engine.prompt_reuse import KEEP_MIN_NEW_TOKENS
+    from service.jobs import GenerationSpec
+
+    doc = _tokens(300, 50)  # kept at 256
+
+    def spec(question: list[int]) -> GenerationSpec:
+        return GenerationSpec(prompt_ids=doc + question, sampling=SamplingParams(), max_new_tokens=2,
+                              stop_on_eos=False)
+
+    engine = _engine(artifact)
+    store = engine.prefix_cache.store  # type: ignore[union-attr]
+    engine.start()
+    try:
+        _together(engine, [spec(_tokens(10, 51))])
+        assert len(store) == 1 and store.longest() == 256
+        _together(engine, [spec(_tokens(300, 52))])  # its last boundary, 512, lies 256 past the kept 256
+        assert len(store) == 1
+        _together(engine, [spec(_tokens(KEEP_MIN_NEW_TOKENS + 100, 53))])  # its last boundary: 1,280
+        assert len(store) == 2 and store.longest() == 1280
+    finally:
+        engine.stop()
