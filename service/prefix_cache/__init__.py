@@ -185,15 +185,20 @@ class PrefixCache:
         """The longest kept state among `links` (a prompt's `links` short of its end, `tokens` tokens), with
         its length and its tier: a state kept at that very boundary, or a longer one that kept a tail there
         (`register`): `read_ahead` (the disk tier's longest, read off the worker's thread when memory held
-        none), else memory's, or None. What the causal prefill keeps and finds (REFORMER_PREFILL=causal): a state
-        there is a function of its own tokens only, so any prompt that starts with them continues from it.
+        none) unless memory now holds a longer one, else memory's, or None. What the causal prefill keeps and
+        finds (REFORMER_PREFILL=causal): a state there is a function of its own tokens only, so any prompt that
+        starts with them continues from it.
         Queries are counted here, hits by `hit` once the state is restored."""
         if tokens < self.config.min_tokens:
             return None
         if self.metrics is not None:
             self.metrics.queries.inc(tokens)
-        if read_ahead is not None:  # asked for because memory held none of these boundaries when it was queued
-            return read_ahead.length, read_ahead, "disk"
+        # read ahead because memory held none of these boundaries when the prompt was queued; memory may hold a
+        # longer one since (a prompt that waited for a reader of its document: service/engine/prefix_readers.py)
+        if read_ahead is not None:
+            held = self._longest(links, touch=False)
+            if held is None or held[0] <= read_ahead.length:
+                return read_ahead.length, read_ahead, "disk"
         found = self._longest(links, touch=True)
         return (found[0], found[1], "memory") if found is not None else None
 
@@ -218,9 +223,9 @@ class PrefixCache:
         admission's guess of where a causal prompt will continue from (service/engine/prompt_reuse.py)."""
         if tokens < self.config.min_tokens:
             return None
-        if read_ahead is not None:
-            return read_ahead.length
         found = self._longest(links, touch=False)
+        if read_ahead is not None and (found is None or found[0] <= read_ahead.length):
+            return read_ahead.length
         return found[0] if found is not None else None
 
     def register(self, key: str, snapshot: StateSnapshot, links: Sequence[tuple[int, str]]) -> None:

@@ -159,3 +159,20 @@ def test_on_cuda_kept_states_are_pinned_host_copies_and_restore_to_the_device() 
     assert torch.cuda.memory_allocated() < allocated  # the device copies went with the offered snapshot
     back = {n: t.to(CUDA) for n, t in kept.tensors.items()}  # what restore_snapshot does, tensor by tensor
     assert all(back[n].device.type == "cuda" and back[n].cpu().equal(t) for n, t in kept.tensors.items())
+
+
+def test_a_read_ahead_state_gives_way_to_a_longer_one_memory_holds_since() -> None:
+    """A prompt's disk read ahead found its state at 256 positions; a prompt that waited for a reader of its
+    document (service/engine/prefix_readers.py) finds the reader's longer state in memory: that one is used."""
+    cache, _ = _cache(CPU)
+    links = [(256, "k256"), (512, "k512"), (768, "k768")]
+    disk = StateSnapshot(length=256, num_buckets=[None], index_len=[0], tensors={"kv.0": torch.zeros(4)})
+    assert cache.lookup_longest(links, 800, disk) == (256, disk, "disk")  # memory holds nothing
+    assert cache.peek_longest(links, 800, disk) == 256
+    held = StateSnapshot(length=512, num_buckets=[None], index_len=[0], tensors={"kv.0": torch.zeros(4)})
+    assert cache.offer("k512", held)
+    assert cache.peek_longest(links, 800, disk) == 512
+    found = cache.lookup_longest(links, 800, disk)
+    assert found is not None and found[0] == 512 and found[2] == "memory"
+    longer = StateSnapshot(length=768, num_buckets=[None], index_len=[0], tensors={"kv.0": torch.zeros(4)})
+    assert cache.lookup_longest(links, 800, longer) == (768, longer, "disk")  # the read-ahead is the longest
