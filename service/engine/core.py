@@ -83,7 +83,7 @@ class EngineConfig:
     memory_budget_bytes: int = 0  # RSS above which the worker trims between turns too; 0: only when idle
     busy_trim_s: float = 30.0  # busy this long since the last trim: trim between turns (0: never)
     # after a request finishes, the decode cache's pool pages of free blocks beyond the lowest this many bytes go
-    # back to the system (service/memory.py HeapKeeper; None: only idle or over the budget); but over the budget,
+    # back to the system (service/memory.py HeapKeeper; None: only idle or over the budget); except over the budget,
     # what a restore of the longest state the prefix cache holds in memory takes stays resident too (`_hot_bytes`)
     cache_keep_bytes: int | None = 64 * 2**20
     # the prefix cache (service/prefix_cache/): None turns it off (forks of identical prompts still share one
@@ -138,7 +138,8 @@ class Engine:
                                            causal=self.causal_prefill)
         self.memory = HeapKeeper(config.idle_trim_s, config.memory_budget_bytes,
                                  release=self.runner.release_free_pages, keep_bytes=config.cache_keep_bytes,
-                                 busy_trim_s=config.busy_trim_s, hot_bytes=self._hot_bytes)
+                                 busy_trim_s=config.busy_trim_s,
+                                 hot_bytes=self._hot_bytes if self.prefix_cache is not None else None)
         self._stopping = False
         self._dead = False
         self.ready = threading.Event()
@@ -149,7 +150,8 @@ class Engine:
         lowest free blocks, whose pages therefore stay resident (HeapKeeper `hot_bytes`), so that a hit writes
         resident pages instead of faulting in a fresh page for every 2 MiB it restores (the second question
         about a document: bench/prefill/causal_prefill.py)."""
-        longest = self.prefix_cache.store.longest() if self.prefix_cache is not None else 0
+        assert self.prefix_cache is not None  # passed to HeapKeeper only with a prefix cache
+        longest = self.prefix_cache.store.longest()
         return self.runner.cache.bytes_for(longest) if longest else 0
 
     def _prefix_cache(self, model: Any, config: EngineConfig, metrics: ServiceMetrics) -> PrefixCache | None:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from service.engine.jobs_runtime import GenerationJob
 
-# the least a wait must save, in tokens: about one extend call's rows (model/decoding/prefill/slices.py)
+# the least a wait must save, in tokens: one causal slice's rows (service/engine/runner.py EXTEND_SLICE_TOKENS)
 WAIT_MIN_GAIN = 1024
 # a prompt waits while the reader has at most this many times the tokens it saves left to read
 WAIT_REMAINING_FACTOR = 2
@@ -62,8 +62,8 @@ class PrefixReaders:
         self.released: list[GenerationJob] = []
 
     def __len__(self) -> int:
-        """The prompts waiting."""
-        return sum(len(r.waiters) for r in self._readers.values())
+        """The prompts waiting, and those released and not yet handed back (`take_released`)."""
+        return sum(len(r.waiters) for r in self._readers.values()) + len(self.released)
 
     def add(self, job: GenerationJob, keep: int, tails: Sequence[int], links: Sequence[tuple[int, str]]) -> None:
         """`job` reads its causal prompt (key chain `links`) from where it starts and keeps its state at `keep`,

@@ -137,7 +137,7 @@ class PrefixStore:
 
     def longest(self) -> int:
         """The most positions a state held here has (0 when none is). Memoised until an entry comes or goes: the
-        model worker reads it after every turn (service/engine/core.py `_release_free_pages`)."""
+        model worker reads it after every turn that ran something (service/engine/core.py `_hot_bytes`)."""
         with self._lock:
             if self._longest[0] != self._changes:
                 most = max((e.snapshot.length for e in self._entries.values()), default=0)

@@ -217,3 +217,13 @@ def test_a_kept_documents_blocks_stay_resident_for_the_next_question(artifact: A
         lowest = cache.allocator.free_blocks()[:need]
         assert set(lowest) <= cache.allocator.written
         assert not cache.allocator.written - set(lowest)  # the rest went back (keep 1 byte: one block at most)
+
+
+def test_info_says_prefix_hits_are_kept_resident_only_with_a_prefix_cache(artifact: Any) -> None:
+    from service.prefix_cache import PrefixCacheConfig
+
+    for prefix, kept in ((None, False), (PrefixCacheConfig(capacity_bytes=2**20, min_tokens=16), True)):
+        engine = Engine(artifact.model, artifact.tokenizer, backend=None, device=None,  # type: ignore[arg-type]
+                        config=EngineConfig(warmup=False, prefix_cache=prefix), metrics=ServiceMetrics())
+        assert engine.memory.describe()["decode_cache_keeps_prefix_hits"] is kept
+        assert engine.memory._hot() == 0  # nothing kept yet
