@@ -133,7 +133,8 @@ def position_buckets(index: LSHIndex, snap: StateSnapshot, layer: int) -> Tensor
     device = main_counts.device
     recent_counts = snap.tensors[f"recent_counts.{layer}"].reshape(hr, -1).long()  # (HR, NB)
     if recent_len > index.recent_size or not (bool((main_counts.sum(-1) == main_len).all())
-                                              and bool((recent_counts.sum(-1) == recent_len).all())):
+                                              and bool((recent_counts.sum(-1) == recent_len).all())
+                                              and bool((main_counts >= 0).all()) and bool((recent_counts >= 0).all())):
         raise ValueError(f"layer {layer}'s bucket counts do not add up to its positions")
     main = snap.tensors[f"order.{layer}"].t().long() - index.shift  # (HR, main_len): positions, sorted
     recent = snap.tensors[f"recent.{layer}"].reshape(hr, -1)[:, :recent_len].long() - index.shift  # (HR, n)

@@ -203,6 +203,14 @@ def test_what_cannot_be_truncated_is_refused() -> None:
                            tails=snap.tails)
     with pytest.raises(ValueError, match="every position once"):
         restore_prefix(cache, lm.config, broken, fresh, PREFIX_BLOCK)
+    counts = snap.tensors["main_counts.1"].clone().reshape(-1)
+    counts[1] += counts[0] + 1  # the same total, the first bucket holding -1 positions
+    counts[0] = -1
+    negative = StateSnapshot(snap.length, snap.num_buckets, snap.index_len,
+                             {**snap.tensors, "main_counts.1": counts.view_as(snap.tensors["main_counts.1"])},
+                             tails=snap.tails)
+    with pytest.raises(ValueError, match="do not add up"):
+        restore_prefix(cache, lm.config, negative, fresh, PREFIX_BLOCK)
     del snap.tensors[f"tail.{PREFIX_BLOCK}.ring.0"]
     with pytest.raises(ValueError, match="no ring of layer 0"):
         restore_prefix(cache, lm.config, snap, fresh, PREFIX_BLOCK)
