@@ -70,6 +70,25 @@ def ratios_to(arms: dict[str, dict[str, Any]], base: str, keys: tuple[str, ...])
     return {name: {key: arm[key] / arms[base][key] for key in keys} for name, arm in arms.items()}
 
 
+def print_arms(arms: dict[str, dict[str, Any]], ratios: dict[str, dict[str, float]], base: str,
+               columns: list[tuple[str, str, float, str]]) -> None:
+    """A table of the arms: per column (key, header, divisor, format) the arm's figure over the divisor, and beside
+    a figure whose key the ratios hold, its ratio to the `base` arm."""
+    head = [f"{'arm':<12}"]
+    for key, header, _, _ in columns:
+        head.append(f"{header:>12}")
+        if key in ratios[base]:
+            head.append(f"{'x ' + base:>12}")
+    print(" ".join(head))
+    for name, arm in arms.items():
+        cells = [f"{name:<12}"]
+        for key, _, divisor, fmt in columns:
+            cells.append(format(arm[key] / divisor, f">12{fmt}"))
+            if key in ratios[name]:
+                cells.append(f"{ratios[name][key]:>12.3f}")
+        print(" ".join(cells))
+
+
 def result(args: argparse.Namespace, arms: dict[str, dict[str, Any]], ratios: tuple[str, dict[str, Any]],
            loads: tuple[float, float], **fields: Any) -> dict[str, Any]:
     """The result file's contents: `fields`, the repeats, the commit, the threads, the 1-minute load before and

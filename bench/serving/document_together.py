@@ -33,6 +33,7 @@ from bench.serving.arms_io import (  # noqa: E402
     add_document_args,
     causal_engine,
     document_and_questions,
+    print_arms,
     ratios_to,
     result,
 )
@@ -120,12 +121,9 @@ def main() -> None:
     write_json(args.out, out)
     print(f"document {len(doc)} tokens ({source}), {args.questions} questions together, median of {args.repeats}; "
           f"load {load_before:.2f} before, {load_after:.2f} after")
-    print(f"{'arm':<10} {'TTFT mean s':>12} {'x read_each':>12} {'TTFT last s':>12} {'x read_each':>12} "
-          f"{'tokens read':>12} {'x read_each':>12}")
-    for name, arm in arms.items():
-        r = ratios[name]
-        print(f"{name:<10} {arm['ttft_mean_s']:>12.3f} {r['ttft_mean_s']:>12.3f} {arm['ttft_last_s']:>12.3f} "
-              f"{r['ttft_last_s']:>12.3f} {arm['tokens_read']:>12} {r['tokens_read']:>12.3f}")
+    print_arms(arms, ratios, "read_each", [("ttft_mean_s", "TTFT mean s", 1, ".3f"),
+                                           ("ttft_last_s", "TTFT last s", 1, ".3f"),
+                                           ("tokens_read", "tokens read", 1, ".0f")])
     print(f"wrote {args.out}")
 
 

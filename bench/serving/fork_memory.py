@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from bench.results_io import write_json  # noqa: E402
-from bench.serving.arms_io import prompt_ids, ratios_to, result  # noqa: E402
+from bench.serving.arms_io import print_arms, prompt_ids, ratios_to, result  # noqa: E402
 from bench.unseen_books import add_test_books_arg  # noqa: E402
 from export import load_artifact  # noqa: E402
 from model.sampling import SamplingParams  # noqa: E402
@@ -144,13 +144,10 @@ def main() -> None:
     write_json(args.out, out)
     print(f"prompt {len(prompt)} tokens ({source}), {args.new} new, best of {args.repeats}; "
           f"load {load_before:.2f} before, {load_after:.2f} after")
-    print(f"{'arm':<10} {'cache MB':>9} {'x n=1':>6} {'prompt MB':>10} {'x n=1':>6} {'blocks':>7} {'TTFT s':>7} "
-          f"{'x n=1':>6} {'median s':>9} {'x n=1':>6}")
-    for name, arm in arms.items():
-        r = ratios[name]
-        print(f"{name:<10} {arm['cache_bytes'] / 2**20:>9.1f} {r['cache_bytes']:>6.3f} "
-              f"{arm['prompt_bytes'] / 2**20:>10.1f} {r['prompt_bytes']:>6.3f} {arm['blocks']:>7} "
-              f"{arm['ttft_s']:>7.2f} {r['ttft_s']:>6.3f} {arm['ttft_median_s']:>9.2f} {r['ttft_median_s']:>6.3f}")
+    print_arms(arms, ratios, "n1", [("cache_bytes", "cache MB", 2**20, ".1f"),
+                                    ("prompt_bytes", "prompt MB", 2**20, ".1f"),
+                                    ("blocks", "blocks", 1, ".0f"), ("ttft_s", "TTFT s", 1, ".2f"),
+                                    ("ttft_median_s", "median s", 1, ".2f")])
     print(f"wrote {args.out}")
 
 

@@ -37,6 +37,7 @@ from bench.serving.arms_io import (  # noqa: E402
     add_document_args,
     causal_engine,
     document_and_questions,
+    print_arms,
     ratios_to,
     result,
 )
@@ -145,13 +146,10 @@ def main() -> None:
     print(f"document {len(doc)} tokens ({source}), {args.questions} questions, best of {args.repeats}; "
           f"load {load_before:.2f} before, {load_after:.2f} after")
     print(f"one question alone: {one['prompt_bytes'] / 2**20:.1f} MB, {one['blocks']} blocks")
-    print(f"{'arm':<8} {'prompt MB':>10} {'x copied':>9} {'x one':>6} {'blocks':>7} {'TTFT s':>7} {'x copied':>9} "
-          f"{'median s':>9} {'x copied':>9}")
-    for name, arm in arms.items():
-        r = ratios[name]
-        print(f"{name:<8} {arm['prompt_bytes'] / 2**20:>10.1f} {r['prompt_bytes']:>9.3f} "
-              f"{arm['prompt_bytes_over_one_question']:>6.2f} {arm['blocks']:>7} "
-              f"{arm['ttft_s']:>7.3f} {r['ttft_s']:>9.3f} {arm['ttft_median_s']:>9.3f} {r['ttft_median_s']:>9.3f}")
+    print_arms(arms, ratios, "copied", [("prompt_bytes", "prompt MB", 2**20, ".1f"),
+                                        ("prompt_bytes_over_one_question", "x one", 1, ".2f"),
+                                        ("blocks", "blocks", 1, ".0f"),
+                                        ("ttft_s", "TTFT s", 1, ".3f"), ("ttft_median_s", "median s", 1, ".3f")])
     print(f"wrote {args.out}")
 
 
