@@ -263,12 +263,14 @@ class Settings(BaseSettings, PrefixCacheTrustSettings):
         64, ge=0,
         description="When a generation finishes, the model worker gives the pages of the decode cache's free "
         "blocks back to the system, all but the lowest-numbered this many MiB of them (blocks are handed out "
-        "lowest first, so short requests reuse those pages instead of faulting them in again), and at least as "
-        "many as a restore of the longest state the prefix cache holds in memory takes (a hit is restored into "
-        "the lowest free blocks, which then write resident pages instead of faulting fresh ones in). Without it the "
+        "lowest first, so short requests reuse those pages instead of faulting them in again) and, with the prefix "
+        "cache on, at least as many as a restore of the longest state the prefix cache holds in memory takes (a "
+        "hit is restored into the lowest free blocks, which then write resident pages instead of faulting fresh "
+        "ones in). Without it the "
         "cache's resident memory under steady load is the most it ever held at once: the engine is never idle "
         "for REFORMER_IDLE_TRIM_S, and a free block's pages stay resident once written. Larger: fewer page "
-        "faults, more resident memory; 0: every finished request's pages go back but those. "
+        "faults, more resident memory; 0: every finished request's pages go back but those kept for prefix-cache "
+        "hits. "
         "reformer_decode_cache_released_bytes_total{reason=\"finished\"} counts what goes back, "
         "reformer_decode_cache_resident_bytes shows what stays.",
     )
