@@ -140,6 +140,7 @@ class Engine:
                                  release=self.runner.release_free_pages, keep_bytes=config.cache_keep_bytes,
                                  busy_trim_s=config.busy_trim_s,
                                  hot_bytes=self._hot_bytes if self.prefix_cache is not None else None)
+        self._to_key: list[GenerationJob] = []  # queued since the worker's last `_key_queued`, under the lock
         self._stopping = False
         self._dead = False
         self.ready = threading.Event()
@@ -225,6 +226,8 @@ class Engine:
             job.read_ahead_pending = True
             cache.read_ahead(lambda: self._disk_keys(job), self.runner.cache,
                              lambda snap: self._read_ahead_done(job, snap))
+        else:
+            self._to_key.append(job)  # keyed by the worker off the lock (`_key_queued`)
         self._gen_queue.append(job)
 
     def _disk_keys(self, job: GenerationJob) -> list[str]:
@@ -391,9 +394,10 @@ class Engine:
         for 500K tokens), which admission reads under the lock the event loop takes to queue a request. A job
         whose disk read is pending gets its chain on the reader thread (`_disk_keys`)."""
         with self._cond:
-            todo = [j for j in self._gen_queue if j.reuse_key is None and not j.read_ahead_pending]
+            todo, self._to_key = self._to_key, []
         for job in todo:
-            self.generations.reuse.job_key(job)
+            if job.state is JobState.PENDING:  # not dropped meanwhile
+                self.generations.reuse.job_key(job)
 
     def _take_prefills(self) -> list[GenerationJob]:
         """Under the lock: the generations that start now (service/engine/policy.py decides). Started jobs that
