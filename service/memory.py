@@ -193,13 +193,15 @@ class HeapKeeper:
     def __init__(self, idle_trim_s: float, budget_bytes: int = 0, trim: Callable[[], bool] | None = None,
                  rss: Callable[[], int] = rss_bytes, clock: Callable[[], float] = time.monotonic,
                  release: Callable[[int], int] | None = None, keep_bytes: int | None = None,
-                 busy_trim_s: float = 0.0, hot_bytes: Callable[[], int] | None = None) -> None:
+                 busy_trim_s: float = 0.0, hot_bytes: Callable[[], int] | None = None,
+                 forget: Callable[[], None] | None = None) -> None:
         """`trim`: the heap's trim (default malloc_trim where glibc has it); `release(keep)`: gives back the
         decode cache's free pool pages but those of the lowest `keep` bytes of free blocks, returns the bytes
         advised (the engine passes its runner's `release_free_pages`); a trim calls it with 0, and with
         `keep_bytes` (None: never) it runs after every turn that did work (it returns at once when no request
         finished). `busy_trim_s` (0: never): a trim after a turn of work when none ran for that long.
-        `hot_bytes()`: free-block bytes every release but a budget trim's keeps resident too (at least)."""
+        `hot_bytes()`: free-block bytes every release but a budget trim's keeps resident too (at least).
+        `forget()`: runs before a budget trim's release: the kept prefixes end, so their free blocks go back too."""
         self.idle_trim_s = idle_trim_s
         self.busy_trim_s = busy_trim_s
         self.budget_bytes = budget_bytes
@@ -208,6 +210,7 @@ class HeapKeeper:
         self.release_function = release
         self.keep_bytes = keep_bytes
         self.hot_function = hot_bytes
+        self.forget_function = forget
         self.rss_function = rss
         self.clock = clock
         self.last_busy = clock()
@@ -280,6 +283,8 @@ class HeapKeeper:
             if self.trim_function is not None:
                 self.trim_function()
             # free blocks only: the running requests' blocks are not touched; over the budget, every free one
+            if reason == "budget" and self.forget_function is not None:
+                self.forget_function()
             keep = 0 if reason == "budget" else self._hot()
             pool = self.release_function(keep) if self.release_function is not None else 0
         except Exception:

@@ -7,7 +7,16 @@ exactly when no request holds it (`refs` 0), and `free_count` counts them; a spa
 exactly when no fork uses it; `written` holds only free blocks. Free blocks are handed out lowest first, so
 running requests gather at the low end of the pools, and the pages of free blocks written since their pages
 were last given back (`written`) are what `releasable` hands the owner to give back, above the lowest free ones
-it keeps. The flags and counts are arrays: a long request takes thousands of 8-position blocks, and the k-th
+it keeps.
+
+A block may also carry a kept prefix's contents (`kept_by`: its id, 0 for none; `keep`), held or free, as vLLM
+keeps a freed block's cached contents until the block is handed out again. A free block that carries one is
+counted free and handed out only when no other free block is left: taking one ends its prefix (every block of
+that prefix is plain again, `kept_valid` false). Its pages are never given back while it carries one
+(`releasable` skips it and never widens a run over it): a kept prefix's rows are read again when a request
+shares its blocks (`hold`).
+
+The flags and counts are arrays: a long request takes thousands of 8-position blocks, and the k-th
 lowest free block is looked up after every turn in which one finished (`_keep_limit`), so both are a pass in C
 over the blocks, not a Python loop over them (heapq.nsmallest took a fifth of the worker's time on short
 questions about a 16K-token document, in a py-spy profile not kept).
@@ -16,7 +25,7 @@ questions about a 16K-token document, in a py-spy profile not kept).
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -36,43 +45,95 @@ class BlockAllocator:
         self._last_take: int | None = None  # the keep limit of the last `releasable` when no block was freed since
         self._changes = 0  # counts takes and releases: what `_keep_limit`'s memo is valid for
         self._keep_memo: tuple[int, int, int] | None = None  # (changes, keep_blocks, limit)
+        self.kept_by = np.zeros(blocks, dtype=np.int64)  # the kept prefix whose contents a block carries (0: none)
+        self._last_kept = 0
 
     def free_blocks(self) -> list[int]:
         """The free blocks, lowest first."""
         return [int(b) for b in np.flatnonzero(self.is_free)]
 
     def take(self, blocks: int, orders: int = 0) -> tuple[list[int], list[int]]:
-        """The lowest `blocks` free blocks, now held once each, and `orders` spare order blocks. The caller checks
-        that they are free (`free_count`, `len(free_orders)`)."""
-        taken = np.flatnonzero(self.is_free)[:blocks]
+        """The lowest `blocks` free blocks that carry no kept prefix, then, when those are too few, the lowest that
+        do (ending their prefixes), now held once each, and `orders` spare order blocks. The caller checks that
+        they are free (`free_count`, `len(free_orders)`)."""
+        taken = np.flatnonzero(self.is_free & (self.kept_by == 0))[:blocks]
+        if len(taken) < blocks:
+            more = np.flatnonzero(self.is_free & (self.kept_by != 0))[:blocks - len(taken)]
+            self._end_kept(np.unique(self.kept_by[more]))
+            taken = np.sort(np.concatenate([taken, more]))
         if len(taken) < blocks:
             raise ValueError(f"{blocks} blocks asked for, {len(taken)} free")
         self.is_free[taken] = False
         self.refs[taken] = 1
         self.free_count -= len(taken)
-        out = [int(b) for b in taken]
+        out: list[int] = taken.tolist()
         self.written.difference_update(out)
         self._changes += 1
         return out, [heapq.heappop(self.free_orders) for _ in range(orders)]
 
-    def hold(self, blocks: Iterable[int]) -> None:
-        """One more request holds each of `blocks` (held already, each once in the list): shared with it."""
-        self.refs[np.asarray(list(blocks), dtype=np.int64)] += 1
+    def hold(self, blocks: Sequence[int] | np.ndarray) -> None:
+        """One more request holds each of `blocks` (each once in the list): held already (shared with a request),
+        or free and carrying a kept prefix that the request now reads (`keep`)."""
+        held = np.asarray(blocks, dtype=np.int64)
+        taken = held[self.refs[held] == 0]
+        if len(taken) and not (self.kept_by[taken] != 0).all():
+            raise ValueError("only a block in use or one that carries a kept prefix is shared")
+        self.refs[held] += 1
+        if len(taken):
+            self.is_free[taken] = False
+            self.free_count -= len(taken)
+            self.written.difference_update(taken.tolist())
+            self._changes += 1
+
+    def keep(self, blocks: Sequence[int] | np.ndarray) -> int:
+        """Mark `blocks` (held now, by the request whose prefix they hold) as carrying a new kept prefix, which
+        replaces any they carried; returns its id (`kept_valid`, `drop_kept`)."""
+        held = np.asarray(blocks, dtype=np.int64)
+        if (self.refs[held] == 0).any():
+            raise ValueError("a kept prefix is kept from blocks a request holds")
+        self._last_kept += 1
+        self._end_kept(np.unique(self.kept_by[held[self.kept_by[held] != 0]]))
+        self.kept_by[held] = self._last_kept
+        self._changes += 1
+        return self._last_kept
+
+    def kept_valid(self, kept: int, blocks: Sequence[int] | np.ndarray) -> bool:
+        """Whether `blocks` all still carry the kept prefix `kept`: none was handed out since `keep`."""
+        held = np.asarray(blocks, dtype=np.int64)
+        return kept > 0 and bool((self.kept_by[held] == kept).all())
+
+    def drop_kept(self, kept: Iterable[int]) -> None:
+        """The kept prefixes `kept` (ids) end: their blocks carry nothing any more; the free ones' pages can go
+        back (`releasable`)."""
+        self._end_kept(np.asarray(list(kept), dtype=np.int64))
+
+    def kept_blocks(self) -> int:
+        """Blocks that carry a kept prefix."""
+        return int(np.count_nonzero(self.kept_by))
+
+    def _end_kept(self, kept: np.ndarray) -> None:
+        kept = kept[kept > 0]
+        if len(kept):
+            self.kept_by[np.isin(self.kept_by, kept)] = 0
+            self._last_take = None  # their free blocks' pages can go back now
+            self._changes += 1
 
     def release(self, blocks: Iterable[int], orders: Iterable[int]) -> None:
         """A request lets go of `blocks` (each once; negative ones skipped: a fork's shared blocks not filled yet)
         and gives back its spare order blocks `orders`; a block no one holds any more is free again, its pages
         written."""
-        held = np.asarray([b for b in blocks if b >= 0], dtype=np.int64)
+        held = np.asarray(blocks, dtype=np.int64)
+        held = held[held >= 0]
         self.refs[held] -= 1
         freed = held[self.refs[held] == 0]
         self.is_free[freed] = True
         self.free_count += len(freed)
         for block in orders:
             heapq.heappush(self.free_orders, block)
-        self.written.update(int(b) for b in freed)
+        self.written.update(freed.tolist())
         self._last_take = None
         self._changes += 1
+
     def releasable(self, keep_blocks: int = 0, reach: int = 1) -> list[tuple[int, int]]:
         """Block runs [first, stop) whose pages the owner gives back now; their blocks count as given back from
         then on. Each run is a run of free blocks around the free blocks written since their last release, above
@@ -83,16 +144,18 @@ class BlockAllocator:
         if self._last_take is not None and low >= self._last_take:
             return []  # nothing freed since a take that left no more than this (called every turn: cheap)
         self._last_take = low
-        pending = {b for b in self.written if b >= low}
-        self.written -= pending
+        written = np.fromiter(self.written, dtype=np.int64, count=len(self.written))
+        pending = written[(written >= low) & (self.kept_by[written] == 0)].tolist()
+        self.written.difference_update(pending)
+        plain = self.is_free & (self.kept_by == 0)  # free blocks whose rows no one reads: a run may cover them
         runs: list[tuple[int, int]] = []
         for block in sorted(pending):
             if runs and block < runs[-1][1]:
                 continue  # inside the last run
             first, stop, last = block, block + 1, block
-            while first > low and block - first < reach and self.is_free[first - 1]:
+            while first > low and block - first < reach and plain[first - 1]:
                 first -= 1
-            while stop < self.blocks and self.is_free[stop] and stop - last <= reach:
+            while stop < self.blocks and plain[stop] and stop - last <= reach:
                 last = stop if stop in pending else last
                 stop += 1
             if runs and first <= runs[-1][1]:
@@ -101,17 +164,16 @@ class BlockAllocator:
         return runs
 
     def _keep_limit(self, keep_blocks: int) -> int:
-        """The block number past the `keep_blocks` lowest free blocks (every block when fewer are free; 1, past
-        the scratch block, for none). Memoised until the next take or release: decode turns call it too."""
+        """The block number past the `keep_blocks` lowest free blocks that carry no kept prefix (the next handed
+        out; every block when fewer are free; 1, past the scratch block, for none). Memoised until the next
+        change: decode turns call it too."""
         if keep_blocks <= 0:
             return 1
         memo = self._keep_memo
         if memo is not None and memo[:2] == (self._changes, keep_blocks):
             return memo[2]
-        if keep_blocks > self.free_count:
-            limit = self.blocks
-        else:
-            limit = int(np.flatnonzero(self.is_free)[keep_blocks - 1]) + 1
+        plain = np.flatnonzero(self.is_free & (self.kept_by == 0))
+        limit = self.blocks if keep_blocks > len(plain) else int(plain[keep_blocks - 1]) + 1
         self._keep_memo = (self._changes, keep_blocks, limit)
         return limit
 
@@ -126,3 +188,4 @@ class BlockAllocator:
         assert len(set(self.free_orders)) == len(self.free_orders), "a spare order block is free twice"
         assert all(self.blocks <= b < 2 * self.blocks - 1 for b in self.free_orders)
         assert self.written <= free, "a written block that is not free"
+        assert self.kept_by[0] == 0 and (self.kept_by >= 0).all() and (self.kept_by <= self._last_kept).all()

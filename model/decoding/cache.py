@@ -34,13 +34,14 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from ..attention import KEY_NORM_EPS, LSHSelfAttention
 from ..kernels import CpuKernels, kernels
 from .block_allocator import BlockAllocator
-from .cache_state import CacheFull, DecodeState, HashedAhead
+from .cache_state import CacheFull, DecodeState, HashedAhead, KeptPrefix
 from .huge_pages import pool_empty
 from .local_ring import LocalRing, local_window_width
 from .lsh_index import RECENT, BlockLookup, LSHIndex, recent_size_for
@@ -276,34 +277,69 @@ class DecodeCache:
         return (-(-tokens // self.block_size) <= self.blocks - 1 and self.max_slots > 0
                 and tokens <= self.max_tokens)
 
-    def fits_now(self, tokens: int, shared: int = 0) -> bool:
-        return (-(-tokens // self.block_size) - shared <= self.allocator.free_count
-                and shared <= len(self.allocator.free_orders)
+    def fits_now(self, tokens: int, shared: int = 0, kept: KeptPrefix | None = None) -> bool:
+        """Whether `allocate(tokens, shared, kept)` can take what it needs now: with `kept`, those of its shared
+        blocks that no request holds count among the free ones until then, so they come out of them too, and
+        when none is held the state takes no spare order block (`allocate`)."""
+        taken = int(self.allocator.is_free[kept.blocks[:shared]].sum()) if kept is not None else 0
+        orders = 0 if kept is not None and taken == shared else shared
+        return (-(-tokens // self.block_size) - shared + taken <= self.allocator.free_count
+                and orders <= len(self.allocator.free_orders)
                 and bool(self._free_slots))
 
     # ---- allocation --------------------------------------------------------------------------------------
-    def allocate(self, tokens: int, shared: int = 0) -> DecodeState:
+    def allocate(self, tokens: int, shared: int = 0, kept: KeptPrefix | None = None) -> DecodeState:
         """A slot and the blocks for `tokens` positions (prompt plus new tokens), or CacheFull. `shared`: the
         state is a fork's, to be filled by `fork`: its first `shared` blocks will be its parent's, so only the
-        others are taken now, with a spare order block for each shared one."""
+        others are taken now, with a spare order block for each shared one. With `kept` (valid: `kept_valid`)
+        its first `shared` blocks are that kept prefix's, held now, before the others are taken (which could
+        otherwise take them); the caller then writes the rest of the state as `share_prefix`'s callers do."""
         need = -(-tokens // self.block_size)
         if not 0 <= shared < max(need, 1):
             raise ValueError(f"a state of {need} blocks cannot share {shared}")
+        if kept is not None and (shared > len(kept.blocks) or not self.kept_valid(kept)):
+            raise ValueError(f"a kept prefix of {len(kept.blocks)} blocks, valid {self.kept_valid(kept)}, cannot "
+                             f"give {shared}")
         if not self.fits_ever(tokens):
             if tokens > self.max_tokens:
                 raise CacheFull(f"{tokens} tokens are more than the {self.max_tokens} this decode cache was built "
                                 "for", never=True)
             raise CacheFull(f"{tokens} tokens need {self.bytes_for(tokens)} bytes of decode cache; its capacity "
                             f"is {self.capacity_bytes} bytes", never=True)
-        if not self.fits_now(tokens, shared):
+        if not self.fits_now(tokens, shared, kept):
             raise CacheFull(f"decode cache full: {tokens} tokens do not fit now")
-        blocks, orders = self.allocator.take(need - shared, shared)
+        first: list[int] = kept.blocks[:shared].tolist() if kept is not None else [-1] * shared
+        # a kept prefix no request holds lends its blocks' own main-order rows too: no one else reads them
+        adopt = kept is not None and not self.allocator.refs[kept.blocks[:shared]].any()
+        if kept is not None:
+            self.allocator.hold(kept.blocks[:shared])
+        blocks, orders = self.allocator.take(need - shared, 0 if adopt else shared)
         slot = self._free_slots.pop()
         self.block_table[slot, shared:need] = torch.tensor(blocks, dtype=torch.long).to(self.device)
-        self.block_table[slot, :shared] = 0  # the scratch block until `fork` gives the parent's
-        self.order_table[slot, :need] = torch.tensor(orders + blocks, dtype=torch.long).to(self.device)
-        return DecodeState(slot=slot, blocks=[-1] * shared + blocks, num_buckets=[None] * len(self.indexes),
+        # the scratch block until `fork` or `share_prefix` gives the holder's
+        self.block_table[slot, :shared] = (torch.from_numpy(kept.blocks[:shared]).to(self.device) if kept is not None
+                                           else 0)
+        self.order_table[slot, :need] = torch.tensor((first if adopt else orders) + blocks,
+                                                     dtype=torch.long).to(self.device)
+        return DecodeState(slot=slot, blocks=first + blocks, num_buckets=[None] * len(self.indexes),
                            index_len=[0] * len(self.indexes), shared=shared, order_blocks=orders)
+
+    def keep_prefix(self, state: DecodeState, blocks: int) -> KeptPrefix:
+        """The first `blocks` blocks of `state` (whole: at most `shared_blocks(state.length)`), about to be freed,
+        kept for a later request to share (`allocate(..., kept=)`) until one of them is handed out again."""
+        if state.slot < 0 or not 0 < blocks <= self.shared_blocks(state.length):
+            raise ValueError(f"a state of {state.length} positions keeps 1 to {self.shared_blocks(state.length)} "
+                             f"blocks; asked for {blocks}")
+        first = np.asarray(state.blocks[:blocks], dtype=np.int64)
+        return KeptPrefix(self.allocator.keep(first), first, state.length)
+
+    def kept_valid(self, kept: KeptPrefix) -> bool:
+        """Whether a kept prefix's blocks still hold what its request wrote (none handed out since)."""
+        return self.allocator.kept_valid(kept.kept, kept.blocks)
+
+    def drop_kept(self, kept: list[KeptPrefix]) -> None:
+        """Those kept prefixes end: their free blocks' pages can go back (`take_releasable`)."""
+        self.allocator.drop_kept(k.kept for k in kept)
 
     def free(self, state: DecodeState) -> None:
         """Give back a state's slot, its spare order blocks and its hold on its blocks: a block shared with a fork

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 from torch import Tensor
 
 
@@ -34,6 +35,18 @@ class DecodeState:
     @property
     def capacity(self) -> int:
         return len(self.blocks)
+
+
+@dataclass(frozen=True, eq=False)
+class KeptPrefix:
+    """The first blocks of a freed request's state, kept in the decode cache for a later request that starts
+    with the same tokens to share (model/decoding/block_allocator.py `keep`): they stay free, and stay what the
+    request wrote until one of them is handed out again (`DecodeCache.kept_valid`). `length`: the positions the
+    request had written, so `blocks` are whole (`DecodeCache.shared_blocks(length)` at least their count)."""
+
+    kept: int  # the allocator's id for it
+    blocks: np.ndarray  # int64, in position order
+    length: int
 
 
 @dataclass

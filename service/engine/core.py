@@ -139,7 +139,8 @@ class Engine:
         self.memory = HeapKeeper(config.idle_trim_s, config.memory_budget_bytes,
                                  release=self.runner.release_free_pages, keep_bytes=config.cache_keep_bytes,
                                  busy_trim_s=config.busy_trim_s,
-                                 hot_bytes=self._hot_bytes if self.prefix_cache is not None else None)
+                                 hot_bytes=self._hot_bytes if self.prefix_cache is not None else None,
+                                 forget=self.generations.reuse.drop_kept)
         self._to_key: list[GenerationJob] = []  # queued since the worker's last `_key_queued`, under the lock
         self._stopping = False
         self._dead = False
@@ -153,7 +154,9 @@ class Engine:
         about a document: bench/prefill/causal_prefill.py)."""
         assert self.prefix_cache is not None  # passed to HeapKeeper only with a prefix cache
         longest = self.prefix_cache.store.longest()
-        return self.runner.cache.bytes_for(longest) if longest else 0
+        # less the kept prefixes' blocks (resident themselves): a hit shares those instead of writing them
+        kept = self.generations.reuse.kept_blocks * self.runner.cache.bytes_per_block
+        return max(self.runner.cache.bytes_for(longest) - kept, 0) if longest else 0
 
     def _prefix_cache(self, model: Any, config: EngineConfig, metrics: ServiceMetrics) -> PrefixCache | None:
         wanted = config.prefix_cache
@@ -363,7 +366,7 @@ class Engine:
             for job in jobs:
                 job.state = JobState.DONE
                 if isinstance(job, GenerationJob):
-                    self.generations.release(job)
+                    self.generations.release(job, keep=False)
         for job in {id(j): j for j in jobs}.values():
             job.fail(error)
 

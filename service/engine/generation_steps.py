@@ -81,12 +81,15 @@ class GenerationSteps:
         return (len(self.running) + sum(len(entry.jobs) for entry in self.prefilling) + len(self.blocked)
                 + (len(readers) if readers is not None else 0))
 
-    def release(self, job: GenerationJob) -> None:
+    def release(self, job: GenerationJob, keep: bool = True) -> None:
         """The job's decode cache goes back to the allocator (its blocks and slot), then the job forgets it (a
-        prefilled state still to be copied from is freed after the copies: `_prefilled`)."""
+        prefilled state still to be copied from is freed after the copies: `_prefilled`). `keep`: its prompt's
+        blocks stay behind for a later request to share (PromptReuse.retire); not after an error."""
         if job.cache is not None and id(job.cache) in self._held:
             self._deferred.append(job.cache)
         else:
+            if keep:
+                self.reuse.retire(job.cache)
             self.runner.free(job.cache)
         job.release()
 
@@ -99,7 +102,7 @@ class GenerationSteps:
             for job in jobs:
                 job.state = JobState.DONE
                 if isinstance(job, GenerationJob):
-                    self.release(job)
+                    self.release(job, keep=False)
                     if job in self.running:
                         self.running.remove(job)
         for job in jobs:
@@ -338,6 +341,7 @@ class GenerationSteps:
                 self.fail(live)
         deferred, self._deferred = self._deferred, []
         for state in deferred:
+            self.reuse.retire(state)
             self.runner.free(state)
 
     def _start(self, jobs: list[GenerationJob], states: list[Any], logits: torch.Tensor) -> None:

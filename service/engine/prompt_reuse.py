@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from model.decoding.cache_state import CacheFull, DecodeState
+from model.decoding.cache_state import CacheFull, DecodeState, KeptPrefix
 from model.decoding.prefix_restore import BlockTails, restore_prefix
 from model.decoding.snapshot import PREFIX_BLOCK, restore_snapshot, take_snapshot
 from service.engine.jobs_runtime import GenerationJob
@@ -105,7 +105,10 @@ class PromptReuse:
         # the prefix-cache hits restored in the current `sort`, by key: an identical prompt after one forks it
         self._hits: dict[str, GenerationJob] = {}
         # the causal prompts' live states by the keys of their boundaries: a hit shares its first blocks with one
-        self.live = LivePrefixes(runner.cache) if causal and cache is not None and share_blocks else None
+        # and, once they are freed, with the blocks they leave behind (kept prefixes), up to the longest state the
+        # prefix cache holds in memory (what a restore could need at once)
+        self.live = LivePrefixes(runner.cache, self._kept_limit) if causal and cache is not None and share_blocks \
+            else None
         # causal prompts being read until their state is kept, and the prompts waiting for them (prefix_readers.py)
         self.readers = PrefixReaders() if causal and cache is not None else None
 
@@ -133,6 +136,26 @@ class PromptReuse:
                 seen.add(key)
         return out
 
+    def _kept_limit(self) -> int:
+        """The most blocks kept prefixes hold: those of the longest state the prefix cache holds in memory."""
+        assert self.cache is not None
+        return -(-self.cache.store.longest() // self.runner.cache.block_size)
+
+    def retire(self, state: DecodeState | None) -> None:
+        """`state` is about to be freed: its prompt's blocks stay behind as a kept prefix (LivePrefixes.retire)."""
+        if self.live is not None and state is not None:
+            self.live.retire(state)
+
+    @property
+    def kept_blocks(self) -> int:
+        """Blocks the kept prefixes hold (free, resident, shared by a later request that starts the same)."""
+        return self.live.kept_blocks if self.live is not None else 0
+
+    def drop_kept(self) -> None:
+        """Every kept prefix ends: their free blocks' pages can go back (the memory budget's trim)."""
+        if self.live is not None:
+            self.live.drop_kept()
+
     def _will_share(self, job: GenerationJob, planned: LivePrefixes) -> int:
         """Admission's guess of the blocks a causal prompt's `_continue_causal` shares with a live state (and,
         when it restores a kept state, that state among the `planned` holders of the jobs behind it)."""
@@ -145,7 +168,8 @@ class PromptReuse:
         found = [h for h in (self.live.holder(short, length), planned.holder(short, length)) if h is not None]
         if not job.cancel_requested:  # once restored, a holder for the jobs behind it
             planned.add(DecodeState(slot=0, blocks=[], length=length), self._links(job))
-        return max((k for _, k in found), default=0)
+        # a kept prefix's blocks are free ones: sharing them takes them out of what admission counts
+        return max((k for h, k in found if not isinstance(h, KeptPrefix)), default=0)
 
     def sort(self, jobs: list[GenerationJob]) -> Sorted:
         """The jobs that must prefill (leaders, and prompts that are scored), the hits with their logits (their
@@ -296,11 +320,16 @@ class PromptReuse:
         cache = self.runner.cache
         tokens = min(len(job.spec.prompt_ids) + job.spec.max_new_tokens, self.runner.max_positions)
         found = self.live.holder(links, length) if self.live is not None else None
-        if found is None or (not cache.fits_now(tokens, found[1]) and cache.fits_now(tokens)):
+        kept = found[0] if found is not None and isinstance(found[0], KeptPrefix) else None
+        if found is None or (not cache.fits_now(tokens, found[1], kept) and cache.fits_now(tokens)):
             return self.runner.allocate(tokens)
         holder, shared = found
-        state = self.runner.allocate(tokens, shared)
-        cache.share_prefix(holder, state)
+        if isinstance(holder, KeptPrefix):
+            state = self.runner.allocate(tokens, shared, holder)
+            self.live.used(holder)  # type: ignore[union-attr]
+        else:
+            state = self.runner.allocate(tokens, shared)
+            cache.share_prefix(holder, state)
         if self.metrics is not None:
             self.metrics.shared_blocks.inc(shared)
         return state

@@ -21,6 +21,7 @@ from model.decoding import (
     sampling_threads,
     step_threads,
 )
+from model.decoding.cache_state import KeptPrefix
 from model.decoding.extend import c_path as extend_in_c
 from model.decoding.prefill import PromptScores, prefill_scored_steps
 from model.decoding.prefill.scores import SCORE_ROWS, join_scores, score_logits
@@ -258,10 +259,11 @@ class ModelRunner:
         """Where the engine samples from a call's logits: one intra-op thread (model.decoding.sampling_threads)."""
         return sampling_threads(self.device)
 
-    def allocate(self, tokens: int, shared: int = 0) -> DecodeState:
+    def allocate(self, tokens: int, shared: int = 0, kept: KeptPrefix | None = None) -> DecodeState:
         """A new request's state with room for `tokens` positions (a prefix-cache hit or a fork fills it); a
-        fork's shares its first `shared` blocks with its leader (model/decoding/cache.py `fork`)."""
-        return self.cache.allocate(min(tokens, self.max_positions), shared)
+        fork's shares its first `shared` blocks with its leader (model/decoding/cache.py `fork`), a hit's with a
+        live state or the kept prefix `kept`."""
+        return self.cache.allocate(min(tokens, self.max_positions), shared, kept)
 
     def can_step(self, state: DecodeState) -> bool:
         return 0 <= state.slot and state.length < min(state.capacity * self.cache.block_size, self.max_positions)

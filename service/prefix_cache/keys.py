@@ -73,12 +73,12 @@ def chain_links(identity_digest: str, tokens: Sequence[int], salt: str | None = 
     prefix of b tokens is the same in every prompt that starts with those b tokens under the same salt."""
     link = chain_start(identity_digest, salt)
     out: list[tuple[int, str]] = []
+    ids = memoryview(array("i", tokens)).cast("B")  # int32 (the platforms served are little-endian; checked at import)
     for start in range(0, len(tokens), KEY_BLOCK_TOKENS):
-        block = tokens[start : start + KEY_BLOCK_TOKENS]
+        stop = min(start + KEY_BLOCK_TOKENS, len(tokens))
         h = hashlib.sha256(link)
-        h.update(len(block).to_bytes(4, "little"))
-        ids = array("i", block)  # int32 (the platforms served are little-endian; checked at import)
-        h.update(ids.tobytes())
+        h.update((stop - start).to_bytes(4, "little"))
+        h.update(ids[4 * start : 4 * stop])
         link = h.digest()
-        out.append((start + len(block), link.hex()))
+        out.append((stop, link.hex()))
     return out

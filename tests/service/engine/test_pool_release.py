@@ -166,9 +166,13 @@ def test_the_hot_bytes_stay_resident_on_every_release_but_the_budget_trims(caplo
         calls.append(keep)
         return 0
 
-    rss, hot = [0], [8192]
+    rss, hot, forgot = [0], [8192], [0]
+
+    def forget() -> None:
+        forgot[0] += 1
+
     keeper = HeapKeeper(2.0, budget_bytes=100, trim=lambda: True, release=release, keep_bytes=4096,
-                        rss=lambda: rss[0], hot_bytes=lambda: hot[0])
+                        rss=lambda: rss[0], hot_bytes=lambda: hot[0], forget=forget)
     keeper.after_work()
     assert calls == [8192]  # a request finished: the larger of the two
     hot[0] = 1024
@@ -177,10 +181,12 @@ def test_the_hot_bytes_stay_resident_on_every_release_but_the_budget_trims(caplo
     keeper.trim("idle")
     keeper.trim("busy")
     assert calls[-2:] == [1024, 1024]  # idle or busy: the hot bytes stay
+    assert forgot[0] == 0  # and so do the kept prefixes
     rss[0] = 200
     keeper.last_budget_check = keeper.last_trim_at = float("-inf")
     keeper.after_work()
     assert calls[-1] == 0 and keeper.trims["budget"] == 1  # over the budget: every free page goes
+    assert forgot[0] == 1  # the kept prefixes' pages too
 
     def broken() -> int:
         raise RuntimeError("injected")
@@ -206,17 +212,24 @@ def test_a_kept_documents_blocks_stay_resident_for_the_next_question(artifact: A
     cache = engine.runner.cache
     kept = engine.prefix_cache.store.longest()
     assert kept == 1280  # the document's last block boundary
-    assert engine._hot_bytes() == cache.bytes_for(kept)
+    live = engine.generations.reuse.live
+    assert live is not None
+    (prefix,) = live._kept.values()  # the request's blocks of the document, left behind when it finished
+    assert len(prefix.blocks) == kept // cache.block_size == engine.generations.reuse.kept_blocks
+    # what a restore writes besides the blocks it shares: the kept state less the kept prefix
+    assert engine._hot_bytes() == cache.bytes_for(kept) - len(prefix.blocks) * cache.bytes_per_block
     deadline = time.monotonic() + 20
     while engine.memory.trims["idle"] < 1:  # the idle trim gave back all it gives back
         assert time.monotonic() < deadline, "no idle trim"
         time.sleep(0.02)
-    # a hit on the kept state is restored into the lowest free blocks: written, still resident
     need = -(-engine._hot_bytes() // cache.bytes_per_block)
     with engine._cond:
-        lowest = cache.allocator.free_blocks()[:need]
-        assert set(lowest) <= cache.allocator.written
-        assert not cache.allocator.written - set(lowest)  # the rest went back (keep 1 byte: one block at most)
+        assert cache.kept_valid(prefix)
+        # the kept prefix's pages stay, and a hit writes the rest into the lowest free blocks: resident too
+        carried = set(prefix.blocks.tolist())
+        lowest = [b for b in cache.allocator.free_blocks() if b not in carried][:need]
+        assert carried | set(lowest) <= cache.allocator.written
+        assert not cache.allocator.written - set(lowest) - carried  # the rest went back
 
 
 def test_info_says_prefix_hits_are_kept_resident_only_with_a_prefix_cache(artifact: Any) -> None:
