@@ -53,8 +53,9 @@ class PrefixCacheMetrics(Collector):
         self.forks = counter("prefix_cache_forks", "Generations (n / best_of choices, identical prompts) that "
                              "started from an identical segment's prefill running with them instead of their own.")
         self.shared_blocks = counter("prefix_cache_shared_blocks", "Decode-cache blocks a restored causal prompt "
-                                     "shares with a live request (running or prefilling) that holds the same "
-                                     "prefix instead of holding a copy.")
+                                     "shares instead of holding a copy: with a live request (running or "
+                                     "prefilling) that holds the same prefix, or left behind by a finished one "
+                                     "(a kept prefix).")
         self.read_waits = counter("prefix_cache_read_waits", "Causal prompts that waited for a request reading a "
                                   "long prefix of theirs, to continue from its kept state instead of reading the "
                                   "prefix beside it.")
