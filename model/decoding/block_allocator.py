@@ -145,8 +145,8 @@ class BlockAllocator:
             return []  # nothing freed since a take that left no more than this (called every turn: cheap)
         self._last_take = low
         written = np.fromiter(self.written, dtype=np.int64, count=len(self.written))
-        pending = written[(written >= low) & (self.kept_by[written] == 0)].tolist()
-        self.written.difference_update(pending)
+        pending = set(written[(written >= low) & (self.kept_by[written] == 0)].tolist())
+        self.written -= pending
         plain = self.is_free & (self.kept_by == 0)  # free blocks whose rows no one reads: a run may cover them
         runs: list[tuple[int, int]] = []
         for block in sorted(pending):

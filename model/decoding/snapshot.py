@@ -62,6 +62,11 @@ class StateSnapshot:
     ahead: int | list[int] | None = None  # the count the buckets "ahead.<layer>.<i>" were hashed for
     meta: dict[str, Any] = field(default_factory=dict)  # the owner's (the prefix cache keeps its key there)
     tails: dict[int, TailFacts] = field(default_factory=dict)  # by boundary b; their tensors "tail.<b>.*"
+    # the bucket orders and counts its last truncation to a boundary rebuilt, per LSH layer (boundary, {layer:
+    # (order (b, H*R), main counts)}): the next truncation to the same boundary copies them instead of reading
+    # every position's bucket back and sorting again (model/decoding/prefix_restore.py). Kept in memory only,
+    # never written, and not in `nbytes`: at most 4 bytes per position, head and round of each LSH layer.
+    cut: tuple[int, dict[int, tuple[Tensor, Tensor]]] | None = field(default=None, compare=False, repr=False)
 
     @property
     def nbytes(self) -> int:

@@ -110,7 +110,19 @@ def _check_truncation(lm: ReformerLM, cache: DecodeCache, snap: StateSnapshot, t
 
 
 @pytest.mark.parametrize("path", ["c", "torch"])
-def test_a_truncated_restore_is_the_state_of_the_prefix_alone(path: str) -> None:
+def test_a_truncated_restore_is_the_state_of_the_prefix_alone(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each boundary twice: the second truncation to a boundary copies the orders the first built
+    (`StateSnapshot.cut`) instead of reading the buckets back, with the same result."""
+    from model.decoding import prefix_restore
+
+    read_back: list[int] = []
+    position_buckets = prefix_restore.position_buckets
+
+    def counting(index: object, snap: StateSnapshot, layer: int) -> Tensor:
+        read_back.append(layer)
+        return position_buckets(index, snap, layer)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(prefix_restore, "position_buckets", counting)
     lm = _model()
     length = 3 * PREFIX_BLOCK
     reserve = length + AFTER + 1
@@ -123,8 +135,13 @@ def test_a_truncated_restore_is_the_state_of_the_prefix_alone(path: str) -> None
     tails.attach(snap)
     assert sorted(snap.tails) == [256, 512, 768]
     cache.free(state)
+    lsh_layers = [li for li, index in enumerate(cache.indexes) if index is not None]
     for b in (PREFIX_BLOCK, 2 * PREFIX_BLOCK, length):
-        _check_truncation(lm, cache, snap, tokens, b, reserve)
+        for again in (False, True):
+            read_back.clear()
+            _check_truncation(lm, cache, snap, tokens, b, reserve)
+            assert read_back == ([] if again else lsh_layers)
+            assert snap.cut is not None and snap.cut[0] == b and sorted(snap.cut[1]) == lsh_layers
 
 
 def test_a_truncation_at_the_full_length_is_the_plain_restore_merged() -> None:
