@@ -154,9 +154,8 @@ class Engine:
         about a document: bench/prefill/causal_prefill.py)."""
         assert self.prefix_cache is not None  # passed to HeapKeeper only with a prefix cache
         longest = self.prefix_cache.store.longest()
-        # less the kept prefixes' blocks (resident themselves): a hit shares those instead of writing them
-        kept = self.generations.reuse.kept_blocks * self.runner.cache.bytes_per_block
-        return max(self.runner.cache.bytes_for(longest) - kept, 0) if longest else 0
+        # not less the kept prefixes' blocks (resident too): the next document's first read writes these pages
+        return self.runner.cache.bytes_for(longest) if longest else 0
 
     def _prefix_cache(self, model: Any, config: EngineConfig, metrics: ServiceMetrics) -> PrefixCache | None:
         wanted = config.prefix_cache
