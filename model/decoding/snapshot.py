@@ -65,7 +65,8 @@ class StateSnapshot:
     # the bucket orders and counts its last truncation to a boundary rebuilt, per LSH layer (boundary, {layer:
     # (order (b, H*R), main counts)}): the next truncation to the same boundary copies them instead of reading
     # every position's bucket back and sorting again (model/decoding/prefix_restore.py). Kept in memory only,
-    # never written, and not in `nbytes`: at most 4 bytes per position, head and round of each LSH layer.
+    # never written, and not in `nbytes`: at most 4 bytes per position, head and round of each LSH layer (the
+    # engine keeps them on one snapshot at a time: service/engine/prompt_reuse.py).
     cut: tuple[int, dict[int, tuple[Tensor, Tensor]]] | None = field(default=None, compare=False, repr=False)
 
     @property

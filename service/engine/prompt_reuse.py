@@ -30,13 +30,14 @@ keys and values there are the same bits, so only the rest is copied, and admissi
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from model.decoding.cache_state import CacheFull, DecodeState, KeptPrefix
 from model.decoding.prefix_restore import BlockTails, restore_prefix
-from model.decoding.snapshot import PREFIX_BLOCK, restore_snapshot, take_snapshot
+from model.decoding.snapshot import PREFIX_BLOCK, StateSnapshot, restore_snapshot, take_snapshot
 from service.engine.jobs_runtime import GenerationJob
 from service.engine.live_prefixes import LivePrefixes
 from service.engine.prefix_readers import PrefixReaders
@@ -104,6 +105,9 @@ class PromptReuse:
         self.waiting: dict[str, list[GenerationJob]] = {}
         # the prefix-cache hits restored in the current `sort`, by key: an identical prompt after one forks it
         self._hits: dict[str, GenerationJob] = {}
+        # the kept state whose cut-back orders are kept (StateSnapshot.cut): one at a time, so they add at most
+        # one state's orders to what the prefix cache holds
+        self._last_cut: weakref.ref[StateSnapshot] | None = None
         # the causal prompts' live states by the keys of their boundaries: a hit shares its first blocks with one
         # and, once they are freed, with the blocks they leave behind (kept prefixes), up to the longest state the
         # prefix cache holds in memory (what a restore could need at once)
@@ -297,6 +301,10 @@ class PromptReuse:
                     restore_snapshot(self.runner.cache, snap, state)
                 else:  # a longer prompt's state, cut back to the boundary this prompt shares with it
                     restore_prefix(self.runner.cache, self.runner.model.config, snap, state, length)
+                    last = self._last_cut() if self._last_cut is not None else None
+                    if last is not None and last is not snap:
+                        last.cut = None
+                    self._last_cut = weakref.ref(snap)
         except Exception:  # the entry is unusable: forget it (memory and disk), and compute what it held
             log.exception("restoring a kept state failed; prefilling instead", extra={"request_id": job.request_id})
             at = dict(self._links(job))[length]

@@ -14,7 +14,18 @@ from model.sampling import SamplingParams
 from service.engine.core import Engine
 from service.jobs import GenerationSpec
 
-from .test_shared_prefix import BOUNDARY, DOC_LEN, NEW, QUESTIONS, _all_back, _alone, _engine, _shared_metric, _spec
+from .test_shared_prefix import (
+    BOUNDARY,
+    DOC_LEN,
+    LONG_QUESTION,
+    NEW,
+    QUESTIONS,
+    _all_back,
+    _alone,
+    _engine,
+    _shared_metric,
+    _spec,
+)
 from .test_shared_prefix import _together as together
 
 
@@ -98,3 +109,35 @@ def test_the_budget_trim_ends_the_kept_prefixes(artifact: Any) -> None:
     finally:
         engine.stop()
     _all_back(engine)
+
+
+def test_cut_back_orders_are_kept_on_one_state_at_a_time(artifact: Any, monkeypatch: Any) -> None:
+    """Two documents whose first questions kept their states past the document: each later question cuts a
+    state back, and the orders the cut built stay on the last state cut only (StateSnapshot.cut)."""
+    from service.engine import prompt_reuse
+
+    cuts: list[Any] = []
+    restore = prompt_reuse.restore_prefix
+
+    def recording(cache: Any, config: Any, snap: Any, state: Any, length: int) -> Any:
+        cuts.append(snap)
+        return restore(cache, config, snap, state, length)
+
+    monkeypatch.setattr(prompt_reuse, "restore_prefix", recording)
+    other = [int(t) for t in np.random.default_rng(7).integers(3, 250, DOC_LEN)]
+    engine = _engine(artifact)
+    engine.start()
+    try:
+        for doc in (None, other):
+            def spec(question: list[int], seed: int, doc: list[int] | None = doc) -> GenerationSpec:
+                s = _spec(question, seed)
+                return s if doc is None else GenerationSpec(prompt_ids=doc + question, sampling=s.sampling,
+                                                            max_new_tokens=NEW, stop_on_eos=False)
+
+            together(engine, [spec(LONG_QUESTION, 1)])  # kept at 1,792: past the document
+            together(engine, [spec(QUESTIONS[1], 2)])  # cut back to 1,280
+    finally:
+        engine.stop()
+    first, second = cuts
+    assert first is not second
+    assert first.cut is None and second.cut is not None and second.cut[0] == BOUNDARY
