@@ -435,6 +435,11 @@ class DecodeCache:
         stays resident after its release)."""
         return len(self.allocator.written) * self.bytes_per_block
 
+    @property
+    def kept_prefix_bytes(self) -> int:
+        """Bytes of the blocks that carry a kept prefix (`keep_prefix`), shared now or free: resident."""
+        return self.allocator.kept_blocks() * self.bytes_per_block
+
     def take_releasable(self, keep_blocks: int = 0, reach: int = 1) -> list[tuple[int, int]]:
         """Row ranges [start, stop) of the block pools (`block_pools`) whose contents are dead and whose pages
         the owner gives back now (service/engine/runner.py `release_free_pages`): the block runs

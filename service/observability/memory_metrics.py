@@ -28,6 +28,9 @@ class PoolCache(Protocol):
     @property
     def written_free_bytes(self) -> int: ...
 
+    @property
+    def kept_prefix_bytes(self) -> int: ...
+
 
 class PoolRunner(Protocol):
     """What the pool gauges read of the engine's model runner (service/engine/runner.py ModelRunner), named
@@ -50,6 +53,7 @@ LAST_RELEASED = "reformer_heap_last_trim_released_bytes"
 BUDGET = "reformer_memory_budget_bytes"
 POOL_RESIDENT = "reformer_decode_cache_resident_bytes"
 POOL_WRITTEN_FREE = "reformer_decode_cache_written_free_bytes"
+POOL_KEPT_PREFIXES = "reformer_decode_cache_kept_prefix_bytes"
 POOL_RELEASED = "reformer_decode_cache_released_bytes"
 PYTHON_OBJECTS = "reformer_python_objects"
 LIVE_TENSORS = "reformer_live_tensor_bytes"
@@ -181,6 +185,10 @@ class MemoryCollector(Collector):
         yield GaugeMetricFamily(POOL_WRITTEN_FREE, "Bytes of the decode cache's free blocks written since their "
                                 "pages were last given back: at most what its free part keeps resident.",
                                 value=float(runner.cache.written_free_bytes))
+        yield GaugeMetricFamily(POOL_KEPT_PREFIXES, "Bytes of the decode cache's blocks that carry a kept prefix (the "
+                                "prompt blocks a finished request left for a later one to share), shared now or "
+                                "free: resident, and handed out only when no other free block is left.",
+                                value=float(runner.cache.kept_prefix_bytes))
         maps = mappings()
         if maps is not None:
             yield GaugeMetricFamily(POOL_RESIDENT, "Resident bytes of the decode cache's pools (/proc/self/smaps Rss "

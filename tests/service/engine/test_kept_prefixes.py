@@ -13,6 +13,7 @@ import numpy as np
 from model.sampling import SamplingParams
 from service.engine.core import Engine
 from service.jobs import GenerationSpec
+from service.observability.memory_metrics import MemoryCollector
 
 from .test_shared_prefix import (
     BOUNDARY,
@@ -47,6 +48,10 @@ def test_a_later_question_shares_the_blocks_the_first_left_behind(artifact: Any)
         k = cache.shared_blocks(BOUNDARY)
         assert len(prefix.blocks) == -(-BOUNDARY // cache.block_size) >= k  # up to the kept state's length
         assert cache.free_blocks == cache.blocks - 1  # kept, yet free
+        assert cache.kept_prefix_bytes == len(prefix.blocks) * cache.bytes_per_block
+        gauges = {m.name: m.samples[0].value for m in MemoryCollector(lambda: engine.memory,
+                                                                      runner=lambda: engine.runner).collect()}
+        assert gauges["reformer_decode_cache_kept_prefix_bytes"] == cache.kept_prefix_bytes
         orders = cache.free_spare_orders
         allocate, seen = cache.allocate, []
 
