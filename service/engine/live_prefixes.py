@@ -76,6 +76,7 @@ class LivePrefixes:
         limit = self.limit()  # also the longest a restore can share: the longest state the prefix cache holds
         blocks = min(self.cache.shared_blocks(state.length), self.cache.shared_blocks(longest), limit)
         if blocks <= 0:
+            self._trim(limit)  # the prefix cache may have let go of what the kept prefixes were for
             return
         carried = set(self.cache.allocator.kept_by[state.blocks[:blocks]].tolist()) - {0}
         if any(len(self._kept[c].blocks) >= blocks for c in carried if c in self._kept):
