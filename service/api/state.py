@@ -274,8 +274,12 @@ class ServiceState:
                 else None,
             },
             # the prefix cache's setting, capacity and contents now (service/prefix_cache/)
-            "prefix_cache": (self.engine.prefix_cache.describe() if self.engine and self.engine.prefix_cache
-                             else {"enabled": False}),
+            "prefix_cache": ({**self.engine.prefix_cache.describe(),
+                              # whether a finished causal request leaves its prompt's blocks in the decode cache
+                              # for a later one to share (service/engine/live_prefixes.py), and what they hold now
+                              "kept_prefixes": self.engine.generations.reuse.keeps_prefixes,
+                              "kept_prefix_bytes": self.engine.runner.cache.kept_prefix_bytes}
+                             if self.engine and self.engine.prefix_cache else {"enabled": False}),
             # when the worker returns the heap's free pages (service/memory.py), and whether it can here
             "memory": self.engine.memory.describe() if self.engine else {},
             # what compiles and enforces structured output (service/text/structured/)

@@ -151,6 +151,11 @@ class PromptReuse:
             self.live.retire(state)
 
     @property
+    def keeps_prefixes(self) -> bool:
+        """Whether a finished causal request leaves its prompt's blocks behind for a later one (LivePrefixes)."""
+        return self.live is not None and self.live.limit is not None
+
+    @property
     def kept_blocks(self) -> int:
         """Blocks the kept prefixes hold (free, resident, shared by a later request that starts the same)."""
         return self.live.kept_blocks if self.live is not None else 0

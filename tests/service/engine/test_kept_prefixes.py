@@ -52,6 +52,7 @@ def test_a_later_question_shares_the_blocks_the_first_left_behind(artifact: Any)
         gauges = {m.name: m.samples[0].value for m in MemoryCollector(lambda: engine.memory,
                                                                       runner=lambda: engine.runner).collect()}
         assert gauges["reformer_decode_cache_kept_prefix_bytes"] == cache.kept_prefix_bytes
+        assert engine.generations.reuse.keeps_prefixes  # what /info's prefix_cache.kept_prefixes reads
         orders = cache.free_spare_orders
         allocate, seen = cache.allocate, []
 

@@ -58,6 +58,10 @@ def test_the_document_is_found_by_content_and_the_answers_are_the_cold_ones(arti
     assert metric_value(metrics, "reformer_prefix_cache_hits_tokens_total", {"tier": "memory"}) == \
         2 * boundary + again[2]
     assert info["batching"]["prefill"] == "causal"
+    # the last request's blocks of the document stay in the decode cache for the next one to share
+    assert info["prefix_cache"]["kept_prefixes"] is True
+    assert info["prefix_cache"]["kept_prefix_bytes"] == \
+        metric_value(metrics, "reformer_decode_cache_kept_prefix_bytes") > 0
 
 
 def test_a_state_kept_past_the_document_serves_it_cut_back_to_a_shared_boundary(artifact: Any) -> None:
