@@ -38,13 +38,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..attention import KEY_NORM_EPS, LSHSelfAttention
+from ..attention import LSHSelfAttention
 from ..kernels import CpuKernels, kernels
 from .block_allocator import BlockAllocator
 from .cache_state import CacheFull, DecodeState, HashedAhead, KeptPrefix
 from .huge_pages import pool_empty
 from .local_ring import LocalRing, local_window_width
 from .lsh_index import RECENT, BlockLookup, LSHIndex, recent_size_for
+from .pool_rows import PoolRows
 
 if TYPE_CHECKING:
     from ..reformer import ReformerLM
@@ -81,18 +82,11 @@ def store_kernel(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype
     return kernel if kernel is not None and kv_dtype in kernel.reads else None
 
 
-def key_norm(key: Tensor, eps: float = KEY_NORM_EPS) -> Tensor:
-    """(..., D) -> (...) float32: what `length_normalize` multiplies a key by, divided by sqrt(D). The mean
-    square is taken in float32: squaring a half-precision key overflows fp16 past ~256."""
-    k = key.float()
-    return torch.rsqrt(torch.mean(k * k, dim=-1) + eps) / math.sqrt(key.shape[-1])
-
-
 def flat_buckets(nb: int | list[int]) -> int:
     return nb if isinstance(nb, int) else math.prod(nb)
 
 
-class DecodeCache:
+class DecodeCache(PoolRows):
     def __init__(self, lm: ReformerLM, capacity_bytes: int, max_slots: int, block_size: int = BLOCK_SIZE,
                  max_tokens: int | None = None, recent: int | None = None, cpu_kernel: bool = True,
                  kv_dtype: torch.dtype | None = None) -> None:
@@ -215,10 +209,6 @@ class DecodeCache:
         `take_releasable`'s row ranges are rows of. The local layers' rings are not among them."""
         return [*(kv for kv, ix in zip(self.kv, self.indexes, strict=True) if ix is not None),
                 *(n for n in self.norms if n is not None)]
-
-    def is_ring(self, layer: int) -> bool:
-        """Whether `layer` keeps its keys and values in per-slot rings (a local layer), not in blocks."""
-        return self.indexes[layer] is None
 
     @classmethod
     def for_tokens(cls, lm: ReformerLM, tokens: int, slots: int = 1, block_size: int = BLOCK_SIZE,
@@ -449,86 +439,3 @@ class DecodeCache:
         pools in `__init__`)."""
         return [(first * self.block_size, stop * self.block_size)
                 for first, stop in self.allocator.releasable(keep_blocks, reach)]
-
-    # ---- tensors -----------------------------------------------------------------------------------------
-    def rows(self, slots: Tensor, positions: Tensor) -> Tensor:
-        """Row of each (slot, position) in the flattened block pools; positions (B, ...) with slots (B,)."""
-        lookup = BlockLookup(self.block_table, slots, self.block_size)
-        return lookup.rows(positions.reshape(slots.shape[0], -1)).view(positions.shape)
-
-    def layer_rows(self, layer: int, slots: Tensor, positions: Tensor) -> Tensor:
-        """`rows` in `layer`'s pools: its ring rows for a local layer (only its window's positions are there)."""
-        return self.ring.rows(slots, positions) if self.is_ring(layer) else self.rows(slots, positions)
-
-    def held_rows(self, layer: int, state: DecodeState) -> Tensor:
-        """Pool rows (n,) of the positions `layer` holds for a request, in position order: every position in
-        the blocks, the last window's (`LocalRing.kept`) in a local layer's ring."""
-        kept = self.ring.kept(state.length) if self.is_ring(layer) else range(state.length)
-        positions = torch.arange(kept.start, kept.stop, device=self.device).view(1, -1)
-        return self.layer_rows(layer, torch.tensor([state.slot], device=self.device), positions).view(-1)
-
-    def slot_rows(self, state: DecodeState, start: int, stop: int) -> Tensor:
-        """Pool rows (stop - start,) of a request's positions start..stop-1 in the block pools."""
-        slot = torch.tensor([state.slot], device=self.device)
-        return self.rows(slot, torch.arange(start, stop, device=self.device).view(1, -1)).view(-1)
-
-    def order_rows(self, state: DecodeState, start: int, stop: int) -> Tensor:
-        """Rows (stop - start,) of each LSH index's `order` that hold a request's main-order sorted indices
-        start..stop-1 (through its order table row)."""
-        slot = torch.tensor([state.slot], device=self.device)
-        lookup = BlockLookup(self.order_table, slot, self.block_size)
-        return lookup.rows(torch.arange(start, stop, device=self.device).view(1, -1)).view(-1)
-
-    def write(self, layer: int, rows: Tensor, key: Tensor, value: Tensor) -> None:
-        """rows (B,), key/value (B, H, D)."""
-        self.keys[layer].index_copy_(0, rows, key.to(self.kv_dtype))
-        self.values[layer].index_copy_(0, rows, value.to(self.kv_dtype))
-        norms = self.norms[layer]
-        if norms is not None:
-            norms.index_copy_(0, rows, key_norm(key).to(self.dtype))
-
-    def write_step(self, layer: int, rows: Tensor, key: Tensor, value: Tensor, successor: int = 0,
-                   prev_rows: Tensor | None = None) -> None:
-        """A decode step's `write`: through the C kernel when the cache has it (one call instead of six
-        index copies and the key factor's five ops). Heads 0..successor-1 are successor-value heads
-        (model/lsh/successor.py): a position's value slot holds the value of the position after it, so the
-        new value goes to `prev_rows` (B,), the rows of the positions before the new ones, and the new
-        positions' slots hold 0 until the next step writes them."""
-        if successor and prev_rows is None:
-            raise ValueError("a step's write with successor-value heads needs the previous positions' rows")
-        if self.kernel is None:
-            if successor:
-                ahead = value[:, :successor]  # (B, k, D): the previous positions' values in those heads
-                value = torch.cat([torch.zeros_like(ahead), value[:, successor:]], dim=1)  # (B, H, D)
-            self.write(layer, rows, key, value)
-            if successor:
-                self.values[layer][prev_rows, :successor] = ahead.to(self.kv_dtype)
-            return
-        self.kernel.write(rows, key.contiguous(), value.contiguous(), self.keys[layer], self.values[layer],
-                          self.norms[layer], successor=successor, prev_rows=prev_rows)
-
-    def gather_keys(self, layer: int, flat: Tensor) -> tuple[Tensor, Tensor | None]:
-        """flat (row * heads + head) indices (...) -> keys (..., D) and, for LSH layers, the key factors (...)."""
-        d = self.head_size
-        # index_select on the flat index is the cheapest row gather on CPU (timed once by hand, torch 2.13,
-        # 2048 rows of 64: ~90 us against ~113 us for an embedding lookup and ~400 us for pool[flat])
-        at = flat.reshape(-1)
-        keys = self.keys[layer].view(-1, d).index_select(0, at).view(*flat.shape, d)
-        norms = self.norms[layer]
-        return keys, None if norms is None else norms.view(-1).index_select(0, at).view(flat.shape)
-
-    def weighted_values(self, layer: int, flat: Tensor, weights: Tensor) -> Tensor:
-        """sum over the last dim of weights (..., N) (float32) times the values at flat indices (..., N):
-        (..., D) float32. A float32 pool runs it as one `embedding_bag` (a bag per leading index), which
-        never materialises the gathered values (timed by hand, 16,384 rows of 64, one thread: 70 us against
-        160 us for the gather alone); other dtypes gather and multiply in float32."""
-        d, n = self.head_size, flat.shape[-1]
-        if self.kv_dtype == torch.float32:
-            # over the contiguous (key, value) rows, where flat index f's value is row 2f + 1 (embedding_bag
-            # copies a strided weight whole first: 68 ms for a 100K-position pool, timed by hand)
-            out = torch.nn.functional.embedding_bag(flat.reshape(-1, n) * 2 + 1, self.kv[layer].view(-1, d),
-                                                    mode="sum", per_sample_weights=weights.reshape(-1, n))
-            return out.view(*flat.shape[:-1], d)
-        pool = self.values[layer].view(-1, d)
-        values = pool.index_select(0, flat.reshape(-1)).view(*flat.shape, d).float()
-        return torch.matmul(weights.unsqueeze(-2), values).squeeze(-2)
