@@ -53,13 +53,20 @@ TIMESTAMP_CMSG_SPACE = socket.CMSG_SPACE(16)
 
 
 @contextmanager
-def local_server(artifact: str | None, log_path: Path, **settings: Any) -> Iterator[str]:
-    """`python -m service` on a free loopback port until the block ends (SIGTERM, then wait); its log (JSON
-    lines at info, one access line per request with the in-server duration) goes to `log_path`."""
+def local_server_process(artifact: str | None, log_path: Path, **settings: Any) -> Iterator[ServerProcess]:
+    """`python -m service` on a free loopback port, ready, until the block ends (SIGTERM, then wait); its log
+    (JSON lines at info, one access line per request with the in-server duration) goes to `log_path`."""
     env = {**os.environ, **{f"REFORMER_{k.upper()}": str(v) for k, v in settings.items()}}
     argv = service_argv(artifact, "--log-level", "info", "--log-json")
     with ServerProcess(argv, log_path=log_path, env=env, cwd=REPO) as server:
         server.wait_ready(180, poll_s=0.1)
+        yield server
+
+
+@contextmanager
+def local_server(artifact: str | None, log_path: Path, **settings: Any) -> Iterator[str]:
+    """`local_server_process`'s URL."""
+    with local_server_process(artifact, log_path, **settings) as server:
         yield server.url
 
 

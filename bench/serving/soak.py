@@ -47,7 +47,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.results_io import write_json  # noqa: E402
-from bench.serving.overload import REPO, local_server, metric  # noqa: E402
+from bench.serving.overload import REPO, local_server_process, metric  # noqa: E402
 from bench.serving.soak_load import Prompts, plan, send  # noqa: E402
 from bench.serving.soak_report import Record, error_counts, memory_sample, verdict, windows  # noqa: E402
 from service.observability.memory_metrics import DEBUG_MIN_INTERVAL_S  # noqa: E402
@@ -315,8 +315,8 @@ def main(argv: list[str] | None = None) -> int:
                                                 ("memory_budget_mb", args.memory_budget_mb)) if v is not None})
         log_path = Path(tempfile.gettempdir()) / "reformer-soak-server.log"
         print(f"server log: {log_path}", file=sys.stderr)
-        with local_server(args.artifact, log_path, **settings) as (url, proc):
-            report = run(url, proc.pid)
+        with local_server_process(args.artifact, log_path, **settings) as server:
+            report = run(server.url, server.proc.pid)
     if timed:
         print_timed(report)
     else:
