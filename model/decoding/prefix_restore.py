@@ -142,8 +142,8 @@ def position_buckets(index: LSHIndex, snap: StateSnapshot, layer: int) -> Tensor
                                               and bool((recent_counts.sum(-1) == recent_len).all())
                                               and bool((main_counts >= 0).all()) and bool((recent_counts >= 0).all())):
         raise ValueError(f"layer {layer}'s bucket counts do not add up to its positions")
-    main = snap.tensors[f"order.{layer}"].t().long() - index.shift  # (HR, main_len): positions, sorted
-    recent = snap.tensors[f"recent.{layer}"].reshape(hr, -1)[:, :recent_len].long() - index.shift  # (HR, n)
+    main = snap.tensors[f"order.{layer}"].t().long().sub_(index.shift)  # (HR, main_len): positions, sorted
+    recent = snap.tensors[f"recent.{layer}"].reshape(hr, -1)[:, :recent_len].long().sub_(index.shift)  # (HR, n)
     if main.shape != (hr, main_len) or recent.shape != (hr, recent_len):
         raise ValueError(f"layer {layer}'s bucket order does not hold every position once")
     out = torch.full((hr, total), -1, dtype=torch.long, device=device)
@@ -151,7 +151,8 @@ def position_buckets(index: LSHIndex, snap: StateSnapshot, layer: int) -> Tensor
         n = positions.shape[1]
         if not n:
             continue
-        if int(positions.min()) < 0 or int(positions.max()) >= total:
+        low, high = torch.aminmax(positions)  # one pass
+        if int(low) < 0 or int(high) >= total:
             raise ValueError(f"layer {layer}'s bucket order holds a position outside 0..{total - 1}")
         # sorted index j's bucket, row by row: each bucket's number repeated its count times (the counts of a
         # row add up to n, checked above)
