@@ -53,10 +53,17 @@ def test_a_pool_outlives_every_name_but_its_views() -> None:
 
 
 @linux_thp
-def test_small_pools_stay_ordinary_tensors() -> None:
+def test_small_pools_stay_ordinary_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pool under MIN_BYTES is never mapped on its own. Checked by the call, not by the flags of the mapping
+    that holds it: that mapping is the heap's, whose flags this test does not control (a CI run at ec8a5f9 found
+    "hg" on it once, after other tests in the same worker; the cause was not found)."""
+
+    def no_mapping(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a small pool was mapped on its own")
+
+    monkeypatch.setattr(huge_pages.mmap, "mmap", no_mapping)
     t = pool_empty((16, 4), torch.int16, torch.device("cpu"))
     assert t.shape == (16, 4) and t.dtype == torch.int16
-    assert "hg" not in _vm_flags(t.data_ptr())
 
 
 @linux_thp
