@@ -55,7 +55,7 @@ def test_a_pool_outlives_every_name_but_its_views() -> None:
 @linux_thp
 def test_small_pools_stay_ordinary_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
     """A pool under MIN_BYTES is never mapped on its own. Checked by the call, not by the flags of the mapping
-    that holds it: that mapping is the heap's, whose flags this test does not control (a CI run at ec8a5f9 found
+    that holds it: that mapping is the heap's, whose flags this test does not control (a CI run at 63969e5 found
     "hg" on it once, after other tests in the same worker; the cause was not found)."""
 
     def no_mapping(*args: object, **kwargs: object) -> None:
