@@ -29,14 +29,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from bench.results_io import write_json  # noqa: E402
-from bench.serving.arms_io import (  # noqa: E402
-    add_document_args,
-    causal_engine,
-    document_and_questions,
-    print_arms,
-    ratios_to,
-    result,
-)
+from bench.serving import arms_io  # noqa: E402
 from model.sampling import SamplingParams  # noqa: E402
 from service.engine.core import Engine  # noqa: E402
 from service.jobs import GenerationSpec  # noqa: E402
@@ -66,7 +59,7 @@ async def _ask_together(engine: Engine, specs: list[GenerationSpec]) -> tuple[li
 def run_arms(artifact: Any, doc: list[int], questions: list[list[int]], new: int, repeats: int
              ) -> dict[str, dict[str, Any]]:
     longest = len(doc) + max(len(q) for q in questions) + new
-    engine = causal_engine(artifact, longest, max_batch_size=max(8, len(questions)))
+    engine = arms_io.causal_engine(artifact, longest, max_batch_size=max(8, len(questions)))
     reuse = engine.generations.reuse
     readers = reuse.readers
     assert readers is not None and engine.prefix_cache is not None
@@ -106,22 +99,22 @@ def run_arms(artifact: Any, doc: list[int], questions: list[list[int]], new: int
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_document_args(ap, "document_together.json", repeats=3)
+    arms_io.add_document_args(ap, "document_together.json", repeats=3)
     ap.add_argument("--new", type=int, default=8, help="tokens each question generates")
     args = ap.parse_args()
-    artifact, doc, source, questions = document_and_questions(args)
+    artifact, doc, source, questions = arms_io.document_and_questions(args)
     load_before = os.getloadavg()[0]
     arms = run_arms(artifact, doc, questions, args.new, args.repeats)
     load_after = os.getloadavg()[0]
     if arms["wait"]["tokens"] != arms["read_each"]["tokens"]:
         raise SystemExit("waiting and reading each gave different tokens")
-    ratios = ratios_to(arms, "read_each", ("ttft_mean_s", "ttft_last_s", "tokens_read"))
-    out = result(args, arms, ("ratios_to_read_each", ratios), (load_before, load_after), document=source,
+    ratios = arms_io.ratios_to(arms, "read_each", ("ttft_mean_s", "ttft_last_s", "tokens_read"))
+    out = arms_io.result(args, arms, ("ratios_to_read_each", ratios), (load_before, load_after), document=source,
                  doc_tokens=len(doc), questions=args.questions, new_tokens=args.new)
     write_json(args.out, out)
     print(f"document {len(doc)} tokens ({source}), {args.questions} questions together, median of {args.repeats}; "
           f"load {load_before:.2f} before, {load_after:.2f} after")
-    print_arms(arms, ratios, "read_each", [("ttft_mean_s", "TTFT mean s", 1, ".3f"),
+    arms_io.print_arms(arms, ratios, "read_each", [("ttft_mean_s", "TTFT mean s", 1, ".3f"),
                                            ("ttft_last_s", "TTFT last s", 1, ".3f"),
                                            ("tokens_read", "tokens read", 1, ".0f")])
     print(f"wrote {args.out}")

@@ -33,14 +33,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from bench.results_io import write_json  # noqa: E402
-from bench.serving.arms_io import (  # noqa: E402
-    add_document_args,
-    causal_engine,
-    document_and_questions,
-    print_arms,
-    ratios_to,
-    result,
-)
+from bench.serving import arms_io  # noqa: E402
 from bench.serving.fork_memory import Peak  # noqa: E402
 from model.sampling import SamplingParams  # noqa: E402
 from service.engine.core import Engine  # noqa: E402
@@ -81,7 +74,7 @@ async def _ask(engine: Engine, first: GenerationSpec, later: list[GenerationSpec
 def run_arms(artifact: Any, doc: list[int], questions: list[list[int]], first_new: int, new: int,
              repeats: int) -> dict[str, dict[str, Any]]:
     longest = len(doc) + max(len(q) for q in questions) + max(first_new, new)
-    engine = causal_engine(artifact, longest)
+    engine = arms_io.causal_engine(artifact, longest)
     reuse = engine.generations.reuse
     live = reuse.live
     assert live is not None and engine.prefix_cache is not None
@@ -127,26 +120,26 @@ def run_arms(artifact: Any, doc: list[int], questions: list[list[int]], first_ne
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_document_args(ap, "shared_prefix.json", repeats=5)
+    arms_io.add_document_args(ap, "shared_prefix.json", repeats=5)
     ap.add_argument("--first-new", type=int, default=64, help="tokens the first question generates")
     ap.add_argument("--new", type=int, default=16, help="tokens each later question generates")
     args = ap.parse_args()
-    artifact, doc, source, questions = document_and_questions(args)
+    artifact, doc, source, questions = arms_io.document_and_questions(args)
     load_before = os.getloadavg()[0]
     arms = run_arms(artifact, doc, questions, args.first_new, args.new, args.repeats)
     one = arms.pop("one_question")
     load_after = os.getloadavg()[0]
     if arms["shared"]["tokens"] != arms["copied"]["tokens"]:
         raise SystemExit("sharing and copying gave different tokens")
-    ratios = ratios_to(arms, "copied", ("prompt_bytes", "blocks", "ttft_s", "ttft_median_s"))
-    out = result(args, arms, ("ratios_to_copied", ratios), (load_before, load_after), document=source,
+    ratios = arms_io.ratios_to(arms, "copied", ("prompt_bytes", "blocks", "ttft_s", "ttft_median_s"))
+    out = arms_io.result(args, arms, ("ratios_to_copied", ratios), (load_before, load_after), document=source,
                  doc_tokens=len(doc), questions=args.questions, first_new_tokens=args.first_new,
                  new_tokens=args.new, one_question=one)
     write_json(args.out, out)
     print(f"document {len(doc)} tokens ({source}), {args.questions} questions, best of {args.repeats}; "
           f"load {load_before:.2f} before, {load_after:.2f} after")
     print(f"one question alone: {one['prompt_bytes'] / 2**20:.1f} MB, {one['blocks']} blocks")
-    print_arms(arms, ratios, "copied", [("prompt_bytes", "prompt MB", 2**20, ".1f"),
+    arms_io.print_arms(arms, ratios, "copied", [("prompt_bytes", "prompt MB", 2**20, ".1f"),
                                         ("prompt_bytes_over_one_question", "x one", 1, ".2f"),
                                         ("blocks", "blocks", 1, ".0f"),
                                         ("ttft_s", "TTFT s", 1, ".3f"), ("ttft_median_s", "median s", 1, ".3f")])
