@@ -282,9 +282,9 @@ class HeapKeeper:
         try:
             if self.trim_function is not None:
                 self.trim_function()
-            # free blocks only: the running requests' blocks are not touched; over the budget, every free one
             if reason == "budget" and self.forget_function is not None:
                 self.forget_function()
+            # free blocks only: the running requests' blocks are not touched; over the budget, every free one
             keep = 0 if reason == "budget" else self._hot()
             pool = self.release_function(keep) if self.release_function is not None else 0
         except Exception:

@@ -327,6 +327,10 @@ class DecodeCache(PoolRows):
         """Whether a kept prefix's blocks still hold what its request wrote (none handed out since)."""
         return self.allocator.kept_valid(kept.kept, kept.blocks)
 
+    def kept_ids(self, blocks: list[int]) -> set[int]:
+        """The kept prefixes (allocator ids) that any of `blocks` carries."""
+        return set(self.allocator.kept_by[blocks].tolist()) - {0}
+
     def drop_kept(self, kept: list[KeptPrefix]) -> None:
         """Those kept prefixes end: their free blocks' pages can go back (`take_releasable`)."""
         self.allocator.drop_kept(k.kept for k in kept)

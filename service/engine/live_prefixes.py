@@ -20,8 +20,9 @@ A state about to be freed (its request finished or left) leaves its prefix's blo
 (`retire`, `DecodeCache.keep_prefix`), found by the same keys: the blocks are free, and a later request that
 starts with the prefix shares them (`DecodeCache.allocate(..., kept=)`) for as long as none of them was handed
 out again, so a second question about a document restores only what lies past them instead of copying the
-whole document (vLLM keeps a freed block's contents the same way). Kept prefixes hold at most `limit()`
-blocks (the oldest used end first), and end when their blocks are handed out or at `drop_kept`."""
+whole document (vLLM keeps a freed block's contents the same way). Each time a state is retired, the kept
+prefixes are cut to `limit()` blocks (the oldest used end first); they also end when their blocks are handed
+out, or at `drop_kept`."""
 
 from __future__ import annotations
 
@@ -78,7 +79,7 @@ class LivePrefixes:
         if blocks <= 0:
             self._trim(limit)  # the prefix cache may have let go of what the kept prefixes were for
             return
-        carried = set(self.cache.allocator.kept_by[state.blocks[:blocks]].tolist()) - {0}
+        carried = self.cache.kept_ids(state.blocks[:blocks])
         if any(len(self._kept[c].blocks) >= blocks for c in carried if c in self._kept):
             return  # a kept prefix holds these blocks and more: keeping these would end it
         kept = self.cache.keep_prefix(state, blocks)  # ends the prefixes that carried any of them

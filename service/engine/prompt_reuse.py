@@ -155,11 +155,6 @@ class PromptReuse:
         """Whether a finished causal request leaves its prompt's blocks behind for a later one (LivePrefixes)."""
         return self.live is not None and self.live.limit is not None
 
-    @property
-    def kept_blocks(self) -> int:
-        """Blocks the kept prefixes hold (free, resident, shared by a later request that starts the same)."""
-        return self.live.kept_blocks if self.live is not None else 0
-
     def drop_kept(self) -> None:
         """Every kept prefix ends: their free blocks' pages can go back (the memory budget's trim)."""
         if self.live is not None:

@@ -30,10 +30,14 @@ from .test_shared_prefix import (
 from .test_shared_prefix import _together as together
 
 
-def _kept(engine: Engine) -> list[Any]:
+def _live(engine: Engine) -> Any:
     live = engine.generations.reuse.live
     assert live is not None
-    return list(live._kept.values())
+    return live
+
+
+def _kept(engine: Engine) -> list[Any]:
+    return list(_live(engine)._kept.values())
 
 
 def test_a_later_question_shares_the_blocks_the_first_left_behind(artifact: Any) -> None:
@@ -110,7 +114,7 @@ def test_the_budget_trim_ends_the_kept_prefixes(artifact: Any) -> None:
         with engine._cond:  # the worker waits for work under this lock: the trim runs between its turns
             assert engine.memory.forget_function is not None
             engine.memory.forget_function()
-            assert not cache.kept_valid(prefix) and engine.generations.reuse.kept_blocks == 0
+            assert not cache.kept_valid(prefix) and _live(engine).kept_blocks == 0
             assert not cache.allocator.kept_by.any()
     finally:
         engine.stop()
