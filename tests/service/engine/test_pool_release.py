@@ -210,12 +210,14 @@ def test_a_kept_documents_blocks_stay_resident_for_the_next_question(artifact: A
     doc = [3 + (i * 7) % 240 for i in range(1300)]
     _generate(engine, [doc + [9, 8, 7]], 2)
     cache = engine.runner.cache
+    with engine._cond:
+        wrote = set(cache.allocator.written)  # the request's blocks, written and now free
     kept = engine.prefix_cache.store.longest()
     assert kept == 1280  # the document's last block boundary
     live = engine.generations.reuse.live
     assert live is not None
     (prefix,) = live._kept.values()  # the request's blocks of the document, left behind when it finished
-    assert len(prefix.blocks) == kept // cache.block_size == engine.generations.reuse.kept_blocks
+    assert len(prefix.blocks) == kept // cache.block_size == live.kept_blocks
     # as many free blocks as the kept state, besides the kept prefix: the next document's first read writes them
     assert engine._hot_bytes() == cache.bytes_for(kept)
     deadline = time.monotonic() + 20
@@ -231,6 +233,7 @@ def test_a_kept_documents_blocks_stay_resident_for_the_next_question(artifact: A
         lowest = [b for b in cache.allocator.free_blocks() if b not in carried][:need]
         written = cache.allocator.written
         assert carried <= written and written - carried and written - carried <= set(lowest)
+        assert wrote & set(lowest) <= written  # none of the request's pages among those went back
 
 
 def test_info_says_prefix_hits_are_kept_resident_only_with_a_prefix_cache(artifact: Any) -> None:
